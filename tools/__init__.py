@@ -1,0 +1,1 @@
+"""The `msrl` command-line entry point and its subcommands (thin: parse arguments, call the library)."""
