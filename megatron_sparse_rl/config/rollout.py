@@ -1,0 +1,113 @@
+"""Configuration of the rollout engine (section `rollout`): sampling, sparse KV cache, vLLM engine.
+
+Frozen, keyword-only dataclasses with a docstring under every field; each `__post_init__` rejects a
+bad value with the dotted path of the field, the rule and the value, e.g.
+`ValueError("rollout.sampling.top_p must be in (0, 1] (got 1.5)")`.
+`megatron_sparse_rl.rollout.RolloutEngine` consumes `RolloutConfig`; `kv` is only the schema of the
+sparse-KV policy (the policies live in `megatron_sparse_rl.kv`).
+"""
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+KVPolicy = Literal["none", "rkv", "snapkv", "h2o", "streamingllm"]
+RolloutDtype = Literal["float32", "bfloat16"]
+
+
+def _require(ok: bool, path: str, rule: str, got: object) -> None:
+    if not ok:
+        raise ValueError(f"{path} {rule} (got {got!r})")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SamplingConfig:
+    """How responses are sampled (maps onto vLLM's SamplingParams)."""
+
+    n: int = 4
+    """Samples per prompt (the GRPO group size); each prompt gives n rows sharing one group id."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 = off."""
+    max_tokens: int = 128
+    """Most response tokens per sample (the response may stop earlier at EOS or a stop string)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends when the decoded response contains one (it is not returned)."""
+    seed: int | None = None
+    """Per-request sampling seed (sample i of a batch uses seed + i); None = the engine's RNG stream."""
+
+    def __post_init__(self) -> None:
+        _require(self.n >= 1, "rollout.sampling.n", "must be >= 1", self.n)
+        _require(self.temperature >= 0, "rollout.sampling.temperature", "must be >= 0", self.temperature)
+        _require(0 < self.top_p <= 1, "rollout.sampling.top_p", "must be in (0, 1]", self.top_p)
+        _require(self.top_k == -1 or self.top_k >= 1, "rollout.sampling.top_k", "must be -1 (off) or >= 1",
+                 self.top_k)
+        _require(self.max_tokens >= 1, "rollout.sampling.max_tokens", "must be >= 1", self.max_tokens)
+        _require(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+                 "rollout.sampling.stop", "must be a tuple of non-empty strings", self.stop)
+        _require(self.seed is None or self.seed >= 0, "rollout.sampling.seed", "must be None or >= 0", self.seed)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class KVConfig:
+    """Fixed-budget KV cache compression during rollout (Sparse-RL); "none" keeps the dense cache."""
+
+    policy: KVPolicy = "none"
+    """Which tokens to keep: none (dense), rkv, snapkv, h2o or streamingllm."""
+    budget: int = 1024
+    """KV entries kept per request (per layer and KV head) after a compaction."""
+    window: int = 8
+    """Most recent tokens always kept (and the observation window of score-based policies)."""
+    interval: int = 128
+    """Compact when the stored length reaches budget + interval (amortises the compaction cost)."""
+
+    def __post_init__(self) -> None:
+        _require(self.policy in get_args(KVPolicy), "rollout.kv.policy", f"must be one of {list(get_args(KVPolicy))}",
+                 self.policy)
+        _require(self.window >= 1, "rollout.kv.window", "must be >= 1", self.window)
+        _require(self.interval >= 1, "rollout.kv.interval", "must be >= 1", self.interval)
+        if self.budget < self.window:
+            raise ValueError(f"rollout.kv.budget must be >= window (got {self.budget} < {self.window})")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RolloutConfig:
+    """The vLLM rollout engine: precision, memory, batch limits and what to record."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Default sampling of training rollouts."""
+    kv: KVConfig = field(default_factory=KVConfig)
+    """Sparse KV cache policy."""
+    dtype: RolloutDtype = "float32"
+    """Engine weight/activation dtype (float32 on CPU for exact parity; bfloat16 on GPU)."""
+    kv_cache_gb: int | None = 1
+    """KV cache size in GiB. CPU: exported as VLLM_CPU_KVCACHE_SPACE (an integer GiB); GPU: passed as
+    kv_cache_memory_bytes. None: vLLM sizes it from gpu_memory_utilization."""
+    max_num_seqs: int = 64
+    """Most sequences vLLM runs concurrently in one step."""
+    max_model_len: int = 2048
+    """Longest prompt + response, in tokens."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory vLLM may take (on CPU: of host memory, checked at start-up)."""
+    enforce_eager: bool = True
+    """No torch.compile / CUDA graphs (required on CPU; faster start-up for tests)."""
+    record_sampling_mask: bool = False
+    """Record the token ids kept by top-p/top-k per step (keep-sampling-mask correction); not implemented
+    yet: true raises at engine start."""
+    seed: int = 0
+    """Seed of the engine's random state (model init, sampling when sampling.seed is None)."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in get_args(RolloutDtype), "rollout.dtype", f"must be one of {list(get_args(RolloutDtype))}",
+                 self.dtype)
+        _require(self.kv_cache_gb is None or self.kv_cache_gb >= 1, "rollout.kv_cache_gb", "must be None or >= 1",
+                 self.kv_cache_gb)
+        _require(self.max_num_seqs >= 1, "rollout.max_num_seqs", "must be >= 1", self.max_num_seqs)
+        _require(self.max_model_len >= 2, "rollout.max_model_len", "must be >= 2", self.max_model_len)
+        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]",
+                 self.gpu_memory_utilization)
+        _require(self.seed >= 0, "rollout.seed", "must be >= 0", self.seed)
+        if self.sampling.max_tokens >= self.max_model_len:
+            raise ValueError(f"rollout.sampling.max_tokens must be < rollout.max_model_len "
+                             f"(got {self.sampling.max_tokens} >= {self.max_model_len})")
