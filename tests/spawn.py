@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -34,7 +35,8 @@ def _worker(fn, rank, world_size, port, args, results):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # plain pickle bytes: torch's queue reductions share memory that dies with this process
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -58,7 +60,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
                 raise TimeoutError(f"distributed test did not finish in {timeout} s (ranks done: {sorted(outs)})")
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{out}")
-            outs[rank] = out
+            outs[rank] = pickle.loads(out)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -1,1 +1,31 @@
-"""models."""
+"""Model adapters, one per architecture, looked up by the exact HF `architectures` string."""
+from __future__ import annotations
+
+from megatron_sparse_rl.models.base import GPTAdapter
+from megatron_sparse_rl.models.qwen import Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter
+from megatron_sparse_rl.models.spec import ModelSpec, read_hf_config
+
+ADAPTERS: dict[str, type[GPTAdapter]] = {
+    cls.architecture: cls for cls in (Qwen3MoeAdapter, Qwen3Adapter, Qwen2Adapter)
+}
+
+
+def get_adapter(hf_config: dict) -> GPTAdapter:
+    """The adapter for `hf_config["architectures"][0]`, or a ValueError listing the supported ones."""
+    archs = hf_config.get("architectures") or []
+    if len(archs) != 1:
+        raise ValueError(f"config.json must name exactly one architecture in 'architectures' (got {archs!r}); "
+                         f"supported: {', '.join(sorted(ADAPTERS))}")
+    if archs[0] not in ADAPTERS:
+        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[archs[0]]()
+
+
+def load_spec(model_dir) -> tuple[GPTAdapter, ModelSpec]:
+    """Read config.json at `model_dir` and return (adapter, spec)."""
+    cfg = read_hf_config(model_dir)
+    adapter = get_adapter(cfg)
+    return adapter, adapter.spec_from_hf(cfg)
+
+
+__all__ = ["ADAPTERS", "GPTAdapter", "ModelSpec", "get_adapter", "load_spec"]

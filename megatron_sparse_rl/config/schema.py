@@ -1,0 +1,213 @@
+"""The run configuration: one frozen dataclass per component, composed into `RunConfig`.
+
+Defaults live here; YAML files in configs/ hold overrides only. Each component receives its own
+sub-config (never the root). Cross-component checks live in `validate.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_sparse_rl.config.algorithm import AlgorithmConfig
+from megatron_sparse_rl.config.rollout import RolloutConfig
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TinyModelConfig:
+    """A tiny random Hugging Face model built locally at `model.path` when that directory is missing."""
+
+    arch: Literal["qwen3_moe", "qwen3"] = "qwen3_moe"
+    """Architecture family; `qwen3` (or experts = 0) builds a dense model."""
+    hidden: int = 64
+    """Hidden size."""
+    layers: int = 2
+    """Number of transformer layers."""
+    heads: int = 4
+    """Attention (query) heads."""
+    kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    head_dim: int = 32
+    """Per-head size; must be one vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...)."""
+    experts: int = 4
+    """Routed experts per MoE layer (0 = dense)."""
+    topk: int = 2
+    """Experts chosen per token."""
+    moe_ffn: int = 64
+    """Hidden size of each expert's MLP."""
+    ffn: int = 128
+    """Hidden size of the dense MLP (dense models)."""
+    seed: int = 0
+    """Seed of the random weights."""
+
+    def __post_init__(self):
+        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "moe_ffn", "ffn"):
+            _check(getattr(self, name) > 0, f"model.tiny.{name} must be > 0 (got {getattr(self, name)})")
+        _check(self.experts >= 0, f"model.tiny.experts must be >= 0 (got {self.experts})")
+        _check(self.heads % self.kv_heads == 0,
+               f"model.tiny.heads must be a multiple of model.tiny.kv_heads (got {self.heads} and {self.kv_heads})")
+        if self.experts:
+            _check(1 <= self.topk <= self.experts,
+                   f"model.tiny.topk must be in [1, experts={self.experts}] (got {self.topk})")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelConfig:
+    """Which model to train. Its architecture comes from the HF `config.json` at `path`, never from YAML."""
+
+    path: str = ""
+    """Hugging Face model directory (config.json, safetensors, tokenizer)."""
+    tiny: TinyModelConfig | None = None
+    """If set and `path` does not exist yet, build a tiny random model there first."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the learner (float32 on CPU; bfloat16 with fp32 master weights on GPU)."""
+    recompute_activations: bool = False
+    """Full activation recompute of every transformer layer in the backward pass."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of Megatron's load-balancing auxiliary loss (0 = off)."""
+
+    def __post_init__(self):
+        _check(self.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff must be >= 0 (got {self.moe_aux_loss_coeff})")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ParallelConfig:
+    """Parallel degrees of the learner. Data parallel is what is left: world / (tp * pp)."""
+
+    tp: int = 1
+    """Tensor parallel degree (divides attention heads and KV heads)."""
+    pp: int = 1
+    """Pipeline parallel degree (divides the layer count)."""
+    ep: int = 1
+    """Expert parallel degree (divides the expert count)."""
+    etp: int = 1
+    """Expert tensor parallel degree (1 on CPU: gloo cannot do the uneven all-gather it needs)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Collective backend: auto = nccl with CUDA, gloo without."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "ep", "etp"):
+            _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1 (got {getattr(self, name)})")
+        _check(not self.sequence_parallel or self.tp > 1,
+               f"parallel.sequence_parallel needs parallel.tp > 1 (got tp={self.tp})")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class OptimizerConfig:
+    """Adam(W) through Megatron's distributed optimizer wrapper."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of the decay schedule."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+
+    def __post_init__(self):
+        _check(self.lr > 0, f"learner.optimizer.lr must be > 0 (got {self.lr})")
+        _check(0 <= self.min_lr <= self.lr, f"learner.optimizer.min_lr must be in [0, lr={self.lr}] (got {self.min_lr})")
+        _check(self.warmup_steps >= 0, f"learner.optimizer.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        _check(self.weight_decay >= 0, f"learner.optimizer.weight_decay must be >= 0 (got {self.weight_decay})")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+               f"learner.optimizer.beta1/beta2 must be in [0, 1) (got {self.beta1}, {self.beta2})")
+        _check(self.eps > 0, f"learner.optimizer.eps must be > 0 (got {self.eps})")
+        _check(self.clip_grad >= 0, f"learner.optimizer.clip_grad must be >= 0 (got {self.clip_grad})")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LearnerConfig:
+    """The Megatron-Core learner."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and learning-rate schedule."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward pass on one data-parallel rank."""
+    seed: int = 1234
+    """Seed of weight init (when not loading) and of Megatron's RNG trackers."""
+
+    def __post_init__(self):
+        _check(self.micro_batch_size >= 1, f"learner.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class CheckpointConfig:
+    """Distributed checkpoints of the whole run."""
+
+    dir: str = ""
+    """Where checkpoints go ('' = <logging.dir>/checkpoints)."""
+    save_every: int = 0
+    """Save every N steps (0 = only at the end)."""
+    keep_last: int = 2
+    """How many step checkpoints to keep."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in `dir` if there is one."""
+
+    def __post_init__(self):
+        _check(self.save_every >= 0, f"checkpoint.save_every must be >= 0 (got {self.save_every})")
+        _check(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1 (got {self.keep_last})")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LoggingConfig:
+    """Where metrics, plots and logs go."""
+
+    dir: str = "runs/default"
+    """Run directory (metrics.jsonl, TensorBoard events, plots, checkpoints)."""
+    level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
+    """Log level on rank 0."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files (when tensorboard is installed)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LaunchConfig:
+    """How the job is started (local torchrun or SLURM)."""
+
+    nproc_per_node: int = 1
+    """Processes per node (GPUs per node on a cluster)."""
+    nodes: int = 1
+    """Number of nodes."""
+
+    def __post_init__(self):
+        _check(self.nproc_per_node >= 1, f"launch.nproc_per_node must be >= 1 (got {self.nproc_per_node})")
+        _check(self.nodes >= 1, f"launch.nodes must be >= 1 (got {self.nodes})")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RunConfig:
+    """The whole run: one sub-config per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model and how to build it."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel degrees of the learner."""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """Learner batch sizes, optimizer, seed."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """vLLM rollout engine and sampling."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, policy loss, corrections, KL."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing and resume."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Run directory and logs."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Process layout for launchers."""

@@ -1,0 +1,178 @@
+"""`Learner`: one rank's Megatron-Core model shard with DDP, optimizer and LR schedule.
+
+    learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=100)
+    learner.load_hf(model_dir)                        # HF safetensors -> local shards
+    out = learner.forward_logprobs(tokens)            # {"logprobs": [B, S-1], "entropy": [B, S-1]}
+    metrics = learner.train_step(tokens, loss_fn)     # micro-batched forward/backward + optimizer step
+
+`tokens` is this data-parallel rank's [B, S] right-padded batch; position t of the outputs scores token
+t + 1. `loss_fn(logprobs, entropy, index) -> (loss, metrics)` receives one micro-batch (rows `index` of the
+rank's batch) and returns a loss that is already normalised by the GLOBAL token/sequence count, so
+micro-batch and data-parallel contributions are summed, never averaged.
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
+from megatron_sparse_rl.learner.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_sparse_rl.learner.model import build_gpt_model
+from megatron_sparse_rl.learner.params import load_full_tensors, local_params
+from megatron_sparse_rl.models.base import GPTAdapter
+from megatron_sparse_rl.models.spec import ModelSpec
+from megatron_sparse_rl.parallel.layout import ParallelGroups, ParallelLayout
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+class Learner:
+    def __init__(self, adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout, groups: ParallelGroups, *,
+                 model_cfg: ModelConfig, cfg: LearnerConfig, total_steps: int = 1, temperature: float = 1.0):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        self.adapter, self.spec, self.layout, self.groups, self.cfg = adapter, spec, layout, groups, cfg
+        self.temperature = temperature
+        model, config = build_gpt_model(
+            adapter, spec, layout, groups, dtype=model_cfg.dtype, seed=cfg.seed,
+            recompute=model_cfg.recompute_activations, aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
+            calculate_per_token_loss=True,
+        )
+        self.config = config
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=False)
+        self.model = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
+        # Losses arrive globally normalised; the schedule sums micro-batches and finalize_model_grads sums
+        # data-parallel ranks (num_tokens = 0 means "do not rescale").
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.model.no_sync
+        config.grad_sync_func = None
+        self.optimizer, self.scheduler = self._build_optimizer(cfg, model_cfg, total_steps)
+        self.step = 0
+
+    # ---- construction --------------------------------------------------------------------------
+    def _build_optimizer(self, cfg: LearnerConfig, model_cfg: ModelConfig, total_steps: int):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = cfg.optimizer
+        bf16 = model_cfg.dtype == "bfloat16"
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
+            adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad, bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False,
+        )
+        optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        decay_steps = max(total_steps, o.warmup_steps + 1)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=o.schedule,
+            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+        )
+        return optimizer, scheduler
+
+    def load_hf(self, model_dir) -> None:
+        """Load Hugging Face safetensors weights into this rank's shards (every parameter must be covered)."""
+        from megatron_sparse_rl.checkpoint.hf_io import iter_mcore_tensors
+
+        wanted = set(local_params(self.model, self.groups))
+        loaded = load_full_tensors(self.model, self.groups, iter_mcore_tensors(model_dir, self.adapter, self.spec,
+                                                                               wanted=wanted))
+        missing = wanted - loaded
+        if missing:
+            raise ValueError(f"{model_dir}: no weights for {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+        for opt in self._inner_optimizers():
+            if hasattr(opt, "reload_model_params"):
+                opt.reload_model_params()
+
+    def _inner_optimizers(self):
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    # ---- forward -------------------------------------------------------------------------------
+    def _micro_batches(self, tokens: torch.Tensor):
+        mbs = self.cfg.micro_batch_size
+        return [torch.arange(s, min(s + mbs, tokens.shape[0])) for s in range(0, tokens.shape[0], mbs)]
+
+    def _forward(self, model, tokens: torch.Tensor, with_entropy: bool):
+        """Model forward on [b, S] tokens -> (logprobs [b, S-1], entropy [b, S-1] or None)."""
+        device = next(model.parameters()).device
+        tokens = tokens.to(device)
+        inputs = tokens[:, :-1].contiguous()
+        positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
+        logits = model(inputs, positions, None)
+        entropy = vocab_parallel_entropy(logits, self.groups.tp) if with_entropy else None
+        logprobs = vocab_parallel_logprobs(logits, tokens[:, 1:].contiguous(), self.temperature)
+        return logprobs, entropy
+
+    def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batches = self._micro_batches(tokens)
+
+        def forward_step(data_iterator, model):
+            index = next(data_iterator)
+            logprobs, entropy = self._forward(model, tokens[index], with_entropy=True)
+            return logprobs, partial(self._loss_wrapper, loss_fn, entropy, index)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
+            num_microbatches=len(batches), seq_length=tokens.shape[1] - 1,
+            micro_batch_size=self.cfg.micro_batch_size, forward_only=forward_only,
+        )
+
+    @staticmethod
+    def _loss_wrapper(loss_fn, entropy, index, logprobs):
+        zero = torch.zeros((), dtype=torch.int)
+        if loss_fn is None:  # forward-only collection
+            return logprobs.sum() * 0, zero, {"logprobs": logprobs.detach(), "entropy": entropy, "index": index}
+        loss, metrics = loss_fn(logprobs, entropy, index)
+        return loss, zero, {"loss": loss.detach(), **metrics}
+
+    @torch.no_grad()
+    def forward_logprobs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Log-probabilities and entropy of every next token: {"logprobs", "entropy"}: [B, S-1] fp32."""
+        self.model.eval()
+        out = self._run_schedule(tokens, None, forward_only=True)
+        self.model.train()
+        shape = (tokens.shape[0], tokens.shape[1] - 1)
+        result = {k: torch.zeros(shape, dtype=torch.float32) for k in ("logprobs", "entropy")}
+        for item in out:  # empty on all but the last pipeline stage
+            for k in result:
+                result[k][item["index"]] = item[k].float().cpu()
+        if self.layout.pp > 1:
+            last = dist.get_process_group_ranks(self.groups.pp)[-1]
+            for k in result:
+                dist.broadcast(result[k], src=last, group=self.groups.pp)
+        return result
+
+    # ---- training ------------------------------------------------------------------------------
+    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over this rank's batch; returns loss, grad norm, lr and the loss_fn metrics summed
+        over micro-batches (rank-local; reduce across ranks in the caller)."""
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self._run_schedule(tokens, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: gradients were not finite")
+        self.scheduler.step(increment=1)
+        self.step += 1
+        metrics: dict[str, float] = {}
+        for item in out:
+            for k, v in item.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def named_full_parameters(self):
+        """(full name, LocalParam) for every local parameter (see learner/params.py)."""
+        return local_params(self.model, self.groups).items()

@@ -1,0 +1,40 @@
+"""Build a Megatron-Core GPTModel for a Hugging Face architecture at a parallel layout.
+
+The TransformerConfig comes from the model adapter (derived from config.json), never from YAML.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_sparse_rl._optional import has_te
+from megatron_sparse_rl.models.base import GPTAdapter
+from megatron_sparse_rl.models.spec import ModelSpec
+from megatron_sparse_rl.parallel.layout import ParallelGroups, ParallelLayout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_gpt_model(adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout, groups: ParallelGroups, *,
+                    dtype: str = "float32", seed: int = 1234, recompute: bool = False,
+                    aux_loss_coeff: float = 0.0, **config_extra):
+    """Construct this rank's GPTModel shard (random init from `seed`); returns (model, transformer_config)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+
+    config = adapter.transformer_config(
+        spec, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
+        sequence_parallel=layout.sequence_parallel, dtype=DTYPES[dtype], recompute=recompute,
+        aux_loss_coeff=aux_loss_coeff, **config_extra,
+    )
+    use_te = has_te() and torch.cuda.is_available()
+    layer_spec = adapter.layer_spec(config, use_te=use_te)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings, pre_process=groups.pp_rank == 0,
+        post_process=groups.pp_rank == layout.pp - 1, share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope", rotary_base=int(spec.rope_theta),
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model, config

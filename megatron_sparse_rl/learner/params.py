@@ -1,0 +1,126 @@
+"""Map between full (unsharded, HF-adapter-named) Megatron tensors and this rank's local parameter shards.
+
+Local names differ from full names in two ways: pipeline stages number their layers from 0 (the layer's
+`layer_number` attribute is global, 1-based), and expert-parallel ranks number their experts from 0
+(global = ep_rank * local_count + local). Tensor-parallel shards follow each parameter's
+`tensor_model_parallel` / `partition_dim` attributes; a gated (GLU) fc1 is split per half ([gate; up] ->
+[gate_r; up_r] on rank r).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparse_rl.parallel.layout import ParallelGroups
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    full_name: str
+    param: torch.nn.Parameter
+    tp_dim: int | None
+    """Dimension split across the (expert-)tensor-parallel group, None if replicated."""
+    glu: bool
+    expert: bool
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def local_params(model, groups: ParallelGroups) -> dict[str, LocalParam]:
+    """Full name -> LocalParam for every parameter of this rank's model shard."""
+    model = _unwrap(model)
+    layers = {}
+    if hasattr(model, "decoder"):
+        for idx, layer in enumerate(model.decoder.layers):
+            layers[idx] = layer.layer_number - 1
+    local_experts = None
+    out = {}
+    for name, param in model.named_parameters():
+        full = name
+        m = _LAYER.match(name)
+        if m:
+            full = f"decoder.layers.{layers[int(m.group(1))]}." + name[m.end():]
+        e = _EXPERT.search(full)
+        if e:
+            if local_experts is None:
+                local_experts = _count_local_experts(model)
+            glob = groups.ep_rank * local_experts + int(e.group(1))
+            full = full[:e.start()] + f".local_experts.{glob}." + full[e.end():]
+        tp_dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+        out[full] = LocalParam(full, param, tp_dim, glu=name.endswith("linear_fc1.weight"), expert=bool(e))
+    return out
+
+
+def _count_local_experts(model) -> int:
+    for layer in model.decoder.layers:
+        experts = getattr(getattr(layer.mlp, "experts", None), "local_experts", None)
+        if experts is not None:
+            return len(experts)
+    raise RuntimeError("no local experts found in an MoE model")
+
+
+def _tp_coords(lp: LocalParam, groups: ParallelGroups) -> tuple[int, int, object]:
+    group = groups.etp if lp.expert else groups.tp
+    return dist.get_rank(group), dist.get_world_size(group), group
+
+
+def shard_full(lp: LocalParam, full: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """This rank's slice of the full tensor `full` for parameter `lp`."""
+    if lp.tp_dim is None:
+        return full
+    rank, size, _ = _tp_coords(lp, groups)
+    if size == 1:
+        return full
+    if lp.glu:
+        gate, up = torch.chunk(full, 2, dim=lp.tp_dim)
+        return torch.cat([torch.chunk(gate, size, lp.tp_dim)[rank], torch.chunk(up, size, lp.tp_dim)[rank]],
+                         dim=lp.tp_dim)
+    return torch.chunk(full, size, dim=lp.tp_dim)[rank]
+
+
+def gather_full(lp: LocalParam, groups: ParallelGroups) -> torch.Tensor:
+    """The full tensor of `lp` gathered over its tensor-parallel group (a collective on that group)."""
+    local = lp.param.detach()
+    if lp.tp_dim is None:
+        return local
+    rank, size, group = _tp_coords(lp, groups)
+    if size == 1:
+        return local
+    pieces = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    if lp.glu:
+        halves = [torch.chunk(p, 2, dim=lp.tp_dim) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=lp.tp_dim)
+    return torch.cat(pieces, dim=lp.tp_dim)
+
+
+@torch.no_grad()
+def load_full_tensors(model, groups: ParallelGroups, full_tensors) -> set[str]:
+    """Copy full tensors (an iterable of (full_name, tensor)) into the local shards they cover.
+
+    Returns the set of full names that were loaded on this rank; names this rank does not hold are skipped.
+    Shape mismatches raise naming the parameter.
+    """
+    params = local_params(model, groups)
+    loaded = set()
+    for name, full in full_tensors:
+        lp = params.get(name)
+        if lp is None:
+            continue
+        piece = shard_full(lp, full, groups)
+        if tuple(piece.shape) != tuple(lp.param.shape):
+            raise ValueError(f"{name}: shape {tuple(piece.shape)} (from full {tuple(full.shape)}) does not match "
+                             f"the local parameter {tuple(lp.param.shape)}")
+        lp.param.copy_(piece.to(lp.param.dtype))
+        loaded.add(name)
+    return loaded

@@ -1,0 +1,114 @@
+"""The model adapter interface and the shared GPT-family implementation.
+
+An adapter turns a Hugging Face `config.json` into a `ModelSpec`, a Megatron-Core `TransformerConfig` and
+layer spec, and the HF <-> Megatron tensor name map. Adapters are looked up by the exact HF
+`architectures` string (see `models/__init__.py`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_sparse_rl.models.spec import ModelSpec
+from megatron_sparse_rl.models.tensor_map import TensorMap
+
+
+class GPTAdapter:
+    """Decoder-only RoPE transformer with RMSNorm and SwiGLU MLPs, optionally routed-expert MoE layers.
+
+    Subclasses implement `spec_from_hf` and the HF name prefixes; the Megatron side is shared.
+    """
+
+    architecture: str = ""
+    hf_layer = "model.layers.{i}"
+    hf_experts = "mlp.experts.{e}"
+    hf_router = "mlp.gate.weight"
+    hf_expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    def spec_from_hf(self, cfg: dict) -> ModelSpec:
+        raise NotImplementedError
+
+    # ---- Megatron side -------------------------------------------------------------------------
+    def transformer_config(self, spec: ModelSpec, *, tp: int, pp: int, ep: int, etp: int,
+                           sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                           recompute: bool = False, aux_loss_coeff: float = 0.0, **extra: Any):
+        from megatron.core.transformer import TransformerConfig
+
+        kwargs: dict[str, Any] = dict(
+            num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
+            num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
+            normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, qk_layernorm=spec.qk_norm,
+            gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+            add_qkv_bias=spec.qkv_bias, attention_dropout=0.0, hidden_dropout=0.0,
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
+            params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=not torch.cuda.is_available(),
+            bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+            bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+            pipeline_dtype=dtype,
+        )
+        if recompute:
+            kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if spec.is_moe:
+            kwargs.update(
+                num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
+                moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_token_dispatcher_type="alltoall",
+                moe_grouped_gemm=False, moe_router_score_function="softmax",
+                # top-k of logits then softmax over the k == softmax, top-k, renormalise (norm_topk_prob)
+                moe_router_pre_softmax=not spec.norm_topk_prob,
+                moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+                moe_aux_loss_coeff=aux_loss_coeff, moe_layer_freq=[int(m) for m in spec.moe_layers],
+                moe_router_dtype="fp32", moe_permute_fusion=False,
+            )
+            if spec.shared_expert_ffn_hidden_size:
+                kwargs.update(moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size)
+        kwargs.update(extra)
+        return TransformerConfig(**kwargs)
+
+    def layer_spec(self, config, use_te: bool):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+
+    # ---- name map ------------------------------------------------------------------------------
+    def tensor_maps(self, spec: ModelSpec) -> list[TensorMap]:
+        """Every Megatron parameter of the full model with its HF sources, in HF checkpoint order."""
+        maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+        for i in range(spec.num_layers):
+            maps += self._layer_maps(spec, i)
+        maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",)))
+        if not spec.tie_embeddings:
+            maps.append(TensorMap("output_layer.weight", ("lm_head.weight",)))
+        return maps
+
+    def _layer_maps(self, spec: ModelSpec, i: int) -> list[TensorMap]:
+        hf = self.hf_layer.format(i=i)
+        mc = f"decoder.layers.{i}"
+        att = f"{hf}.self_attn"
+        maps = [
+            TensorMap(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
+            TensorMap(f"{mc}.self_attention.linear_qkv.weight",
+                      (f"{att}.q_proj.weight", f"{att}.k_proj.weight", f"{att}.v_proj.weight"), "qkv"),
+            TensorMap(f"{mc}.self_attention.linear_proj.weight", (f"{att}.o_proj.weight",)),
+            TensorMap(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)),
+        ]
+        if spec.qkv_bias:
+            maps.append(TensorMap(f"{mc}.self_attention.linear_qkv.bias",
+                                  (f"{att}.q_proj.bias", f"{att}.k_proj.bias", f"{att}.v_proj.bias"), "qkv"))
+        if spec.qk_norm:
+            maps += [TensorMap(f"{mc}.self_attention.q_layernorm.weight", (f"{att}.q_norm.weight",)),
+                     TensorMap(f"{mc}.self_attention.k_layernorm.weight", (f"{att}.k_norm.weight",))]
+        if spec.moe_layers and spec.moe_layers[i]:
+            maps.append(TensorMap(f"{mc}.mlp.router.weight", (f"{hf}.{self.hf_router}",)))
+            gate, up, down = self.hf_expert_names
+            for e in range(spec.num_experts):
+                ex = f"{hf}.{self.hf_experts.format(e=e)}"
+                me = f"{mc}.mlp.experts.local_experts.{e}"
+                maps += [TensorMap(f"{me}.linear_fc1.weight", (f"{ex}.{gate}.weight", f"{ex}.{up}.weight"), "glu"),
+                         TensorMap(f"{me}.linear_fc2.weight", (f"{ex}.{down}.weight",))]
+        else:
+            maps += [TensorMap(f"{mc}.mlp.linear_fc1.weight",
+                               (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), "glu"),
+                     TensorMap(f"{mc}.mlp.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",))]
+        return maps

@@ -1,0 +1,58 @@
+"""Name/shape maps between Hugging Face tensors and full (unsharded) Megatron-Core parameters.
+
+A `TensorMap` says which HF tensors one Megatron parameter is made of and how they combine:
+- copy: one HF tensor, same layout;
+- qkv: q, k, v projections fused into Megatron's grouped [groups, q_per_group + 2, head_dim, ...] layout;
+- glu: gate and up projections stacked into one fc1 weight ([gate; up]).
+"Full" Megatron names use the GLOBAL layer number (0-based) and GLOBAL expert index; `learner/params.py`
+maps them to a rank's local shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megatron_sparse_rl.models.spec import ModelSpec
+
+Kind = Literal["copy", "qkv", "glu"]
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    mcore: str
+    hf: tuple[str, ...]
+    kind: Kind = "copy"
+
+
+def to_mcore(tm: TensorMap, tensors: list[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+    """Combine the HF tensors of `tm` (in `tm.hf` order) into the full Megatron tensor."""
+    if tm.kind == "copy":
+        return tensors[0]
+    if tm.kind == "glu":
+        return torch.cat(tensors, dim=0)
+    q, k, v = tensors
+    groups, hd = spec.num_kv_heads, spec.head_dim
+    qpg = spec.num_heads // groups
+    tail = q.shape[1:]
+    fused = torch.cat(
+        [q.reshape(groups, qpg, hd, *tail), k.reshape(groups, 1, hd, *tail), v.reshape(groups, 1, hd, *tail)], dim=1
+    )
+    return fused.reshape(groups * (qpg + 2) * hd, *tail)
+
+
+def to_hf(tm: TensorMap, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+    """Split a full Megatron tensor back into the HF tensors of `tm` (in `tm.hf` order)."""
+    if tm.kind == "copy":
+        return [tensor]
+    if tm.kind == "glu":
+        return list(torch.chunk(tensor, 2, dim=0))
+    groups, hd = spec.num_kv_heads, spec.head_dim
+    qpg = spec.num_heads // groups
+    tail = tensor.shape[1:]
+    fused = tensor.reshape(groups, qpg + 2, hd, *tail)
+    q = fused[:, :qpg].reshape(groups * qpg * hd, *tail)
+    k = fused[:, qpg].reshape(groups * hd, *tail)
+    v = fused[:, qpg + 1].reshape(groups * hd, *tail)
+    return [q.contiguous(), k.contiguous(), v.contiguous()]

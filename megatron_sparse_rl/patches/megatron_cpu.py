@@ -1,0 +1,226 @@
+"""CPU shims for Megatron-Core 0.16.1, so that its real GPTModel/MoE/optimizer/dist-checkpointing code runs
+on a machine without CUDA (tests, the demo, development laptops).
+
+Each shim covers one place where Megatron-Core assumes CUDA. `apply()` installs all of them; it checks the
+upstream version it was written for, is idempotent, and is a no-op when CUDA is available. Entry points
+call it explicitly (never at import).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MEGATRON_VERSION = "0.16.1"
+_APPLIED: set[str] = set()
+
+
+def _once(name):
+    def deco(fn):
+        def wrapper():
+            if name in _APPLIED:
+                return
+            fn()
+            _APPLIED.add(name)
+        wrapper.__doc__ = fn.__doc__
+        wrapper.__name__ = fn.__name__
+        return wrapper
+    return deco
+
+
+@_once("current_device")
+def patch_current_device() -> None:
+    """`torch.cuda.current_device()` is used as the device of every parameter, buffer and scratch tensor
+    Megatron creates; without CUDA it raises. Return the CPU device instead."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+class CpuRNGStatesTracker:
+    """Drop-in for Megatron's CudaRNGStatesTracker keeping named CPU generator states.
+
+    Megatron forks named RNG states (data-parallel, tensor-parallel, expert-parallel) around dropout and
+    weight init; its tracker stores CUDA generator states. This one stores CPU states with the same API.
+    """
+
+    def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+        self._current_state_name = "default-rng"
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        orig_name = self._current_state_name
+        if orig_name != "default-rng":
+            self.states_[orig_name] = orig
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if orig_name != "default-rng":
+                orig = self.states_[orig_name]
+            torch.set_rng_state(orig)
+            self._current_state_name = orig_name
+
+
+@_once("rng_tracker")
+def patch_rng_tracker() -> None:
+    """Megatron's RNG tracker stores and forks CUDA generator states (`torch.cuda.get_rng_state`), which
+    fails without CUDA. Swap in a tracker class with the same API over CPU generator states."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _cpu_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+    """CPU body of MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize: the same host conversions of the
+    split sizes, with no CUDA side stream or event (everything already lives on the host)."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        def as_np(t):
+            return t.numpy() if torch.is_tensor(t) else t
+
+        self.input_splits = as_np(self.input_splits)
+        self.output_splits = as_np(self.output_splits)
+        self.output_splits_tp = as_np(self.output_splits_tp)
+    return tokens_per_expert
+
+
+@_once("alltoall_dispatcher")
+def patch_alltoall_dispatcher() -> None:
+    """The alltoall token dispatcher creates a CUDA stream in __init__ and copies split sizes device->host
+    on it. Give it a placeholder stream and a host-only copy step."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu"  # any non-None value skips torch.cuda.Stream()
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
+
+
+@functools.lru_cache(maxsize=16)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+@_once("causal_mask")
+def patch_causal_mask() -> None:
+    """`get_default_causal_mask` builds its mask with a hard-coded `device="cuda"`. Build it on the host."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    utils.get_default_causal_mask = _cpu_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+
+
+@_once("te_general_gemm")
+def patch_te_general_gemm() -> None:
+    """moe_utils references `te_general_gemm` in the router GEMM but only defines it when Transformer Engine
+    imports; without TE the router forward raises NameError. Define it as None (the torch path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class _HostTorch:
+    """Stands in for the `torch` name inside a few Megatron modules: forwards everything to torch, but tensor
+    factories asked for `device="cuda"` get the host device."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+            def factory(*args, **kwargs):
+                dev = kwargs.get("device")
+                if dev is not None and torch.device(dev).type == "cuda":
+                    kwargs["device"] = "cpu"
+                return attr(*args, **kwargs)
+            return factory
+        return attr
+
+
+def _host_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """CPU body of clip_grads.clip_grad_by_total_norm_fp32: scale every grad by max_norm / total_norm when
+    that is below 1 (upstream asserts CUDA tensor types first)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+@_once("optimizer_devices")
+def patch_optimizer_devices() -> None:
+    """The optimizer, grad scaler, clip-grad and grad-buffer modules create scalars with `device='cuda'`
+    literals, and grad clipping asserts `torch.cuda.FloatTensor` grads. Route those factories to the host
+    and use a host clip-by-norm."""
+    from megatron.core.distributed import finalize_model_grads, param_and_grad_buffer
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.optimizer import clip_grads, grad_scaler
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    for module in (moptimizer, clip_grads, grad_scaler, param_and_grad_buffer, schedules, finalize_model_grads):
+        module.torch = _HostTorch()
+    clip_grads.clip_grad_by_total_norm_fp32 = _host_clip_grad_by_total_norm_fp32
+    moptimizer.clip_grad_by_total_norm_fp32 = _host_clip_grad_by_total_norm_fp32
+
+
+def apply() -> None:
+    """Install the shims this machine needs: the Transformer-Engine-absent one when TE is missing, and the
+    CPU ones when CUDA is missing. Idempotent."""
+    import megatron.core
+
+    from megatron_sparse_rl._optional import has_te
+
+    version = megatron.core.__version__
+    if version != MEGATRON_VERSION:
+        raise RuntimeError(
+            f"megatron_sparse_rl's CPU shims were written for megatron-core {MEGATRON_VERSION}, "
+            f"found {version}; install megatron-core=={MEGATRON_VERSION}"
+        )
+    if not has_te():
+        patch_te_general_gemm()
+    if torch.cuda.is_available():
+        return
+    patch_current_device()
+    patch_rng_tracker()
+    patch_alltoall_dispatcher()
+    patch_causal_mask()
+    patch_optimizer_devices()
