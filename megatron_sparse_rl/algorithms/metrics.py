@@ -36,8 +36,8 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         "ppl_rollout": torch.exp(-masked_mean(mu, valid)),
         "chi2": masked_mean(rho * rho, valid) - torch.where(valid.any(), 1.0, 0.0),
         "max_abs_log_rho": masked_max(log_rho.abs(), valid),
-        "nonfinite_tokens": (mask & ~finite).sum().float(),
+        "nonfinite_tokens": (mask & ~finite).sum().to(old.dtype),
     }
     if keep is not None:
-        out["masked_frac"] = masked_mean((mask & ~keep.bool()).float(), mask)
+        out["masked_frac"] = masked_mean((mask & ~keep.bool()).to(old.dtype), mask)
     return {prefix + k: v for k, v in out.items()}
