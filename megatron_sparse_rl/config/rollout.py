@@ -11,6 +11,7 @@ from typing import Literal, get_args
 
 KVPolicy = Literal["none", "rkv", "snapkv", "h2o", "streamingllm"]
 RolloutDtype = Literal["float32", "bfloat16"]
+LogprobsMode = Literal["processed", "raw"]
 
 
 def _require(ok: bool, path: str, rule: str, got: object) -> None:
@@ -95,6 +96,13 @@ class RolloutConfig:
     record_sampling_mask: bool = False
     """Record the token ids kept by top-p/top-k per step (keep-sampling-mask correction); not implemented
     yet: true raises at engine start."""
+    logprobs_mode: LogprobsMode = "processed"
+    """What `rollout_logprobs` measure. processed: the logprob under the distribution actually sampled
+    from (temperature, top-k/top-p applied and renormalised; the behaviour policy of the off-policy
+    corrections). raw: log_softmax of the unmodified logits (temperature 1, no truncation)."""
+    tensor_parallel_size: int = 1
+    """GPU only: tensor-parallel degree of one engine (external_launcher joins the torchrun world). Must be
+    1 on CPU."""
     seed: int = 0
     """Seed of the engine's random state (model init, sampling when sampling.seed is None)."""
 
@@ -107,6 +115,10 @@ class RolloutConfig:
         _require(self.max_model_len >= 2, "rollout.max_model_len", "must be >= 2", self.max_model_len)
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]",
                  self.gpu_memory_utilization)
+        _require(self.logprobs_mode in get_args(LogprobsMode), "rollout.logprobs_mode",
+                 f"must be one of {list(get_args(LogprobsMode))}", self.logprobs_mode)
+        _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1",
+                 self.tensor_parallel_size)
         _require(self.seed >= 0, "rollout.seed", "must be >= 0", self.seed)
         if self.sampling.max_tokens >= self.max_model_len:
             raise ValueError(f"rollout.sampling.max_tokens must be < rollout.max_model_len "

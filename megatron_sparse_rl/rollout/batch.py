@@ -1,0 +1,118 @@
+"""`RolloutBatch`: the typed record one rollout step hands to reward, learner and corrections.
+
+Rows are samples (n per prompt, consecutive, sharing a group id). Sequences are stored right-padded:
+prompt ids [B, P] with `prompt_lens`, response ids [B, R] with a boolean `response_mask`, and the
+sampler's `rollout_logprobs` [B, R] (0 where masked). Names follow DESIGN.md's data contract.
+`sequences()` gives the concatenated prompt + response form a learner forward takes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+
+def pad_rows(rows: list[list[int]] | list[list[float]], pad: float, dtype: torch.dtype) -> torch.Tensor:
+    """Right-pad ragged rows into a [len(rows), max_len] tensor (max_len >= 1 keeps shapes 2-D)."""
+    width = max([len(r) for r in rows] + [1])
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutBatch:
+    """B samples of a rollout step (B = prompts x n). Padded on the right.
+
+    prompt_ids:       int64 [B, P], pad id after `prompt_lens[i]` tokens.
+    prompt_lens:      int64 [B].
+    response_ids:     int64 [B, R], pad id where `response_mask` is false.
+    response_mask:    bool [B, R], true on generated tokens (EOS included when generated).
+    rollout_logprobs: float32 [B, R], logprob of each sampled token under the engine's sampling
+                      distribution (see RolloutConfig.logprobs_mode); 0 where masked.
+    finish_reasons:   per sample "stop" (EOS or stop string), "length" (max_tokens) or "abort".
+    group_ids:        int64 [B]: samples of the same prompt share one id.
+    reward:           float32 [B], filled by the reward stage (None until then).
+    sampling_mask:    top-p/top-k kept ids per step (keep-sampling-mask correction); not recorded yet.
+    routed_experts:   uint8/uint16 [tokens, layers, topk] routes from the engine (R3), or None.
+    kv_keep:          record of the sparse-KV keep decisions (megatron_sparse_rl.kv), or None.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_lens: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    finish_reasons: tuple[str, ...]
+    group_ids: torch.Tensor
+    reward: torch.Tensor | None = None
+    sampling_mask: Any | None = None
+    routed_experts: torch.Tensor | None = None
+    kv_keep: Any | None = None
+
+    def __post_init__(self) -> None:
+        b = self.prompt_ids.shape[0]
+        checks = {
+            "prompt_lens": (self.prompt_lens.shape, (b,)),
+            "response_mask": (self.response_mask.shape, self.response_ids.shape),
+            "rollout_logprobs": (self.rollout_logprobs.shape, self.response_ids.shape),
+            "group_ids": (self.group_ids.shape, (b,)),
+        }
+        for name, (got, want) in checks.items():
+            if tuple(got) != tuple(want):
+                raise ValueError(f"RolloutBatch.{name} must have shape {tuple(want)} (got {tuple(got)})")
+        if self.response_ids.shape[0] != b or len(self.finish_reasons) != b:
+            raise ValueError(f"RolloutBatch rows disagree: prompt_ids {b}, response_ids "
+                             f"{self.response_ids.shape[0]}, finish_reasons {len(self.finish_reasons)}")
+        if self.response_mask.dtype != torch.bool:
+            raise ValueError(f"RolloutBatch.response_mask must be bool (got {self.response_mask.dtype})")
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def response_lens(self) -> torch.Tensor:
+        """int64 [B]: generated tokens per sample."""
+        return self.response_mask.sum(dim=1)
+
+    def responses(self) -> list[list[int]]:
+        """Response token ids per sample, unpadded."""
+        return [row[m].tolist() for row, m in zip(self.response_ids, self.response_mask)]
+
+    def prompts(self) -> list[list[int]]:
+        """Prompt token ids per sample, unpadded."""
+        return [row[:n].tolist() for row, n in zip(self.prompt_ids, self.prompt_lens.tolist())]
+
+    def sequences(self, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prompt + response concatenated, right-padded, for a learner forward.
+
+        Returns (tokens int64 [B, T], attention_mask bool [B, T], response_positions bool [B, T]) where
+        response_positions marks the tokens whose logprob the learner scores (the response tokens).
+        """
+        prompts, responses = self.prompts(), self.responses()
+        seqs = [p + r for p, r in zip(prompts, responses)]
+        tokens = pad_rows(seqs, pad_id, torch.long)
+        lens = torch.tensor([len(s) for s in seqs])
+        pos = torch.arange(tokens.shape[1])[None, :]
+        attention_mask = pos < lens[:, None]
+        response_positions = attention_mask & (pos >= self.prompt_lens[:, None])
+        return tokens, attention_mask, response_positions
+
+    def select(self, index: torch.Tensor | list[int]) -> "RolloutBatch":
+        """A new batch with the rows in `index` (tensors indexed, tuples/lists picked)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        values = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor) and f.name != "routed_experts":
+                values[f.name] = v[idx]
+            elif isinstance(v, tuple):
+                values[f.name] = tuple(v[i] for i in idx.tolist())
+            elif v is None:
+                values[f.name] = None
+            else:
+                raise NotImplementedError(f"RolloutBatch.select cannot subset field {f.name!r} yet")
+        return RolloutBatch(**values)

