@@ -26,7 +26,8 @@ def test_defaults_follow_references():
     assert (c.tis.cap, c.mis.low, c.mis.high, c.geo_rs.low, c.geo_rs.high) == (2.0, 0.5, 2.0, 0.999, 1.001)
     assert (c.veto.threshold, c.icepop.alpha, c.icepop.beta, c.opsm.delta) == (1e-4, 0.5, 5.0, 0.5)
     s = c.sparse_rl
-    assert (s.eps, s.weight_cap, s.log_clamp, s.token_low, s.token_high, s.normalize) == (1e-4, 1.5, 20.0, 0.5, 1.5, True)
+    assert (s.eps, s.weight_cap, s.log_clamp) == (1e-4, 1.5, 20.0)
+    assert (s.token_low, s.token_high, s.normalize) == (0.5, 1.5, True)
     assert c.batch_skip.max_k1 == 0.1
     assert not any(getattr(c, f.name).enabled for f in dataclasses.fields(c))
     assert cfg.kl.coef == 0.0 and cfg.kl.estimator == "k3"
@@ -37,8 +38,9 @@ def test_convention(cls):
     params = cls.__dataclass_params__
     assert params.frozen and hasattr(cls, "__slots__") and all(f.kw_only for f in dataclasses.fields(cls))
     body = ast.parse(inspect.getsource(cls)).body[0].body
-    documented = {node.target.id for node, nxt in zip(body, body[1:]) if isinstance(node, ast.AnnAssign)
-                  and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
+    documented = {node.target.id for node, nxt in zip(body, body[1:])
+                  if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                  and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         assert f.name in documented, f"{cls.__name__}.{f.name} has no docstring"
