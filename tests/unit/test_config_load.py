@@ -1,0 +1,151 @@
+"""Loading run configs: every file in configs/ loads and validates; the strict loader's errors; --set overrides.
+
+    .venv/bin/python -m pytest -q tests/unit/test_config_load.py
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_sparse_rl.config import ConfigError, RunConfig, load_config, to_dict, validate
+from megatron_sparse_rl.config.loader import parse_override
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def _at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # model paths in configs/ are relative to the repository root
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_promised_configs_exist():
+    assert {"tiny_moe.yaml", "tiny_moe_tp2ep2.yaml", "tiny_dense.yaml"} <= {p.name for p in CONFIGS}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_config_loads_and_validates(path):
+    assert path.read_text().startswith("#"), f"{path.name} must open with a comment saying what it is"
+    run = load_config(path)
+    world = run.launch.nodes * run.launch.nproc_per_node
+    # A config naming NCCL is a GPU config: check it as if CUDA were present.
+    cuda = torch.cuda.is_available() or run.parallel.backend == "nccl"
+    validate(run, world, cuda=cuda)
+
+
+def test_tiny_configs_say_what_they_promise():
+    moe, dense = load_config(ROOT / "configs/tiny_moe.yaml"), load_config(ROOT / "configs/tiny_dense.yaml")
+    tp2ep2 = load_config(ROOT / "configs/tiny_moe_tp2ep2.yaml")
+    assert moe.model.path == "runs/tiny_moe/model" and moe.model.tiny.experts > 0
+    assert moe.launch.nodes * moe.launch.nproc_per_node == 1
+    assert dense.model.tiny.experts == 0
+    assert (tp2ep2.parallel.tp, tp2ep2.parallel.ep, tp2ep2.launch.nproc_per_node) == (2, 2, 4)
+
+
+def test_empty_file_gives_the_defaults(tmp_path):
+    assert load_config(_write(tmp_path, "# nothing\n")) == RunConfig()
+
+
+def test_unknown_top_level_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'modle'; did you mean 'model'\?"):
+        load_config(_write(tmp_path, "modle:\n  path: x\n"))
+
+
+def test_unknown_nested_key_names_the_dotted_path(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, "rollout:\n  sampling:\n    temprature: 0.7\n"))
+    assert "unknown key 'rollout.sampling.temprature'" in str(e.value)
+    assert "did you mean 'temperature'" in str(e.value)
+
+
+def test_wrong_type_names_field_type_and_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"learner\.micro_batch_size: expected int, got 'four'"):
+        load_config(_write(tmp_path, "learner:\n  micro_batch_size: four\n"))
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel: expected bool \(true/false\), got 1"):
+        load_config(_write(tmp_path, "parallel:\n  sequence_parallel: 1\n"))
+    with pytest.raises(ConfigError, match=r"model: expected a mapping of ModelConfig fields, got 'x'"):
+        load_config(_write(tmp_path, "model: x\n"))
+
+
+def test_unknown_enum_value_lists_the_choices(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, "algorithm:\n  loss:\n    name: grpoo\n"))
+    msg = str(e.value)
+    assert msg.startswith("algorithm.loss.name: 'grpoo' is not allowed")
+    for choice in ("grpo", "dapo", "dual_clip", "gspo", "gspo_token", "cispo"):
+        assert repr(choice) in msg
+    assert "did you mean 'grpo'" in msg
+
+
+def test_out_of_range_value_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.top_p must be in \(0, 1\] \(got 1\.5\)"):
+        load_config(_write(tmp_path, "rollout:\n  sampling:\n    top_p: 1.5\n"))
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "model: [unclosed\n"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(_write(tmp_path, "- a\n- b\n"))
+
+
+@pytest.mark.parametrize("text, parts, value", [
+    ("a.b=1", ["a", "b"], 1),
+    ("learner.optimizer.lr=3e-5", ["learner", "optimizer", "lr"], "3e-5"),  # YAML 1.1 reads this as a string
+    ("x=true", ["x"], True),
+    ("model.tiny=null", ["model", "tiny"], None),
+    ("s=a=b", ["s"], "a=b"),
+    ("l=[1, 2]", ["l"], [1, 2]),
+    ("e=", ["e"], ""),
+])
+def test_parse_override(text, parts, value):
+    assert parse_override(text) == (parts, value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("noequals", "must look like section.field=value"),
+    ("a..b=1", "empty name in the dotted path"),
+    ("a=[unclosed", "not valid YAML"),
+])
+def test_bad_override(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_override(text)
+
+
+def test_overrides_set_nested_fields_over_the_file(tmp_path):
+    path = _write(tmp_path, "parallel:\n  tp: 2\nrollout:\n  sampling:\n    n: 2\n")
+    run = load_config(path, ["parallel.tp=1", "learner.optimizer.lr=3e-5",
+                             "algorithm.corrections.sparse_rl.enabled=true", "rollout.sampling.stop=['###']"])
+    assert run.parallel.tp == 1
+    assert run.rollout.sampling.n == 2  # untouched by the overrides
+    assert run.learner.optimizer.lr == pytest.approx(3e-5) and isinstance(run.learner.optimizer.lr, float)
+    assert run.algorithm.corrections.sparse_rl.enabled is True
+    assert run.rollout.sampling.stop == ("###",)
+    assert load_config(path, ()).parallel.tp == 2
+
+
+def test_override_errors_name_the_field(tmp_path):
+    path = _write(tmp_path, "model:\n  path: x\n")
+    with pytest.raises(ConfigError, match="'path' is a value, not a section"):
+        load_config(path, ["model.path.x=1"])
+    with pytest.raises(ConfigError, match=r"unknown key 'learner\.optimiser'; did you mean 'optimizer'\?"):
+        load_config(path, ["learner.optimiser.lr=1"])
+    with pytest.raises(ConfigError, match=r"parallel\.tp: expected int, got 'two'"):
+        load_config(path, ["parallel.tp=two"])
+
+
+def test_to_dict_round_trips():
+    run = load_config(ROOT / "configs/tiny_moe_tp2ep2.yaml")
+    from megatron_sparse_rl.config.loader import from_dict
+
+    assert from_dict(RunConfig, to_dict(run)) == run

@@ -1,0 +1,186 @@
+"""Cross-component checks of `validate(run, world_size)`: each bad combination fails with the promised message.
+
+    .venv/bin/python -m pytest -q tests/unit/test_config_validate.py
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_sparse_rl.config import ConfigError, RunConfig, validate
+from megatron_sparse_rl.config.loader import from_dict, merge_overrides
+from megatron_sparse_rl.config.validate import model_spec, tiny_hf_config
+from megatron_sparse_rl.models import load_spec
+
+
+def run_of(*overrides: str, tiny: bool = True) -> RunConfig:
+    """A RunConfig with the tiny MoE (path that does not exist) plus `overrides`."""
+    base = {"model": {"path": "/nonexistent/tiny", "tiny": {}}} if tiny else {}
+    return from_dict(RunConfig, merge_overrides(base, list(overrides)))
+
+
+def test_default_tiny_moe_is_valid_and_spec_comes_from_tiny():
+    spec = validate(run_of(), 1, cuda=False)
+    assert spec.architecture == "Qwen3MoeForCausalLM"
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (2, 64, 4, 2, 32)
+    assert (spec.num_experts, spec.moe_topk, spec.moe_ffn_hidden_size) == (4, 2, 64)
+
+
+def test_world_size_defaults_to_launch_and_must_match_it():
+    run = run_of("launch.nproc_per_node=2")
+    validate(run, cuda=False)
+    validate(run, 2, cuda=False)
+    with pytest.raises(ConfigError, match=r"world size 4 != launch\.nodes \* launch\.nproc_per_node = 1 \* 2 = 2"):
+        validate(run, 4, cuda=False)
+
+
+def test_degrees_must_divide_the_world_size():
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by parallel\.tp \* parallel\.pp = 2 \* 1"):
+        validate(run_of("parallel.tp=2", "parallel.sequence_parallel=true", "launch.nproc_per_node=3"), 3, cuda=False)
+    with pytest.raises(ConfigError, match=r"not divisible by parallel\.ep \* parallel\.etp = 2 \* 1"):
+        validate(run_of("parallel.ep=2", "launch.nproc_per_node=3"), 3, cuda=False)
+
+
+def test_tp_must_divide_the_heads():
+    run = run_of("parallel.tp=4", "parallel.sequence_parallel=true", "launch.nproc_per_node=4")
+    with pytest.raises(ConfigError) as e:
+        validate(run, 4, cuda=False)
+    assert "parallel.tp=4 must divide the KV heads (2)" in str(e.value)
+    assert "attention heads" not in str(e.value)  # 4 heads split fine over tp 4
+    with pytest.raises(ConfigError) as e:
+        validate(run_of("parallel.tp=4", "parallel.sequence_parallel=true", "launch.nproc_per_node=4",
+                        "model.tiny.heads=6"), 4, cuda=False)
+    assert "parallel.tp=4 must divide the attention heads (6)" in str(e.value)
+    validate(run_of("parallel.tp=2", "parallel.sequence_parallel=true", "launch.nproc_per_node=2"), 2, cuda=False)
+
+
+def test_ep_must_divide_the_experts():
+    run = run_of("parallel.ep=3", "launch.nproc_per_node=3")
+    with pytest.raises(ConfigError, match=r"parallel\.ep=3 must divide the expert count \(4\)"):
+        validate(run, 3, cuda=False)
+    validate(run_of("parallel.ep=3", "launch.nproc_per_node=3", "model.tiny.experts=6"), 3, cuda=False)
+
+
+def test_ep_needs_an_moe_model():
+    run = run_of("parallel.ep=2", "launch.nproc_per_node=2", "model.tiny.experts=0")
+    with pytest.raises(ConfigError, match=r"parallel\.ep=2 needs an MoE model"):
+        validate(run, 2, cuda=False)
+
+
+def test_head_dim_must_suit_vllm_cpu_attention_without_cuda():
+    run = run_of("model.tiny.head_dim=48")
+    with pytest.raises(ConfigError) as e:
+        validate(run, 1, cuda=False)
+    assert "model.tiny.head_dim = 48 is not supported by vLLM's CPU attention" in str(e.value)
+    assert "32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512" in str(e.value)
+    assert validate(run, 1, cuda=True).head_dim == 48
+
+
+def test_model_needs_a_path_or_tiny():
+    with pytest.raises(ConfigError, match=r"model\.path is empty and model\.tiny is unset"):
+        validate(run_of(tiny=False), 1, cuda=False)
+
+
+def test_unreachable_model_path_skips_model_checks():
+    assert validate(run_of("model.tiny=null"), 1, cuda=False) is None
+
+
+def test_nccl_needs_cuda():
+    with pytest.raises(ConfigError, match=r"parallel\.backend='nccl' needs CUDA"):
+        validate(run_of("parallel.backend=nccl"), 1, cuda=False)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_advantages_need_several_samples(estimator):
+    run = run_of("rollout.sampling.n=1", f"algorithm.advantage.estimator={estimator}")
+    with pytest.raises(ConfigError, match=rf"rollout\.sampling\.n must be >= 2 for algorithm\.advantage\.estimator="
+                                          rf"'{estimator}'.*\(got 1\)"):
+        validate(run, 1, cuda=False)
+
+
+def test_greedy_sampling_gives_identical_groups():
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.temperature = 0 \(greedy\)"):
+        validate(run_of("rollout.sampling.temperature=0"), 1, cuda=False)
+
+
+def test_keep_sampling_mask_needs_the_recorded_mask():
+    with pytest.raises(ConfigError, match=r"algorithm\.keep_sampling_mask = true needs rollout\.record_sampling_mask"):
+        validate(run_of("algorithm.keep_sampling_mask=true"), 1, cuda=False)
+
+
+def test_sparse_kv_budget_must_be_below_the_context():
+    run = run_of("rollout.kv.policy=snapkv", "rollout.kv.budget=4096", "rollout.max_model_len=2048")
+    with pytest.raises(ConfigError, match=r"rollout\.kv\.budget = 4096 must be < rollout\.max_model_len = 2048"):
+        validate(run, 1, cuda=False)
+    validate(run_of("rollout.kv.policy=snapkv", "rollout.kv.budget=256"), 1, cuda=False)
+
+
+def test_context_must_fit_the_model_positions():
+    with pytest.raises(ConfigError, match=r"rollout\.max_model_len = 4096 exceeds the model's max_position_embeddings"):
+        validate(run_of("rollout.max_model_len=4096"), 1, cuda=False)
+
+
+def test_rollout_tp_is_one_without_cuda():
+    with pytest.raises(ConfigError, match=r"rollout\.tensor_parallel_size must be 1 without CUDA \(got 2\)"):
+        validate(run_of("rollout.tensor_parallel_size=2"), 1, cuda=False)
+
+
+def test_every_problem_is_reported_at_once():
+    run = run_of("model.tiny.head_dim=48", "rollout.sampling.n=1", "launch.nproc_per_node=2")
+    with pytest.raises(ConfigError) as e:
+        validate(run, 1, cuda=False)
+    msg = str(e.value)
+    assert msg.startswith("3 problems:")
+    assert "world size 1 !=" in msg and "head_dim = 48" in msg and "rollout.sampling.n must be >= 2" in msg
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# ---- the tiny spec derived without weights == the spec of a model really built by models/tiny.py ----------
+TINY_CASES = {
+    "moe": {"arch": "qwen3_moe", "hidden": 96, "layers": 3, "heads": 8, "kv_heads": 4, "head_dim": 64,
+            "experts": 6, "topk": 3, "moe_ffn": 48, "ffn": 80, "seed": 1},
+    "dense": {"arch": "qwen3", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 1, "head_dim": 32,
+              "experts": 0, "topk": 2, "moe_ffn": 64, "ffn": 96, "seed": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def built_models(tmp_path_factory):
+    from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: build_tiny_hf_model(root / name, **kw) for name, kw in TINY_CASES.items()}
+
+
+@pytest.mark.parametrize("name", list(TINY_CASES))
+def test_tiny_spec_matches_a_built_model(built_models, name):
+    from safetensors.torch import load_file
+
+    run = run_of(*(f"model.tiny.{k}={v}" for k, v in TINY_CASES[name].items()))
+    derived = model_spec(run)
+    _, built = load_spec(built_models[name])
+    assert derived == built
+    numel = sum(t.numel() for t in load_file(str(built_models[name] / "model.safetensors")).values())
+    assert derived.parameter_count() == numel
+    hf = json.loads((built_models[name] / "config.json").read_text())
+    assert hf["architectures"] == tiny_hf_config(run.model.tiny)["architectures"]
+
+
+def test_config_json_at_model_path_wins_over_tiny(built_models):
+    path = built_models["moe"]
+    spec = validate(run_of(f"model.path={path}"), 1, cuda=False)  # tiny says 4 experts, head_dim 32
+    assert (spec.num_experts, spec.head_dim, spec.num_layers) == (6, 64, 3)
+    with pytest.raises(ConfigError, match=r"parallel\.ep=4 must divide the expert count \(6\)"):
+        validate(run_of(f"model.path={path}", "parallel.ep=4", "launch.nproc_per_node=4"), 4, cuda=False)
+
+
+def test_unreadable_config_json_is_a_config_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match=r"model\.path=.*cannot read the model architecture: unsupported architecture "
+                                          r"'GPT2LMHeadModel'; supported:"):
+        validate(run_of(f"model.path={tmp_path}"), 1, cuda=False)
