@@ -65,12 +65,13 @@ def model_spec(run: RunConfig):
         raise ConfigError("model.path is empty and model.tiny is unset: set model.path to a Hugging Face model "
                           "directory, or set model.tiny (e.g. `model: {tiny: {}}`) to build a tiny random model")
     if _has_config(run):
-        source, where = read_hf_config(model.path), f"model.path={model.path!r}"
+        where = f"model.path={model.path!r}"
     elif model.tiny is not None:
-        source, where = tiny_hf_config(model.tiny), "model.tiny"
+        where = "model.tiny"
     else:
         return None
     try:
+        source = read_hf_config(model.path) if _has_config(run) else tiny_hf_config(model.tiny)
         return get_adapter(source).spec_from_hf(source)
     except (ValueError, NotImplementedError, KeyError) as e:
         raise ConfigError(f"{where}: cannot read the model architecture: {e}") from None
@@ -107,7 +108,7 @@ def _model_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
     if run.rollout.max_model_len > spec.max_position_embeddings:
         problems.append(f"rollout.max_model_len = {run.rollout.max_model_len} exceeds the model's "
                         f"max_position_embeddings ({spec.max_position_embeddings})")
-    rollout_tp = getattr(run.rollout, "tensor_parallel_size", 1)
+    rollout_tp = run.rollout.tensor_parallel_size
     if spec.num_kv_heads % rollout_tp or spec.num_heads % rollout_tp:
         problems.append(f"rollout.tensor_parallel_size = {rollout_tp} must divide the attention heads "
                         f"({spec.num_heads}) and KV heads ({spec.num_kv_heads})")
@@ -131,7 +132,7 @@ def _rollout_algorithm_problems(run: RunConfig, cuda: bool) -> list[str]:
     if kv.policy != "none" and kv.budget >= run.rollout.max_model_len:
         problems.append(f"rollout.kv.budget = {kv.budget} must be < rollout.max_model_len = "
                         f"{run.rollout.max_model_len}, or rollout.kv.policy={kv.policy!r} never compresses")
-    rollout_tp = getattr(run.rollout, "tensor_parallel_size", 1)
+    rollout_tp = run.rollout.tensor_parallel_size
     if not cuda and rollout_tp != 1:
         problems.append(f"rollout.tensor_parallel_size must be 1 without CUDA (got {rollout_tp})")
     return problems

@@ -184,3 +184,9 @@ def test_unreadable_config_json_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.path=.*cannot read the model architecture: unsupported architecture "
                                           r"'GPT2LMHeadModel'; supported:"):
         validate(run_of(f"model.path={tmp_path}"), 1, cuda=False)
+
+
+def test_broken_config_json_is_a_config_error(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"model\.path=.*cannot read the model architecture: .*not valid JSON"):
+        validate(run_of(f"model.path={tmp_path}"), 1, cuda=False)
