@@ -2,7 +2,9 @@
 
 CPU (tests, demo): vLLM V1 without its engine-core subprocess (VLLM_ENABLE_V1_MULTIPROCESSING=0), the
 "uni" executor, eager mode; the worker and its model live in this process, so weights are updated by
-reference (`load_weights`) and the model is reachable through `apply_model`.
+reference (`load_weights`) and the model is reachable through `apply_model`. Each rank of a gloo world
+may own one engine. If no torch.distributed world exists, vLLM creates one of size 1 (gloo) and
+`shutdown` destroys it: start a learner's world BEFORE the engine, never after.
 GPU: the same, except that inside a torchrun world of more than one rank the engine joins that world
 through vLLM's "external_launcher" backend (see `_executor_backend`; not exercised on the CPU machine).
 
@@ -15,6 +17,7 @@ print(e.generate([[1, 5, 6, 14]], SamplingConfig(n=2, max_tokens=8)))"
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import tempfile
@@ -32,19 +35,21 @@ logger = logging.getLogger(__name__)
 
 
 def _executor_backend(cfg: RolloutConfig, on_gpu: bool) -> str:
-    """"uni" for a single process; "external_launcher" to join a torchrun world of several GPU ranks."""
+    """The vLLM executor for this process.
+
+    CPU: always "uni" (one engine per process, TP 1). Inside an initialised torch.distributed world
+    (colocated learner ranks) vLLM adopts that WORLD group but builds TP/PP/DP groups of 1, so every
+    rank runs its own engine with no collectives (measured: 2 gloo ranks, uneven workloads, no hang).
+    GPU: "external_launcher" in a world of more than one rank (vLLM joins the torchrun world; TP groups
+    of `tensor_parallel_size`), else "uni". Not exercised on the CPU machine.
+    """
+    if not on_gpu:
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError(f"rollout.tensor_parallel_size must be 1 on CPU (got {cfg.tensor_parallel_size})")
+        return "uni"
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if on_gpu:
-        return "external_launcher" if world > 1 else "uni"
-    if cfg.tensor_parallel_size != 1:
-        raise ValueError(f"rollout.tensor_parallel_size must be 1 on CPU (got {cfg.tensor_parallel_size})")
-    if world > 1:
-        # vLLM's "uni" executor reuses an initialised torch.distributed WORLD as its own world of 1.
-        raise NotImplementedError(
-            f"RolloutEngine on CPU inside an initialised torch.distributed world of {world} ranks is not "
-            "supported yet (vLLM's uni executor would take over the WORLD group)")
-    return "uni"
+    return "external_launcher" if world > 1 else "uni"
 
 
 def _set_vllm_env(cfg: RolloutConfig, cache_dir: str | Path | None, on_gpu: bool) -> None:
@@ -73,6 +78,23 @@ def _keep_torch_threading():
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
+
+
+@contextlib.contextmanager
+def _keep_default_process_group():
+    """Make `torch.distributed.destroy_process_group()` (no group: the default one) a no-op meanwhile;
+    vLLM's own subgroups are still destroyed."""
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_subgroups_only(group=None):
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_subgroups_only
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
 
 
 def _reject_unimplemented(cfg: RolloutConfig) -> None:
@@ -212,21 +234,19 @@ class RolloutEngine:
         self._llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the engine and free its model and KV cache (vLLM's sleep mode is a no-op on CPU)."""
+        """Stop the engine and free its model and KV cache (vLLM's sleep mode is a no-op on CPU).
+
+        vLLM's EngineCore.shutdown tears down distributed state with `cleanup_dist_env_and_memory`,
+        which destroys torch.distributed's DEFAULT process group: kept alive when the world was not
+        created by this engine (a learner's world).
+        """
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is None:
             return
-        llm.llm_engine.engine_core.shutdown()
+        guard = contextlib.nullcontext() if self._owns_dist else _keep_default_process_group()
+        with guard:
+            llm.llm_engine.engine_core.shutdown()
         del llm
-        import gc
-
-        from vllm import envs
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        destroy_model_parallel()
-        if self._owns_dist:
-            destroy_distributed_environment()
-        envs.disable_envs_cache()  # vLLM froze its env reads at start-up; a next engine may differ
         gc.collect()
 
     def __enter__(self) -> "RolloutEngine":

@@ -147,3 +147,9 @@ def test_load_weights_gives_the_new_model(setup):
     assert diff < ATOL
     engine.load_weights(load_file(base / "model.safetensors").items())  # and back
     assert max_diff(engine.prompt_logprobs(SEQS), ref_base) < ATOL
+
+
+def test_apply_model_reaches_the_in_process_model(setup):
+    arch, engine, _, _ = setup
+    name = engine.apply_model(lambda model: type(model).__name__)
+    assert name == {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
