@@ -213,8 +213,9 @@ class RolloutEngine:
             raise ValueError("prompt_token_ids must hold at least one prompt")
         for i, p in enumerate(prompts):
             if len(p) == 0 or len(p) + max_tokens > self.cfg.max_model_len:
-                raise ValueError(f"prompt {i}: length {len(p)} + max_tokens {max_tokens} must be in "
-                                 f"[1 + max_tokens, rollout.max_model_len={self.cfg.max_model_len}]")
+                raise ValueError(f"prompt {i}: needs 1 <= length and length + max_tokens <= rollout.max_model_len "
+                                 f"(got length {len(p)}, max_tokens {max_tokens}, max_model_len "
+                                 f"{self.cfg.max_model_len})")
 
     # ---- weights and model access ----------------------------------------------------------------
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:

@@ -153,3 +153,9 @@ def test_apply_model_reaches_the_in_process_model(setup):
     arch, engine, _, _ = setup
     name = engine.apply_model(lambda model: type(model).__name__)
     assert name == {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+
+
+def test_too_long_prompt_is_rejected_before_vllm(setup):
+    _, engine, _, _ = setup
+    with pytest.raises(ValueError, match=r"prompt 1: needs 1 <= length and length \+ max_tokens <= rollout.max_model_len"):
+        engine.generate([[1, 5], [1] * 250], SamplingConfig(n=1, max_tokens=10))
