@@ -104,11 +104,16 @@ class Learner:
         """Model forward on [b, S] tokens -> (logprobs [b, S-1], entropy [b, S-1] or None)."""
         device = next(model.parameters()).device
         tokens = tokens.to(device)
+        length = tokens.shape[1] - 1
+        if self.layout.sequence_parallel and length % self.layout.tp:
+            # sequence parallelism splits the sequence over TP ranks; right padding changes no earlier token
+            pad = self.layout.tp - length % self.layout.tp
+            tokens = torch.nn.functional.pad(tokens, (0, pad))
         inputs = tokens[:, :-1].contiguous()
         positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
-        logits = model(inputs, positions, None)
+        logits = model(inputs, positions, None)[:, :length]
         entropy = vocab_parallel_entropy(logits, self.groups.tp) if with_entropy else None
-        logprobs = vocab_parallel_logprobs(logits, tokens[:, 1:].contiguous(), self.temperature)
+        logprobs = vocab_parallel_logprobs(logits, tokens[:, 1:length + 1].contiguous(), self.temperature)
         return logprobs, entropy
 
     def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool):

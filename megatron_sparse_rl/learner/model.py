@@ -35,6 +35,24 @@ def build_gpt_model(adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout
         post_process=groups.pp_rank == layout.pp - 1, share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope", rotary_base=int(spec.rope_theta),
     )
+    _mark_expert_params(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model, config
+
+
+def _mark_expert_params(model) -> None:
+    """Route routed-expert gradients through the expert-data-parallel group.
+
+    Megatron-Core marks expert weights `allreduce=False` (-> expert-DP reduction) only when EP > 1; with
+    EP = 1 they are reduced over the dense DP group. That is right only when expert TP equals TP: with
+    TP > 1 and expert TP = 1 (the CPU layout) each TP rank holds a full replica of every expert and sees
+    different tokens, so their grads must be summed over the expert-DP group, which includes the TP ranks.
+    The expert-DP group is correct in every layout, so mark them always.
+    """
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
+
+    for module in model.modules():
+        if isinstance(module, (SequentialMLP, GroupedMLP, TEGroupedMLP)):
+            for param in module.parameters():
+                param.allreduce = False

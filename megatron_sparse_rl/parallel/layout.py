@@ -88,6 +88,9 @@ class ParallelLayout:
                 problems.append(f"parallel.ep={self.ep} must divide the expert count ({spec.num_experts})")
             if spec.moe_ffn_hidden_size % self.etp:
                 problems.append(f"parallel.etp={self.etp} must divide the expert FFN size ({spec.moe_ffn_hidden_size})")
+            if self.tp > 1 and not self.sequence_parallel:
+                problems.append(f"parallel.sequence_parallel must be true with parallel.tp={self.tp} on an MoE model "
+                                "(Megatron-Core refuses to train MoE under TP without it)")
         elif self.ep > 1:
             problems.append(f"parallel.ep={self.ep} needs an MoE model ({spec.architecture} has no routed experts)")
         has_dense_mlp = not all(spec.moe_layers) if spec.moe_layers else True

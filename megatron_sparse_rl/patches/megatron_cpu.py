@@ -186,6 +186,13 @@ def _host_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_dec
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _host_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Host body of utils.local_multi_tensor_l2_norm (upstream returns its result on `device="cuda"`)."""
+    norms = [torch.linalg.vector_norm(t.float()) for tl in tensor_lists for t in tl]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    return total.reshape(1), None
+
+
 @_once("optimizer_devices")
 def patch_optimizer_devices() -> None:
     """The optimizer, grad scaler, clip-grad and grad-buffer modules create scalars with `device='cuda'`
@@ -199,7 +206,47 @@ def patch_optimizer_devices() -> None:
     for module in (moptimizer, clip_grads, grad_scaler, param_and_grad_buffer, schedules, finalize_model_grads):
         module.torch = _HostTorch()
     clip_grads.clip_grad_by_total_norm_fp32 = _host_clip_grad_by_total_norm_fp32
+    if clip_grads.multi_tensor_applier.__module__ == "megatron.core.utils":  # no TE / apex kernels
+        clip_grads.l2_norm_impl = _host_multi_tensor_l2_norm
     moptimizer.clip_grad_by_total_norm_fp32 = _host_clip_grad_by_total_norm_fp32
+
+
+def _torch_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                    normalization="LayerNorm"):
+    if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
+        raise ValueError("torch norms support neither zero-centered gamma, persist_layer_norm nor "
+                         "memory_efficient_layer_norm")
+    norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
+    if norm_cls is None:
+        raise ValueError(f"normalization {config.normalization!r} is not supported by torch norms")
+    norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+    for p in norm.parameters():
+        # finalize_model_grads all-reduces these over the TP group: each rank saw a different sequence chunk
+        p.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+@_once("torch_norm_sequence_parallel")
+def patch_torch_norm_sequence_parallel() -> None:
+    """Without Apex/TE, Megatron's `WrappedTorchNorm` refuses sequence parallelism, which Megatron requires
+    for MoE training under TP. A norm needs nothing special under SP except marking its weights so their
+    grads are all-reduced across the TP group; build the same torch norm and mark them."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    WrappedTorchNorm.__new__ = _torch_norm_new
+
+
+@_once("dist_checkpointing")
+def patch_dist_checkpointing() -> None:
+    """dist_checkpointing calls `torch.cuda.synchronize()` before writing and builds exchange/verification
+    buffers with `device="cuda"`. Without CUDA there is nothing to synchronise: make it a no-op, and route
+    those buffers to the host."""
+    from megatron.core.dist_checkpointing import exchange_utils
+    from megatron.core.dist_checkpointing.strategies import async_utils, state_dict_saver
+
+    torch.cuda.synchronize = lambda device=None: None
+    for module in (exchange_utils, async_utils, state_dict_saver):
+        module.torch = _HostTorch()
 
 
 def apply() -> None:
@@ -217,6 +264,7 @@ def apply() -> None:
         )
     if not has_te():
         patch_te_general_gemm()
+        patch_torch_norm_sequence_parallel()
     if torch.cuda.is_available():
         return
     patch_current_device()
@@ -224,3 +272,4 @@ def apply() -> None:
     patch_alltoall_dispatcher()
     patch_causal_mask()
     patch_optimizer_devices()
+    patch_dist_checkpointing()

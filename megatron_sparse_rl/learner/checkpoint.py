@@ -1,0 +1,100 @@
+"""Distributed checkpoints of a Learner: model + optimizer (torch_dist, any layout reloads at any layout),
+LR schedule, step, per-rank RNG states and caller-provided extra state. Atomic: written to a temporary
+directory beside the target, renamed into place once every rank has finished.
+
+    save_learner(learner, "runs/x/checkpoints/step_000010", extra={"data_position": 640})
+    extra = load_learner(learner, "runs/x/checkpoints/step_000010")
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+COMMON = "common_state.pt"
+DONE = "COMPLETE"
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(learner, is_loading: bool, with_optimizer: bool) -> dict:
+    model_sd = learner.model.module.sharded_state_dict()
+    state = {"model": model_sd}
+    if with_optimizer:  # Adam moments exist only after the first step
+        state["optimizer"] = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return state
+
+
+def save_learner(learner, path: str | Path, extra: dict | None = None) -> Path:
+    """Save everything needed to resume; returns the final path. Refuses to overwrite an existing one."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        if path.exists():
+            raise FileExistsError(f"checkpoint {str(path)!r} already exists")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(learner, is_loading=False, with_optimizer=learner.step > 0), str(tmp))
+    torch.save(_rng_state(), tmp / f"rng_rank{rank:05d}.pt")
+    if rank == 0:
+        torch.save({"step": learner.step, "scheduler": learner.scheduler.state_dict(), "extra": extra or {},
+                    "world_size": dist.get_world_size()}, tmp / COMMON)
+    dist.barrier()
+    if rank == 0:
+        (tmp / DONE).write_text("ok\n")
+        os.replace(tmp, path)
+    dist.barrier()
+    log.info("saved checkpoint %s (step %d)", path, learner.step)
+    return path
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / DONE).is_file()
+
+
+def load_learner(learner, path: str | Path, *, load_optimizer: bool = True, load_rng: bool = True) -> dict:
+    """Load a checkpoint saved at any parallel layout into `learner`; returns the saved extra state."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {DONE} marker)")
+    common = torch.load(path / COMMON, weights_only=False)
+    with_optimizer = load_optimizer and common["step"] > 0
+    state = dist_checkpointing.load(_sharded_state(learner, True, with_optimizer), str(path))
+    learner.model.module.load_state_dict(state["model"])
+    if with_optimizer:
+        learner.optimizer.load_state_dict(state["optimizer"])
+    learner.step = common["step"]
+    learner.scheduler.load_state_dict(common["scheduler"])
+    rng_file = path / f"rng_rank{dist.get_rank():05d}.pt"
+    if load_rng and rng_file.is_file() and common.get("world_size") == dist.get_world_size():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    log.info("loaded checkpoint %s (step %d)", path, learner.step)
+    return common["extra"]
