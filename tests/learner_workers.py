@@ -86,3 +86,27 @@ def step_then_logprobs_worker(rank, world_size, model_dir, tokens, tp, ep, steps
 
     params = {name: gather_full(lp, learner.groups).clone() for name, lp in learner.named_full_parameters()}
     return learner.forward_logprobs(tokens)["logprobs"], params
+
+
+def resume_worker(rank, world_size, model_dir, tokens, tp, ep, ckpt, mode):
+    """mode 'straight': 3 SFT steps, saving a checkpoint after 2; mode 'resume': load it and take step 3.
+    Returns the per-step losses this process computed."""
+    from megatron_sparse_rl.learner.checkpoint import load_learner, save_learner
+    from megatron_sparse_rl.learner.sft import make_sft_loss
+
+    learner = make_learner(world_size, model_dir, tp=tp, ep=ep, lr=1e-2, load=mode == "straight")
+    rows = torch.arange(tokens.shape[0]).chunk(learner.layout.dp)[learner.groups.dp_rank]
+    mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+    steps = range(3)
+    if mode == "resume":
+        load_learner(learner, ckpt)
+        steps = range(learner.step, 3)
+    losses = []
+    for step in steps:
+        if mode == "straight" and step == 2:
+            save_learner(learner, ckpt)
+        m = learner.train_step(tokens[rows], make_sft_loss(mask[rows], mask.sum().item()))
+        loss = torch.tensor(m["loss"])
+        torch.distributed.all_reduce(loss, group=learner.groups.dp)
+        losses.append(loss.item())
+    return losses
