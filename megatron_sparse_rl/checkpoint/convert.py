@@ -1,0 +1,307 @@
+"""Checkpoint conversion between Hugging Face safetensors and Megatron-Core torch_dist, verified bit-exact.
+
+Both functions run inside an initialised torch.distributed world (one process is enough for tp=ep=pp=1;
+`launch.py` spawns ranks for the CLI):
+
+    hf_to_mcore("hf/Qwen3-30B-A3B", "ckpt/q30b_tp2ep8", tp=2, ep=8)     # world = a multiple of tp*pp
+    mcore_to_hf("ckpt/q30b_tp2ep8", "hf/q30b_roundtrip")                 # at any layout of this world
+
+hf_to_mcore streams the HF tensors into this rank's shards, saves a model-only Learner checkpoint (step 0,
+loadable with `learner/checkpoint.py:load_learner(..., load_optimizer=False)`) and writes a manifest with the
+sha256 of every HF tensor plus the HF side files (config, tokenizer) under `<out>/hf/`. mcore_to_hf loads that
+checkpoint at the current layout, gathers full tensors to rank 0, writes safetensors shards, re-reads them and
+compares every tensor with the manifest, naming the first one that differs. Outputs appear atomically
+(staging directory, then rename); on any error nothing is left behind.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparse_rl.checkpoint import manifest as M
+from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
+from megatron_sparse_rl.checkpoint.hf_writer import ShardedSafetensorsWriter, parse_size
+from megatron_sparse_rl.models import load_spec
+from megatron_sparse_rl.models.tensor_map import to_hf
+
+log = logging.getLogger(__name__)
+
+
+class ConversionError(RuntimeError):
+    """The converted tensors do not match what the manifest recorded."""
+
+
+# ---- small helpers shared by both directions -------------------------------------------------------
+def _staging(out: Path) -> Path:
+    return out.with_name(f".{out.name}.partial")
+
+
+def _clean(out: Path) -> None:
+    """Remove every temporary path a conversion to `out` may have created."""
+    stage = _staging(out)
+    for p in (stage, stage.with_name(f".{stage.name}.tmp"), out.with_name(f".{out.name}.old")):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {str(out)!r} exists and is not a directory")
+
+
+def _on_rank0(fn: Callable[[], object]):
+    """Run `fn` on rank 0 only and raise its error on every rank (so no rank waits in a collective forever)."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+            box[0] = ("err", e)
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "err":
+        raise value
+    return value
+
+
+def _publish(stage: Path, out: Path) -> None:
+    """Move the finished staging directory to `out`, replacing an existing one only after success (rank 0)."""
+    old = out.with_name(f".{out.name}.old")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(stage, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _layout(spec, tp: int, ep: int, pp: int, etp: int):
+    from megatron_sparse_rl.config.schema import ParallelConfig
+    from megatron_sparse_rl.parallel import ParallelLayout
+
+    layout = ParallelLayout.from_config(ParallelConfig(tp=tp, ep=ep, pp=pp, etp=etp, sequence_parallel=tp > 1),
+                                        dist.get_world_size())
+    layout.check_model(spec)
+    return layout
+
+
+def _build_learner(model_dir: Path, layout, dtype: str):
+    from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
+    from megatron_sparse_rl.learner.learner import Learner
+    from megatron_sparse_rl.patches import megatron_cpu
+
+    megatron_cpu.apply()
+    adapter, spec = load_spec(model_dir)
+    groups = layout.initialize()
+    return Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir), dtype=dtype),
+                   cfg=LearnerConfig(micro_batch_size=4), total_steps=1)
+
+
+def _check_hf_files(ckpt: HFCheckpoint) -> None:
+    """Open every shard named by the checkpoint (missing or corrupt files fail here, before any work)."""
+    from safetensors import safe_open
+
+    for file in sorted(set(ckpt.weight_map.values())):
+        path = ckpt.dir / file
+        if not path.is_file():
+            raise FileNotFoundError(f"{ckpt.dir}: shard {file!r} named in the index is missing")
+        try:
+            with safe_open(str(path), "pt") as f:
+                keys = set(f.keys())
+        except Exception as e:  # safetensors has its own error types
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        absent = [n for n, fl in ckpt.weight_map.items() if fl == file and n not in keys]
+        if absent:
+            raise ValueError(f"{path}: index names {len(absent)} tensors the file lacks, e.g. {absent[:3]}")
+
+
+def _hash_hf(ckpt: HFCheckpoint, names: list[str]) -> dict:
+    """name -> manifest entry, the hashing split over ranks (each HF tensor is read by one rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {n: M.tensor_entry(ckpt.get(n)) for n in names[rank::world]}
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    merged = {k: v for part in every for k, v in part.items()}
+    return {n: merged[n] for n in names}
+
+
+# ---- HF -> Megatron --------------------------------------------------------------------------------
+def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1, overwrite: bool = False,
+                verify: bool = False) -> Path:
+    """Convert the HF checkpoint at `hf_dir` into a torch_dist checkpoint at `out_dir` (see module doc)."""
+    from megatron_sparse_rl.learner.checkpoint import save_learner
+
+    hf_dir, out = Path(hf_dir), Path(out_dir).absolute()
+    _check_out(out, overwrite)
+    adapter, spec = load_spec(hf_dir)
+    layout = _layout(spec, tp, ep, pp, etp)
+    ckpt = HFCheckpoint(hf_dir)
+    _check_hf_files(ckpt)
+    maps = adapter.tensor_maps(spec)
+    hf_names = [n for tm in maps for n in tm.hf]
+    missing = [n for n in hf_names if n not in ckpt.weight_map]
+    extra = sorted(set(ckpt.weight_map) - set(hf_names))
+    if missing or extra:
+        raise ValueError(f"{hf_dir}: tensors do not match the {spec.architecture} map: missing {missing[:3]} "
+                         f"({len(missing)}), unmapped {extra[:3]} ({len(extra)})")
+    tensors = _hash_hf(ckpt, hf_names)
+    float_dtypes = {e["dtype"] for e in tensors.values()}
+    param_dtype = "bfloat16" if float_dtypes == {"bfloat16"} else "float32"
+    stage = _staging(out)
+    try:
+        if dist.get_rank() == 0:
+            _clean(out)
+        dist.barrier()
+        learner = _build_learner(hf_dir, layout, param_dtype)
+        learner.load_hf(hf_dir)
+        if verify:
+            from megatron_sparse_rl.checkpoint.verify import check_forward_parity
+
+            check_forward_parity(learner, hf_dir)
+        save_learner(learner, stage)
+        saved = {"tp": tp, "ep": ep, "pp": pp, "etp": etp, "world_size": dist.get_world_size()}
+
+        def finish():
+            files = M.copy_side_files(hf_dir, stage / M.HF_FILES_DIR)
+            M.write_manifest(stage, architecture=spec.architecture, param_dtype=param_dtype, layout=saved,
+                             tensors=tensors, side_files=files)
+            _publish(stage, out)
+
+        _on_rank0(finish)
+    except BaseException:
+        if dist.get_rank() == 0:
+            _clean(out)
+        raise
+    log.info("converted %s -> %s (tp=%d ep=%d pp=%d etp=%d)", hf_dir, out, tp, ep, pp, etp)
+    return out
+
+
+# ---- Megatron -> HF --------------------------------------------------------------------------------
+def _check_torch_dist(mcore: Path) -> None:
+    """A complete torch_dist checkpoint whose every shard file exists (before any expensive work)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_sparse_rl.learner.checkpoint import COMMON, is_complete
+
+    if not mcore.is_dir():
+        raise FileNotFoundError(f"{str(mcore)!r} is not a directory")
+    if not is_complete(mcore) or not (mcore / COMMON).is_file():
+        raise FileNotFoundError(f"{str(mcore)!r} is not a complete Megatron checkpoint (no COMPLETE marker or "
+                                f"{COMMON})")
+    try:
+        meta = FileSystemReader(str(mcore)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a bad checkpoint
+        raise ValueError(f"{mcore}: unreadable torch_dist metadata ({e})") from None
+    files = sorted({s.relative_path for s in (meta.storage_data or {}).values()})
+    absent = [f for f in files if not (mcore / f).is_file()]
+    if absent:
+        raise FileNotFoundError(f"{mcore}: torch_dist shard file(s) missing: {absent[:3]}")
+
+
+def _target_dtypes(manifest: dict | None, hf_cfg: dict, param_dtype: str) -> Callable[[str], torch.dtype]:
+    if manifest is not None:
+        return lambda name: M.DTYPES[manifest["tensors"][name]["dtype"]]
+    default = M.DTYPES.get(str(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or param_dtype), torch.float32)
+    return lambda name: default
+
+
+def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, etp: int = 1,
+                hf_config_dir=None, max_shard_size: str | int = "5GB", overwrite: bool = False,
+                verify: bool = False) -> Path:
+    """Convert the torch_dist checkpoint at `mcore_dir` (loaded at this world's layout tp/ep/pp/etp) to HF
+    safetensors at `out_dir`. Side files come from `<mcore_dir>/hf/` or `hf_config_dir` (for checkpoints saved
+    by training, which have no manifest; their tensors are then checked by read-back only)."""
+    from megatron_sparse_rl.learner.checkpoint import load_learner
+
+    mcore, out = Path(mcore_dir), Path(out_dir).absolute()
+    _check_out(out, overwrite)
+    max_bytes = parse_size(max_shard_size)
+    _check_torch_dist(mcore)
+    manifest = M.read_manifest(mcore)
+    side_dir = Path(hf_config_dir) if hf_config_dir else mcore / M.HF_FILES_DIR
+    if not (side_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{side_dir}: no config.json; checkpoints without a conversion manifest need "
+                                "hf_config_dir (--hf-config) naming the HF config/tokenizer directory")
+    adapter, spec = load_spec(side_dir)
+    if manifest is not None and manifest["architecture"] != spec.architecture:
+        raise ValueError(f"{mcore}: manifest architecture {manifest['architecture']!r} != config.json's "
+                         f"{spec.architecture!r}")
+    hf_cfg = json.loads((side_dir / "config.json").read_text())
+    param_dtype = manifest["param_dtype"] if manifest else ("bfloat16" if hf_cfg.get("dtype") == "bfloat16"
+                                                            else "float32")
+    layout = _layout(spec, tp, ep, pp, etp)
+    stage = _staging(out)
+    try:
+        if dist.get_rank() == 0:
+            _clean(out)
+            stage.mkdir(parents=True)
+        dist.barrier()
+        learner = _build_learner(side_dir, layout, param_dtype)
+        try:
+            load_learner(learner, mcore, load_optimizer=False, load_rng=False)
+        except Exception as e:  # noqa: BLE001 - dist_checkpointing errors are long; keep the cause
+            raise ValueError(f"{mcore}: cannot load the torch_dist checkpoint at tp={tp} ep={ep} pp={pp} "
+                             f"({type(e).__name__}: {e})") from e
+        _write_hf(learner, adapter, spec, stage, max_bytes, _target_dtypes(manifest, hf_cfg, param_dtype), manifest)
+        if verify:
+            from megatron_sparse_rl.checkpoint.verify import check_forward_parity
+
+            _on_rank0(lambda: M.copy_side_files(side_dir, stage))
+            check_forward_parity(learner, stage)
+        _on_rank0(lambda: (M.copy_side_files(side_dir, stage), _publish(stage, out)))
+    except BaseException:
+        if dist.get_rank() == 0:
+            _clean(out)
+        raise
+    log.info("converted %s -> %s", mcore, out)
+    return out
+
+
+def _write_hf(learner, adapter, spec, stage: Path, max_bytes: int, target_dtype, manifest: dict | None) -> None:
+    """Gather, split into HF tensors, write and check them (rank 0); every rank takes part in the gathers."""
+    from megatron_sparse_rl.checkpoint.gather import iter_full_tensors
+
+    maps = {tm.mcore: tm for tm in adapter.tensor_maps(spec)}
+    writer = ShardedSafetensorsWriter(stage, max_bytes) if dist.get_rank() == 0 else None
+    digests: dict[str, str] = {}
+    first_bad: list[str] = []
+    for name, full in iter_full_tensors(learner.model, learner.groups, list(maps)):
+        # keep consuming on a mismatch: the other ranks are still sending
+        for hf_name, t in zip(maps[name].hf, to_hf(maps[name], full, spec)):
+            t = t.to(target_dtype(hf_name)).contiguous()
+            digests[hf_name] = M.tensor_digest(t)
+            if manifest is not None and not first_bad:
+                want = manifest["tensors"].get(hf_name)
+                got = {"shape": list(t.shape), "dtype": M.dtype_name(t.dtype), "sha256": digests[hf_name]}
+                if want != got:
+                    first_bad.append(_describe(hf_name, want, got))
+            if not first_bad:
+                writer.add(hf_name, t)
+
+    def finish():
+        if first_bad:
+            raise ConversionError(f"converted tensor differs from the manifest: {first_bad[0]}")
+        if manifest is not None and set(manifest["tensors"]) != set(digests):
+            raise ConversionError(f"manifest names {sorted(set(manifest['tensors']) ^ set(digests))[:3]} "
+                                  "differ from the converted tensors")
+        on_disk = writer.finish()
+        for n, d in digests.items():
+            if on_disk.get(n) != d:
+                raise ConversionError(f"{n}: the tensor read back from disk differs from the one written")
+
+    _on_rank0(finish)
+
+
+def _describe(name: str, want: dict | None, got: dict) -> str:
+    if want is None:
+        return f"{name}: not in the manifest"
+    for key in ("shape", "dtype", "sha256"):
+        if want[key] != got[key]:
+            return f"{name}: {key} {got[key]} != manifest {want[key]}"
+    return name
