@@ -1,0 +1,70 @@
+"""`msrl convert`: checkpoint conversion between Hugging Face safetensors and Megatron-Core torch_dist.
+
+    msrl convert hf-to-mcore --hf DIR --out DIR --tp 2 --ep 2 [--pp N] [--etp N] [--overwrite] [--verify]
+    msrl convert mcore-to-hf --mcore DIR --out DIR [--tp N --ep N ...] [--hf-config DIR] [--max-shard-size 5GB]
+
+Under torchrun/srun (WORLD_SIZE set) every rank runs the conversion in the launcher's world. Without a
+launcher the command spawns the smallest world the layout needs (pp * lcm(tp, ep * etp) local processes).
+See docs/conversion.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+    h2m = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron torch_dist (+ manifest)")
+    h2m.add_argument("--hf", required=True, help="HF model directory (config.json, safetensors, tokenizer)")
+    m2h = sub.add_parser("mcore-to-hf", help="Megatron torch_dist -> HF safetensors, checked against the manifest")
+    m2h.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
+    m2h.add_argument("--hf-config", default=None,
+                     help="HF config/tokenizer directory (needed for checkpoints saved by training, which have "
+                          "no conversion manifest)")
+    m2h.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    for p in (h2m, m2h):
+        p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+        p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (default 1)")
+        p.add_argument("--ep", type=int, default=1, help="expert parallel degree (default 1)")
+        p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (default 1)")
+        p.add_argument("--etp", type=int, default=1, help="expert tensor parallel degree (default 1)")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing --out (after success)")
+        p.add_argument("--verify", action="store_true",
+                       help="also compare a forward pass (HF transformers vs Megatron) on a few tokens")
+
+
+def convert(args: argparse.Namespace) -> None:
+    """Run the conversion on this rank (the process group is initialised)."""
+    from megatron_sparse_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
+
+    layout = dict(tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp)
+    if args.direction == "hf-to-mcore":
+        hf_to_mcore(args.hf, args.out, overwrite=args.overwrite, verify=args.verify, **layout)
+    else:
+        mcore_to_hf(args.mcore, args.out, hf_config_dir=args.hf_config, max_shard_size=args.max_shard_size,
+                    overwrite=args.overwrite, verify=args.verify, **layout)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_sparse_rl.checkpoint import launch
+
+    for name in ("tp", "ep", "pp", "etp"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name} must be >= 1 (got {getattr(args, name)})", file=sys.stderr)
+            return 2
+    if "WORLD_SIZE" in os.environ:
+        launch.init_from_env()
+        try:
+            convert(args)
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        return 0
+    errors = launch.run_local(convert, launch.min_world_size(args.tp, args.ep, args.pp, args.etp), args=(args,))
+    if errors:
+        print(f"error: {errors[0]}", file=sys.stderr)
+        return 2
+    print(f"converted -> {args.out}")
+    return 0
