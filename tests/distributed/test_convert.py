@@ -151,3 +151,14 @@ def test_bad_inputs_fail_clearly_and_leave_nothing(converted, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "replace"]
     assert [p.name for p in (tmp_path / "exists").iterdir()] == ["keep.txt"]
     _assert_identical(hf, tmp_path / "replace")
+
+
+def test_cli_mcore_to_hf_and_existing_out(converted, tmp_path, capsys):
+    from tools.cli import main
+
+    hf, root = converted
+    out = tmp_path / "cli_out"
+    assert main(["convert", "mcore-to-hf", "--mcore", str(root / "mc_ep2"), "--out", str(out), "--ep", "2"]) == 0
+    _assert_identical(hf, out)
+    assert main(["convert", "mcore-to-hf", "--mcore", str(root / "mc_ep2"), "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
