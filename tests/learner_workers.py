@@ -26,8 +26,8 @@ def make_learner(world_size, model_dir, tp=1, ep=1, pp=1, sp=None, lr=1e-3, mbs=
     return learner
 
 
-def logprobs_worker(rank, world_size, model_dir, tokens, tp, ep):
-    learner = make_learner(world_size, model_dir, tp=tp, ep=ep)
+def logprobs_worker(rank, world_size, model_dir, tokens, tp, ep, pp=1):
+    learner = make_learner(world_size, model_dir, tp=tp, ep=ep, pp=pp)
     out = learner.forward_logprobs(tokens)
     return out["logprobs"], out["entropy"]
 

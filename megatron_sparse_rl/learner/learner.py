@@ -100,40 +100,51 @@ class Learner:
         mbs = self.cfg.micro_batch_size
         return [torch.arange(s, min(s + mbs, tokens.shape[0])) for s in range(0, tokens.shape[0], mbs)]
 
-    def _forward(self, model, tokens: torch.Tensor, with_entropy: bool):
-        """Model forward on [b, S] tokens -> (logprobs [b, S-1], entropy [b, S-1] or None)."""
-        device = next(model.parameters()).device
-        tokens = tokens.to(device)
+    def _padded(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Right-pad the sequence so sequence parallelism can split it over TP ranks (padding after a token
+        changes nothing before it under causal attention)."""
         length = tokens.shape[1] - 1
         if self.layout.sequence_parallel and length % self.layout.tp:
-            # sequence parallelism splits the sequence over TP ranks; right padding changes no earlier token
-            pad = self.layout.tp - length % self.layout.tp
-            tokens = torch.nn.functional.pad(tokens, (0, pad))
-        inputs = tokens[:, :-1].contiguous()
-        positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
-        logits = model(inputs, positions, None)[:, :length]
-        entropy = vocab_parallel_entropy(logits, self.groups.tp) if with_entropy else None
-        logprobs = vocab_parallel_logprobs(logits, tokens[:, 1:length + 1].contiguous(), self.temperature)
-        return logprobs, entropy
+            tokens = torch.nn.functional.pad(tokens, (0, self.layout.tp - length % self.layout.tp))
+        return tokens
+
+    def _scores(self, logits: torch.Tensor, tokens: torch.Tensor):
+        """Last-stage logits [b, s, V/tp] of right-padded `tokens` -> (logprobs, entropy) [b, S-1]."""
+        length = tokens.shape[1] - 1
+        logits = logits[:, :length]
+        entropy = vocab_parallel_entropy(logits, self.groups.tp)
+        targets = self._padded(tokens)[:, 1:length + 1].to(logits.device).contiguous()
+        return vocab_parallel_logprobs(logits, targets, self.temperature), entropy
 
     def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool):
+        """Megatron's forward/backward schedule (pipelined when pp > 1) over micro-batches of `tokens`; the
+        loss (or logprob collection) runs on the last pipeline stage only."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batches = self._micro_batches(tokens)
+        mbs = len(batches[0])
+        if self.layout.pp > 1 and any(len(b) != mbs for b in batches):
+            # pipeline stages exchange activations of one fixed [seq, micro_batch, hidden] shape
+            raise ValueError(f"with parallel.pp={self.layout.pp} the batch ({tokens.shape[0]} rows) must split into "
+                             f"equal micro-batches of learner.micro_batch_size={self.cfg.micro_batch_size}")
+        padded = self._padded(tokens)
+        device = next(self.model.parameters()).device
 
         def forward_step(data_iterator, model):
             index = next(data_iterator)
-            logprobs, entropy = self._forward(model, tokens[index], with_entropy=True)
-            return logprobs, partial(self._loss_wrapper, loss_fn, entropy, index)
+            inputs = padded[index, :-1].to(device).contiguous()
+            positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
+            output = model(inputs, positions, None)
+            return output, partial(self._loss_wrapper, loss_fn, tokens[index], index)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
-            num_microbatches=len(batches), seq_length=tokens.shape[1] - 1,
-            micro_batch_size=self.cfg.micro_batch_size, forward_only=forward_only,
+            num_microbatches=len(batches), seq_length=padded.shape[1] - 1, micro_batch_size=mbs,
+            forward_only=forward_only,
         )
 
-    @staticmethod
-    def _loss_wrapper(loss_fn, entropy, index, logprobs):
+    def _loss_wrapper(self, loss_fn, tokens, index, logits):
+        logprobs, entropy = self._scores(logits, tokens)
         zero = torch.zeros((), dtype=torch.int)
         if loss_fn is None:  # forward-only collection
             return logprobs.sum() * 0, zero, {"logprobs": logprobs.detach(), "entropy": entropy, "index": index}

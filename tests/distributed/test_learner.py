@@ -52,9 +52,10 @@ def test_tp1_matches_hf_transformers_dense(tmp_path, tokens):
     assert (ent.double() - ref_ent).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("tp,ep,world", [(2, 1, 2), (1, 2, 2), (2, 2, 4)], ids=["tp2", "ep2", "tp2xep2"])
-def test_layout_logprobs_equal_tp1(moe_dir, tokens, tp1, tp, ep, world):
-    for lp, ent in run_distributed(W.logprobs_worker, world, args=(moe_dir, tokens, tp, ep)):
+@pytest.mark.parametrize("tp,ep,pp,world", [(2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 4), (1, 1, 2, 2)],
+                         ids=["tp2", "ep2", "tp2xep2", "pp2"])
+def test_layout_logprobs_equal_tp1(moe_dir, tokens, tp1, tp, ep, pp, world):
+    for lp, ent in run_distributed(W.logprobs_worker, world, args=(moe_dir, tokens, tp, ep, pp)):
         assert (lp - tp1[0]).abs().max() < 1e-5
         assert (ent - tp1[1]).abs().max() < 1e-5
 
