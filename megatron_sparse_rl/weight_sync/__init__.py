@@ -1,1 +1,11 @@
-"""weight_sync."""
+"""weight_sync: learner shards -> HF-named tensor stream -> checksummed buckets -> engine, verified.
+
+See docs/weight_sync.md. `export.iter_hf_tensors`, `buckets.pack_buckets`/`verify_bucket`,
+`colocated.sync_to_engine`/`verify_logprobs`.
+"""
+from megatron_sparse_rl.weight_sync.buckets import Bucket, pack_buckets, verify_bucket
+from megatron_sparse_rl.weight_sync.colocated import SyncStats, sync_to_engine, verify_logprobs
+from megatron_sparse_rl.weight_sync.export import WeightSyncError, iter_hf_tensors
+
+__all__ = ["Bucket", "SyncStats", "WeightSyncError", "iter_hf_tensors", "pack_buckets", "sync_to_engine",
+           "verify_bucket", "verify_logprobs"]

@@ -1,0 +1,99 @@
+"""Stream a sharded learner's weights as full, Hugging Face-named tensors, one tensor at a time.
+
+    for hf_name, tensor in iter_hf_tensors(learner):   # EVERY learner rank iterates and receives
+        ...
+
+The adapter's tensor maps (`models/base.py: tensor_maps`) are walked in order; the HF name map is the
+single naming truth, shared with checkpoint conversion. For each map:
+- non-expert parameters: every rank holds a shard; `gather_full` joins the tensor-parallel shards
+  (a collective on the TP group, a no-op at TP 1);
+- routed experts: expert-parallel rank r holds global experts [r * n_local, (r + 1) * n_local); the
+  holders join their expert-TP shards, then the tensor is broadcast over the EP group from its holder,
+  so every rank receives every expert without ever materialising more than one tensor at a time.
+Every rank walks the same maps in the same order, so collectives line up. Every rank receives the full
+stream (each colocated rank may own an engine); a rank without an engine must still drain it.
+Pipeline parallelism is not supported (stages hold different layers): `iter_hf_tensors` raises.
+Yielded tensors may share storage with the learner's parameters: do not modify them in place.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparse_rl.learner.params import LocalParam, gather_full
+from megatron_sparse_rl.models.tensor_map import to_hf
+
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+class WeightSyncError(RuntimeError):
+    """Weights could not be moved, or arrived different from what was sent."""
+
+
+def _expert_template(name: str, params: dict[str, LocalParam], ep_rank: int, n_local: int) -> LocalParam:
+    """A local expert parameter of the same layer and kind as `name` (all experts of a layer share shape)."""
+    m = _EXPERT.search(name)
+    local = f"{name[:m.start()]}.local_experts.{ep_rank * n_local}.{name[m.end():]}"
+    if local not in params:
+        raise WeightSyncError(f"{name}: this rank holds no expert of the same layer ({local} is missing)")
+    return params[local]
+
+
+def _full_shape(lp: LocalParam, groups) -> tuple[int, ...]:
+    shape = list(lp.param.shape)
+    if lp.tp_dim is not None:
+        shape[lp.tp_dim] *= dist.get_world_size(groups.etp if lp.expert else groups.tp)
+    return tuple(shape)
+
+
+def _n_local_experts(params: dict[str, LocalParam], ep: int, num_experts: int) -> int:
+    if not num_experts:
+        return 0
+    if num_experts % ep:
+        raise WeightSyncError(f"expert parallel size {ep} does not divide the expert count {num_experts}")
+    return num_experts // ep
+
+
+@torch.no_grad()
+def iter_full_mcore(learner) -> Iterator[tuple[object, torch.Tensor]]:
+    """(TensorMap, full Megatron tensor) for every adapter tensor map, on every rank (collective)."""
+    if learner.layout.pp > 1:
+        raise NotImplementedError(f"weight sync from a pipeline-parallel learner (parallel.pp={learner.layout.pp}) "
+                                  "is not supported yet; use pp=1")
+    groups = learner.groups
+    params = dict(learner.named_full_parameters())
+    ep = learner.layout.ep
+    n_local = _n_local_experts(params, ep, learner.spec.num_experts)
+    ep_ranks = dist.get_process_group_ranks(groups.ep) if ep > 1 else None
+    maps = learner.adapter.tensor_maps(learner.spec)
+    unmapped = set(params) - {tm.mcore for tm in maps}
+    if unmapped:
+        raise WeightSyncError(f"the learner has {len(unmapped)} parameters the adapter does not map, "
+                              f"e.g. {sorted(unmapped)[:3]}")
+    for tm in maps:
+        lp = params.get(tm.mcore)
+        m = _EXPERT.search(tm.mcore)
+        if m is None or ep == 1:
+            if lp is None:
+                raise WeightSyncError(f"{tm.mcore}: not held by this rank (the learner lacks a mapped parameter)")
+            yield tm, gather_full(lp, groups)
+            continue
+        owner = int(m.group(1)) // n_local
+        if lp is not None:
+            full = gather_full(lp, groups).contiguous()
+        else:
+            template = _expert_template(tm.mcore, params, groups.ep_rank, n_local)
+            full = torch.empty(_full_shape(template, groups), dtype=template.param.dtype,
+                               device=template.param.device)
+        dist.broadcast(full, src=ep_ranks[owner], group=groups.ep)
+        yield tm, full
+
+
+def iter_hf_tensors(learner) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for the whole model, in the adapter's HF order, on every rank (collective)."""
+    for tm, full in iter_full_mcore(learner):
+        for name, tensor in zip(tm.hf, to_hf(tm, full, learner.spec)):
+            yield name, tensor
