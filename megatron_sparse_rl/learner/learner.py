@@ -34,7 +34,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor
 
 class Learner:
     def __init__(self, adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout, groups: ParallelGroups, *,
-                 model_cfg: ModelConfig, cfg: LearnerConfig, total_steps: int = 1, temperature: float = 1.0):
+                 model_cfg: ModelConfig, cfg: LearnerConfig, total_steps: int = 1, temperature: float = 1.0,
+                 routing_replay: bool = False):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
@@ -44,8 +45,12 @@ class Learner:
             adapter, spec, layout, groups, dtype=model_cfg.dtype, seed=cfg.seed,
             recompute=model_cfg.recompute_activations, aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
             calculate_per_token_loss=True,
+            **({"moe_enable_routing_replay": True} if routing_replay else {}),
         )
         self.config = config
+        # Optional routing hook (learner/routing.py: LearnerRouting attaches itself here); called with each
+        # micro-batch's row index and inputs before its forward, so routes can be recorded or replayed.
+        self.routing = None
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=False)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
@@ -134,6 +139,8 @@ class Learner:
             index = next(data_iterator)
             inputs = padded[index, :-1].to(device).contiguous()
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
+            if self.routing is not None:
+                self.routing.before_micro_batch(index, inputs)
             output = model(inputs, positions, None)
             return output, partial(self._loss_wrapper, loss_fn, tokens[index], index)
 
