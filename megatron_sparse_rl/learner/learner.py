@@ -176,18 +176,28 @@ class Learner:
         return result
 
     # ---- training ------------------------------------------------------------------------------
-    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, lr: float | None = None) -> dict[str, float]:
         """One optimizer step over this rank's batch; returns loss, grad norm, lr and the loss_fn metrics summed
-        over micro-batches (rank-local; reduce across ranks in the caller)."""
+        over micro-batches (rank-local; reduce across ranks in the caller).
+
+        `lr` runs this step at a fixed learning rate outside the schedule (e.g. an SFT warm-start): the
+        schedule and `self.step` do not advance.
+        """
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         out = self._run_schedule(tokens, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: gradients were not finite")
-        self.scheduler.step(increment=1)
-        self.step += 1
+        if lr is None:
+            self.scheduler.step(increment=1)
+            self.step += 1
+        else:  # back to the schedule's rate for the next scheduled step
+            self.scheduler.step(increment=0)
         metrics: dict[str, float] = {}
         for item in out:
             for k, v in item.items():
