@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 KVPolicy = Literal["none", "rkv", "snapkv", "h2o", "streamingllm"]
+KVPooling = Literal["max", "avg"]
 RolloutDtype = Literal["float32", "bfloat16"]
 LogprobsMode = Literal["processed", "raw"]
 
@@ -52,7 +53,10 @@ class SamplingConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class KVConfig:
-    """Fixed-budget KV cache compression during rollout (Sparse-RL); "none" keeps the dense cache."""
+    """Fixed-budget KV cache compression during rollout (Sparse-RL); "none" keeps the dense cache.
+
+    The policies live in `megatron_sparse_rl.kv.policies`; the vLLM integration that applies them and
+    frees blocks in `megatron_sparse_rl.kv` (see docs/sparse_kv.md)."""
 
     policy: KVPolicy = "none"
     """Which tokens to keep: none (dense), rkv, snapkv, h2o or streamingllm."""
@@ -62,6 +66,23 @@ class KVConfig:
     """Most recent tokens always kept (and the observation window of score-based policies)."""
     interval: int = 128
     """Compact when the stored length reaches budget + interval (amortises the compaction cost)."""
+    sinks: int = 4
+    """streamingllm: first tokens always kept (attention sinks)."""
+    pooling: KVPooling = "max"
+    """rkv, snapkv: 1-D pooling of the importance scores over neighbouring tokens: max or avg."""
+    kernel: int = 7
+    """rkv, snapkv: pooling kernel size (odd; 1 = no pooling)."""
+    rkv_lambda: float = 0.1
+    """rkv: weight of importance against redundancy (score = lambda * imp - (1 - lambda) * red)."""
+    rkv_threshold: float = 0.5
+    """rkv: cosine similarity above which two keys count as redundant."""
+    record_keep: bool = False
+    """Return the kept positions of every layer/KV head at every compaction (`RolloutBatch.kv_keep`);
+    false records only the compaction steps (the memory of a full record grows with layers x heads x
+    budget per compaction)."""
+    admission_control: bool = True
+    """Admit a request only when the worst-case blocks of all running requests still fit the pool (no
+    preemption of compressed requests); false leaves vLLM's optimistic admission and preemption."""
 
     def __post_init__(self) -> None:
         _require(self.policy in get_args(KVPolicy), "rollout.kv.policy", f"must be one of {list(get_args(KVPolicy))}",
@@ -70,6 +91,16 @@ class KVConfig:
         _require(self.interval >= 1, "rollout.kv.interval", "must be >= 1", self.interval)
         if self.budget < self.window:
             raise ValueError(f"rollout.kv.budget must be >= window (got {self.budget} < {self.window})")
+        _require(self.sinks >= 0, "rollout.kv.sinks", "must be >= 0", self.sinks)
+        if self.policy == "streamingllm" and self.budget <= self.sinks:
+            raise ValueError(f"rollout.kv.budget must be > sinks for streamingllm (got {self.budget} <= {self.sinks})")
+        _require(self.pooling in get_args(KVPooling), "rollout.kv.pooling", f"must be one of {list(get_args(KVPooling))}",
+                 self.pooling)
+        _require(self.kernel >= 1 and self.kernel % 2 == 1, "rollout.kv.kernel", "must be an odd integer >= 1",
+                 self.kernel)
+        _require(0.0 <= self.rkv_lambda <= 1.0, "rollout.kv.rkv_lambda", "must be in [0, 1]", self.rkv_lambda)
+        _require(-1.0 <= self.rkv_threshold <= 1.0, "rollout.kv.rkv_threshold", "must be in [-1, 1]",
+                 self.rkv_threshold)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

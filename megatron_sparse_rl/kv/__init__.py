@@ -1,1 +1,9 @@
-"""kv."""
+"""kv: fixed-budget KV cache compression for rollouts (Sparse-RL).
+
+- `policies`: R-KV, SnapKV, H2O, StreamingLLM as pure torch functions (scores, per-KV-head keep sets).
+- `record`: the `KVKeepRecord` returned per sample in `RolloutBatch.kv_keep` and the attention mask
+  that replays it.
+- `vllm_scheduler`, `vllm_worker`: the vLLM 0.32.0 integration (compaction with real block freeing),
+  installed by `megatron_sparse_rl.patches.vllm_sparse_kv.apply()`.
+Importing this package imports neither vLLM nor the integration.
+"""
