@@ -18,6 +18,8 @@ EXTRAS = {
     "gpu": ["vllm==0.32.0"],
     "test": ["pytest>=8", "pytest-timeout>=2"],
     "plot": ["matplotlib>=3.8", "tensorboard>=2.15"],
+    "math": ["math-verify>=0.9"],  # reward.kind: math (pure Python: latex2sympy2_extended, sympy, antlr4)
+    "parquet": ["pyarrow>=15"],  # data.source: parquet
 }
 
 setup(

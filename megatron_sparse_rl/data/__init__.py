@@ -1,1 +1,16 @@
-"""data."""
+"""Prompt data: the built-in arithmetic task, JSONL/parquet datasets, templates, the resumable stream,
+and `build_task`, which the trainer consumes. The character tokenizer lives in `tokenizer.py`.
+See docs/data.md.
+"""
+from megatron_sparse_rl.data.arithmetic import generate as generate_arithmetic
+from megatron_sparse_rl.data.datasets import (DatasetError, PromptStream, encode_prompts, load_prompts,
+                                              load_tokenizer, read_jsonl, read_parquet)
+from megatron_sparse_rl.data.task import Task, build_task
+from megatron_sparse_rl.data.templates import SIMPLE_CHAT_FORMAT, apply_template, encode_prompt, encode_sft, sft_examples
+from megatron_sparse_rl.data.types import Example, Prompt, SFTExample
+
+__all__ = [
+    "DatasetError", "Example", "Prompt", "PromptStream", "SFTExample", "SIMPLE_CHAT_FORMAT", "Task",
+    "apply_template", "build_task", "encode_prompt", "encode_prompts", "encode_sft", "generate_arithmetic",
+    "load_prompts", "load_tokenizer", "read_jsonl", "read_parquet", "sft_examples",
+]

@@ -1,0 +1,61 @@
+"""Prompt templates and tokenization of prompts and of SFT (warm-start) sequences.
+
+Templates (`data.template`):
+- plain: the prompt text as is, encoded with the tokenizer's special tokens (the character
+  tokenizer prepends <bos>).
+- chat: the tokenizer's own chat template (one user turn, generation prompt added) when it has one;
+  otherwise the simple format `SIMPLE_CHAT_FORMAT` = "q: {prompt}\\na: ", which stays inside the
+  character tokenizer's alphabet.
+
+`tokenizer` is a Hugging Face tokenizer (e.g. `AutoTokenizer.from_pretrained(model_dir)`).
+"""
+from __future__ import annotations
+
+from megatron_sparse_rl.data.types import Example, SFTExample
+
+SIMPLE_CHAT_FORMAT = "q: {prompt}\na: "
+TEMPLATES = ("plain", "chat")
+
+
+def _has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def apply_template(tokenizer, text: str, template: str) -> str:
+    """The templated prompt text (what is tokenized and shown to the model)."""
+    if template == "plain":
+        return text
+    if template == "chat":
+        if _has_chat_template(tokenizer):
+            return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        return SIMPLE_CHAT_FORMAT.format(prompt=text)
+    raise ValueError(f"data.template: {template!r} is not allowed; choose one of {', '.join(map(repr, TEMPLATES))}")
+
+
+def encode_prompt(tokenizer, text: str, template: str) -> tuple[str, list[int]]:
+    """(templated text, token ids). A chat template writes its own special tokens, so they are not added
+    twice; plain text and the simple chat format get the tokenizer's (e.g. <bos>)."""
+    templated = apply_template(tokenizer, text, template)
+    own_specials = template == "chat" and _has_chat_template(tokenizer)
+    ids = tokenizer(templated, add_special_tokens=not own_specials)["input_ids"]
+    return templated, list(ids)
+
+
+def encode_sft(tokenizer, example: Example) -> SFTExample:
+    """The encoded prompt's ids + answer ids + eos, with the loss on the answer and eos only.
+
+    The answer is tokenized on its own (no special tokens); with the character tokenizer this equals
+    tokenizing the concatenation. Raises ValueError if the tokenizer has no eos token.
+    """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError("SFT examples need a tokenizer with an eos token (tokenizer.eos_token_id is None)")
+    answer_ids = list(tokenizer(example.answer, add_special_tokens=False)["input_ids"]) + [eos]
+    return SFTExample(input_ids=tuple(example.ids) + tuple(answer_ids),
+                      loss_mask=(0,) * len(example.ids) + (1,) * len(answer_ids))
+
+
+def sft_examples(tokenizer, examples: list[Example]) -> list[SFTExample]:
+    """`encode_sft` over a list (e.g. the arithmetic train split) for the warm-start stage."""
+    return [encode_sft(tokenizer, e) for e in examples]

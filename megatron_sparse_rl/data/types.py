@@ -1,0 +1,46 @@
+"""The records the data pipeline passes around: a raw `Prompt`, and its templated, tokenized form."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One verifiable problem: the prompt text (before templating) and its reference answer."""
+
+    text: str
+    """The problem as the dataset holds it, e.g. "12+7="."""
+    answer: str
+    """The reference answer the reward compares against, e.g. "19"."""
+    difficulty: int = 0
+    """Difficulty level (arithmetic: digits of the longer operand); 0 when the dataset has none."""
+    source: str = ""
+    """Where it came from, for error messages: "file.jsonl:12" or "arithmetic"."""
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """A prompt after the template and the tokenizer: what the trainer samples from and scores."""
+
+    prompt: str
+    """The templated prompt text (e.g. "12+7=" plain, "q: 12+7=\na: " simple chat)."""
+    answer: str
+    """The reference answer."""
+    ids: tuple[int, ...]
+    """Token ids of `prompt`, special tokens included (use these: re-encoding a chat-templated text with
+    special tokens would add <bos> twice)."""
+    difficulty: int = 0
+    """Difficulty level of the raw prompt (0 when unknown)."""
+    source: str = ""
+    """Where the raw prompt came from ("file.jsonl:12", "arithmetic")."""
+
+
+@dataclass(frozen=True, slots=True)
+class SFTExample:
+    """A supervised warm-start sequence: templated prompt, then answer, then <eos>."""
+
+    input_ids: tuple[int, ...]
+    """Prompt ids followed by answer ids and the eos id."""
+    loss_mask: tuple[int, ...]
+    """Same length as input_ids: 1 where the token is a target (answer and eos), 0 on the prompt.
+    The mask over next-token targets [S-1] that `learner.sft.make_sft_loss` takes is `loss_mask[1:]`."""

@@ -1,0 +1,174 @@
+"""Per-step metrics sinks: `metrics.jsonl` (always) and TensorBoard event files (when installed).
+
+One JSON object per `log()` call, written with a single append `os.write` (a whole line or nothing
+under concurrent readers; no user-space buffer to lose): {"step": 12, "phase": "rl", "time": <unix s>,
+"rollout/reward": 0.41, ...}. Values are numbers, bools, strings or null; tensors and numpy scalars are
+converted with `.item()`. NaN and +-inf are written as null and listed in "nonfinite"
+({"loss/value": "nan"}), so the file stays strict JSON and `read_metrics` restores them.
+Only one process (rank 0) should own a writer.
+
+Resume: `MetricsWriter(run_dir, keep_records=n)` keeps the first n complete records (n saved in the
+checkpoint as `writer.records`) and drops the rest, so the steps replayed after a restart are not
+written twice; TensorBoard purges events after the last kept step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from megatron_sparse_rl._optional import _has
+
+log = logging.getLogger(__name__)
+
+FILENAME = "metrics.jsonl"
+RESERVED = ("step", "phase", "time", "nonfinite")
+
+# The metric names the progress line and the plot look for (the trainer logs them under these names).
+REWARD = "rollout/reward"
+TRAIN_ACCURACY = "rollout/accuracy"
+EVAL_ACCURACY = "eval/accuracy"
+MISMATCH_K1 = "mismatch/k1"
+MISMATCH_K3 = "mismatch/k3"
+CLIP_FRACTION = ("loss/clip_frac", "loss/clip_frac_low", "loss/clip_frac_high")
+"""`loss/clip_frac` if logged, else the sum of the low and high clip fractions."""
+REJECTION = ("corrections/rejected_seq_frac", "sparse_rl/rejected_seq_frac", "mis/rejected_seq_frac",
+             "geo_rs/rejected_seq_frac", "opsm/masked_seq_frac", "veto/vetoed_seq_frac")
+"""The first of these present is shown as the rejection rate."""
+
+
+def _value(key: str, v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v
+    if hasattr(v, "item"):  # torch / numpy scalars
+        return _value(key, v.item())
+    raise TypeError(f"metric {key!r}: expected a number, bool, str or None (got {type(v).__name__})")
+
+
+def to_record(step: int, metrics: Mapping[str, Any], *, phase: str = "rl", now: float | None = None) -> dict:
+    """The JSON-safe record of one step (non-finite floats -> null, listed under "nonfinite")."""
+    record: dict[str, Any] = {"step": int(step), "phase": phase, "time": time.time() if now is None else now}
+    nonfinite = {}
+    for key, v in metrics.items():
+        if not isinstance(key, str) or key in RESERVED:
+            raise ValueError(f"metric name {key!r} is not allowed (names are strings other than {RESERVED})")
+        v = _value(key, v)
+        if isinstance(v, float) and not math.isfinite(v):
+            nonfinite[key] = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+            v = None
+        record[key] = v
+    if nonfinite:
+        record["nonfinite"] = nonfinite
+    return record
+
+
+def _restore(record: dict) -> dict:
+    for key, kind in record.pop("nonfinite", {}).items():
+        record[key] = float(kind)
+    return record
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All records of a metrics.jsonl, non-finite values restored. A torn last line (a run killed while
+    writing) is ignored; a malformed line elsewhere raises ValueError naming the line number."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").split("\n")
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(_restore(json.loads(line)))
+        except json.JSONDecodeError as e:
+            if lineno == len(lines):  # no newline after it: the last write was cut short
+                break
+            raise ValueError(f"{path}:{lineno}: not a valid metrics record ({e.msg})") from None
+    return records
+
+
+class MetricsWriter:
+    """Appends one record per step to `<run_dir>/metrics.jsonl`; mirrors numbers to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, *, keep_records: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / FILENAME
+        kept = self._keep(keep_records)
+        self.records = len(kept)  # complete records in the file: save it in checkpoints (keep_records)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._tb = None
+        if tensorboard:
+            if _has("tensorboard"):
+                from torch.utils.tensorboard import SummaryWriter
+
+                purge = kept[-1]["step"] + 1 if keep_records is not None and kept else None
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge)
+            else:
+                log.warning("TensorBoard events are off: the 'tensorboard' package is not installed "
+                            "(pip install tensorboard, or pip install -e .[plot]); metrics.jsonl is still written")
+
+    @property
+    def tensorboard_enabled(self) -> bool:
+        return self._tb is not None
+
+    def _keep(self, keep_records: int | None) -> list[dict]:
+        if not self.path.exists():
+            return []
+        lines = [ln for ln in self.path.read_text(encoding="utf-8").split("\n") if ln.strip()]
+        complete = [ln for ln in lines if self._is_record(ln)]
+        if keep_records is None:
+            return [json.loads(ln) for ln in complete]
+        if keep_records > len(complete):
+            raise ValueError(f"{self.path} holds {len(complete)} records, fewer than the {keep_records} "
+                             f"the checkpoint expects")
+        kept = complete[:keep_records]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        return [json.loads(ln) for ln in kept]
+
+    @staticmethod
+    def _is_record(line: str) -> bool:
+        try:
+            return isinstance(json.loads(line), dict)
+        except json.JSONDecodeError:
+            return False
+
+    def log(self, step: int, metrics: Mapping[str, Any], *, phase: str = "rl") -> dict:
+        """Write one record; returns it. TensorBoard tags are the metric names (prefixed with the phase
+        when it is not "rl", e.g. "sft/eval/accuracy")."""
+        record = to_record(step, metrics, phase=phase)
+        data = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self.records += 1
+        if self._tb is not None:
+            prefix = "" if phase == "rl" else f"{phase}/"
+            for key, v in metrics.items():
+                v = _value(key, v)
+                if isinstance(v, (int, float)):  # bools too (as 0/1); strings and None are JSONL-only
+                    self._tb.add_scalar(prefix + key, float(v), global_step=int(step))
+            self._tb.flush()
+        return record
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

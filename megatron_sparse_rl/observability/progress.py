@@ -1,0 +1,122 @@
+"""One line per step: a text progress bar with step/total and ETA, then the key metrics compactly.
+
+    [######..............]  30/100  30% eta 4m12s | roll 1.20s train 0.45s sync 0.10s | 812 tok/s |
+    reward 0.412 acc 0.380 eval 0.350 | k1 1.2e-03 k3 4.0e-04 | clip 0.021 rej 0.050
+
+(one line; wrapped here). A metric that is missing from a step is left out of its line. The ETA is
+the mean time per step since the clock started (at construction, or at `restart(step)`, e.g. after an
+SFT stage) times the steps left; `start_step` is where a resumed run starts, so skipped steps do not count.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, TextIO
+
+from megatron_sparse_rl.observability import metrics as M
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One item of the line: `label` and the value of `keys` (the first present, or their sum)."""
+
+    label: str
+    keys: tuple[str, ...]
+    fmt: str = "{:.3f}"
+    reduce: str = "first"  # "first": the first key present; "sum": the sum of those present
+    suffix: str = ""
+
+
+CLIP_FIELD = Field("clip", M.CLIP_FRACTION[1:], reduce="sum")
+DEFAULT_GROUPS: tuple[tuple[Field, ...], ...] = (
+    (Field("roll", ("time/rollout_s",), "{:.2f}", suffix="s"), Field("train", ("time/train_s",), "{:.2f}", suffix="s"),
+     Field("sync", ("time/sync_s",), "{:.2f}", suffix="s")),
+    (Field("", ("rollout/tokens_per_s", "train/tokens_per_s"), "{:.0f}", suffix=" tok/s"),),
+    (Field("reward", (M.REWARD,)), Field("acc", (M.TRAIN_ACCURACY,)), Field("eval", (M.EVAL_ACCURACY,))),
+    (Field("k1", (M.MISMATCH_K1,), "{:.1e}"), Field("k3", (M.MISMATCH_K3,), "{:.1e}")),
+    (Field("clip", M.CLIP_FRACTION[:1]), CLIP_FIELD, Field("rej", M.REJECTION)),
+)
+
+
+def _pick(f: Field, metrics: Mapping[str, Any]) -> float | None:
+    present = [metrics[k] for k in f.keys if metrics.get(k) is not None]
+    if not present:
+        return None
+    return float(sum(float(v) for v in present)) if f.reduce == "sum" else float(present[0])
+
+
+def format_duration(seconds: float) -> str:
+    """Compact h/m/s: 42s, 4m12s, 1h03m."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def progress_bar(step: int, total: int, width: int = 20) -> str:
+    """`[#####...............]` filled in proportion to step/total."""
+    frac = min(max(step / total, 0.0), 1.0) if total > 0 else 1.0
+    filled = int(frac * width)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def format_metrics(metrics: Mapping[str, Any], groups=DEFAULT_GROUPS) -> str:
+    """The metric part of the line: groups joined by " | ", missing metrics left out."""
+    parts = []
+    for group in groups:
+        items = []
+        shown = set()
+        for f in group:
+            value = _pick(f, metrics)
+            if value is None or f.label in shown:  # "clip": loss/clip_frac wins over the low+high sum
+                continue
+            shown.add(f.label)
+            text = "nan" if not math.isfinite(value) else f.fmt.format(value)
+            items.append(f"{f.label} {text}{f.suffix}".strip())
+        if items:
+            parts.append(" ".join(items))
+    return " | ".join(parts)
+
+
+class ProgressPrinter:
+    """Prints one line per `update(step, metrics)`; returns the line too."""
+
+    def __init__(self, total: int, *, start_step: int = 0, width: int = 20, stream: TextIO | None = None,
+                 groups=DEFAULT_GROUPS, clock: Callable[[], float] = time.monotonic):
+        self.total = total
+        self.width = width
+        self.stream = stream if stream is not None else sys.stdout
+        self.groups = groups
+        self.clock = clock
+        self._start = (start_step, clock())
+
+    def restart(self, step: int) -> None:
+        """Restart the ETA clock now, at `step` (the last step already done)."""
+        self._start = (step, self.clock())
+
+    def eta(self, step: int) -> float:
+        """Seconds left: mean seconds per step since the first update, times the steps left."""
+        if step <= self._start[0]:
+            return float("nan")
+        start_step, t0 = self._start
+        per_step = (self.clock() - t0) / (step - start_step)
+        return per_step * max(self.total - step, 0)
+
+    def line(self, step: int, metrics: Mapping[str, Any]) -> str:
+        pct = 100.0 * step / self.total if self.total > 0 else 100.0
+        n = len(str(self.total))
+        head = f"{progress_bar(step, self.total, self.width)} {step:>{n}}/{self.total} {pct:3.0f}% " \
+               f"eta {format_duration(self.eta(step))}"
+        body = format_metrics(metrics, self.groups)
+        return f"{head} | {body}" if body else head
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> str:
+        text = self.line(step, metrics)
+        print(text, file=self.stream, flush=True)
+        return text

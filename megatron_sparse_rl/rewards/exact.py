@@ -1,0 +1,57 @@
+"""Exact-answer reward: the response's answer text must equal the reference answer.
+
+The answer text of a response is what precedes the first "<eos>" (the character tokenizer's eos, in
+case the response was decoded with special tokens) or newline, stripped of surrounding whitespace.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+from megatron_sparse_rl.data.tokenizer import EOS
+
+_STOPS = (EOS, "\n")
+
+
+def extract_answer(response: str) -> str:
+    """The answer text: up to the first <eos> or newline, stripped."""
+    cut = len(response)
+    for stop in _STOPS:
+        i = response.find(stop)
+        if i != -1:
+            cut = min(cut, i)
+    return response[:cut].strip()
+
+
+def exact_answer(response: str, answer: str) -> float:
+    """1.0 if the response's answer text equals `answer` (stripped) exactly, else 0.0."""
+    return 1.0 if extract_answer(response) == answer.strip() else 0.0
+
+
+def as_number(text: str) -> Fraction | None:
+    """`text` as an exact rational ("19", "-3", "0.5", "1/2", "1e3", "1,000"), or None if it is not one."""
+    text = text.strip().replace(",", "")
+    if not text:
+        return None
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def numeric_answer(response: str, answer: str) -> float:
+    """1.0 if the answer text equals `answer` exactly or as a number ("0.50" == "1/2"), else 0.0."""
+    got = extract_answer(response)
+    if got == answer.strip():
+        return 1.0
+    a, b = as_number(got), as_number(answer)
+    return 1.0 if a is not None and b is not None and a == b else 0.0
+
+
+def digit_overlap(response: str, answer: str) -> float:
+    """Fraction of the reference's characters that the answer text matches, aligned from the right
+    (units digit against units digit); used for partial credit."""
+    got, ref = extract_answer(response), answer.strip()
+    if not ref:
+        return 0.0
+    hits = sum(g == r for g, r in zip(reversed(got), reversed(ref)))
+    return hits / max(len(ref), len(got))

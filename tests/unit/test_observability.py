@@ -1,0 +1,125 @@
+"""Observability: metrics.jsonl round trip (non-finite values, resume truncation, torn lines),
+TensorBoard events, the progress line against hand-written text, and the PNG plot.
+
+    .venv/bin/python -m pytest -q tests/unit/test_observability.py
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_sparse_rl.observability.metrics import MetricsWriter, read_metrics, to_record
+from megatron_sparse_rl.observability.plot import plot_metrics, series
+from megatron_sparse_rl.observability.progress import ProgressPrinter, format_duration, format_metrics, progress_bar
+
+
+def test_metrics_jsonl_round_trip(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as w:
+        w.log(1, {"rollout/reward": 0.25, "train/tokens": 12, "eval/ok": True, "note": "x",
+                  "loss/value": torch.tensor(1.5), "mismatch/k1": float("nan"), "grad": float("inf"),
+                  "neg": float("-inf"), "missing": None})
+        w.log(2, {"rollout/reward": 0.5}, phase="sft")
+        assert w.records == 2
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    raw = json.loads(lines[0])  # strict JSON: no NaN tokens in the file
+    assert "NaN" not in lines[0] and raw["mismatch/k1"] is None
+    assert raw["nonfinite"] == {"mismatch/k1": "nan", "grad": "inf", "neg": "-inf"}
+    first, second = read_metrics(tmp_path / "metrics.jsonl")
+    assert first["step"] == 1 and first["phase"] == "rl" and first["rollout/reward"] == 0.25
+    assert first["train/tokens"] == 12 and first["eval/ok"] is True and first["note"] == "x"
+    assert first["loss/value"] == 1.5 and first["missing"] is None
+    assert math.isnan(first["mismatch/k1"]) and first["grad"] == math.inf and first["neg"] == -math.inf
+    assert "nonfinite" not in first
+    assert second["phase"] == "sft" and second["step"] == 2
+
+
+def test_metrics_reject_bad_names_and_values(tmp_path):
+    with pytest.raises(ValueError, match="metric name 'step' is not allowed"):
+        to_record(0, {"step": 1})
+    with pytest.raises(TypeError, match="metric 'x': expected a number"):
+        to_record(0, {"x": [1, 2]})
+
+
+def test_resume_keeps_the_checkpointed_records_and_appends(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as w:
+        for step in range(1, 6):
+            w.log(step, {"r": step / 10})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "r"')  # torn line of a killed run
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    with MetricsWriter(tmp_path, tensorboard=False, keep_records=3) as w:
+        assert w.records == 3
+        w.log(4, {"r": 0.44})
+    assert [(r["step"], r["r"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+        (1, 0.1), (2, 0.2), (3, 0.3), (4, 0.44)]
+    with pytest.raises(ValueError, match="holds 4 records, fewer than the 9"):
+        MetricsWriter(tmp_path, tensorboard=False, keep_records=9)
+
+
+def test_malformed_middle_line_names_its_number(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a valid metrics record"):
+        read_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_tensorboard_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path, tensorboard=True) as w:
+        assert w.tensorboard_enabled
+        w.log(1, {"rollout/reward": 0.25, "note": "skip me"})
+        w.log(2, {"rollout/reward": 0.75})
+        w.log(1, {"eval/accuracy": 0.5}, phase="sft")
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"rollout/reward", "sft/eval/accuracy"}
+    assert [(e.step, e.value) for e in acc.Scalars("rollout/reward")] == [(1, 0.25), (2, 0.75)]
+
+
+def test_progress_line_hand_written():
+    clock = [100.0]
+    out = io.StringIO()
+    p = ProgressPrinter(10, width=10, stream=out, clock=lambda: clock[0])
+    clock[0] = 130.0  # 3 steps in 30 s -> 10 s/step, 7 left -> 70 s
+    line = p.update(3, {"time/rollout_s": 1.234, "time/train_s": 0.5, "time/sync_s": 0.05,
+                        "rollout/tokens_per_s": 812.4, "rollout/reward": 0.41, "rollout/accuracy": 0.375,
+                        "mismatch/k1": 0.0012, "mismatch/k3": 0.0004, "loss/clip_frac_low": 0.01,
+                        "loss/clip_frac_high": 0.02, "mis/rejected_seq_frac": 0.05, "unshown": 1})
+    assert line == ("[###.......]  3/10  30% eta 1m10s | roll 1.23s train 0.50s sync 0.05s | 812 tok/s | "
+                    "reward 0.410 acc 0.375 | k1 1.2e-03 k3 4.0e-04 | clip 0.030 rej 0.050")
+    assert out.getvalue() == line + "\n"
+
+
+def test_progress_pieces():
+    assert progress_bar(0, 4, 4) == "[....]" and progress_bar(4, 4, 4) == "[####]" and progress_bar(9, 4, 4) == "[####]"
+    assert [format_duration(s) for s in (0, 59, 61, 3600 + 180, float("nan"))] == ["0s", "59s", "1m01s", "1h03m", "?"]
+    assert format_metrics({}) == ""
+    assert format_metrics({"loss/clip_frac": 0.1, "loss/clip_frac_low": 0.5, "eval/accuracy": float("nan")}) == \
+        "eval nan | clip 0.100"
+    p = ProgressPrinter(5, start_step=2, clock=lambda: 0.0, stream=io.StringIO())
+    assert p.line(2, {}).endswith("eta ?")  # no step done since the start yet
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    with MetricsWriter(tmp_path, tensorboard=False) as w:
+        w.log(1, {"sft/loss": 2.0}, phase="sft")
+        for step in range(1, 6):
+            m = {"rollout/reward": step / 10, "rollout/accuracy": step / 12, "mismatch/k1": 1e-3,
+                 "mismatch/k3": float("nan") if step == 3 else 1e-4}
+            if step % 2 == 0:
+                m["eval/accuracy"] = step / 15
+            w.log(step, m)  # no clip fraction at all: its panel says "no data"
+    out = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "plots" / "curves.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    assert not (tmp_path / "plots" / "curves.png.tmp").exists()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert series(records, ("eval/accuracy",)) == ([2, 4], [2 / 15, 4 / 15])
+    assert series(records, ("mismatch/k3",))[0] == [1, 2, 4, 5]  # the NaN point is skipped
