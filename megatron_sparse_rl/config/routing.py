@@ -1,0 +1,45 @@
+"""Configuration of MoE routing replay (section `routing`): which routes the learner replays, the
+load-balancing loss under replay, and routing statistics. Consumed by `learner/routing.py` (LearnerRouting)
+and, for R3, by `rollout/routes.py` (route capture on the engine). See docs/routing.md.
+"""
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+RoutingMode = Literal["off", "R2", "R3"]
+AuxLossUnderReplay = Literal["off", "replayed"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RoutingConfig:
+    """MoE routing replay (R2 / R3) and routing-stability statistics."""
+
+    mode: RoutingMode = "off"
+    """off: the learner routes every forward itself. R2: the routes of the learner's old-logprob forward are
+    recorded and replayed in every update forward (and activation-recompute backward). R3: the rollout
+    engine's routes are captured and replayed in the old-logprob forward and every update."""
+    aux_loss: AuxLossUnderReplay = "off"
+    """Load-balancing aux loss while replaying (only matters when model.moe_aux_loss_coeff > 0): off = not
+    computed under replay; replayed = computed on the replayed routing map (the experts that actually ran),
+    with gradients through the current router scores."""
+    record_stats: bool = True
+    """Compute routing metrics every step: per-layer agreement of rollout vs learner routes, fraction of
+    tokens with any flipped expert, expert load entropy (costs one extra router matmul per MoE layer under
+    R3 and the route capture on the engine)."""
+    capture_rollout_routes: bool = False
+    """Capture the engine's routes even when mode is not R3 (for the agreement statistics under off/R2)."""
+
+    def __post_init__(self):
+        if self.mode not in get_args(RoutingMode):
+            raise ValueError(f"routing.mode must be one of {get_args(RoutingMode)} (got {self.mode!r})")
+        if self.aux_loss not in get_args(AuxLossUnderReplay):
+            raise ValueError(f"routing.aux_loss must be one of {get_args(AuxLossUnderReplay)} (got {self.aux_loss!r})")
+
+    @property
+    def replay(self) -> bool:
+        """Whether the learner model must be built with Megatron's RouterReplay."""
+        return self.mode != "off" or self.record_stats
+
+    @property
+    def capture(self) -> bool:
+        """Whether the rollout engine must capture the routes it used."""
+        return self.mode == "R3" or self.capture_rollout_routes

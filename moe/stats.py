@@ -1,0 +1,85 @@
+"""Routing statistics: agreement between two route sets, flipped-token fraction, expert load and its entropy.
+
+Pure tensor math on `RouteStore`s (no Megatron, no vLLM):
+
+    agreement(a, b)         -> per-layer fraction of tokens whose top-k SETS are equal (order ignored)
+    flipped_fraction(a, b)  -> fraction of tokens with a different set in at least one layer
+    expert_load(a)          -> int64 [layers, experts] token counts
+    load_entropy(load)      -> per-layer entropy of the load distribution, normalised to [0, 1]
+    routing_metrics(...)    -> the flat `routing/...` metric dict a trainer logs each step
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moe.storage import RouteStore, RoutingError
+
+
+def _check_aligned(a: RouteStore, b: RouteStore) -> None:
+    if not torch.equal(a.offsets, b.offsets):
+        raise RoutingError(f"route sets cover different tokens: lengths {a.lengths.tolist()[:8]} vs "
+                           f"{b.lengths.tolist()[:8]}")
+    bad = (a.token_hash != b.token_hash).nonzero().flatten().tolist()
+    if bad:
+        raise RoutingError(f"sequence {bad[0]}: the two route sets belong to different tokens "
+                           f"({len(bad)} sequences differ)")
+    if a.layers != b.layers or a.topk != b.topk:
+        raise RoutingError(f"route sets differ in layers {a.layers} vs {b.layers} or top-k {a.topk} vs {b.topk}")
+
+
+def set_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bool [..., ] : whether the top-k sets (last dim) of a and b are equal, order ignored."""
+    return (a.long().sort(dim=-1).values == b.long().sort(dim=-1).values).all(dim=-1)
+
+
+def agreement(a: RouteStore, b: RouteStore) -> torch.Tensor:
+    """float64 [layers]: fraction of tokens whose top-k set is the same in `a` and `b`."""
+    _check_aligned(a, b)
+    if a.indices.shape[0] == 0:
+        return torch.ones(len(a.layers), dtype=torch.float64)
+    return set_equal(a.indices, b.indices).double().mean(dim=0)
+
+
+def flipped_fraction(a: RouteStore, b: RouteStore) -> float:
+    """Fraction of tokens whose top-k set differs in at least one layer."""
+    _check_aligned(a, b)
+    if a.indices.shape[0] == 0:
+        return 0.0
+    return float((~set_equal(a.indices, b.indices)).any(dim=1).double().mean())
+
+
+def expert_load(a: RouteStore) -> torch.Tensor:
+    """int64 [layers, experts]: how many tokens each expert received, per layer."""
+    layers, k = len(a.layers), a.topk
+    idx = a.indices.long().permute(1, 0, 2).reshape(layers, -1)
+    return torch.zeros(layers, a.num_experts, dtype=torch.int64).scatter_add_(1, idx, torch.ones_like(idx)) \
+        if k else torch.zeros(layers, a.num_experts, dtype=torch.int64)
+
+
+def load_entropy(load: torch.Tensor) -> torch.Tensor:
+    """float64 [layers]: entropy of each layer's expert-load distribution / log(experts) (1 = perfectly even)."""
+    p = load.double() / load.sum(dim=1, keepdim=True).clamp_min(1)
+    h = -(p * p.clamp_min(1e-300).log()).sum(dim=1)
+    return h / math.log(load.shape[1]) if load.shape[1] > 1 else torch.ones(load.shape[0], dtype=torch.float64)
+
+
+def routing_metrics(routes: RouteStore, reference: RouteStore | None = None, *, prefix: str = "routing") -> dict:
+    """Flat metrics: load entropy (and max/mean load) per layer of `routes`; with `reference` (e.g. the
+    rollout engine's routes vs the learner's), per-layer agreement and the flipped-token fraction."""
+    out: dict[str, float] = {}
+    load = expert_load(routes)
+    ent = load_entropy(load)
+    for j, layer in enumerate(routes.layers):
+        out[f"{prefix}/load_entropy/layer{layer}"] = float(ent[j])
+        mean = float(load[j].double().mean())
+        out[f"{prefix}/load_max_over_mean/layer{layer}"] = float(load[j].max()) / mean if mean else 0.0
+    out[f"{prefix}/load_entropy_mean"] = float(ent.mean()) if ent.numel() else 1.0
+    if reference is not None:
+        agree = agreement(reference, routes)
+        for j, layer in enumerate(routes.layers):
+            out[f"{prefix}/agreement/layer{layer}"] = float(agree[j])
+        out[f"{prefix}/agreement_mean"] = float(agree.mean()) if agree.numel() else 1.0
+        out[f"{prefix}/flipped_token_fraction"] = flipped_fraction(reference, routes)
+    return out
