@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
+from megatron_sparse_rl.config.data import DataConfig, RewardConfig
 from megatron_sparse_rl.config.rollout import RolloutConfig
+from megatron_sparse_rl.config.trainer import TrainerConfig
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -205,6 +207,12 @@ class RunConfig:
     """vLLM rollout engine and sampling."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantages, policy loss, corrections, KL."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The RL loop: steps, batch shapes, SFT warm-start, evaluation, weight sync."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data: the built-in arithmetic task or JSONL/parquet files."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How responses are scored."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing and resume."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,69 @@
+"""Configuration of the RL loop (`msrl train`): step counts, batch shapes, the SFT warm-start stage,
+evaluation and weight sync."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SFTConfig:
+    """Supervised warm-start on the task's reference answers before RL (0 steps = off)."""
+
+    max_steps: int = 0
+    """Upper bound on SFT optimizer steps (0 = no SFT stage)."""
+    batch_size: int = 32
+    """Examples per SFT step (global, split across data-parallel ranks)."""
+    lr: float = 1e-3
+    """Learning rate of the SFT stage (constant)."""
+    target_accuracy: float = 0.0
+    """Stop SFT early once held-out accuracy reaches this (0 = run max_steps)."""
+    eval_every: int = 20
+    """Evaluate every N SFT steps (for the early stop)."""
+
+    def __post_init__(self):
+        _check(self.max_steps >= 0, f"trainer.sft.max_steps must be >= 0 (got {self.max_steps})")
+        _check(self.batch_size >= 1, f"trainer.sft.batch_size must be >= 1 (got {self.batch_size})")
+        _check(self.lr > 0, f"trainer.sft.lr must be > 0 (got {self.lr})")
+        _check(0 <= self.target_accuracy <= 1, f"trainer.sft.target_accuracy must be in [0, 1] (got {self.target_accuracy})")
+        _check(self.eval_every >= 1, f"trainer.sft.eval_every must be >= 1 (got {self.eval_every})")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TrainerConfig:
+    """The RL loop: rollout -> reward -> old logprobs -> advantages -> corrections -> updates -> sync."""
+
+    steps: int = 10
+    """RL steps (one rollout each)."""
+    prompts_per_step: int = 16
+    """Prompts per rollout (global); each gets rollout.sampling.n samples."""
+    updates_per_rollout: int = 1
+    """Optimizer steps per rollout (mini-batches); > 1 makes later updates off-policy."""
+    eval_every: int = 5
+    """Evaluate held-out accuracy every N RL steps (and at the end); 0 = only at the end."""
+    eval_prompts: int = 64
+    """Held-out prompts per evaluation (greedy decoding)."""
+    sync_bucket_mb: float = 64.0
+    """Bucket size of the learner -> engine weight sync."""
+    verify_sync_every: int = 10
+    """Check engine logprobs against the learner on a probe sequence after the first sync and every N syncs
+    (0 = never)."""
+    verify_sync_tol: float = 1e-3
+    """Largest allowed |engine - learner| logprob difference on the probe."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm-start stage."""
+
+    def __post_init__(self):
+        _check(self.steps >= 0, f"trainer.steps must be >= 0 (got {self.steps})")
+        _check(self.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1 (got {self.prompts_per_step})")
+        _check(self.updates_per_rollout >= 1,
+               f"trainer.updates_per_rollout must be >= 1 (got {self.updates_per_rollout})")
+        _check(self.eval_every >= 0, f"trainer.eval_every must be >= 0 (got {self.eval_every})")
+        _check(self.eval_prompts >= 1, f"trainer.eval_prompts must be >= 1 (got {self.eval_prompts})")
+        _check(self.sync_bucket_mb > 0, f"trainer.sync_bucket_mb must be > 0 (got {self.sync_bucket_mb})")
+        _check(self.verify_sync_every >= 0, f"trainer.verify_sync_every must be >= 0 (got {self.verify_sync_every})")
+        _check(self.verify_sync_tol > 0, f"trainer.verify_sync_tol must be > 0 (got {self.verify_sync_tol})")

@@ -1,0 +1,71 @@
+"""The RL loop (`msrl train CONFIG`): optional SFT warm-start, then per step
+rollout -> rewards -> dense old logprobs -> advantages -> corrections -> updates -> weight sync -> metrics.
+
+    from megatron_sparse_rl.config import load_config
+    from megatron_sparse_rl.trainer import train
+    summary = train(load_config("configs/demo_tiny_moe.yaml"))
+
+Runs as one process or under torchrun/srun (every rank a learner with its own colocated engine).
+"""
+from __future__ import annotations
+
+import logging
+
+from megatron_sparse_rl.config.schema import RunConfig
+from megatron_sparse_rl.training import state
+from megatron_sparse_rl.training import steps as S
+from megatron_sparse_rl.training.context import build_context, open_metrics
+from megatron_sparse_rl.training.report import Reporter
+
+log = logging.getLogger(__name__)
+
+
+def train(run: RunConfig) -> dict:
+    cfg = run.trainer
+    ctx = build_context(run, total_steps=max(cfg.steps * cfg.updates_per_rollout, 1))
+    from megatron_sparse_rl.rewards import make_scorer
+
+    score, correct = make_scorer(run.reward), make_scorer(run.reward, shaping=False)
+    counters = state.resume_run(ctx) or {"sft_step": 0, "rl_step": 0, "sft_done": cfg.sft.max_steps == 0}
+    open_metrics(ctx, counters.pop("metrics_records", 0))  # a fresh run starts a fresh metrics.jsonl
+    report = Reporter(ctx, total=cfg.steps)
+    probe = report.probe_tokens()
+    counters["syncs"] = 0
+    report.scalars(S.sync_step(ctx, counters["syncs"], probe), step=counters["rl_step"], phase="sync")
+    counters["syncs"] += 1
+    if not counters["sft_done"]:
+        sft_stage(ctx, correct, counters, report, probe)
+        if run.checkpoint.save_every:
+            state.save_run(ctx, counters)
+    if counters["rl_step"] == 0:
+        report.warm_start(S.evaluate(ctx, correct, cfg.eval_prompts))
+    for step in range(counters["rl_step"], cfg.steps):
+        batch, metrics = S.rollout_step(ctx, step, score, correct)
+        metrics.update(S.train_step(ctx, batch))
+        metrics.update(S.sync_step(ctx, counters["syncs"], probe))
+        counters["syncs"] += 1
+        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
+            metrics["eval/accuracy"] = S.evaluate(ctx, correct, cfg.eval_prompts)
+        counters["rl_step"] = step + 1
+        report.step(step + 1, metrics)
+        if run.checkpoint.save_every and (step + 1) % run.checkpoint.save_every == 0:
+            state.save_run(ctx, counters)
+    return report.finish(counters)
+
+
+def sft_stage(ctx, correct, counters: dict, report, probe) -> None:
+    """Supervised warm-start until `trainer.sft.max_steps` or the target held-out accuracy."""
+    cfg = ctx.run.trainer.sft
+    while counters["sft_step"] < cfg.max_steps:
+        metrics = S.sft_step(ctx)
+        counters["sft_step"] += 1
+        if counters["sft_step"] % cfg.eval_every == 0 or counters["sft_step"] == cfg.max_steps:
+            metrics.update(S.sync_step(ctx, counters["syncs"], probe))
+            counters["syncs"] += 1
+            metrics["eval/accuracy"] = S.evaluate(ctx, correct, ctx.run.trainer.eval_prompts)
+            report.scalars(metrics, step=counters["sft_step"], phase="sft")
+            if cfg.target_accuracy and metrics["eval/accuracy"] >= cfg.target_accuracy:
+                break
+    counters["sft_done"] = True
+    report.scalars(S.sync_step(ctx, counters["syncs"], probe), step=counters["sft_step"], phase="sync")
+    counters["syncs"] += 1

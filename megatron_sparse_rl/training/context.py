@@ -1,0 +1,117 @@
+"""Set-up of one training process: the distributed world, the model directory, the learner, this rank's
+rollout engine, the tokenizer, the task data and the metrics sinks, gathered in a `RunContext`."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparse_rl.config.schema import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunContext:
+    run: RunConfig
+    run_dir: Path
+    model_dir: Path
+    rank: int
+    world_size: int
+    layout: Any
+    groups: Any
+    learner: Any
+    engine: Any
+    tokenizer: Any
+    task: Any
+    writer: Any
+    spec: Any
+
+    @property
+    def dp_group(self):
+        return self.groups.dp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_world() -> tuple[int, int]:
+    """Join the torchrun/srun world from the environment, or start a world of one on this machine."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                              LOCAL_RANK="0")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def ensure_model(run: RunConfig, rank: int) -> Path:
+    """The HF model directory; rank 0 builds the tiny random model there first when configured and missing."""
+    path = Path(run.model.path)
+    if not (path / "config.json").is_file():
+        if run.model.tiny is None:
+            raise FileNotFoundError(f"model.path {str(path)!r} has no config.json (and model.tiny is not set)")
+        if rank == 0:
+            from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+
+            t = run.model.tiny
+            log.info("building tiny %s model at %s", t.arch, path)
+            build_tiny_hf_model(path, arch=t.arch, hidden=t.hidden, layers=t.layers, heads=t.heads,
+                                kv_heads=t.kv_heads, head_dim=t.head_dim, experts=t.experts, topk=t.topk,
+                                moe_ffn=t.moe_ffn, ffn=t.ffn, seed=t.seed)
+        dist.barrier()
+    return path
+
+
+def build_context(run: RunConfig, total_steps: int) -> RunContext:
+    from transformers import AutoTokenizer
+
+    from megatron_sparse_rl.config import validate
+    from megatron_sparse_rl.data import build_task
+    from megatron_sparse_rl.learner.learner import Learner
+    from megatron_sparse_rl.models import load_spec
+    from megatron_sparse_rl.observability.logging import init_logging
+    from megatron_sparse_rl.parallel import ParallelLayout
+    from megatron_sparse_rl.patches import megatron_cpu
+    from megatron_sparse_rl.rollout import RolloutEngine
+
+    rank, world = init_world()
+    init_logging(rank)
+    validate(run, world)
+    megatron_cpu.apply()
+    run_dir = Path(run.logging.dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_model(run, rank)
+    adapter, spec = load_spec(model_dir)
+    layout = ParallelLayout.from_config(run.parallel, world)
+    layout.check_model(spec)
+    groups = layout.initialize()
+    learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=total_steps)
+    learner.load_hf(model_dir)
+    engine = RolloutEngine(model_dir, run.rollout, cache_dir=run_dir / "vllm_cache")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    task = build_task(run.data, tokenizer)
+    return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, engine, tokenizer, task,
+                      None, spec)
+
+
+def open_metrics(ctx: RunContext, keep_records: int | None) -> None:
+    """Rank 0's metrics sink; on resume, records written after the checkpoint are dropped."""
+    from megatron_sparse_rl.observability.metrics import MetricsWriter
+
+    if ctx.is_main:
+        ctx.writer = MetricsWriter(ctx.run_dir, tensorboard=ctx.run.logging.tensorboard, keep_records=keep_records)

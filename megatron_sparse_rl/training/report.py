@@ -1,0 +1,74 @@
+"""What a run shows and leaves behind: a progress line per step, metrics.jsonl + TensorBoard, the
+warm-start vs final accuracy summary, the final checkpoint, the HF export and the PNG plot."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from megatron_sparse_rl.training import state
+from megatron_sparse_rl.training.context import RunContext
+
+log = logging.getLogger(__name__)
+
+
+class Reporter:
+    def __init__(self, ctx: RunContext, total: int):
+        from megatron_sparse_rl.observability.progress import ProgressPrinter
+
+        self.ctx = ctx
+        self.progress = ProgressPrinter(total) if ctx.is_main else None
+        self.start = time.perf_counter()
+        self.warm_start_accuracy: float | None = None
+        self.last_eval: float | None = None
+
+    def probe_tokens(self) -> torch.Tensor:
+        """A fixed sequence (a held-out prompt and its answer) for engine-vs-learner logprob checks."""
+        example = self.ctx.task.eval_examples(1)[0]
+        tok = self.ctx.tokenizer
+        ids = list(example.ids) + tok.encode(example.answer, add_special_tokens=False)
+        return torch.tensor([ids])
+
+    def _write(self, step: int, metrics: dict, phase: str) -> None:
+        if self.ctx.writer is not None:
+            self.ctx.writer.log(step, metrics, phase=phase)
+
+    def scalars(self, metrics: dict, *, step: int, phase: str) -> None:
+        if "eval/accuracy" in metrics:
+            self.last_eval = metrics["eval/accuracy"]
+        self._write(step, metrics, phase)
+        if self.ctx.is_main and phase == "sft":
+            log.info("sft step %d: loss %.4f, held-out accuracy %.3f", step, metrics.get("sft/loss", float("nan")),
+                     metrics.get("eval/accuracy", float("nan")))
+
+    def warm_start(self, accuracy: float) -> None:
+        self.warm_start_accuracy = self.last_eval = accuracy
+        self._write(0, {"eval/accuracy": accuracy}, "warm_start")
+        if self.ctx.is_main:
+            log.info("held-out accuracy before RL: %.3f", accuracy)
+
+    def step(self, step: int, metrics: dict) -> None:
+        if "eval/accuracy" in metrics:
+            self.last_eval = metrics["eval/accuracy"]
+        self._write(step, metrics, "rl")
+        if self.progress is not None:
+            self.progress.update(step, metrics)
+
+    def finish(self, counters: dict) -> dict:
+        """Final checkpoint, HF export and plot; returns the run summary."""
+        ctx = self.ctx
+        ckpt = state.save_run(ctx, counters) if ctx.run.checkpoint.save_every or ctx.run.trainer.steps else None
+        hf_dir = state.export_hf(ctx, ctx.run_dir / "hf_final")
+        summary = {"rank": ctx.rank, "rl_steps": counters["rl_step"], "sft_steps": counters["sft_step"],
+                   "warm_start_accuracy": self.warm_start_accuracy, "final_accuracy": self.last_eval,
+                   "seconds": round(time.perf_counter() - self.start, 1)}
+        if ctx.is_main:
+            from megatron_sparse_rl.observability.plot import plot_metrics
+
+            ctx.writer.close()
+            plot = plot_metrics(ctx.run_dir / "metrics.jsonl", ctx.run_dir / "metrics.png")
+            summary.update(metrics=str(ctx.run_dir / "metrics.jsonl"), plot=str(plot), hf_checkpoint=str(hf_dir),
+                           checkpoint=str(ckpt) if ckpt else None)
+        ctx.engine.shutdown()
+        return summary

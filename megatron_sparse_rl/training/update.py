@@ -1,0 +1,109 @@
+"""The learner side of one RL step: align the rollout with the learner's token layout, recompute the old
+(dense) logprobs, compute advantages and off-policy corrections, and run the policy-gradient updates.
+
+Layout: `tokens` [B, T] is prompt + response, right-padded; learner outputs [B, T-1] where column t scores
+token t + 1; `mask` [B, T-1] marks the scored response tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparse_rl.algorithms import (
+    apply_corrections, compute_advantages, loss_normalizer, mismatch_metrics, policy_loss,
+)
+from megatron_sparse_rl.config.algorithm import AlgorithmConfig
+from megatron_sparse_rl.rollout.batch import RolloutBatch
+
+
+@dataclass
+class PreparedBatch:
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    """bool [B, T-1]: response tokens kept for training (after corrections)."""
+    old_logprobs: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    """float [B] per-sequence advantages."""
+    weights: torch.Tensor
+    """float [B, T-1] correction weights (applied outside the clip)."""
+    metrics: dict[str, float]
+
+
+def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B, T], response mask [B, T-1], rollout logprobs [B, T-1]) in the learner's shifted layout."""
+    tokens, _, response_positions = batch.sequences(pad_id)
+    mask = response_positions[:, 1:]
+    aligned = torch.zeros(mask.shape, dtype=torch.float32)
+    rows, cols = torch.nonzero(batch.response_mask, as_tuple=True)
+    aligned[rows, batch.prompt_lens[rows] - 1 + cols] = batch.rollout_logprobs[rows, cols].float()
+    return tokens, mask, aligned
+
+
+def _scalar_metrics(metrics: dict[str, torch.Tensor], prefix: str = "") -> dict[str, float]:
+    return {prefix + k: float(v) for k, v in metrics.items()}
+
+
+def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, dp_group) -> PreparedBatch:
+    """Old logprobs (dense recompute), advantages and corrections for this rank's rollout batch."""
+    if batch.reward is None:
+        raise ValueError("the rollout batch has no rewards; score it before the update")
+    tokens, mask, rollout_lp = align_rollout(batch, pad_id)
+    old_lp = learner.forward_logprobs(tokens)["logprobs"]
+    advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
+    corr = apply_corrections(cfg.corrections, old_lp, rollout_lp, mask, advantages=advantages, group=dp_group)
+    metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask))
+    metrics.update(_scalar_metrics(corr.metrics))
+    return PreparedBatch(tokens, mask & corr.keep, old_lp, rollout_lp, advantages, corr.weights, metrics)
+
+
+def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group) -> dict[str, float]:
+    """`updates` optimizer steps over equal row slices of the batch; losses are normalised by the global
+    (all data-parallel ranks) token or sequence count of each mini-batch. Returns mean metrics."""
+    totals: dict[str, float] = {}
+    rows = torch.arange(prep.tokens.shape[0])
+    for chunk in rows.chunk(updates):
+        norm = loss_normalizer(prep.mask[chunk], cfg.loss.aggregation, group=dp_group)
+        loss_fn = _loss_fn(prep, chunk, cfg, norm)
+        out = learner.train_step(prep.tokens[chunk], loss_fn)
+        for k, v in out.items():
+            totals[k] = totals.get(k, 0.0) + v
+    return _reduce(totals, updates, dp_group)
+
+
+def _loss_fn(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, norm: torch.Tensor):
+    mask, old = prep.mask[chunk], prep.old_logprobs[chunk]
+    adv, weights = prep.advantages[chunk], prep.weights[chunk]
+
+    def loss_fn(logprobs, entropy, index):
+        m = mask[index].to(logprobs.device)
+        loss, metrics = policy_loss(logprobs, old[index].to(logprobs.device), adv[index].to(logprobs.device), m,
+                                    cfg=cfg.loss, normalizer=norm, weights=weights[index].to(logprobs.device),
+                                    entropy=entropy)
+        n = m.sum().float()
+        # metrics are means over this micro-batch's tokens: weight by its token count, divided out later
+        weighted = {f"{k}*n": v.detach().float() * n for k, v in metrics.items()}
+        return loss, {**weighted, "n": n}
+
+    return loss_fn
+
+
+def _reduce(totals: dict[str, float], updates: int, dp_group) -> dict[str, float]:
+    keys = sorted(totals)
+    values = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(values, group=dp_group)
+    summed = dict(zip(keys, values.tolist()))
+    n = max(summed.get("n", 0.0), 1.0)
+    out = {}
+    for k, v in summed.items():
+        if k.endswith("*n"):
+            out["loss/" + k[:-2]] = v / n
+    out["loss/value"] = summed.get("loss", 0.0) / updates
+    dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+    out["train/grad_norm"] = summed.get("grad_norm", 0.0) / (updates * dp)
+    out["train/lr"] = summed.get("lr", 0.0) / (updates * dp)
+    out["train/tokens"] = summed.get("n", 0.0)
+    return out

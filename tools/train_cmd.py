@@ -1,0 +1,27 @@
+"""`msrl train CONFIG [--set a.b=v ...]`: run the RL loop (SFT warm-start first when configured).
+
+One process, or every rank of a torchrun/srun world (`msrl launch local --nproc N CONFIG`).
+
+    msrl train configs/demo_tiny_moe.yaml
+    msrl train configs/tiny_moe.yaml --set trainer.steps=2 --set logging.dir=runs/try
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config YAML (overrides of the dataclass defaults)")
+    parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="A.B=V",
+                        help="override a field, value parsed as YAML (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_sparse_rl.config import load_config
+    from megatron_sparse_rl.trainer import train
+
+    summary = train(load_config(args.config, args.overrides))
+    if summary.get("rank", 0) == 0:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    return 0
