@@ -1,0 +1,141 @@
+"""`msrl launch`: rendered sbatch scripts (bash -n, counts, requeue), launch config errors, local command."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.checks import check_launch
+from launch.load import job_overrides, load_run
+from launch.slurm import render_sbatch
+from megatron_sparse_rl.config import ConfigError
+from tools import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(tmp_path: Path, **sections) -> Path:
+    data = {"model": {"path": "/cluster/models/never-here"}, "logging": {"dir": "runs/x"}}
+    data.update(sections)
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _render(tmp_path, overrides=(), **sections) -> str:
+    path = _cfg(tmp_path, **sections)
+    run, launch = load_run(path, overrides)
+    check_launch(run, launch, slurm=True)
+    return render_sbatch(run, launch, path, job_overrides(overrides), workdir=str(tmp_path))
+
+
+def _bash_n(script: str, tmp_path: Path) -> None:
+    f = tmp_path / "job.sbatch"
+    f.write_text(script)
+    r = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def _sbatch(script: str) -> dict[str, str]:
+    return dict(re.match(r"#SBATCH --([\w-]+)=?(.*)", line).groups()
+                for line in script.splitlines() if line.startswith("#SBATCH"))
+
+
+CASES = [  # (launch section, parallel section, expected nodes, tasks per node, gpus per node)
+    ({"nodes": 1, "nproc_per_node": 8, "slurm": {"partition": "gpu"}}, {"tp": 2}, 1, 1, 8),
+    ({"nodes": 32, "nproc_per_node": 8, "slurm": {"partition": "h100", "account": "rl", "time": "2-00:00:00"}},
+     {"tp": 8, "pp": 8, "ep": 32, "sequence_parallel": True}, 32, 1, 8),
+    ({"nodes": 5, "nproc_per_node": 4, "rollout_nodes": 1,
+      "slurm": {"partition": "a100", "mode": "srun", "container_image": "nvcr.io/x:1", "container_mounts": ["/d:/d"]}},
+     {"tp": 4, "ep": 2}, 5, 4, 4),
+    ({"nodes": 2, "nproc_per_node": 2, "slurm": {"partition": "cpu", "gpus_per_node": 0, "requeue": False}},
+     {}, 2, 1, None),
+]
+
+
+@pytest.mark.parametrize("launch,parallel,nodes,tasks,gpus", CASES)
+def test_rendered_script_parses_and_counts(tmp_path, launch, parallel, nodes, tasks, gpus):
+    script = _render(tmp_path, launch=launch, parallel=parallel)
+    _bash_n(script, tmp_path)
+    opts = _sbatch(script)
+    assert opts["nodes"] == str(nodes) and opts["ntasks-per-node"] == str(tasks)
+    assert opts.get("gpus-per-node") == (str(gpus) if gpus else None)
+    assert opts["partition"] == launch["slurm"]["partition"]
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert f"--nodes={nodes}" in srun and f"--ntasks-per-node={tasks}" in srun
+    if launch["slurm"].get("mode", "torchrun") == "torchrun":
+        assert f"--nproc-per-node={launch['nproc_per_node']}" in script and '--node-rank="$SLURM_NODEID"' in script
+    else:
+        assert 'RANK="$SLURM_PROCID"' in script and "--container-image=nvcr.io/x:1" in srun
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert f"--output={tmp_path}/runs/x/slurm/%x-%j.out" in script
+    if launch["slurm"].get("requeue", True):
+        assert "requeue" in opts and opts["signal"] == "B:USR1@120"
+        assert "trap msrl_preempt USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    else:
+        assert "no-requeue" in opts and "trap msrl_preempt" not in script
+
+
+def test_overrides_and_config_are_forwarded_quoted(tmp_path):
+    script = _render(tmp_path, ["learner.seed=7", "logging.dir=runs/a b", "launch.slurm.time=01:00:00"],
+                     launch={"nproc_per_node": 2, "slurm": {"partition": "p", "account": "acct"}})
+    _bash_n(script, tmp_path)
+    program = next(line for line in script.splitlines() if line.startswith("PROGRAM=("))
+    assert program.startswith(f"PROGRAM=(tools.cli train {tmp_path}/run.yaml --set learner.seed=7 --set 'logging.dir=runs/a b'")
+    assert "#SBATCH --account=acct" in script and "#SBATCH --time=01:00:00" in script
+
+
+def test_layout_comment_names_learner_and_rollout_ranks(tmp_path):
+    script = _render(tmp_path, launch={"nodes": 3, "nproc_per_node": 4, "rollout_nodes": 1,
+                                       "slurm": {"partition": "p"}})
+    assert "learner nodes 0-1 (ranks 0-7), rollout nodes 2-2 (ranks 8-11)" in script
+
+
+@pytest.mark.parametrize("launch,parallel,message", [
+    ({"nodes": 3, "nproc_per_node": 8, "slurm": {"partition": "p"}}, {"tp": 8, "pp": 2},
+     "learner ranks = (launch.nodes 3 - launch.rollout_nodes 0) * launch.nproc_per_node 8 = 24 is not divisible "
+     "by parallel.tp * parallel.pp = 8 * 2 = 16"),
+    ({"nodes": 2, "nproc_per_node": 8, "slurm": {"partition": "p"}}, {"tp": 2, "ep": 3},
+     "not divisible by parallel.ep * parallel.etp = 3 * 1"),
+    ({"nodes": 2, "nproc_per_node": 8}, {}, "launch.slurm.partition is empty"),
+    ({"nodes": 1, "nproc_per_node": 8, "slurm": {"partition": "p", "gpus_per_node": 4}}, {},
+     "launch.slurm.gpus_per_node = 4 must equal launch.nproc_per_node = 8"),
+    ({"nodes": 2, "nproc_per_node": 4, "slurm": {"partition": "p"}}, {"tp": 8},
+     "parallel.tp = 8 exceeds launch.nproc_per_node = 4"),
+])
+def test_bad_launch_configs_error_clearly(tmp_path, launch, parallel, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _render(tmp_path, launch=launch, parallel=parallel)
+
+
+@pytest.mark.parametrize("launch,message", [
+    ({"nodes": 2, "rollout_nodes": 2}, "launch.rollout_nodes must be in [0, launch.nodes - 1 = 1]"),
+    ({"slurm": {"time": "forever"}}, "launch.slurm.time must look like"),
+    ({"slurm": {"partiton": "p"}}, "unknown key 'launch.slurm.partiton'; did you mean 'partition'?"),
+    ({"slurm": {"extra_sbatch": ["constraint=h100"]}}, "must be single options starting with '-'"),
+])
+def test_launch_fields_check_themselves(tmp_path, launch, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_run(_cfg(tmp_path, launch=launch))
+
+
+def test_cli_dry_run_prints_script_and_bad_config_exits_2(tmp_path, capsys):
+    path = _cfg(tmp_path, launch={"nodes": 2, "nproc_per_node": 2, "rollout_nodes": 1})
+    assert cli.main(["launch", "slurm", str(path), "--dry-run", "--set", "launch.slurm.partition=p"]) == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash")
+    assert cli.main(["launch", "slurm", str(path), "--dry-run"]) == 2
+    assert "launch.slurm.partition is empty" in capsys.readouterr().err
+
+
+def test_local_dry_run_command(tmp_path, capsys):
+    path = _cfg(tmp_path, model={"path": str(tmp_path / "m"), "tiny": {}}, parallel={"tp": 2, "sequence_parallel": True})
+    assert cli.main(["launch", "local", "--nproc", "2", str(path), "--dry-run", "--set", "learner.seed=3"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert out[5:9] == ["-m", "tools.cli", "train", str(path)]
+    assert "learner.seed=3" in out and "launch.nproc_per_node=2" in out
+    assert cli.main(["launch", "local", "--nproc", "3", str(path), "--dry-run"]) == 2  # tp=2 does not divide 3

@@ -1,0 +1,87 @@
+"""`msrl plan MODEL --gpus N --gpu-mem GiB`: memory and layout plan for a model on a cluster.
+
+    msrl plan kimi-k2 --gpus 256 --gpu-mem 80 --optimizer-offload
+    msrl plan qwen3-30b-a3b --gpus 8 --gpu-mem 80 --seq-len 16384 --kv-budget 2048
+    msrl plan /models/MyMoE --nodes 4 --gpu-mem 141 --link-gbps 400
+
+MODEL is a bundled name (qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, kimi-k2) or a model directory /
+config.json. Prints parameters, ranked learner layouts (per-GPU weights, grads, optimizer, activations;
+why a layout does not fit), rollout KV per sequence dense vs sparse and the sequences an engine can hold,
+and the weight-sync volume and time. The assumptions are in docs/scale.md.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("model", help="bundled model name or HF model directory / config.json")
+    a("--gpus", type=int, default=None, help="total GPUs of the learner (default: nodes * gpus-per-node)")
+    a("--nodes", type=int, default=None, help="nodes (default: gpus / gpus-per-node)")
+    a("--gpus-per-node", type=int, default=8)
+    a("--gpu-mem", type=float, required=True, metavar="GiB", help="memory of one GPU")
+    a("--seq-len", type=int, default=32768, help="tokens per sequence (prompt + response), learner and rollout")
+    a("--micro-batch", type=int, default=1)
+    a("--recompute", choices=("full", "none"), default="full")
+    a("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
+    a("--optimizer-offload", action="store_true", help="master weights + Adam states on the host")
+    a("--top", type=int, default=8, help="fitting layouts to show")
+    a("--layout", default=None, metavar="TP,PP,EP", help="also evaluate this one layout (e.g. 8,8,32)")
+    a("--rollout-gpus", type=int, default=None, help="GPUs per rollout engine (default: smallest that fits)")
+    a("--kv-budget", type=int, default=2048, help="sparse KV budget (tokens kept)")
+    a("--kv-interval", type=int, default=128, help="tokens generated between compressions")
+    a("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
+    a("--link-gbps", type=float, default=400.0, help="bandwidth of one learner -> engine link")
+
+
+def _gpus(args) -> tuple[int, int]:
+    from megatron_sparse_rl.config import ConfigError
+
+    g, n, per = args.gpus, args.nodes, args.gpus_per_node
+    if per < 1 or args.gpu_mem <= 0:
+        raise ConfigError("--gpus-per-node must be >= 1 and --gpu-mem > 0")
+    if g is None and n is None:
+        raise ConfigError("give --gpus N or --nodes N")
+    g = g if g is not None else n * per
+    n = n if n is not None else -(-g // per)
+    if g < 1 or g > n * per:
+        raise ConfigError(f"--gpus {g} must be in [1, nodes * gpus-per-node = {n * per}]")
+    return g, n
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_sparse_rl.config import ConfigError
+    from megatron_sparse_rl.planner import (PlanOptions, default_engine_gpus, load_shape, plan_layout,
+                                            rank_layouts, rollout_plan, weight_sync)
+    from megatron_sparse_rl.planner import report
+    from megatron_sparse_rl.planner.memory import shard_problems
+
+    gpus, nodes = _gpus(args)
+    try:
+        shape = load_shape(args.model)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise ConfigError(str(e)) from None
+    opts = PlanOptions(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem, seq_len=args.seq_len,
+                       micro_batch=args.micro_batch, recompute=args.recompute, grad_dtype=args.grad_dtype,
+                       optimizer_offload=args.optimizer_offload)
+    lines = report.model_lines(shape) + [""] + report.layout_lines(rank_layouts(shape, opts), opts, args.top)
+    if args.layout:
+        try:
+            tp, pp, ep = (int(x) for x in args.layout.split(","))
+        except ValueError:
+            raise ConfigError(f"--layout must be TP,PP,EP (got {args.layout!r})") from None
+        bad = shard_problems(shape, tp, pp, ep, opts)
+        p = None if bad else plan_layout(shape, tp, pp, ep, opts)
+        lines.append(f"layout tp{tp} pp{pp} ep{ep}: " + ("; ".join(bad) if bad else
+                     f"{p.total_gib:.1f} GiB/GPU (weights {p.weights_gib:.1f}, grads {p.grads_gib:.1f}, optimizer "
+                     f"{p.optimizer_gib:.1f}, activations {p.activations_gib:.1f}) -> "
+                     + ("fits" if p.fits else "does not fit: " + "; ".join(p.problems))))
+    engine = args.rollout_gpus or default_engine_gpus(shape, args.gpu_mem, gpus)
+    kv_bytes = 1 if args.kv_dtype == "fp8" else 2
+    r = rollout_plan(shape, gpu_mem_gib=args.gpu_mem, engine_gpus=engine, seq_len=args.seq_len,
+                     budget=args.kv_budget, interval=args.kv_interval, kv_bytes=kv_bytes)
+    lines += [""] + report.rollout_lines(r, args.kv_dtype, args.kv_budget, args.kv_interval)
+    lines += report.sync_lines(weight_sync(shape, link_gbps=args.link_gbps, learner_nodes=nodes))
+    print("\n".join(lines))
+    return 0
