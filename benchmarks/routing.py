@@ -1,0 +1,92 @@
+"""Routing replay overhead and route storage size.
+
+    .venv/bin/python benchmarks/routing.py [--hidden 128 --layers 4 --experts 64 --topk 8 --seq 256 --batch 8 --steps 5]
+
+One process (single-rank gloo world, TP1), a tiny random Qwen3-MoE, fp32, real Megatron learner on CPU.
+Prints the learner train-step time with R2 replay (LearnerRouting.update around train_step, including the
+per-step route checks and the applied-fraction verification) over the time without replay (same model,
+routers computing their own top-k), interleaved, best of `--steps`; and the route storage in bytes per
+token (packed uint8 RouteStore) next to what int64 indices padded to the batch's longest sequence would take.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+
+def _learner(model_dir):
+    from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_sparse_rl.learner.learner import Learner
+    from megatron_sparse_rl.models import load_spec
+    from megatron_sparse_rl.parallel import ParallelLayout
+    from megatron_sparse_rl.patches import megatron_cpu
+
+    megatron_cpu.apply()
+    adapter, spec = load_spec(model_dir)
+    layout = ParallelLayout.from_config(ParallelConfig(), 1)
+    learner = Learner(adapter, spec, layout, layout.initialize(), model_cfg=ModelConfig(path=str(model_dir)),
+                      cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-5)), total_steps=100,
+                      routing_replay=True)
+    learner.load_hf(model_dir)
+    return learner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    a = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    import torch
+    import torch.distributed as dist
+
+    from megatron_sparse_rl.config.routing import RoutingConfig
+    from megatron_sparse_rl.learner.routing import LearnerRouting
+    from megatron_sparse_rl.learner.sft import make_sft_loss
+    from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_hf_model(f"{tmp}/m", hidden=a.hidden, layers=a.layers, experts=a.experts, topk=a.topk,
+                                        moe_ffn=a.hidden, max_position=max(2048, a.seq))
+        learner = _learner(model_dir)
+        routing = LearnerRouting(learner, RoutingConfig(mode="R2", record_stats=False))
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(3, 60, (a.batch, a.seq), generator=g)
+        lengths = torch.randint(a.seq // 2, a.seq + 1, (a.batch,), generator=g)
+        mask = (torch.arange(a.seq - 1)[None] < (lengths - 1)[:, None]).float()
+        loss_fn = make_sft_loss(mask, mask.sum().item())
+        with routing.old_forward(tokens, lengths) as ph:
+            learner.forward_logprobs(tokens)
+        routes = ph.routes
+        plain, replay = float("inf"), float("inf")
+        learner.train_step(tokens, loss_fn)  # warm-up
+        for _ in range(a.steps):
+            t = time.perf_counter()
+            learner.train_step(tokens, loss_fn)
+            plain = min(plain, time.perf_counter() - t)
+            t = time.perf_counter()
+            with routing.update(tokens, lengths, routes):
+                learner.train_step(tokens, loss_fn)
+            replay = min(replay, time.perf_counter() - t)
+    n_tok = int(routes.indices.shape[0])
+    padded_int64 = a.batch * (a.seq - 1) * a.layers * a.topk * 8
+    print(f"learner step: {plain * 1e3:.1f} ms without replay, {replay * 1e3:.1f} ms with R2 replay "
+          f"-> overhead {100 * (replay / plain - 1):+.2f}% (target < 2%)")
+    print(f"route storage: {routes.bytes_per_token():.2f} bytes/token packed {routes.indices.dtype} "
+          f"({a.layers} layers x top-{a.topk}) vs {padded_int64 / n_tok:.1f} bytes/token as padded int64 "
+          f"-> {padded_int64 / routes.nbytes:.1f}x smaller")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
