@@ -50,6 +50,9 @@ def train(run: RunConfig) -> dict:
         report.step(step + 1, metrics)
         if run.checkpoint.save_every and (step + 1) % run.checkpoint.save_every == 0:
             state.save_run(ctx, counters)
+        if state.preemption_requested(ctx):
+            log.warning("preemption requested: checkpointing at step %d and exiting", step + 1)
+            return {"rank": ctx.rank, "preempted": True, "checkpoint": str(state.save_run(ctx, counters))}
     return report.finish(counters)
 
 

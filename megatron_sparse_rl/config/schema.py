@@ -10,7 +10,9 @@ from typing import Literal
 
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
 from megatron_sparse_rl.config.data import DataConfig, RewardConfig
+from megatron_sparse_rl.config.launch import LaunchConfig
 from megatron_sparse_rl.config.rollout import RolloutConfig
+from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.trainer import TrainerConfig
 
 
@@ -180,20 +182,6 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
-class LaunchConfig:
-    """How the job is started (local torchrun or SLURM)."""
-
-    nproc_per_node: int = 1
-    """Processes per node (GPUs per node on a cluster)."""
-    nodes: int = 1
-    """Number of nodes."""
-
-    def __post_init__(self):
-        _check(self.nproc_per_node >= 1, f"launch.nproc_per_node must be >= 1 (got {self.nproc_per_node})")
-        _check(self.nodes >= 1, f"launch.nodes must be >= 1 (got {self.nodes})")
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
 class RunConfig:
     """The whole run: one sub-config per component."""
 
@@ -213,6 +201,8 @@ class RunConfig:
     """Prompt data: the built-in arithmetic task or JSONL/parquet files."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """How responses are scored."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    """MoE routing replay (R2/R3) and routing statistics."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing and resume."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

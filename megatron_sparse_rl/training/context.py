@@ -32,6 +32,8 @@ class RunContext:
     task: Any
     writer: Any
     spec: Any
+    routing: Any = None
+    """LearnerRouting when the model is MoE and routing replay or statistics are on."""
 
     @property
     def dp_group(self):
@@ -100,13 +102,24 @@ def build_context(run: RunConfig, total_steps: int) -> RunContext:
     layout = ParallelLayout.from_config(run.parallel, world)
     layout.check_model(spec)
     groups = layout.initialize()
-    learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=total_steps)
+    use_routing = spec.is_moe and run.routing.replay
+    learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=total_steps,
+                      routing_replay=use_routing)
     learner.load_hf(model_dir)
+    routing = None
+    if use_routing:
+        from megatron_sparse_rl.learner.routing import LearnerRouting
+
+        routing = LearnerRouting(learner, run.routing)
     engine = RolloutEngine(model_dir, run.rollout, cache_dir=run_dir / "vllm_cache")
+    if spec.is_moe and (run.routing.mode == "R3" or run.routing.capture_rollout_routes):
+        from megatron_sparse_rl.rollout.routes import EngineRouteCapture
+
+        EngineRouteCapture.attach(engine)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     task = build_task(run.data, tokenizer)
     return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, engine, tokenizer, task,
-                      None, spec)
+                      None, spec, routing)
 
 
 def open_metrics(ctx: RunContext, keep_records: int | None) -> None:

@@ -57,6 +57,19 @@ def resume_run(ctx: RunContext) -> dict | None:
     return extra["counters"]
 
 
+def preemption_requested(ctx: RunContext) -> bool:
+    """True on every rank once the launcher's preemption file ($MSRL_PREEMPT_FILE, written by the sbatch
+    script on SIGUSR1) exists: the trainer then checkpoints and exits so the requeued job resumes."""
+    flag = os.environ.get("MSRL_PREEMPT_FILE")
+    if not flag:
+        return False
+    import torch
+
+    hit = torch.tensor([float(ctx.is_main and Path(flag).exists())])
+    dist.broadcast(hit, src=0)
+    return bool(hit.item())
+
+
 def export_hf(ctx: RunContext, out: Path) -> Path | None:
     """Write the learner's weights as a Hugging Face model directory (config and tokenizer copied from the
     source model). Every rank takes part in the gathers; rank 0 writes. Atomic (temp dir, then rename)."""

@@ -65,13 +65,14 @@ def train_step(ctx: RunContext, batch) -> dict[str, float]:
     """Dense old-logprob recompute, advantages, corrections and the policy updates."""
     t0 = time.perf_counter()
     algo = ctx.run.algorithm
-    prep = U.prepare(ctx.learner, batch, algo, pad_id=ctx.engine.pad_id, dp_group=ctx.dp_group)
+    prep = U.prepare(ctx.learner, batch, algo, pad_id=ctx.engine.pad_id, dp_group=ctx.dp_group,
+                     routing=ctx.routing)
     metrics = dict(prep.metrics)
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
         log.warning("skipping the update: the batch's k1 mismatch is over algorithm.corrections.batch_skip.max_k1")
     else:
         metrics.update(U.update(ctx.learner, prep, algo, updates=ctx.run.trainer.updates_per_rollout,
-                                dp_group=ctx.dp_group))
+                                dp_group=ctx.dp_group, routing=ctx.routing))
     seconds = time.perf_counter() - t0
     metrics["time/train_s"] = seconds
     metrics["train/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(seconds, 1e-9)

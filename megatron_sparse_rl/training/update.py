@@ -6,7 +6,9 @@ token t + 1; `mask` [B, T-1] marks the scored response tokens.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,10 @@ class PreparedBatch:
     weights: torch.Tensor
     """float [B, T-1] correction weights (applied outside the clip)."""
     metrics: dict[str, float]
+    lengths: torch.Tensor | None = None
+    """int [B] real token counts (routing replay)."""
+    routes: Any = None
+    """moe.RouteStore the updates replay (R2: recorded in the old-logprob forward; R3: the engine's)."""
 
 
 def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,31 +52,47 @@ def _scalar_metrics(metrics: dict[str, torch.Tensor], prefix: str = "") -> dict[
     return {prefix + k: float(v) for k, v in metrics.items()}
 
 
-def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, dp_group) -> PreparedBatch:
-    """Old logprobs (dense recompute), advantages and corrections for this rank's rollout batch."""
+def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, dp_group,
+            routing=None) -> PreparedBatch:
+    """Old logprobs (dense recompute), advantages and corrections for this rank's rollout batch. With
+    `routing` (LearnerRouting) the old forward records (R2) or replays the engine's (R3) routes."""
     if batch.reward is None:
         raise ValueError("the rollout batch has no rewards; score it before the update")
     tokens, mask, rollout_lp = align_rollout(batch, pad_id)
-    old_lp = learner.forward_logprobs(tokens)["logprobs"]
+    lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
+    phase = routing.old_forward(tokens, lengths, batch.routed_experts) if routing else contextlib.nullcontext()
+    with phase as old:
+        old_lp = learner.forward_logprobs(tokens)["logprobs"]
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
     corr = apply_corrections(cfg.corrections, old_lp, rollout_lp, mask, advantages=advantages, group=dp_group)
     metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask))
     metrics.update(_scalar_metrics(corr.metrics))
-    return PreparedBatch(tokens, mask & corr.keep, old_lp, rollout_lp, advantages, corr.weights, metrics)
+    if old:
+        metrics.update(_scalar_metrics(old.metrics))
+    return PreparedBatch(tokens, mask & corr.keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
+                         lengths=lengths, routes=old.routes if old else None)
 
 
-def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group) -> dict[str, float]:
+def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group,
+           routing=None) -> dict[str, float]:
     """`updates` optimizer steps over equal row slices of the batch; losses are normalised by the global
-    (all data-parallel ranks) token or sequence count of each mini-batch. Returns mean metrics."""
+    (all data-parallel ranks) token or sequence count of each mini-batch. Returns mean metrics. With
+    `routing`, every update forward (and recompute backward) replays `prep.routes`."""
     totals: dict[str, float] = {}
+    routing_out: dict[str, float] = {}
     rows = torch.arange(prep.tokens.shape[0])
     for chunk in rows.chunk(updates):
         norm = loss_normalizer(prep.mask[chunk], cfg.loss.aggregation, group=dp_group)
         loss_fn = _loss_fn(prep, chunk, cfg, norm)
-        out = learner.train_step(prep.tokens[chunk], loss_fn)
+        routes = prep.routes.select(chunk) if prep.routes is not None else None
+        phase = routing.update(prep.tokens[chunk], prep.lengths[chunk], routes) if routing else contextlib.nullcontext()
+        with phase as up:
+            out = learner.train_step(prep.tokens[chunk], loss_fn)
+        if up:
+            routing_out.update({k: float(v) for k, v in up.metrics.items()})
         for k, v in out.items():
             totals[k] = totals.get(k, 0.0) + v
-    return _reduce(totals, updates, dp_group)
+    return {**_reduce(totals, updates, dp_group), **routing_out}
 
 
 def _loss_fn(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, norm: torch.Tensor):
