@@ -100,12 +100,17 @@ class CpuRNGStatesTracker:
 
 @_once("rng_tracker")
 def patch_rng_tracker() -> None:
-    """Megatron's RNG tracker stores and forks CUDA generator states (`torch.cuda.get_rng_state`), which
-    fails without CUDA. Swap in a tracker class with the same API over CPU generator states."""
+    """Megatron's RNG tracker stores and forks CUDA generator states (`torch.cuda.get_rng_state`), and
+    activation recompute saves/restores the CUDA generator; both fail without CUDA. Swap in a tracker class
+    with the same API over CPU generator states, and let the recompute save/restore the CPU generator."""
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom.initialize_rng_tracker(force_reset=True)
+    # Activation recompute saves and restores "the CUDA generator" around the recomputed forward; on the
+    # host that generator is the CPU one.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
 
 def _cpu_dtoh_and_synchronize(self, point, tokens_per_expert=None):
