@@ -80,6 +80,12 @@ class KVConfig:
     """Return the kept positions of every layer/KV head at every compaction (`RolloutBatch.kv_keep`);
     false records only the compaction steps (the memory of a full record grows with layers x heads x
     budget per compaction)."""
+    block_size: int | None = None
+    """KV cache block size in tokens (a multiple of 32 on CPU); None = vLLM's default (128 on CPU). Blocks
+    are the unit that compaction frees: smaller blocks follow the budget more tightly."""
+    pool_blocks: int | None = None
+    """Fix the engine's KV pool to this many blocks (vLLM num_gpu_blocks_override) instead of sizing it
+    from memory; for benchmarks and tests at a fixed pool. None = sized by rollout.kv_cache_gb."""
     admission_control: bool = True
     """Admit a request only when the worst-case blocks of all running requests still fit the pool (no
     preemption of compressed requests); false leaves vLLM's optimistic admission and preemption."""
@@ -98,6 +104,10 @@ class KVConfig:
                  self.pooling)
         _require(self.kernel >= 1 and self.kernel % 2 == 1, "rollout.kv.kernel", "must be an odd integer >= 1",
                  self.kernel)
+        _require(self.block_size is None or (self.block_size >= 16 and self.block_size % 16 == 0),
+                 "rollout.kv.block_size", "must be None or a multiple of 16", self.block_size)
+        _require(self.pool_blocks is None or self.pool_blocks >= 2, "rollout.kv.pool_blocks", "must be None or >= 2",
+                 self.pool_blocks)
         _require(0.0 <= self.rkv_lambda <= 1.0, "rollout.kv.rkv_lambda", "must be in [0, 1]", self.rkv_lambda)
         _require(-1.0 <= self.rkv_threshold <= 1.0, "rollout.kv.rkv_threshold", "must be in [-1, 1]",
                  self.rkv_threshold)

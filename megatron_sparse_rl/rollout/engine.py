@@ -98,10 +98,6 @@ def _keep_default_process_group():
 
 
 def _reject_unimplemented(cfg: RolloutConfig) -> None:
-    if cfg.kv.policy != "none":
-        raise NotImplementedError(
-            f"rollout.kv.policy={cfg.kv.policy!r}: the sparse-KV integration (megatron_sparse_rl.kv) is not "
-            "wired into RolloutEngine yet; use 'none'")
     if cfg.record_sampling_mask:
         raise NotImplementedError("rollout.record_sampling_mask=true: sampling-mask recording is not implemented yet")
 
@@ -143,6 +139,13 @@ class RolloutEngine:
             kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
             if cfg.kv_cache_gb is not None:
                 kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_gb * 2**30
+        self.sparse_kv = cfg.kv.policy != "none"
+        if cfg.kv.block_size is not None:
+            kwargs["block_size"] = cfg.kv.block_size
+        if cfg.kv.pool_blocks is not None:
+            kwargs["num_gpu_blocks_override"] = cfg.kv.pool_blocks
+        if self.sparse_kv:
+            kwargs.update(_sparse_kv_engine_args(cfg))
         with _keep_torch_threading():
             self._llm = LLM(**kwargs)
         # vLLM initialised torch.distributed (a world of 1) if nobody had: tear it down on shutdown.
@@ -180,9 +183,10 @@ class RolloutEngine:
         outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
                                      use_tqdm=False)
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
-        prompts, responses, logprobs, reasons, groups = [], [], [], [], []
+        prompts, responses, logprobs, reasons, groups, engine_ids = [], [], [], [], [], []
         for out, prompt, gid in zip(outputs, prompt_token_ids, gids):
             for c in sorted(out.outputs, key=lambda c: c.index):
+                engine_ids.append(out.request_id if sampling.n == 1 else f"{c.index}_{out.request_id}")
                 prompts.append(list(prompt))
                 responses.append(list(c.token_ids))
                 logprobs.append(_sampled_logprobs(c.token_ids, c.logprobs))
@@ -200,7 +204,22 @@ class RolloutEngine:
             finish_reasons=tuple(reasons),
             group_ids=torch.tensor(groups, dtype=torch.long),
             routed_experts=routes,
+            kv_keep=self._take_kv_keep(engine_ids) if self.sparse_kv else None,
         )
+
+    def _take_kv_keep(self, engine_ids: list[str]) -> tuple:
+        """One `KVKeepRecord` per row (sparse KV), popped from the worker."""
+        records = self._llm.collective_rpc(_take_kv_records, args=(engine_ids,))[0]
+        return tuple(records[rid] for rid in engine_ids)
+
+    def sparse_kv_stats(self) -> dict[str, int]:
+        """The sparse-KV scheduler's counters (compactions, blocks freed, peak blocks in use, peak running,
+        preemptions, preempted compressed requests); in-process engine core only."""
+        return dict(self._scheduler().msrl_stats)
+
+    def _scheduler(self):
+        core = self._llm.llm_engine.engine_core
+        return getattr(core, "engine_core", core).scheduler
 
     def prompt_logprobs(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
         """float32 [len(seq) - 1] per sequence: log p(seq[t] | seq[:t]) for t >= 1 (raw logits, temperature 1)."""
@@ -278,6 +297,26 @@ def _sampled_logprobs(token_ids, logprobs) -> list[float]:
 
 def _call_on_worker(worker, fn):
     return fn(worker)
+
+
+def _sparse_kv_engine_args(cfg: RolloutConfig) -> dict[str, Any]:
+    """vLLM arguments of a sparse-KV engine: its scheduler, the settings both sides read, the runner patch."""
+    from megatron_sparse_rl.kv.settings import SparseKVSettings
+    from megatron_sparse_rl.kv.vllm_scheduler import SparseKVScheduler
+    from megatron_sparse_rl.patches import vllm_sparse_kv
+
+    vllm_sparse_kv.apply()
+    return dict(scheduler_cls=SparseKVScheduler,
+                additional_config=SparseKVSettings.from_kv_config(cfg.kv).to_additional_config())
+
+
+def _take_kv_records(worker, req_ids):
+    state = worker.model_runner.__dict__.get("_msrl_sparse_kv")
+    if state is None:  # no step ran with sparse KV yet
+        from megatron_sparse_rl.kv.record import KVKeepRecord
+
+        return {rid: KVKeepRecord(lengths=()) for rid in req_ids}
+    return state.take_records(req_ids)
 
 
 def _call_on_model(worker, fn):

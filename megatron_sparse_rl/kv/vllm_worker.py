@@ -1,0 +1,292 @@
+"""Worker side of the sparse-KV integration (vLLM 0.32.0 V1 model runner, used by the CPU runner too).
+
+`SparseKVWorkerState` is owned by one model runner (`runner._msrl_sparse_kv`, created by the runner
+patch in megatron_sparse_rl.patches.vllm_sparse_kv on the first step). Per step:
+- `before_update_states` (before vLLM's `_update_states`, which zeroes newly allocated blocks that may
+  be the tail blocks just freed): for each compaction command, score the cached keys with the policy,
+  copy the kept tokens' K/V to the front slots of the request's blocks (per layer, per KV head), cut
+  the request's block list to what the scheduler kept and rewrite its block-table row; record the kept
+  true positions;
+- `after_prepare_inputs`: subtract dropped[req] from seq_lens (attention length = kept + new) and map
+  new tokens to slot (pos - dropped); positions stay the true ones (RoPE);
+- `capture` (wraps each attention impl's forward): keeps the recent queries (after RoPE) per request
+  and layer for the score policies.
+The per-(block, head, slot) K/V location is discovered at start-up by writing a known pattern through
+the backend's own `do_kv_cache_update` into a scratch cache (the CPU vec ISA stores K transposed).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from megatron_sparse_rl.kv import policies as P
+from megatron_sparse_rl.kv.record import KVKeepRecord
+from megatron_sparse_rl.kv.settings import SparseKVSettings
+
+logger = logging.getLogger(__name__)
+
+
+def discover_slot_layout(layer, impl, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_index, v_index), int64 [kv_heads, block_size, head_dim] each: where, in one block of `kv_cache`
+    flattened, the backend stores element d of head h's K (V) of the token in block slot s.
+
+    Writes codes through `impl.do_kv_cache_update` into a 2-block scratch cache, in passes of base-64
+    digits (exact in bf16/fp16/fp32), and checks every element lands exactly once inside block 0.
+    """
+    if not kv_cache.is_contiguous():
+        raise RuntimeError(f"sparse KV: KV cache of shape {tuple(kv_cache.shape)} is not contiguous: layout unsupported")
+    nb, heads, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    n = heads * bs * d
+    scratch = torch.zeros((2, heads, bs, two_d), dtype=kv_cache.dtype, device=kv_cache.device)
+    code = torch.arange(n, device=kv_cache.device).view(heads, bs, d).transpose(0, 1)  # [bs, H, D] token-major
+    slots = torch.arange(bs, dtype=torch.int64, device=kv_cache.device)
+    base, passes = 64, max(1, math.ceil(math.log(n, 64)))
+    k_code = torch.zeros(n, dtype=torch.int64, device=kv_cache.device)
+    v_code = torch.zeros(n, dtype=torch.int64, device=kv_cache.device)
+    k_pos = v_pos = None
+    for p in range(passes):
+        digit = (code // base**p) % base + 1
+        scratch.zero_()
+        impl.do_kv_cache_update(layer, digit.to(kv_cache.dtype), (-digit).to(kv_cache.dtype), scratch, slots)
+        if scratch[1].abs().sum() != 0:
+            raise RuntimeError("sparse KV layout discovery: slots 0..block_size-1 wrote outside block 0")
+        flat = scratch[0].reshape(-1).double()
+        kp, vp = (flat > 0).nonzero()[:, 0], (flat < 0).nonzero()[:, 0]
+        if kp.numel() != n or vp.numel() != n:
+            raise RuntimeError(f"sparse KV layout discovery: {kp.numel()} K / {vp.numel()} V elements, expected {n}")
+        if k_pos is None:
+            k_pos, v_pos = kp, vp
+        elif not (torch.equal(kp, k_pos) and torch.equal(vp, v_pos)):
+            raise RuntimeError("sparse KV layout discovery: K/V positions differ between passes")
+        k_code += (flat[kp].round().long() - 1) * base**p
+        v_code += ((-flat[vp]).round().long() - 1) * base**p
+    k_index = torch.full((n,), -1, dtype=torch.int64, device=kv_cache.device)
+    v_index = torch.full((n,), -1, dtype=torch.int64, device=kv_cache.device)
+    k_index[k_code] = k_pos
+    v_index[v_code] = v_pos
+    if (k_index < 0).any() or (v_index < 0).any():
+        raise RuntimeError("sparse KV layout discovery: some K/V elements were not found (codes collide)")
+    return k_index.view(heads, bs, d), v_index.view(heads, bs, d)
+
+
+@dataclass
+class _Request:
+    """Per-request worker state (reset when vLLM resumes it after a preemption)."""
+
+    dropped: int = 0
+    kept_pos: torch.Tensor | None = None  # int64 [L, H, kept]: true positions of the front slots
+    queries: list = field(default_factory=list)  # per layer: [Hq, n, D] (window) or list of chunks (h2o)
+    query_index: list = field(default_factory=list)  # h2o: stored index of each captured query
+    acc: list = field(default_factory=list)  # h2o: per layer [H, kept] carried accumulated attention
+
+
+@dataclass
+class _Step:
+    req_ids: list
+    qsl: np.ndarray  # [num_reqs + 1] query start offsets
+    stored_start: np.ndarray  # [num_reqs] stored index of each request's first scheduled token
+
+
+class SparseKVWorkerState:
+    """Sparse-KV state of one vLLM model runner (see the module docstring)."""
+
+    def __init__(self, runner, settings: SparseKVSettings):
+        self.runner, self.s = runner, settings
+        self.params = P.params_from_config(settings)
+        groups = runner.kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise RuntimeError(f"sparse KV supports one KV cache group (got {len(groups)})")
+        self.block_size = groups[0].kv_cache_spec.block_size
+        self.table = runner.input_batch.block_table[0]
+        if self.table.block_size != self.block_size:
+            raise RuntimeError(f"sparse KV: kernel block size {self.table.block_size} != KV manager block size "
+                               f"{self.block_size} (hybrid block tables are not supported)")
+        ctx = runner.compilation_config.static_forward_context
+        self.layers = self._attention_layers(groups[0].layer_names, ctx)
+        first = self.layers[0]
+        self.kidx, self.vidx = discover_slot_layout(first, first.impl, first.kv_cache)
+        self.kv_heads, _, self.head_dim = self.kidx.shape
+        self.q_heads = first.impl.num_heads
+        self.reqs: dict[str, _Request] = {}
+        self.records: dict[str, dict] = {}
+        self.dropped: dict[str, int] = {}
+        self.step: _Step | None = None
+        if settings.policy != "streamingllm":
+            for li, layer in enumerate(self.layers):
+                self._wrap_forward(li, layer)
+        logger.info("sparse KV worker: policy=%s budget=%d interval=%d, %d layers, block size %d",
+                    settings.policy, settings.budget, settings.interval, len(self.layers), self.block_size)
+
+    @staticmethod
+    def _attention_layers(names, ctx) -> list:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = sorted((ctx[n] for n in names), key=lambda m: extract_layer_index(m.layer_name))
+        for layer in layers:
+            if not isinstance(getattr(layer, "kv_cache", None), torch.Tensor):
+                raise RuntimeError(f"sparse KV: layer {layer.layer_name} has no KV cache tensor")
+        return layers
+
+    def _wrap_forward(self, li: int, layer) -> None:
+        impl, original = layer.impl, layer.impl.forward
+        state = self
+
+        def forward(attn_layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+            if attn_metadata is not None and state.step is not None:
+                state.capture(li, query)
+            return original(attn_layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+        impl.forward = forward
+
+    # ---- query capture ------------------------------------------------------------------------------
+    def capture(self, li: int, query: torch.Tensor) -> None:
+        st = self.step
+        q_all = query.view(query.shape[0], self.q_heads, self.head_dim)
+        for row, rid in enumerate(st.req_ids):
+            a, b = int(st.qsl[row]), int(st.qsl[row + 1])
+            if b <= a:
+                continue
+            r = self.reqs.setdefault(rid, _Request())
+            q = q_all[a:b].transpose(0, 1).to(torch.float32, copy=True)  # [Hq, n, D]
+            while len(r.queries) <= li:
+                r.queries.append([] if self.s.policy == "h2o" else None)
+            if self.s.policy == "h2o":
+                r.queries[li].append(q)
+                if li == 0:
+                    r.query_index.append(torch.arange(b - a) + int(st.stored_start[row]))
+            else:
+                prev = r.queries[li]
+                r.queries[li] = (q if prev is None else torch.cat([prev, q], dim=1))[:, -self.s.window:]
+
+    # ---- compaction -----------------------------------------------------------------------------------
+    def _gather(self, flat: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor):
+        """[H, N, D] elements of the token slots `slots` [H, N] (stored indices) of every head."""
+        b = blocks[slots // self.block_size]
+        o = slots % self.block_size
+        h = torch.arange(self.kv_heads, device=slots.device)[:, None, None]
+        return b[..., None], index[h, o[..., None], torch.arange(self.head_dim, device=slots.device)]
+
+    def _keep(self, li: int, r: _Request, flat: torch.Tensor, blocks: torch.Tensor, stored: int) -> torch.Tensor:
+        if self.s.policy == "streamingllm":
+            return P.streamingllm_keep(self.kv_heads, stored, self.params, blocks.device)
+        slots = torch.arange(stored, device=blocks.device).expand(self.kv_heads, stored)
+        keys = flat[self._gather(flat, self.kidx, blocks, slots)]  # [H, stored, D]
+        if self.s.policy == "h2o":
+            queries = torch.cat(r.queries[li], dim=1)
+            prev = r.acc[li] if li < len(r.acc) else None
+            acc = P.h2o_scores(keys, queries, torch.cat(r.query_index), previous=prev)
+            keep = P.select_keep("h2o", keys, None, self.params, h2o_acc=acc)
+            while len(r.acc) <= li:
+                r.acc.append(None)
+            r.acc[li] = acc.gather(1, keep)
+            return keep
+        return P.select_keep(self.s.policy, keys, r.queries[li], self.params)
+
+    def _compact(self, rid: str, stored: int, budget: int) -> None:
+        req_state = self.runner.requests[rid]
+        block_ids = req_state.block_ids[0]
+        if len(block_ids) != -(-stored // self.block_size):
+            raise RuntimeError(f"sparse KV: worker holds {len(block_ids)} blocks for {stored} stored tokens of {rid}")
+        r = self.reqs.setdefault(rid, _Request())
+        blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.kidx.device)
+        dst = torch.arange(budget, device=blocks.device).expand(self.kv_heads, budget)
+        kept_pos = []
+        for li, layer in enumerate(self.layers):
+            flat = layer.kv_cache.view(layer.kv_cache.shape[0], -1)
+            keep = self._keep(li, r, flat, blocks, stored)  # [H, budget] stored indices
+            for index in (self.kidx, self.vidx):
+                flat[self._gather(flat, index, blocks, dst)] = flat[self._gather(flat, index, blocks, keep)]
+            true_pos = torch.where(keep < (0 if r.kept_pos is None else r.kept_pos.shape[2]),
+                                   self._old_pos(r, li, keep), keep + r.dropped)
+            kept_pos.append(true_pos)
+        rec = self.records.setdefault(rid, {"lengths": [], "kept": [], "preempted": False})
+        rec["lengths"].append(stored + r.dropped)
+        r.kept_pos = torch.stack(kept_pos).cpu()
+        if self.s.record_keep:
+            rec["kept"].append(r.kept_pos.to(torch.int32))
+        r.dropped += stored - budget
+        if self.s.policy == "h2o":
+            r.queries, r.query_index = [[] for _ in self.layers], []
+        del block_ids[-(-budget // self.block_size):]
+        row = self.runner.input_batch.req_id_to_index.get(rid)
+        if row is not None:
+            self.table.clear_row(row)
+            self.table.add_row(block_ids, row)
+
+    @staticmethod
+    def _old_pos(r: _Request, li: int, keep: torch.Tensor) -> torch.Tensor:
+        if r.kept_pos is None:
+            return keep
+        old = r.kept_pos[li].to(keep.device)
+        return old.gather(1, keep.clamp(max=old.shape[1] - 1))
+
+    # ---- vLLM hooks ------------------------------------------------------------------------------------
+    def before_update_states(self, scheduler_output) -> None:
+        msg = getattr(scheduler_output, "msrl_sparse_kv", None)
+        if msg is None:
+            raise RuntimeError("sparse KV: the SchedulerOutput carries no sparse-KV message (scheduler_cls not "
+                               "SparseKVScheduler?)")
+        for rid in scheduler_output.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for rid in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            old = self.reqs.pop(rid, None)
+            if old is not None and old.dropped and rid in self.records:
+                self.records[rid]["preempted"] = True
+        for rid, (stored, budget) in msg["compact"].items():
+            self._compact(rid, stored, budget)
+        self.dropped = msg["dropped"]
+        for rid, d in self.dropped.items():
+            if self.reqs[rid].dropped != d:
+                raise RuntimeError(f"sparse KV: worker dropped {self.reqs[rid].dropped} != scheduler {d} for {rid}")
+
+    def after_prepare_inputs(self, num_scheduled_tokens: np.ndarray) -> None:
+        runner, ib = self.runner, self.runner.input_batch
+        n = ib.num_reqs
+        req_ids = list(ib.req_ids[:n])
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_scheduled_tokens[:n], out=qsl[1:])
+        dropped = np.array([self.dropped.get(r, 0) for r in req_ids], dtype=np.int64)
+        start = ib.num_computed_tokens_cpu[:n].astype(np.int64)
+        self.step = _Step(req_ids, qsl, start - dropped)
+        if not dropped.any():
+            return
+        rows = np.nonzero(dropped)[0]
+        d = torch.from_numpy(dropped[rows])
+        idx = torch.from_numpy(rows)
+        runner.optimistic_seq_lens_cpu[idx] -= d.to(runner.optimistic_seq_lens_cpu.dtype)
+        runner.seq_lens[idx.to(runner.seq_lens.device)] -= d.to(runner.seq_lens.device, runner.seq_lens.dtype)
+        table_np = self.table.block_table.np
+        slot_mapping = self.table.slot_mapping.gpu
+        for row in rows.tolist():
+            a, b = int(qsl[row]), int(qsl[row + 1])
+            pos = start[row] - dropped[row] + np.arange(b - a)
+            slots = table_np[row, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+            slot_mapping[a:b] = torch.from_numpy(slots).to(slot_mapping.device, slot_mapping.dtype)
+
+    def end_step(self) -> None:
+        self.step = None
+
+    def take_records(self, req_ids) -> dict[str, KVKeepRecord]:
+        """Pop the records of `req_ids` (requests without a compaction get an empty record).
+
+        Ids are the caller's: vLLM's engine appends "-<8 random chars>" to each request id (children of
+        n > 1 are "<index>_<parent internal id>"), so a stored id matches with that suffix removed."""
+        internal = {_external_id(k): k for k in self.records}
+        out = {}
+        for rid in req_ids:
+            rec = self.records.pop(internal.get(rid, rid), None) or {"lengths": [], "kept": [], "preempted": False}
+            out[rid] = KVKeepRecord(lengths=tuple(rec["lengths"]),
+                                    kept=tuple(rec["kept"]) if self.s.record_keep else None,
+                                    preempted=rec["preempted"])
+        return out
+
+
+def _external_id(internal: str) -> str:
+    """vLLM's internal request id without the random suffix its input processor appends."""
+    head, sep, tail = internal.rpartition("-")
+    return head if sep and len(tail) == 8 else internal
