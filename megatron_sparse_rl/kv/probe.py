@@ -34,6 +34,11 @@ class BlockUsageProbe:
         return max(self.running, default=0)
 
     @property
+    def mean_running(self) -> float:
+        """Requests running per step, averaged over the steps."""
+        return sum(self.running) / max(len(self.running), 1)
+
+    @property
     def steps(self) -> int:
         return len(self.blocks)
 

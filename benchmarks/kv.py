@@ -1,0 +1,118 @@
+"""Sparse-KV rollout benchmark: vLLM's own count of KV blocks in use, sparse vs dense, on long generations;
+sequences running concurrently at a fixed KV pool; tokens/s. Prints ratios measured in one run.
+
+    .venv/bin/python benchmarks/kv.py [--prompts 8 --max-tokens 1024 --budget 128 --interval 128
+                                       --policy streamingllm --block-size 32 --pool-prompts 16
+                                       --pool-max-tokens 512 --pool-seqs 2]
+    msrl bench kv ...   (the same)
+
+Real vLLM on CPU, a tiny random Qwen3-MoE (fp32; or --model DIR), fixed-length generations (ignore_eos).
+Part 1: `--prompts` x `--max-tokens` with an ample pool: peak blocks in use (read from vLLM's BlockPool
+after every schedule) and tokens/s, dense vs sparse. Part 2: a fixed pool of `--pool-seqs` dense
+worst-case sequences; `--pool-prompts` x `--pool-max-tokens`: peak sequences running at once,
+preemptions, tokens/s. Dense uses vLLM's default scheduler; sparse uses the compaction scheduler with
+admission control.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model dir (default: a tiny Qwen3-MoE built in a temp dir)")
+    parser.add_argument("--policy", default="streamingllm", choices=["rkv", "snapkv", "h2o", "streamingllm"])
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--interval", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=8, help="part 1: sequences")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="part 1: tokens generated per sequence")
+    parser.add_argument("--pool-prompts", type=int, default=16, help="part 2: sequences")
+    parser.add_argument("--pool-max-tokens", type=int, default=512, help="part 2: tokens per sequence")
+    parser.add_argument("--pool-seqs", type=int, default=2,
+                        help="part 2: the pool holds this many dense worst-case sequences")
+    parser.add_argument("--prompt-len", type=int, default=32)
+
+
+def _prompts(n: int, length: int) -> list[list[int]]:
+    return [[1] + [5 + (7 * i + 3 * j) % 30 for j in range(length - 1)] for i in range(n)]
+
+
+def _measure(model_dir, kv, prompts, max_tokens, max_model_len, max_num_seqs):
+    """(peak blocks, peak running, preemptions, generated tokens / s, wall s, mean running) of one run."""
+    from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
+    from megatron_sparse_rl.kv.probe import BlockUsageProbe
+    from megatron_sparse_rl.rollout import RolloutEngine
+
+    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv=kv))
+    # fixed-length generations: vLLM's ignore_eos (a random model samples EOS at random times)
+    engine._sampling_params = lambda s, i, **extra: RolloutEngine._sampling_params(engine, s, i, ignore_eos=True,
+                                                                                   **extra)
+    try:
+        sampling = SamplingConfig(n=1, temperature=1.0, max_tokens=max_tokens, seed=0)
+        engine.generate(prompts[:1], SamplingConfig(n=1, max_tokens=4, seed=0))  # warm-up
+        with BlockUsageProbe(engine) as probe:
+            start = time.perf_counter()
+            batch = engine.generate(prompts, sampling)
+            wall = time.perf_counter() - start
+        tokens = int(batch.response_lens.sum())
+        return probe.peak_blocks, probe.peak_running, probe.preemptions, tokens / wall, wall, probe.mean_running
+    finally:
+        engine.shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_sparse_rl.config.rollout import KVConfig
+    from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+
+    tmp = None
+    model_dir = args.model
+    if model_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="msrl_bench_kv_")
+        model_dir = build_tiny_hf_model(Path(tmp.name) / "tiny_moe", seed=0)
+    bs, p_len = args.block_size, args.prompt_len
+    sparse_kw = dict(policy=args.policy, budget=args.budget, interval=args.interval, block_size=bs)
+
+    # part 1: peak blocks in use and tokens/s with an ample pool
+    prompts, mml = _prompts(args.prompts, p_len), p_len + args.max_tokens + 1
+    d = _measure(model_dir, KVConfig(block_size=bs), prompts, args.max_tokens, mml, args.prompts)
+    s = _measure(model_dir, KVConfig(**sparse_kw), prompts, args.max_tokens, mml, args.prompts)
+    print(f"part 1: {args.prompts} x {args.max_tokens} tokens, prompt {p_len}, block {bs}, {args.policy} budget "
+          f"{args.budget} interval {args.interval}")
+    print(f"  peak KV blocks in use (vLLM BlockPool): dense {d[0]}, sparse {s[0]}; sparse/dense = {s[0] / d[0]:.3f}")
+    print(f"  tokens/s: dense {d[3]:.1f}, sparse {s[3]:.1f}; sparse/dense = {s[3] / d[3]:.3f}")
+
+    # part 2: a fixed pool of `pool_seqs` dense worst-case sequences
+    prompts, mml = _prompts(args.pool_prompts, p_len), p_len + args.pool_max_tokens + 1
+    pool = args.pool_seqs * -(-mml // bs) + 1
+    d = _measure(model_dir, KVConfig(block_size=bs, pool_blocks=pool), prompts, args.pool_max_tokens, mml,
+                 args.pool_prompts)
+    s = _measure(model_dir, KVConfig(**sparse_kw, pool_blocks=pool), prompts, args.pool_max_tokens, mml,
+                 args.pool_prompts)
+    print(f"part 2: fixed pool of {pool} blocks ({args.pool_seqs} dense sequences), {args.pool_prompts} x "
+          f"{args.pool_max_tokens} tokens")
+    fit_d, fit_s = (pool - 1) // -(-mml // bs), (pool - 1) // -(-min(mml, args.budget + args.interval) // bs)
+    print(f"  sequences that fit at their worst case: dense {fit_d}, sparse {fit_s}; sparse/dense = "
+          f"{fit_s / max(fit_d, 1):.2f}")
+    print(f"  sequences running per step (mean, peak): dense {d[5]:.2f}, {d[1]} ({d[2]} preemptions: vLLM admits "
+          f"optimistically, then recomputes); sparse {s[5]:.2f}, {s[1]} ({s[2]} preemptions); "
+          f"sparse/dense mean = {s[5] / max(d[5], 1e-9):.2f}")
+    print(f"  tokens/s: dense {d[3]:.1f} ({d[4]:.1f} s), sparse {s[3]:.1f} ({s[4]:.1f} s); "
+          f"sparse/dense = {s[3] / d[3]:.3f}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())

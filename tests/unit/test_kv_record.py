@@ -1,0 +1,57 @@
+"""KVKeepRecord.attention_mask against masks written out by hand, and the sparse-KV vLLM patch checks.
+
+    .venv/bin/python -m pytest -q tests/unit/test_kv_record.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_sparse_rl.kv.record import KVKeepRecord
+from megatron_sparse_rl.kv.settings import CONFIG_KEY, SparseKVSettings
+
+
+def test_attention_mask_replays_compactions():
+    # 1 layer, 2 KV heads; compaction at true length 5 keeping {0, 3, 4} / {1, 2, 4}, then at 7 keeping
+    # {0, 5, 6} / {2, 4, 6}; sequence of 9 tokens
+    kept = (torch.tensor([[[0, 3, 4], [1, 2, 4]]]), torch.tensor([[[0, 5, 6], [2, 4, 6]]]))
+    rec = KVKeepRecord(lengths=(5, 7), kept=kept)
+    m = rec.attention_mask(9)
+    assert m.shape == (1, 2, 9, 9)
+    want0 = {t: set(range(t + 1)) for t in range(5)}
+    want0.update({5: {0, 3, 4, 5}, 6: {0, 3, 4, 5, 6}, 7: {0, 5, 6, 7}, 8: {0, 5, 6, 7, 8}})
+    want1 = {t: set(range(t + 1)) for t in range(5)}
+    want1.update({5: {1, 2, 4, 5}, 6: {1, 2, 4, 5, 6}, 7: {2, 4, 6, 7}, 8: {2, 4, 6, 7, 8}})
+    for h, want in enumerate((want0, want1)):
+        for t in range(9):
+            assert set(m[0, h, t].nonzero()[:, 0].tolist()) == want[t], (h, t)
+
+
+def test_attention_mask_needs_kept_positions():
+    with pytest.raises(ValueError, match="record_keep"):
+        KVKeepRecord(lengths=(5,)).attention_mask(8)
+
+
+def test_settings_round_trip_through_additional_config():
+    from megatron_sparse_rl.config.rollout import KVConfig
+
+    s = SparseKVSettings.from_kv_config(KVConfig(policy="rkv", budget=64, record_keep=True))
+    extra = s.to_additional_config()
+    assert list(extra) == [CONFIG_KEY]
+
+    class FakeVllmConfig:
+        additional_config = extra
+
+    assert SparseKVSettings.from_vllm_config(FakeVllmConfig()) == s
+
+
+def test_vllm_patch_checks_every_hook_and_is_idempotent():
+    pytest.importorskip("vllm")
+    from megatron_sparse_rl.patches import vllm_sparse_kv
+
+    vllm_sparse_kv.check_upstream()
+    assert vllm_sparse_kv.apply() and vllm_sparse_kv.apply()
+    assert vllm_sparse_kv.is_applied()
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert not getattr(GPUModelRunner._update_states._msrl_original, "_msrl_sparse_kv_patched", False)

@@ -1,0 +1,38 @@
+"""`msrl bench KIND [...]`: benchmarks that print ratios (DESIGN.md, "Performance").
+
+    msrl bench kv [--budget 128 --max-tokens 1024 ...]     sparse vs dense KV blocks, admitted sequences, tokens/s
+
+Each kind is a module `benchmarks/<kind>.py` exposing `add_arguments(parser)` and `run(args) -> int`;
+add one by writing that module and a line in KINDS. Only the chosen kind's module is imported.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+# kind -> one-line help; the implementation is benchmarks/<kind>.py
+KINDS: dict[str, str] = {
+    "kv": "sparse vs dense KV: vLLM blocks in use, sequences admitted at a fixed pool, tokens/s",
+}
+
+
+def _module(kind: str):
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"benchmarks.{kind}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
+    for kind, help_text in KINDS.items():
+        p = sub.add_parser(kind, help=help_text, description=help_text)
+        module = _module(kind)
+        module.add_arguments(p)
+        p.set_defaults(bench_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args.bench_run(args) or 0)
