@@ -50,13 +50,16 @@ def sampling(max_tokens, n=1, seed=11):
 
 
 # ---- an independent transformers reference ---------------------------------------------------------
-def hf_masked_logprobs(model_dir, tokens: list[int], mask: torch.Tensor) -> torch.Tensor:
+def hf_masked_logprobs(model_dir, tokens: list[int], mask: torch.Tensor, qk: dict | None = None) -> torch.Tensor:
     """log p(tokens[t+1] | visible) for every t, with per-layer, per-KV-head visibility mask
-    [layers, kv_heads, T, T] (True = query t may attend key s) applied inside each attention layer."""
+    [layers, kv_heads, T, T] (True = query t may attend key s) applied inside each attention layer.
+    `qk`, if given, receives {layer: (queries [Hq, T, D], keys [Hkv, T, D])} after RoPE."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     def masked_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         groups = query.shape[1] // key.shape[1]
+        if qk is not None:
+            qk[module.layer_idx] = (query[0].clone(), key[0].clone())
         m = mask[module.layer_idx].repeat_interleave(groups, dim=0)[None]  # [1, Hq, T, T]
         k = key.repeat_interleave(groups, dim=1)
         v = value.repeat_interleave(groups, dim=1)
@@ -189,10 +192,52 @@ def test_score_policy_matches_transformers_with_its_record(model_dir, policy):
                     assert len(set(k)) == kv.budget and max(k) < tc and set(range(tc - kv.window, tc)) <= set(k)
         heads_differ = any(e[1][0][0] != e[1][0][1] for e in events)
         assert heads_differ, "per-KV-head selection expected to differ between heads"
-        ref = hf_masked_logprobs(model_dir, tokens, mask_from_keeps(len(tokens), 2, 2, events))[p - 1:]
+        qk, mask = {}, mask_from_keeps(len(tokens), 2, 2, events)
+        ref = hf_masked_logprobs(model_dir, tokens, mask, qk)[p - 1:]
         worst = max(worst, (ref - batch.rollout_logprobs[i, : len(tokens) - p]).abs().max().item())
+        if policy == "h2o":
+            assert_h2o_keeps_heavy_hitters(kv, events, qk, mask)
+        else:
+            assert_keep_sets_follow_policy(policy, kv, events, qk)
     print(f"{policy}: max |engine - HF masked with its kv_keep| = {worst:.2e}")
     assert worst <= ATOL
+
+
+def assert_keep_sets_follow_policy(policy, kv, events, qk):
+    """At each compaction, the policy applied to the transformers reference's keys (of the entries the
+    engine held, per KV head) and last `window` queries picks the positions the engine recorded."""
+    from megatron_sparse_rl.kv.policies import params_from_config, select_keep
+
+    params = params_from_config(kv)
+    prev = None
+    for tc, kept in events:
+        for li, (q, k) in qk.items():
+            held = [sorted(set(range(tc)) if prev is None else set(prev[li][h]) | set(range(prev_tc, tc)))
+                    for h in range(k.shape[0])]
+            keys = torch.stack([k[h, held[h]] for h in range(k.shape[0])])
+            keep = select_keep(policy, keys, q[:, tc - kv.window: tc], params)
+            for h in range(k.shape[0]):
+                assert [held[h][j] for j in keep[h].tolist()] == kept[li][h], (policy, tc, li, h)
+        prev, prev_tc = kept, tc
+
+
+def assert_h2o_keeps_heavy_hitters(kv, events, qk, mask):
+    """H2O written out here: at compaction t_c each KV head keeps the last `window` positions plus the
+    held positions with the largest attention summed over every earlier query (each over what it saw,
+    from the transformers reference) and over the head's query group."""
+    prev = None
+    for tc, kept in events:
+        for li, (q, k) in qk.items():
+            groups = q.shape[0] // k.shape[0]
+            for h in range(k.shape[0]):
+                held = sorted(set(range(tc)) if prev is None else set(prev[li][h]) | set(range(prev_tc, tc)))
+                logits = q[h * groups:(h + 1) * groups, :tc].double() @ k[h, :tc].double().T / k.shape[-1] ** 0.5
+                probs = logits.masked_fill(~mask[li, h, :tc, :tc], float("-inf")).softmax(-1)
+                acc = probs.sum(dim=(0, 1))
+                cand = held[: len(held) - kv.window]
+                top = sorted(cand, key=lambda s: -acc[s].item())[: kv.budget - kv.window]
+                assert sorted(top + held[-kv.window:]) == kept[li][h], (tc, li, h)
+        prev, prev_tc = kept, tc
 
 
 def test_small_pool_admission_control_and_preemption(model_dir):
