@@ -40,7 +40,7 @@ class KVKeepRecord:
         mask = (pos[None, :] <= pos[:, None]).expand(layers, heads, seq_len, seq_len).clone()
         bounds = list(self.lengths) + [seq_len]
         for c, kept in enumerate(self.kept):
-            start, end = bounds[c], bounds[c + 1]
+            start, end = bounds[c], min(bounds[c + 1], seq_len)
             if start >= seq_len:
                 break
             rows = torch.zeros(layers, heads, seq_len, dtype=torch.bool)

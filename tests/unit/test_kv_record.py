@@ -55,3 +55,9 @@ def test_vllm_patch_checks_every_hook_and_is_idempotent():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     assert not getattr(GPUModelRunner._update_states._msrl_original, "_msrl_sparse_kv_patched", False)
+
+
+def test_attention_mask_of_a_prefix():
+    kept = (torch.tensor([[[0, 3, 4]]]), torch.tensor([[[0, 5, 6]]]))
+    m = KVKeepRecord(lengths=(5, 7), kept=kept).attention_mask(6)
+    assert m.shape == (1, 1, 6, 6) and set(m[0, 0, 5].nonzero()[:, 0].tolist()) == {0, 3, 4, 5}
