@@ -61,20 +61,25 @@ def init_world() -> tuple[int, int]:
 
 
 def ensure_model(run: RunConfig, rank: int) -> Path:
-    """The HF model directory; rank 0 builds the tiny random model there first when configured and missing."""
+    """The HF model directory; rank 0 builds the tiny random model there first when configured and missing.
+
+    Every rank waits at the same barrier (whether or not a model was built) so that none races ahead of
+    the build.
+    """
     path = Path(run.model.path)
-    if not (path / "config.json").is_file():
+    if rank == 0 and not (path / "config.json").is_file():
         if run.model.tiny is None:
             raise FileNotFoundError(f"model.path {str(path)!r} has no config.json (and model.tiny is not set)")
-        if rank == 0:
-            from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+        from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
-            t = run.model.tiny
-            log.info("building tiny %s model at %s", t.arch, path)
-            build_tiny_hf_model(path, arch=t.arch, hidden=t.hidden, layers=t.layers, heads=t.heads,
-                                kv_heads=t.kv_heads, head_dim=t.head_dim, experts=t.experts, topk=t.topk,
-                                moe_ffn=t.moe_ffn, ffn=t.ffn, seed=t.seed)
-        dist.barrier()
+        t = run.model.tiny
+        log.info("building tiny %s model at %s", t.arch, path)
+        build_tiny_hf_model(path, arch=t.arch, hidden=t.hidden, layers=t.layers, heads=t.heads,
+                            kv_heads=t.kv_heads, head_dim=t.head_dim, experts=t.experts, topk=t.topk,
+                            moe_ffn=t.moe_ffn, ffn=t.ffn, seed=t.seed)
+    dist.barrier()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {str(path)!r} has no config.json (and model.tiny is not set)")
     return path
 
 

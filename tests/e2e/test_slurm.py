@@ -6,9 +6,9 @@ submitted by `msrl launch slurm`: torchrun mode, srun mode, and preemption -> ch
 SLURM missing: installed with apt-get when running as root and CI or MSRL_INSTALL_SLURM=1 allows it (and
 Debian's mirror is reachable); otherwise the tests skip saying why. About 40 s with SLURM installed.
 
-The job is `launch.probe` (config load + validate, gloo rendezvous, rank 0 writes metrics.jsonl). When
-`msrl train` exists, switch to the real trainer by changing JOB below to ["trainer.steps=2"] (the default
-launch.program is `tools.cli train`) and the metrics check to the trainer's lines.
+The completed jobs run the real trainer (`msrl train`, 2 ranks, 2 steps) and must leave its metrics and
+HF export; the preemption test holds `launch.probe` (config load + validate, gloo rendezvous) in a loop
+until SIGUSR1 arrives.
 """
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ from launch import local_slurm
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-JOB = ["launch.program=launch.probe"]  # real trainer: JOB = ["trainer.steps=2"]
+# the real trainer, 2 ranks (data parallel, one colocated vLLM engine each), kept tiny
+JOB = ["trainer.steps=2", "trainer.prompts_per_step=4", "trainer.eval_prompts=8", "rollout.sampling.n=4",
+       "rollout.sampling.max_tokens=6", "rollout.max_model_len=64", "logging.tensorboard=false"]
 
 
 def _mirror_reachable() -> bool:
@@ -75,14 +77,13 @@ def _slurm_sets(mode: str, *extra: str) -> list[str]:
 @pytest.mark.parametrize("mode", ["torchrun", "srun"])
 def test_job_runs_to_completion(cluster, tmp_path, mode):
     cfg = _config(tmp_path)
-    r = _msrl(["launch", "slurm", str(cfg), "--wait", *_slurm_sets(mode)], cluster.env())
+    r = _msrl(["launch", "slurm", str(cfg), "--wait", *_slurm_sets(mode)], cluster.env(), timeout=400)
     logs = "\n".join(p.read_text() for p in (tmp_path / "run" / "slurm").glob("*.out"))
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\njob log:\n{logs}\n{cluster.logs()}"
     assert "submitted job" in r.stdout and "ranks finished with exit code 0" in logs
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert lines[0]["world_size"] == 2
-    assert sorted(x["rank"] for x in lines[0]["ranks"]) == [0, 1]
-    assert {x["host"] for x in lines[0]["ranks"]} == {socket.gethostname()}
+    assert [x["step"] for x in lines if x["phase"] == "rl"] == [1, 2]
+    assert (tmp_path / "run" / "hf_final" / "config.json").is_file()
 
 
 def test_failing_job_exit_code_reaches_msrl(cluster, tmp_path):

@@ -106,3 +106,17 @@ def test_resume_after_kill_gives_the_same_metrics(straight, tmp_path, model_dir)
         for key, value in want[step].items():
             if isinstance(value, float) and not any(t in key for t in TIMING):
                 assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+
+
+def test_two_rank_run_through_msrl_launch_local(tmp_path, model_dir):
+    run_dir = tmp_path / "two"
+    args = _args(run_dir, model_dir, 2)
+    sets = args[args.index("--set") + 1:]
+    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
+           "--nproc", "2", "--set", *sets]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rl = _rl(_records(run_dir))
+    assert sorted(rl) == [1, 2]
+    assert all(not r.get("nonfinite") for r in rl.values())
+    assert (run_dir / "hf_final" / "config.json").is_file()
