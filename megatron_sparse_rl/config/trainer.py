@@ -46,7 +46,12 @@ class TrainerConfig:
     eval_every: int = 5
     """Evaluate held-out accuracy every N RL steps (and at the end); 0 = only at the end."""
     eval_prompts: int = 64
-    """Held-out prompts per evaluation (greedy decoding)."""
+    """Held-out prompts per evaluation."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of evaluation: accuracy is the mean correctness of `eval_samples` samples per
+    held-out prompt (the expected reward of the policy, which RL optimises); 0 = greedy decoding."""
+    eval_samples: int = 4
+    """Samples per held-out prompt (1 when eval_temperature is 0)."""
     sync_bucket_mb: float = 64.0
     """Bucket size of the learner -> engine weight sync."""
     verify_sync_every: int = 10
@@ -64,6 +69,8 @@ class TrainerConfig:
                f"trainer.updates_per_rollout must be >= 1 (got {self.updates_per_rollout})")
         _check(self.eval_every >= 0, f"trainer.eval_every must be >= 0 (got {self.eval_every})")
         _check(self.eval_prompts >= 1, f"trainer.eval_prompts must be >= 1 (got {self.eval_prompts})")
+        _check(self.eval_temperature >= 0, f"trainer.eval_temperature must be >= 0 (got {self.eval_temperature})")
+        _check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
         _check(self.sync_bucket_mb > 0, f"trainer.sync_bucket_mb must be > 0 (got {self.sync_bucket_mb})")
         _check(self.verify_sync_every >= 0, f"trainer.verify_sync_every must be >= 0 (got {self.verify_sync_every})")
         _check(self.verify_sync_tol > 0, f"trainer.verify_sync_tol must be > 0 (got {self.verify_sync_tol})")

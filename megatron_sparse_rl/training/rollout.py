@@ -26,11 +26,15 @@ def collect(engine, tokenizer, examples, sampling: SamplingConfig, *, seed: int,
     return batch, torch.tensor(correct(texts, answers), dtype=torch.float32)
 
 
-def greedy_accuracy(engine, tokenizer, examples, *, max_tokens: int, score) -> tuple[float, int]:
-    """(sum of rewards, count) of greedy answers on `examples`."""
+def accuracy(engine, tokenizer, examples, *, max_tokens: int, score, temperature: float, samples: int,
+             seed: int = 0) -> tuple[float, int]:
+    """(sum of correctness, count) on `examples`: `samples` samples per prompt at `temperature` (one
+    greedy answer when temperature is 0)."""
     if not examples:
         return 0.0, 0
-    greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens, seed=0)
-    batch = engine.generate([list(e.ids) for e in examples], greedy)
-    rewards = score(decode(tokenizer, batch.responses()), [e.answer for e in examples])
+    n = 1 if temperature == 0 else samples
+    params = SamplingConfig(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
+    batch = engine.generate([list(e.ids) for e in examples], params)
+    answers = [examples[g].answer for g in batch.group_ids.tolist()]
+    rewards = score(decode(tokenizer, batch.responses()), answers)
     return float(sum(rewards)), len(rewards)

@@ -93,12 +93,15 @@ def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None) -> dict
 
 
 def evaluate(ctx: RunContext, correct, n: int) -> float:
-    """Greedy held-out accuracy (global over data-parallel ranks)."""
+    """Held-out accuracy (global over data-parallel ranks): mean correctness of `trainer.eval_samples`
+    samples per prompt at `trainer.eval_temperature` (greedy when 0), with a fixed seed."""
+    cfg = ctx.run.trainer
     examples = _dp_share(ctx, ctx.task.eval_examples(n))
     total, count = 0.0, 0
     if _is_leader(ctx):
-        total, count = R.greedy_accuracy(ctx.engine, ctx.tokenizer, examples,
-                                         max_tokens=ctx.run.rollout.sampling.max_tokens, score=correct)
+        total, count = R.accuracy(ctx.engine, ctx.tokenizer, examples, max_tokens=ctx.run.rollout.sampling.max_tokens,
+                                  score=correct, temperature=cfg.eval_temperature, samples=cfg.eval_samples,
+                                  seed=ctx.run.rollout.seed + 7919 * ctx.groups.dp_rank)
     if ctx.layout.tp * ctx.layout.pp > 1:
         total, count = _share_from_leader(ctx, (total, count))
     total, count = _global_sum(ctx, [total, count])
