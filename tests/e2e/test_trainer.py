@@ -120,3 +120,20 @@ def test_two_rank_run_through_msrl_launch_local(tmp_path, model_dir):
     assert sorted(rl) == [1, 2]
     assert all(not r.get("nonfinite") for r in rl.values())
     assert (run_dir / "hf_final" / "config.json").is_file()
+
+
+def test_rl_raises_held_out_accuracy_above_the_warm_start(tmp_path):
+    """The demo's recipe, shortened: after the SFT warm-start, 60 GRPO steps raise held-out accuracy (mean
+    correctness of 4 samples per unseen prompt, 800 samples) by a margin well above its sampling noise
+    (standard error about 0.015 at these accuracies). Everything is seeded, so the run is reproducible."""
+    run_dir = tmp_path / "learn"
+    cmd = [sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/demo_tiny_moe.yaml"), "--set",
+           f"logging.dir={run_dir}", f"model.path={run_dir / 'model'}", "trainer.steps=60", "trainer.eval_every=60",
+           "checkpoint.save_every=0", "logging.tensorboard=false"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _records(run_dir)
+    before = next(r["eval/accuracy"] for r in records if r["phase"] == "warm_start")
+    after = _rl(records)[60]["eval/accuracy"]
+    assert before > 0.05, "the warm-start must reach a non-trivial accuracy for RL to have signal"
+    assert after > before + 0.04, (before, after)
