@@ -34,6 +34,8 @@ class RunContext:
     spec: Any
     routing: Any = None
     """LearnerRouting when the model is MoE and routing replay or statistics are on."""
+    reference: Any = None
+    """A frozen copy of the initial model (a Learner never stepped) when algorithm.kl.coef > 0."""
 
     @property
     def dp_group(self):
@@ -111,6 +113,10 @@ def build_context(run: RunConfig, total_steps: int) -> RunContext:
     learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=total_steps,
                       routing_replay=use_routing)
     learner.load_hf(model_dir)
+    reference = None
+    if run.algorithm.kl.coef > 0:  # KL to the initial policy needs its logprobs: a frozen copy of the model
+        reference = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=1)
+        reference.load_hf(model_dir)
     routing = None
     if use_routing:
         from megatron_sparse_rl.learner.routing import LearnerRouting
@@ -124,7 +130,7 @@ def build_context(run: RunConfig, total_steps: int) -> RunContext:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     task = build_task(run.data, tokenizer)
     return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, engine, tokenizer, task,
-                      None, spec, routing)
+                      None, spec, routing, reference)
 
 
 def open_metrics(ctx: RunContext, keep_records: int | None) -> None:

@@ -66,7 +66,7 @@ def train_step(ctx: RunContext, batch) -> dict[str, float]:
     t0 = time.perf_counter()
     algo = ctx.run.algorithm
     prep = U.prepare(ctx.learner, batch, algo, pad_id=ctx.engine.pad_id, dp_group=ctx.dp_group,
-                     routing=ctx.routing)
+                     routing=ctx.routing, reference=ctx.reference)
     metrics = dict(prep.metrics)
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
         log.warning("skipping the update: the batch's k1 mismatch is over algorithm.corrections.batch_skip.max_k1")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.algorithms import (
-    apply_corrections, compute_advantages, loss_normalizer, mismatch_metrics, policy_loss,
+    apply_corrections, compute_advantages, kl_loss, loss_normalizer, mismatch_metrics, policy_loss,
 )
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
 from megatron_sparse_rl.rollout.batch import RolloutBatch
@@ -36,6 +36,8 @@ class PreparedBatch:
     """int [B] real token counts (routing replay)."""
     routes: Any = None
     """moe.RouteStore the updates replay (R2: recorded in the old-logprob forward; R3: the engine's)."""
+    ref_logprobs: torch.Tensor | None = None
+    """[B, T-1] logprobs of the reference (initial) model, for the KL term."""
 
 
 def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,7 +55,7 @@ def _scalar_metrics(metrics: dict[str, torch.Tensor], prefix: str = "") -> dict[
 
 
 def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, dp_group,
-            routing=None) -> PreparedBatch:
+            routing=None, reference=None) -> PreparedBatch:
     """Old logprobs (dense recompute), advantages and corrections for this rank's rollout batch. With
     `routing` (LearnerRouting) the old forward records (R2) or replays the engine's (R3) routes."""
     if batch.reward is None:
@@ -69,8 +71,13 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     metrics.update(_scalar_metrics(corr.metrics))
     if old:
         metrics.update(_scalar_metrics(old.metrics))
+    ref_lp = None
+    if cfg.kl.coef > 0:
+        if reference is None:
+            raise ValueError("algorithm.kl.coef > 0 needs reference logprobs, but no reference model was built")
+        ref_lp = reference.forward_logprobs(tokens)["logprobs"]
     return PreparedBatch(tokens, mask & corr.keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
-                         lengths=lengths, routes=old.routes if old else None)
+                         lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp)
 
 
 def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group,
@@ -104,6 +111,13 @@ def _loss_fn(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, nor
         loss, metrics = policy_loss(logprobs, old[index].to(logprobs.device), adv[index].to(logprobs.device), m,
                                     cfg=cfg.loss, normalizer=norm, weights=weights[index].to(logprobs.device),
                                     entropy=entropy)
+        if prep.ref_logprobs is not None:
+            dev = logprobs.device
+            kl, kl_metrics = kl_loss(logprobs, prep.ref_logprobs[chunk][index].to(dev), m, cfg=cfg.kl,
+                                     aggregation=cfg.loss.aggregation, normalizer=norm,
+                                     old_logprobs=old[index].to(dev), weights=weights[index].to(dev))
+            loss = loss + kl
+            metrics = {**metrics, **kl_metrics}
         n = m.sum().float()
         # metrics are means over this micro-batch's tokens: weight by its token count, divided out later
         weighted = {f"{k}*n": v.detach().float() * n for k, v in metrics.items()}

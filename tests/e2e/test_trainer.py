@@ -137,3 +137,14 @@ def test_rl_raises_held_out_accuracy_above_the_warm_start(tmp_path):
     after = _rl(records)[60]["eval/accuracy"]
     assert before > 0.05, "the warm-start must reach a non-trivial accuracy for RL to have signal"
     assert after > before + 0.04, (before, after)
+
+
+def test_kl_to_the_reference_model(tmp_path, model_dir):
+    """With algorithm.kl.coef > 0 a frozen copy of the initial model scores every batch: after SFT moved
+    the policy away from it, the KL term is positive (and exactly 0 would mean the reference moved too)."""
+    run_dir = tmp_path / "kl"
+    proc = subprocess.run(_args(run_dir, model_dir, 1, ["algorithm.kl.coef=0.1"]), cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kl = _rl(_records(run_dir))[1]["loss/kl_ref"]
+    assert math.isfinite(kl) and kl > 1e-3
