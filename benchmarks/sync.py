@@ -1,7 +1,8 @@
 """Colocated weight-sync throughput: bytes/s learner -> engine over the bytes/s of a plain tensor copy of the
 same bytes (every weight tensor `copy_`-ed into a preallocated buffer of the same shape).
 
-    .venv/bin/python benchmarks/sync.py [--hidden 256 --layers 4 --experts 8 --bucket-mb 64 --repeats 3]
+    msrl bench sync [--hidden 256 --layers 4 --experts 8 --bucket-mb 64 --repeats 3]
+    .venv/bin/python benchmarks/sync.py [same options]
 
 One process (a single-rank gloo world, TP1), a tiny random Qwen3-MoE, fp32, real Megatron learner and real
 vLLM engine on CPU. The sync time includes the HF-name export, bucket packing, checksums and verification
@@ -47,15 +48,21 @@ def build_learner(model_dir):
     return learner
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
 
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    run(p.parse_args())
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
@@ -83,6 +90,7 @@ def main() -> None:
     print(f"plain copy: {copy_bps / 1e9:.3f} GB/s")
     print(f"sync / plain copy = {best.bytes_per_s / copy_bps:.3f}")
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`msrl bench KIND [...]`: benchmarks that print ratios (DESIGN.md, "Performance").
 
     msrl bench kv [--budget 128 --max-tokens 1024 ...]     sparse vs dense KV blocks, admitted sequences, tokens/s
+    msrl bench sync [--hidden 256 --bucket-mb 64 ...]      weight sync bytes/s over plain copy bytes/s
 
 Each kind is a module `benchmarks/<kind>.py` exposing `add_arguments(parser)` and `run(args) -> int`;
 add one by writing that module and a line in KINDS. Only the chosen kind's module is imported.
@@ -15,6 +16,7 @@ from pathlib import Path
 # kind -> one-line help; the implementation is benchmarks/<kind>.py
 KINDS: dict[str, str] = {
     "kv": "sparse vs dense KV: vLLM blocks in use, sequences admitted at a fixed pool, tokens/s",
+    "sync": "learner -> engine weight sync bytes/s over a plain tensor copy of the same bytes",
 }
 
 
