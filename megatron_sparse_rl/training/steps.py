@@ -68,6 +68,11 @@ def train_step(ctx: RunContext, batch) -> dict[str, float]:
     prep = U.prepare(ctx.learner, batch, algo, pad_id=ctx.engine.pad_id, dp_group=ctx.dp_group,
                      routing=ctx.routing, reference=ctx.reference)
     metrics = dict(prep.metrics)
+    if ctx.run.rollout.kv.policy != "none":
+        from megatron_sparse_rl.training.sparse_kv import kv_metrics
+
+        metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.response_mask,
+                                  ctx.run.rollout.kv.budget))
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
         log.warning("skipping the update: the batch's k1 mismatch is over algorithm.corrections.batch_skip.max_k1")
     else:

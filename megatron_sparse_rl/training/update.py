@@ -38,6 +38,8 @@ class PreparedBatch:
     """moe.RouteStore the updates replay (R2: recorded in the old-logprob forward; R3: the engine's)."""
     ref_logprobs: torch.Tensor | None = None
     """[B, T-1] logprobs of the reference (initial) model, for the KL term."""
+    response_mask: torch.Tensor | None = None
+    """bool [B, T-1]: every response token, before corrections."""
 
 
 def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,7 +79,8 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
             raise ValueError("algorithm.kl.coef > 0 needs reference logprobs, but no reference model was built")
         ref_lp = reference.forward_logprobs(tokens)["logprobs"]
     return PreparedBatch(tokens, mask & corr.keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
-                         lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp)
+                         lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
+                         response_mask=mask)
 
 
 def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group,
