@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from megatron_sparse_rl.models.base import GPTAdapter
+from megatron_sparse_rl.models.deepseek import DeepseekV3Adapter
+from megatron_sparse_rl.models.mixtral import MixtralAdapter
 from megatron_sparse_rl.models.qwen import Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter
 from megatron_sparse_rl.models.spec import ModelSpec, read_hf_config
 
 ADAPTERS: dict[str, type[GPTAdapter]] = {
-    cls.architecture: cls for cls in (Qwen3MoeAdapter, Qwen3Adapter, Qwen2Adapter)
+    cls.architecture: cls for cls in (Qwen3MoeAdapter, Qwen3Adapter, Qwen2Adapter, MixtralAdapter, DeepseekV3Adapter)
 }
 
 

@@ -1,0 +1,80 @@
+"""Tiny random Hugging Face Mixtral and DeepSeek-V3-style checkpoints, built with transformers' own classes.
+
+Like `models/tiny.py` (Qwen3): config.json, model.safetensors, generation_config.json and the character
+tokenizer of `data/tokenizer.py`, so transformers and the adapters load them as they would a hub model.
+
+    python -c "from megatron_sparse_rl.models.tiny_families import build_tiny_mixtral as b; print(b('/tmp/mx'))"
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_sparse_rl.data import tokenizer as char_tok
+
+
+def _common(hidden: int, layers: int, heads: int, kv_heads: int, init_std: float, max_position: int) -> dict:
+    if min(hidden, layers, heads, kv_heads) < 1 or heads % kv_heads:
+        raise ValueError(f"need hidden, layers, heads, kv_heads >= 1 and kv_heads | heads "
+                         f"(got {hidden}, {layers}, {heads}, {kv_heads})")
+    return dict(vocab_size=char_tok.vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_position,
+                initializer_range=init_std, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                bos_token_id=char_tok.BOS_ID, eos_token_id=char_tok.EOS_ID, pad_token_id=char_tok.PAD_ID,
+                dtype="float32")
+
+
+def _save(model, out_dir) -> Path:
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(bos_token_id=char_tok.BOS_ID, eos_token_id=char_tok.EOS_ID,
+                                               pad_token_id=char_tok.PAD_ID, do_sample=False)
+    model.save_pretrained(str(out), safe_serialization=True)
+    char_tok.build_tokenizer(out)
+    return out
+
+
+def build_tiny_mixtral(out_dir, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                       head_dim: int = 32, experts: int = 4, topk: int = 2, ffn: int = 64, init_std: float = 0.2,
+                       rope_theta: float = 1e6, max_position: int = 2048, seed: int = 0) -> Path:
+    """A random `MixtralForCausalLM` (every layer MoE, softmax router renormalised over the top-k), fp32."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    if not 1 <= topk <= experts:
+        raise ValueError(f"topk must be in [1, experts] (got {topk}, experts={experts})")
+    config = MixtralConfig(**_common(hidden, layers, heads, kv_heads, init_std, max_position), head_dim=head_dim,
+                           intermediate_size=ffn, num_local_experts=experts, num_experts_per_tok=topk,
+                           sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MixtralForCausalLM(config)
+    return _save(model, out_dir)
+
+
+def build_tiny_deepseek(out_dir, *, hidden: int = 64, layers: int = 3, heads: int = 4, experts: int = 8,
+                        topk: int = 2, n_group: int = 2, topk_group: int = 1, shared: int = 1,
+                        first_k_dense: int = 1, moe_ffn: int = 32, ffn: int = 64, kv_lora_rank: int = 32,
+                        q_lora_rank: int | None = None, qk_nope: int = 16, qk_rope: int = 16, v_head: int = 32,
+                        scaling: float = 2.5, init_std: float = 0.2, bias_std: float = 0.1,
+                        max_position: int = 2048, seed: int = 0) -> Path:
+    """A random `DeepseekV3ForCausalLM` (MLA attention, `first_k_dense` dense layers, then MoE layers with
+    `shared` shared experts and a sigmoid group-limited router). `e_score_correction_bias` is a zero buffer in
+    transformers; it is drawn with std `bias_std` here so that it changes routing and tests see it."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        **_common(hidden, layers, heads, heads, init_std, max_position), intermediate_size=ffn,
+        moe_intermediate_size=moe_ffn, n_routed_experts=experts, num_experts_per_tok=topk, n_shared_experts=shared,
+        first_k_dense_replace=first_k_dense, n_group=n_group, topk_group=topk_group, routed_scaling_factor=scaling,
+        norm_topk_prob=True, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope,
+        qk_rope_head_dim=qk_rope, v_head_dim=v_head, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DeepseekV3ForCausalLM(config)
+        for layer in model.model.layers[first_k_dense:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, bias_std)
+    return _save(model, out_dir)
