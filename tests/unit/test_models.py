@@ -25,7 +25,8 @@ def test_unknown_architecture_lists_supported():
 
 
 def test_adapter_lookup_is_exact():
-    assert set(ADAPTERS) == {"Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM"}
+    assert set(ADAPTERS) == {"Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
+                             "DeepseekV3ForCausalLM"}
     with pytest.raises(ValueError):
         get_adapter({"architectures": ["Qwen3MoeForCausalLMX"]})
 
