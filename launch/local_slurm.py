@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from megatron_sparse_rl.parallel.ports import free_port as _free_port
 
 PACKAGES = ("slurm-wlm", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
@@ -47,12 +48,6 @@ def install(timeout: float = 600) -> None:
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if r.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalSlurm:

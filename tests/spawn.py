@@ -12,15 +12,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_sparse_rl.parallel.ports import free_port
 
 
 def _worker(fn, rank, world_size, port, args, results):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from megatron_sparse_rl.parallel.ports import free_port as _free_port
 
 
 def min_world_size(tp: int, ep: int, pp: int = 1, etp: int = 1) -> int:
@@ -32,12 +32,6 @@ def init_from_env() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn, rank: int, world: int, port: int, args: tuple, errors) -> None:

@@ -7,6 +7,7 @@ The math lives in `megatron_sparse_rl.algorithms`; this module imports nothing f
 """
 from dataclasses import dataclass, field
 from typing import Literal, get_args
+from megatron_sparse_rl.config.checks import require as _require
 
 LossName = Literal["grpo", "dapo", "dual_clip", "gspo", "gspo_token", "cispo"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -24,11 +25,6 @@ DEFAULT_CLIPS: dict[str, tuple[float, float]] = {
     "gspo_token": (3e-4, 4e-4),
     "cispo": (1.0, 0.28),
 }
-
-
-def _require(ok: bool, path: str, rule: str, got: object) -> None:
-    if not ok:
-        raise ValueError(f"{path} {rule} (got {got!r})")
 
 
 def _require_choice(value: str, choices: tuple, path: str) -> None:

@@ -7,16 +7,12 @@ bad value with the dotted path of the field, the rule and the value, e.g.
 """
 from dataclasses import dataclass, field
 from typing import Literal
+from megatron_sparse_rl.config.checks import require as _require
 
 ArithmeticOp = Literal["+", "-", "*"]
 DataSource = Literal["arithmetic", "jsonl", "parquet"]
 Template = Literal["plain", "chat"]
 RewardKind = Literal["exact", "math"]
-
-
-def _require(ok: bool, path: str, rule: str, got: object) -> None:
-    if not ok:
-        raise ValueError(f"{path} {rule} (got {got!r})")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -15,15 +15,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Literal
+from megatron_sparse_rl.config.checks import check as _check
 
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

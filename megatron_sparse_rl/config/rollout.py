@@ -8,16 +8,12 @@ sparse-KV policy (the policies live in `megatron_sparse_rl.kv`).
 """
 from dataclasses import dataclass, field
 from typing import Literal, get_args
+from megatron_sparse_rl.config.checks import require as _require
 
 KVPolicy = Literal["none", "rkv", "snapkv", "h2o", "streamingllm"]
 KVPooling = Literal["max", "avg"]
 RolloutDtype = Literal["float32", "bfloat16"]
 LogprobsMode = Literal["processed", "raw"]
-
-
-def _require(ok: bool, path: str, rule: str, got: object) -> None:
-    if not ok:
-        raise ValueError(f"{path} {rule} (got {got!r})")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

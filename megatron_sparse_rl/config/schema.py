@@ -14,11 +14,7 @@ from megatron_sparse_rl.config.launch import LaunchConfig
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.trainer import TrainerConfig
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
+from megatron_sparse_rl.config.checks import check as _check
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

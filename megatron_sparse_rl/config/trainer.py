@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
+from megatron_sparse_rl.config.checks import check as _check
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.schema import RunConfig
+from megatron_sparse_rl.parallel.ports import free_port as _free_port
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,6 @@ class RunContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_world() -> tuple[int, int]:
