@@ -49,3 +49,17 @@ class KVKeepRecord:
             block |= (pos[None, :] >= start) & (pos[None, :] <= pos[start:end, None])
             mask[:, :, start:end] = block
         return mask
+
+
+def batch_attention_mask(records, seq_len: int) -> torch.Tensor | None:
+    """bool [B, layers, kv_heads, seq_len, seq_len] for a batch of records (rows without a compaction see
+    causally), or None when no row was compacted (the dense causal forward is already exact)."""
+    compacted = [r for r in records if r.num_compactions]
+    if not compacted:
+        return None
+    if compacted[0].kept is None:
+        raise ValueError("recomputing sparse logprobs needs the kept positions (set rollout.kv.record_keep)")
+    layers, heads, _ = compacted[0].kept[0].shape
+    pos = torch.arange(seq_len)
+    causal = (pos[None, :] <= pos[:, None]).expand(layers, heads, seq_len, seq_len)
+    return torch.stack([r.attention_mask(seq_len) if r.num_compactions else causal for r in records])

@@ -3,6 +3,7 @@
     learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=100)
     learner.load_hf(model_dir)                        # HF safetensors -> local shards
     out = learner.forward_logprobs(tokens)            # {"logprobs": [B, S-1], "entropy": [B, S-1]}
+    out = learner.forward_logprobs(tokens, attention_mask=allowed)  # per layer/KV-head visibility (sparse KV)
     metrics = learner.train_step(tokens, loss_fn)     # micro-batched forward/backward + optimizer step
 
 `tokens` is this data-parallel rank's [B, S] right-padded batch; position t of the outputs scores token
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
+from megatron_sparse_rl.learner.attention_mask import LayerAttentionMasks, pad_causal
 from megatron_sparse_rl.learner.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_sparse_rl.learner.model import build_gpt_model
 from megatron_sparse_rl.learner.params import load_full_tensors, local_params
@@ -51,6 +53,7 @@ class Learner:
         # Optional routing hook (learner/routing.py: LearnerRouting attaches itself here); called with each
         # micro-batch's row index and inputs before its forward, so routes can be recorded or replayed.
         self.routing = None
+        self._layer_masks = None  # LayerAttentionMasks, made on the first masked forward
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=False)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
@@ -121,9 +124,11 @@ class Learner:
         targets = self._padded(tokens)[:, 1:length + 1].to(logits.device).contiguous()
         return vocab_parallel_logprobs(logits, targets, self.temperature), entropy
 
-    def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool):
+    def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool,
+                      attention_mask: torch.Tensor | None = None):
         """Megatron's forward/backward schedule (pipelined when pp > 1) over micro-batches of `tokens`; the
-        loss (or logprob collection) runs on the last pipeline stage only."""
+        loss (or logprob collection) runs on the last pipeline stage only. `attention_mask`: optional
+        per-layer visibility (see forward_logprobs)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batches = self._micro_batches(tokens)
@@ -134,6 +139,8 @@ class Learner:
                              f"equal micro-batches of learner.micro_batch_size={self.cfg.micro_batch_size}")
         padded = self._padded(tokens)
         device = next(self.model.parameters()).device
+        if attention_mask is not None:
+            attention_mask = pad_causal(attention_mask, padded.shape[1] - 1)
 
         def forward_step(data_iterator, model):
             index = next(data_iterator)
@@ -141,6 +148,8 @@ class Learner:
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
             if self.routing is not None:
                 self.routing.before_micro_batch(index, inputs)
+            if attention_mask is not None:
+                self._layer_masks.current = attention_mask[index]
             output = model(inputs, positions, None)
             return output, partial(self._loss_wrapper, loss_fn, tokens[index], index)
 
@@ -159,11 +168,25 @@ class Learner:
         return loss, zero, {"loss": loss.detach(), **metrics}
 
     @torch.no_grad()
-    def forward_logprobs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Log-probabilities and entropy of every next token: {"logprobs", "entropy"}: [B, S-1] fp32."""
+    def forward_logprobs(self, tokens: torch.Tensor, *, attention_mask: torch.Tensor | None = None
+                         ) -> dict[str, torch.Tensor]:
+        """Log-probabilities and entropy of every next token: {"logprobs", "entropy"}: [B, S-1] fp32.
+
+        `attention_mask`: optional bool [B, layers, kv_heads, S-1, S-1], True where query t may attend key s,
+        per layer and KV head (e.g. what a sparse KV cache kept: kv.record.batch_attention_mask); None =
+        causal. Needs Megatron's local attention (learner/attention_mask.py).
+        """
+        if attention_mask is not None:
+            self._check_mask(tokens, attention_mask)
+            if self._layer_masks is None:
+                self._layer_masks = LayerAttentionMasks(self.model, self.groups.tp_rank)
         self.model.eval()
-        out = self._run_schedule(tokens, None, forward_only=True)
-        self.model.train()
+        try:
+            out = self._run_schedule(tokens, None, forward_only=True, attention_mask=attention_mask)
+        finally:
+            self.model.train()
+            if self._layer_masks is not None:
+                self._layer_masks.current = None
         shape = (tokens.shape[0], tokens.shape[1] - 1)
         result = {k: torch.zeros(shape, dtype=torch.float32) for k in ("logprobs", "entropy")}
         for item in out:  # empty on all but the last pipeline stage
@@ -174,6 +197,13 @@ class Learner:
             for k in result:
                 dist.broadcast(result[k], src=last, group=self.groups.pp)
         return result
+
+    def _check_mask(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
+        want = (tokens.shape[0], self.config.num_layers, self.config.num_query_groups,
+                tokens.shape[1] - 1, tokens.shape[1] - 1)
+        if mask.dtype != torch.bool or tuple(mask.shape) != want:
+            raise ValueError(f"attention_mask must be bool [batch, layers, kv_heads, seq-1, seq-1] = {list(want)} "
+                             f"(got {mask.dtype} {list(mask.shape)})")
 
     # ---- training ------------------------------------------------------------------------------
     def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, lr: float | None = None) -> dict[str, float]:
