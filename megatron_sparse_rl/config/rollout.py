@@ -75,7 +75,9 @@ class KVConfig:
     record_keep: bool = False
     """Return the kept positions of every layer/KV head at every compaction (`RolloutBatch.kv_keep`);
     false records only the compaction steps (the memory of a full record grows with layers x heads x
-    budget per compaction)."""
+    budget per compaction). The trainer then also recomputes pi_sparse on the learner (one more forward
+    per step, masks of layers x kv_heads x T^2 per sample) for the metrics kv/k1_sparse_numerics and
+    kv/k1_sparse_compression."""
     block_size: int | None = None
     """KV cache block size in tokens (a multiple of 32 on CPU); None = vLLM's default (128 on CPU). Blocks
     are the unit that compaction frees: smaller blocks follow the budget more tightly."""

@@ -5,6 +5,10 @@ the compressed cache iff t >= the sample's first compaction length. Splitting th
 (log mu - log pi_old, the learner being dense) at that point separates what compression added from the
 engine-vs-learner numerics present before it:
   kv/k1_after_compression - kv/k1_before_compression = compression-induced logprob delta.
+With `rollout.kv.record_keep` the learner also recomputes pi_sparse exactly (the engine's kept KV as a
+per-layer, per-head attention mask), which splits the mismatch after compression without that estimate:
+  kv/k1_after_compression = kv/k1_sparse_numerics (log mu - log pi_sparse: engine vs learner kernels)
+                          + kv/k1_sparse_compression (log pi_sparse - log pi_old: what the dropped KV changed).
 """
 from __future__ import annotations
 
@@ -13,9 +17,19 @@ import torch
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 
 
+def sparse_logprobs(learner, batch: RolloutBatch, tokens: torch.Tensor) -> torch.Tensor | None:
+    """pi_sparse [B, T-1]: the learner's logprobs under what the engine's sparse cache kept (None when no
+    sample was compacted). Needs the full records (`rollout.kv.record_keep`)."""
+    from megatron_sparse_rl.kv.record import batch_attention_mask
+
+    allowed = batch_attention_mask(batch.kv_keep, tokens.shape[1] - 1)
+    return None if allowed is None else learner.forward_logprobs(tokens, attention_mask=allowed)["logprobs"]
+
+
 def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-               mask: torch.Tensor, budget: int) -> dict[str, float]:
-    """Retention, compaction and preemption rates and the k1 mismatch before/after the first compaction."""
+               mask: torch.Tensor, budget: int, sparse: torch.Tensor | None = None) -> dict[str, float]:
+    """Retention, compaction and preemption rates and the k1 mismatch before/after the first compaction;
+    with `sparse` (pi_sparse recomputed by the learner) the exact split of the mismatch after it."""
     records = batch.kv_keep
     if records is None:
         raise ValueError("rollout.kv.policy is set but the rollout batch carries no kv_keep records")
@@ -24,14 +38,19 @@ def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs
     cols = torch.arange(mask.shape[1])[None, :]
     after = mask.bool() & (cols >= first[:, None])
     before = mask.bool() & ~after
-    k1 = (rollout_logprobs - old_logprobs).double()
 
-    def mean(sel: torch.Tensor) -> float:
-        return float(k1[sel].mean()) if sel.any() else 0.0
+    def mean(delta: torch.Tensor, sel: torch.Tensor) -> float:
+        return float(delta.double()[sel].mean()) if sel.any() else 0.0
 
     retention = [min(1.0, (budget + n - r.lengths[-1]) / n) if r.lengths else 1.0 for r, n in zip(records, lengths)]
-    k1_before, k1_after = mean(before), mean(after)
+    k1 = rollout_logprobs - old_logprobs
+    k1_before, k1_after = mean(k1, before), mean(k1, after)
+    split = {}
+    if sparse is not None:
+        split = {"kv/k1_sparse_numerics": mean(rollout_logprobs - sparse, after),
+                 "kv/k1_sparse_compression": mean(sparse - old_logprobs, after)}
     return {
+        **split,
         "kv/compressed_frac": sum(bool(r.lengths) for r in records) / len(records),
         "kv/compactions_per_sample": sum(len(r.lengths) for r in records) / len(records),
         "kv/retention": sum(retention) / len(retention),

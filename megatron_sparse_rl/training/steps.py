@@ -69,10 +69,12 @@ def train_step(ctx: RunContext, batch) -> dict[str, float]:
                      routing=ctx.routing, reference=ctx.reference)
     metrics = dict(prep.metrics)
     if ctx.run.rollout.kv.policy != "none":
-        from megatron_sparse_rl.training.sparse_kv import kv_metrics
+        from megatron_sparse_rl.training.sparse_kv import kv_metrics, sparse_logprobs
 
-        metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.response_mask,
-                                  ctx.run.rollout.kv.budget))
+        kv = ctx.run.rollout.kv
+        sparse = sparse_logprobs(ctx.learner, batch, prep.tokens) if kv.record_keep else None
+        metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.response_mask, kv.budget,
+                                  sparse=sparse))
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
         log.warning("skipping the update: the batch's k1 mismatch is over algorithm.corrections.batch_skip.max_k1")
     else:

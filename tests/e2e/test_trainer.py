@@ -152,15 +152,18 @@ def test_kl_to_the_reference_model(tmp_path, model_dir):
 
 def test_sparse_rl_run_attributes_the_mismatch_to_compression(tmp_path):
     """Rollouts on the sparse (R-KV) engine, dense old logprobs, Sparse-RL correction: the engine-vs-learner
-    mismatch is numerics-level on tokens generated before the first compaction and clearly larger after."""
+    mismatch is numerics-level on tokens generated before the first compaction and clearly larger after; with
+    the kv_keep record the learner's exact pi_sparse recompute puts all of it on compression."""
     run_dir = tmp_path / "srl"
     cmd = [sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/sparse_rl_tiny_moe.yaml"), "--set",
            f"logging.dir={run_dir}", f"model.path={run_dir / 'model'}", "trainer.steps=2",
-           "logging.tensorboard=false"]
+           "logging.tensorboard=false", "rollout.kv.record_keep=true"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for step, rec in _rl(_records(run_dir)).items():
         assert rec["kv/compressed_frac"] > 0, "compaction must happen for this test to mean anything"
         assert abs(rec["kv/k1_before_compression"]) < 1e-4
         assert rec["kv/k1_after_compression"] > 100 * abs(rec["kv/k1_before_compression"]) + 1e-3
+        assert abs(rec["kv/k1_sparse_numerics"]) < 1e-4  # engine == learner once both drop the same KV
+        assert rec["kv/k1_sparse_compression"] == pytest.approx(rec["kv/k1_after_compression"], abs=1e-4)
         assert "sparse_rl/rejected_seq_frac" in rec and not rec.get("nonfinite")

@@ -37,3 +37,20 @@ def test_missing_records_raise():
         finish_reasons=("stop",), group_ids=torch.tensor([0]))
     with pytest.raises(ValueError, match="no kv_keep records"):
         kv_metrics(batch, torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), budget=4)
+
+
+def test_exact_recompute_splits_the_mismatch_after_compression():
+    # one sample, 2 prompt + 4 response tokens, compacted when 3 were stored: columns 3, 4 query the sparse cache
+    batch = RolloutBatch(
+        prompt_ids=torch.tensor([[1, 5]]), prompt_lens=torch.tensor([2]), response_ids=torch.ones(1, 4, dtype=torch.long),
+        response_mask=torch.ones(1, 4, dtype=torch.bool), rollout_logprobs=torch.zeros(1, 4),
+        finish_reasons=("length",), group_ids=torch.tensor([0]), kv_keep=(KVKeepRecord(lengths=(3,)),))
+    mask = torch.tensor([[False, True, True, True, True]])
+    old = torch.tensor([[0.0, -1.0, -1.0, -1.0, -1.0]])
+    sparse = torch.tensor([[0.0, -1.0, -1.0, -1.5, -2.5]])      # dropping KV changed columns 3 and 4
+    rollout = torch.tensor([[0.0, -1.0, -1.0, -1.5, -2.4]])     # the engine differs by 0.1 on column 4 (numerics)
+    m = kv_metrics(batch, old, rollout, mask, budget=2, sparse=sparse)
+    assert m["kv/k1_after_compression"] == pytest.approx((-0.5 - 1.4) / 2)
+    assert m["kv/k1_sparse_compression"] == pytest.approx((-0.5 - 1.5) / 2)
+    assert m["kv/k1_sparse_numerics"] == pytest.approx(0.1 / 2)
+    assert "kv/k1_sparse_numerics" not in kv_metrics(batch, old, rollout, mask, budget=2)
