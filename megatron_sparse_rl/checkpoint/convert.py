@@ -6,30 +6,39 @@ Both functions run inside an initialised torch.distributed world (one process is
     hf_to_mcore("hf/Qwen3-30B-A3B", "ckpt/q30b_tp2ep8", tp=2, ep=8)     # world = a multiple of tp*pp
     mcore_to_hf("ckpt/q30b_tp2ep8", "hf/q30b_roundtrip")                 # at any layout of this world
 
-hf_to_mcore streams the HF tensors into this rank's shards, saves a model-only Learner checkpoint (step 0,
-loadable with `learner/checkpoint.py:load_learner(..., load_optimizer=False)`) and writes a manifest with the
-sha256 of every HF tensor plus the HF side files (config, tokenizer) under `<out>/hf/`. mcore_to_hf loads that
-checkpoint at the current layout, gathers full tensors to rank 0, writes safetensors shards, re-reads them and
-compares every tensor with the manifest, naming the first one that differs. Outputs appear atomically
-(staging directory, then rename); on any error nothing is left behind.
+Only the model shard is built (no DDP gradient buffer, no optimizer: `shard.py`), so a rank's peak memory is
+about its model shard plus the tensor being moved. hf_to_mcore streams the HF tensors into this rank's shards
+(each read once), saves a step-0 model-only checkpoint in the format of `learner/checkpoint.py` (loadable with
+`load_learner(..., load_optimizer=False)`) and writes a manifest with the sha256 of every HF tensor plus the HF
+side files (config, tokenizer) under `<out>/hf/`. mcore_to_hf loads that checkpoint (or one saved by training)
+at the current layout, gathers full tensors to rank 0, writes safetensors shards, re-reads them and compares
+every tensor with the manifest, naming the first one that differs. Rank 0 prints throttled progress lines
+(tensors, MB done of the total, MB/s; `progress.py`). Outputs appear atomically (staging directory, then
+rename); on any error nothing is left behind.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TextIO
 
 import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.checkpoint import manifest as M
+from megatron_sparse_rl.checkpoint.gather import iter_full_tensors, ownership
 from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
 from megatron_sparse_rl.checkpoint.hf_writer import ShardedSafetensorsWriter, parse_size
+from megatron_sparse_rl.checkpoint.progress import TransferProgress, report_phase
+from megatron_sparse_rl.checkpoint.shard import build_shard, dir_bytes, load_model_only, save_model_only
+from megatron_sparse_rl.learner.params import load_full_tensors, local_params
 from megatron_sparse_rl.models import load_spec
-from megatron_sparse_rl.models.tensor_map import to_hf
+from megatron_sparse_rl.models.tensor_map import to_hf, to_mcore
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +100,17 @@ def _layout(spec, tp: int, ep: int, pp: int, etp: int):
     return layout
 
 
-def _build_learner(model_dir: Path, layout, dtype: str):
-    from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
-    from megatron_sparse_rl.learner.learner import Learner
+def _build(model_dir: Path, layout, dtype: str, verify: bool):
+    """The model shard alone (a `ModelShard`), or a full Learner when `verify` needs its forward pass (the HF
+    model that --verify compares with is loaded whole anyway). Both have `.model` and `.groups`."""
     from megatron_sparse_rl.patches import megatron_cpu
 
     megatron_cpu.apply()
+    if not verify:
+        return build_shard(model_dir, layout, dtype)
+    from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
+    from megatron_sparse_rl.learner.learner import Learner
+
     adapter, spec = load_spec(model_dir)
     groups = layout.initialize()
     return Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir), dtype=dtype),
@@ -121,22 +135,48 @@ def _check_hf_files(ckpt: HFCheckpoint) -> None:
             raise ValueError(f"{path}: index names {len(absent)} tensors the file lacks, e.g. {absent[:3]}")
 
 
-def _hash_hf(ckpt: HFCheckpoint, names: list[str]) -> dict:
-    """name -> manifest entry, the hashing split over ranks (each HF tensor is read by one rank)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {n: M.tensor_entry(ckpt.get(n)) for n in names[rank::world]}
-    every: list = [None] * world
-    dist.all_gather_object(every, mine)
+def _read_into_shards(holder, spec, ckpt: HFCheckpoint, maps: list, stream) -> dict:
+    """Stream the HF tensors into this rank's shards, reading each one once: a rank reads the tensors of the
+    Megatron parameters it holds and hashes those it is the lowest holding rank of. Returns name -> manifest
+    entry for every HF tensor (gathered from all ranks)."""
+    rank = dist.get_rank()
+    held = set(local_params(holder.model, holder.groups))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(held))
+    hasher = {}
+    for r, names in reversed(list(enumerate(every))):
+        hasher.update(dict.fromkeys(names, r))
+    unheld = [tm.mcore for tm in maps if tm.mcore not in hasher]
+    if unheld:
+        raise ValueError(f"the Megatron model holds no parameter for {len(unheld)} tensor-map names, e.g. {unheld[:3]}")
+    mine = [tm for tm in maps if tm.mcore in held]
+    progress = TransferProgress("hf-to-mcore read", total_tensors=sum(len(tm.hf) for tm in mine),
+                                total_bytes=sum(ckpt.header(n)[2] for tm in mine for n in tm.hf), stream=stream,
+                                enabled=rank == 0)
+    digests: dict = {}
+
+    def tensors():
+        for tm in mine:
+            hf = [ckpt.get(n) for n in tm.hf]
+            if hasher[tm.mcore] == rank:
+                digests.update((n, M.tensor_entry(t)) for n, t in zip(tm.hf, hf))
+            progress.add(sum(t.numel() * t.element_size() for t in hf), len(hf))
+            yield tm.mcore, to_mcore(tm, hf, spec)
+
+    loaded = load_full_tensors(holder.model, holder.groups, tensors())
+    progress.finish()
+    if held - loaded:
+        raise ValueError(f"{ckpt.dir}: no weights for {len(held - loaded)} parameters, e.g. {sorted(held - loaded)[:3]}")
+    dist.all_gather_object(every, digests)
     merged = {k: v for part in every for k, v in part.items()}
-    return {n: merged[n] for n in names}
+    return {n: merged[n] for tm in maps for n in tm.hf}
 
 
 # ---- HF -> Megatron --------------------------------------------------------------------------------
 def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1, overwrite: bool = False,
-                verify: bool = False) -> Path:
-    """Convert the HF checkpoint at `hf_dir` into a torch_dist checkpoint at `out_dir` (see module doc)."""
-    from megatron_sparse_rl.learner.checkpoint import save_learner
-
+                verify: bool = False, progress: TextIO | None = None) -> Path:
+    """Convert the HF checkpoint at `hf_dir` into a torch_dist checkpoint at `out_dir` (see module doc).
+    Rank 0 prints progress lines to `progress` (default stderr)."""
     hf_dir, out = Path(hf_dir), Path(out_dir).absolute()
     _check_out(out, overwrite)
     adapter, spec = load_spec(hf_dir)
@@ -150,21 +190,23 @@ def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1,
     if missing or extra:
         raise ValueError(f"{hf_dir}: tensors do not match the {spec.architecture} map: missing {missing[:3]} "
                          f"({len(missing)}), unmapped {extra[:3]} ({len(extra)})")
-    tensors = _hash_hf(ckpt, hf_names)
-    float_dtypes = {e["dtype"] for e in tensors.values()}
+    float_dtypes = {ckpt.header(n)[0] for n in hf_names}
     param_dtype = "bfloat16" if float_dtypes == {"bfloat16"} else "float32"
     stage = _staging(out)
     try:
         if dist.get_rank() == 0:
             _clean(out)
         dist.barrier()
-        learner = _build_learner(hf_dir, layout, param_dtype)
-        learner.load_hf(hf_dir)
+        holder = _build(hf_dir, layout, param_dtype, verify)
+        tensors = _read_into_shards(holder, spec, ckpt, maps, progress)
         if verify:
             from megatron_sparse_rl.checkpoint.verify import check_forward_parity
 
-            check_forward_parity(learner, hf_dir)
-        save_learner(learner, stage)
+            check_forward_parity(holder, hf_dir)
+        t0 = time.perf_counter()
+        save_model_only(holder.model, stage)
+        if dist.get_rank() == 0:
+            report_phase("hf-to-mcore torch_dist save", dir_bytes(stage), time.perf_counter() - t0, stream=progress)
         saved = {"tp": tp, "ep": ep, "pp": pp, "etp": etp, "world_size": dist.get_world_size()}
 
         def finish():
@@ -213,12 +255,11 @@ def _target_dtypes(manifest: dict | None, hf_cfg: dict, param_dtype: str) -> Cal
 
 def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, etp: int = 1,
                 hf_config_dir=None, max_shard_size: str | int = "5GB", overwrite: bool = False,
-                verify: bool = False) -> Path:
+                verify: bool = False, progress: TextIO | None = None) -> Path:
     """Convert the torch_dist checkpoint at `mcore_dir` (loaded at this world's layout tp/ep/pp/etp) to HF
     safetensors at `out_dir`. Side files come from `<mcore_dir>/hf/` or `hf_config_dir` (for checkpoints saved
-    by training, which have no manifest; their tensors are then checked by read-back only)."""
-    from megatron_sparse_rl.learner.checkpoint import load_learner
-
+    by training, which have no manifest; their tensors are then checked by read-back only). Rank 0 prints
+    progress lines to `progress` (default stderr)."""
     mcore, out = Path(mcore_dir), Path(out_dir).absolute()
     _check_out(out, overwrite)
     max_bytes = parse_size(max_shard_size)
@@ -242,18 +283,22 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
             _clean(out)
             stage.mkdir(parents=True)
         dist.barrier()
-        learner = _build_learner(side_dir, layout, param_dtype)
+        holder = _build(side_dir, layout, param_dtype, verify)
+        t0 = time.perf_counter()
         try:
-            load_learner(learner, mcore, load_optimizer=False, load_rng=False)
+            load_model_only(holder.model, mcore)
         except Exception as e:  # noqa: BLE001 - dist_checkpointing errors are long; keep the cause
             raise ValueError(f"{mcore}: cannot load the torch_dist checkpoint at tp={tp} ep={ep} pp={pp} "
                              f"({type(e).__name__}: {e})") from e
-        _write_hf(learner, adapter, spec, stage, max_bytes, _target_dtypes(manifest, hf_cfg, param_dtype), manifest)
+        if dist.get_rank() == 0:
+            report_phase("mcore-to-hf torch_dist load", dir_bytes(mcore), time.perf_counter() - t0, stream=progress)
+        _write_hf(holder, adapter, spec, stage, max_bytes, _target_dtypes(manifest, hf_cfg, param_dtype), manifest,
+                  progress)
         if verify:
             from megatron_sparse_rl.checkpoint.verify import check_forward_parity
 
             _on_rank0(lambda: M.copy_side_files(side_dir, stage))
-            check_forward_parity(learner, stage)
+            check_forward_parity(holder, stage)
         _on_rank0(lambda: (M.copy_side_files(side_dir, stage), _publish(stage, out)))
     except BaseException:
         if dist.get_rank() == 0:
@@ -263,15 +308,19 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
     return out
 
 
-def _write_hf(learner, adapter, spec, stage: Path, max_bytes: int, target_dtype, manifest: dict | None) -> None:
+def _write_hf(holder, adapter, spec, stage: Path, max_bytes: int, target_dtype, manifest: dict | None,
+              stream) -> None:
     """Gather, split into HF tensors, write and check them (rank 0); every rank takes part in the gathers."""
-    from megatron_sparse_rl.checkpoint.gather import iter_full_tensors
-
     maps = {tm.mcore: tm for tm in adapter.tensor_maps(spec)}
+    owners = ownership(holder.model, holder.groups, list(maps))
     writer = ShardedSafetensorsWriter(stage, max_bytes) if dist.get_rank() == 0 else None
+    progress = TransferProgress(
+        "mcore-to-hf write", total_tensors=sum(len(tm.hf) for tm in maps.values()),
+        total_bytes=sum(math.prod(owners[n][1]) * target_dtype(tm.hf[0]).itemsize for n, tm in maps.items()),
+        stream=stream, enabled=dist.get_rank() == 0)
     digests: dict[str, str] = {}
     first_bad: list[str] = []
-    for name, full in iter_full_tensors(learner.model, learner.groups, list(maps)):
+    for name, full in iter_full_tensors(holder.model, holder.groups, list(maps), owners=owners):
         # keep consuming on a mismatch: the other ranks are still sending
         for hf_name, t in zip(maps[name].hf, to_hf(maps[name], full, spec)):
             t = t.to(target_dtype(hf_name)).contiguous()
@@ -283,6 +332,7 @@ def _write_hf(learner, adapter, spec, stage: Path, max_bytes: int, target_dtype,
                     first_bad.append(_describe(hf_name, want, got))
             if not first_bad:
                 writer.add(hf_name, t)
+            progress.add(t.numel() * t.element_size())
 
     def finish():
         if first_bad:
@@ -291,6 +341,7 @@ def _write_hf(learner, adapter, spec, stage: Path, max_bytes: int, target_dtype,
             raise ConversionError(f"manifest names {sorted(set(manifest['tensors']) ^ set(digests))[:3]} "
                                   "differ from the converted tensors")
         on_disk = writer.finish()
+        progress.finish()
         for n, d in digests.items():
             if on_disk.get(n) != d:
                 raise ConversionError(f"{n}: the tensor read back from disk differs from the one written")

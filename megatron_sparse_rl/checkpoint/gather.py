@@ -47,10 +47,12 @@ def ownership(model, groups: ParallelGroups, names: list[str]) -> dict[str, tupl
 
 
 @torch.no_grad()
-def iter_full_tensors(model, groups: ParallelGroups, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, full tensor) on rank 0 for each of `names`; other ranks yield nothing but must iterate."""
+def iter_full_tensors(model, groups: ParallelGroups, names: list[str], owners: dict | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, full tensor) on rank 0 for each of `names`; other ranks yield nothing but must iterate.
+    `owners`: the result of `ownership(model, groups, names)` if the caller already has it."""
     params = local_params(model, groups)
-    owners = ownership(model, groups, names)
+    owners = owners if owners is not None else ownership(model, groups, names)
     rank = dist.get_rank()
     for name in names:
         owner, shape, dtype = owners[name]

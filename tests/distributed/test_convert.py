@@ -1,7 +1,11 @@
 """HF <-> Megatron torch_dist conversion: bit-exact round trips at TP1, EP2 and TP2 (every tensor compared with
-torch.equal against the original safetensors), cross-layout (saved at EP2, exported at TP1 and the reverse),
-and bad inputs that must fail clearly and leave nothing behind."""
+torch.equal against the original safetensors), cross-layout (saved at EP2, exported at TP1 and the reverse; saved
+at TP2xEP2 on 4 ranks, exported at TP2xEP2 and at TP1), a converted checkpoint loaded into a Learner matching HF
+transformers' logprobs, the progress lines' counts against the bytes on disk, and bad inputs that must fail
+clearly and leave nothing behind."""
+import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -33,10 +37,13 @@ def _assert_identical(original, converted):
 
 # ---- workers (module level: pickled into spawned ranks) ---------------------------------------------
 def roundtrip_tp1_worker(rank, world, hf, root):
+    """Returns the progress output of both directions."""
     from megatron_sparse_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
 
-    hf_to_mcore(hf, f"{root}/mc_tp1", tp=1, ep=1)
-    mcore_to_hf(f"{root}/mc_tp1", f"{root}/hf_tp1", max_shard_size="100KB")  # sharded, with an index
+    to_mcore, to_hf = io.StringIO(), io.StringIO()
+    hf_to_mcore(hf, f"{root}/mc_tp1", tp=1, ep=1, progress=to_mcore)
+    mcore_to_hf(f"{root}/mc_tp1", f"{root}/hf_tp1", max_shard_size="100KB", progress=to_hf)  # sharded, with index
+    return to_mcore.getvalue(), to_hf.getvalue()
 
 
 def two_rank_worker(rank, world, hf, root):
@@ -47,10 +54,28 @@ def two_rank_worker(rank, world, hf, root):
     mcore_to_hf(f"{root}/mc_tp1", f"{root}/hf_tp1_at_tp2", tp=2)  # saved at TP1, exported at TP2
 
 
+def tp2ep2_worker(rank, world, hf, root):
+    from megatron_sparse_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
+
+    hf_to_mcore(hf, f"{root}/mc_tp2ep2", tp=2, ep=2)  # 4 ranks: TP2 x EP2 with 2 data-parallel replicas
+    mcore_to_hf(f"{root}/mc_tp2ep2", f"{root}/hf_tp2ep2", tp=2, ep=2)
+
+
 def export_tp1_worker(rank, world, root):
     from megatron_sparse_rl.checkpoint.convert import mcore_to_hf
 
     mcore_to_hf(f"{root}/mc_ep2", f"{root}/hf_ep2_at_tp1")
+    mcore_to_hf(f"{root}/mc_tp2ep2", f"{root}/hf_tp2ep2_at_tp1")
+
+
+def learner_load_worker(rank, world, hf, mcore, tokens):
+    """A Learner (DDP + optimizer) loads the converted checkpoint with the training loader; its logprobs."""
+    from megatron_sparse_rl.learner.checkpoint import load_learner
+    from tests.learner_workers import make_learner
+
+    learner = make_learner(world, hf, load=False)
+    load_learner(learner, mcore, load_optimizer=False)
+    return learner.forward_logprobs(tokens)["logprobs"]
 
 
 def bad_inputs_worker(rank, world, hf, root, bad):
@@ -80,7 +105,7 @@ def bad_inputs_worker(rank, world, hf, root, bad):
     arch = Path(root) / "in_arch"
     shutil.copytree(hf, arch)
     cfg = json.loads((arch / "config.json").read_text())
-    cfg["architectures"] = ["MixtralForCausalLM"]
+    cfg["architectures"] = ["GPT2LMHeadModel"]
     (arch / "config.json").write_text(json.dumps(cfg))
     case("unsupported_arch", lambda: hf_to_mcore(arch, bad / "o2", tp=1, ep=1))
     case("layout", lambda: hf_to_mcore(hf, bad / "o3", tp=1, ep=3))
@@ -107,9 +132,12 @@ def bad_inputs_worker(rank, world, hf, root, bad):
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
     hf = str(build_tiny_hf_model(root / "hf", seed=5))
-    run_distributed(roundtrip_tp1_worker, 1, args=(hf, str(root)), timeout=300)
+    progress = run_distributed(roundtrip_tp1_worker, 1, args=(hf, str(root)), timeout=300)[0]
     run_distributed(two_rank_worker, 2, args=(hf, str(root)), timeout=300)
+    run_distributed(tp2ep2_worker, 4, args=(hf, str(root)), timeout=300)
     run_distributed(export_tp1_worker, 1, args=(str(root),), timeout=300)
+    (root / "progress_hf_to_mcore.txt").write_text(progress[0])
+    (root / "progress_mcore_to_hf.txt").write_text(progress[1])
     return hf, root
 
 
@@ -126,7 +154,7 @@ def test_ep2_roundtrip_is_bit_exact(converted):
     _assert_identical(hf, root / "hf_ep2")
 
 
-@pytest.mark.parametrize("name", ["hf_ep2_at_tp1", "hf_tp1_at_tp2"])
+@pytest.mark.parametrize("name", ["hf_ep2_at_tp1", "hf_tp1_at_tp2", "hf_tp2ep2", "hf_tp2ep2_at_tp1"])
 def test_cross_layout_export_is_identical(converted, name):
     hf, root = converted
     _assert_identical(hf, root / name)
@@ -141,7 +169,11 @@ def test_bad_inputs_fail_clearly_and_leave_nothing(converted, tmp_path):
     assert results["exists_m2h"][0] == "FileExistsError"
     assert results["missing_hf_shard"][0] == "FileNotFoundError" and "model-00002-of-00007" in \
         results["missing_hf_shard"][1]
-    assert results["unsupported_arch"][0] == "ValueError" and "MixtralForCausalLM" in results["unsupported_arch"][1]
+    kind, msg = results["unsupported_arch"]
+    assert kind == "ValueError" and "'GPT2LMHeadModel'" in msg
+    for supported in ("DeepseekV3ForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                      "Qwen3MoeForCausalLM"):
+        assert supported in msg, msg
     assert results["layout"][0] == "ValueError" and "ep" in results["layout"][1]
     assert results["missing_distcp"][0] == "FileNotFoundError" and ".distcp" in results["missing_distcp"][1]
     assert results["tampered"][0] == "ConversionError"
@@ -162,3 +194,43 @@ def test_cli_mcore_to_hf_and_existing_out(converted, tmp_path, capsys):
     _assert_identical(hf, out)
     assert main(["convert", "mcore-to-hf", "--mcore", str(root / "mc_ep2"), "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def _final(text: str, label: str) -> re.Match:
+    lines = [ln for ln in text.splitlines() if ln.startswith(label + " [")]
+    assert lines, text
+    m = re.fullmatch(label + r" \[[#.]+\] +(\d+)/(\d+) tensors ([\d.]+)/([\d.]+) MB ([\d.]+) MB/s eta \S+", lines[-1])
+    assert m, lines[-1]
+    return m
+
+
+def _tensor_bytes(d) -> tuple[int, int]:
+    tensors = _load_dir(d)
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("direction,src", [("hf_to_mcore", "hf"), ("mcore_to_hf", "hf_tp1")])
+def test_progress_counts_match_the_bytes_moved(converted, direction, src):
+    """The last progress line counts every tensor and exactly the tensor bytes of the HF side (read or written)."""
+    hf, root = converted
+    text = (root / f"progress_{direction}.txt").read_text()
+    label = {"hf_to_mcore": "hf-to-mcore read", "mcore_to_hf": "mcore-to-hf write"}[direction]
+    done, total, mb_done, mb_total, rate = _final(text, label).groups()
+    count, nbytes = _tensor_bytes(hf if src == "hf" else root / src)
+    assert int(done) == int(total) == count
+    assert float(mb_done) == float(mb_total) == round(nbytes / 1e6, 2)
+    assert float(rate) > 0
+    phase = {"hf_to_mcore": "hf-to-mcore torch_dist save", "mcore_to_hf": "mcore-to-hf torch_dist load"}[direction]
+    assert re.search(phase + r": [\d.]+ MB in [\d.]+ s \([\d.]+ MB/s\)", text), text
+
+
+def test_converted_checkpoint_loads_into_a_learner(converted):
+    """Saved by the converter at TP2xEP2 (model only), loaded by the training loader into a TP1 Learner: its
+    logprobs equal HF transformers' (fp32)."""
+    from tests.distributed.test_learner import hf_reference
+
+    hf, root = converted
+    tokens = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(3))
+    ours = run_distributed(learner_load_worker, 1, args=(hf, str(root / "mc_tp2ep2"), tokens), timeout=300)[0]
+    ref, _ = hf_reference(hf, tokens)
+    assert (ours.double() - ref).abs().max() < 1e-4

@@ -1,0 +1,99 @@
+"""This rank's Megatron model shard alone (no DDP gradient buffers, no optimizer), for conversion, and its
+torch_dist save/load in the format of `learner/checkpoint.py`.
+
+    shard = build_shard(hf_dir, layout, "float32")     # after megatron_cpu.apply(); initialises the groups
+    save_model_only(shard.model, out)                  # loadable by load_learner(..., load_optimizer=False)
+    load_model_only(shard.model, ckpt)                 # any checkpoint save_learner / save_model_only wrote
+
+A Learner holds, besides the model, a DDP gradient buffer (fp32, the size of the model shard) and an optimizer
+(for bf16 an fp32 copy of every parameter, and Adam moments after a step); a conversion needs none of them,
+so peak memory is about the model shard plus the tensor being moved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparse_rl.models.base import GPTAdapter
+from megatron_sparse_rl.models.spec import ModelSpec
+
+
+@dataclass
+class ModelShard:
+    adapter: GPTAdapter
+    spec: ModelSpec
+    layout: object
+    groups: object
+    model: torch.nn.Module
+
+
+def build_shard(model_dir, layout, dtype: str) -> ModelShard:
+    """Initialise `layout`'s process groups and build this rank's GPTModel shard (random init)."""
+    from megatron_sparse_rl.config.schema import LearnerConfig
+    from megatron_sparse_rl.learner.model import build_gpt_model
+    from megatron_sparse_rl.models import load_spec
+
+    adapter, spec = load_spec(model_dir)
+    groups = layout.initialize()
+    model, _ = build_gpt_model(adapter, spec, layout, groups, dtype=dtype, seed=LearnerConfig().seed)
+    return ModelShard(adapter, spec, layout, groups, model)
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _default_scheduler_state() -> dict:
+    """The LR-schedule state a fresh Learner with the default LearnerConfig saves at step 0 (what
+    `load_learner` expects in common_state.pt); built with Megatron's scheduler over a stand-in optimizer
+    because a conversion has no optimizer."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_sparse_rl.config.schema import LearnerConfig
+
+    o = LearnerConfig().optimizer
+    decay = max(1, o.warmup_steps + 1)  # a converter "run" has total_steps=1, as Learner(total_steps=1)
+    sched = OptimizerParamScheduler(
+        SimpleNamespace(param_groups=[{}]), init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr,
+        min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay, lr_decay_style=o.schedule,
+        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
+    return sched.state_dict()
+
+
+def save_model_only(model, path: Path) -> None:
+    """Write a step-0, model-only checkpoint of `model` into the new directory `path` (every rank calls;
+    `path` must not exist). Same files as `learner/checkpoint.py:save_learner` at step 0, less the RNG states."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_sparse_rl.learner.checkpoint import COMMON, DONE
+
+    path = Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": _unwrap(model).sharded_state_dict()}, str(path))
+    if dist.get_rank() == 0:
+        torch.save({"step": 0, "scheduler": _default_scheduler_state(), "extra": {},
+                    "world_size": dist.get_world_size()}, path / COMMON)
+        (path / DONE).write_text("ok\n")
+    dist.barrier()
+
+
+def load_model_only(model, path: Path) -> None:
+    """Load the model part of a torch_dist checkpoint (saved at any layout) into `model`."""
+    from megatron.core import dist_checkpointing
+
+    inner = _unwrap(model)
+    state = dist_checkpointing.load({"model": inner.sharded_state_dict()}, str(path))
+    inner.load_state_dict(state["model"])
+
+
+def dir_bytes(path: Path) -> int:
+    """Total size of the files under `path`."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
