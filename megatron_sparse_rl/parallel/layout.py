@@ -5,11 +5,31 @@
     groups = layout.initialize()         # Megatron parallel_state on gloo (CPU) or NCCL (GPU)
 
 Everything else receives the `ParallelGroups` it needs instead of reaching into `parallel_state`.
+
+Disaggregated placement (DESIGN.md "Process model"): learner ranks [0, L), rollout ranks [L, L + R) in one
+torch.distributed world of L + R ranks:
+
+    layout = ParallelLayout.from_config(run.parallel, world_size=L, rollout_ranks=R)
+    groups = layout.initialize()             # EVERY rank; None on rollout ranks (they hold no model)
+    sync = layout.weight_sync_group(src=0)   # EVERY rank; src + the rollout ranks (weight_sync/disaggregated)
+    if groups is not None:
+        with layout.learner_world():         # while Megatron's model and optimizer are built
+            learner = Learner(adapter, spec, layout, groups, ...)
+
+Megatron sizes its groups from the DEFAULT world (`torch.distributed.get_world_size()`), and torch's
+`new_group` must be entered by every rank of the world, members or not, in the same order (group names
+come from a per-process counter). So every rank runs Megatron's group construction while the default world
+reads as L ranks: the groups it builds cover [0, L) only, rollout ranks are members of none and keep no
+Megatron state. Megatron's optimizer also aligns its param groups with an `all_gather_object` over the
+default world; `learner_world()` sends that (and `barrier`) to the learner group instead, so building a
+learner needs no rollout rank. Create every group that spans learner and rollout ranks (this one, vLLM's)
+on all ranks in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,6 +54,8 @@ class ParallelGroups:
     dp_rank: int
     ep_rank: int
     etp_rank: int
+    learner: Any = None
+    """All learner ranks [0, L): the world without the rollout ranks (the default group when there are none)."""
 
 
 @dataclass(frozen=True)
@@ -46,11 +68,17 @@ class ParallelLayout:
     world_size: int
     sequence_parallel: bool = False
     backend: str = "gloo"
+    rollout_ranks: int = 0
+    """Disaggregated placement: ranks [world_size, world_size + rollout_ranks) own engines, not the model
+    (`world_size` counts the learner ranks only). 0: every rank is a learner rank."""
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelLayout":
+    def from_config(cls, cfg: ParallelConfig, world_size: int, rollout_ranks: int = 0) -> "ParallelLayout":
+        """`world_size`: the learner ranks (all ranks when colocated); `rollout_ranks`: engine-only ranks after them."""
         if world_size < 1:
             raise ValueError(f"world size must be >= 1 (got {world_size})")
+        if rollout_ranks < 0:
+            raise ValueError(f"rollout_ranks must be >= 0 (got {rollout_ranks})")
         model_parallel = cfg.tp * cfg.pp
         if world_size % model_parallel:
             raise ValueError(
@@ -70,7 +98,8 @@ class ParallelLayout:
             raise ValueError("parallel.etp > 1 needs NCCL: gloo cannot do the uneven all-gather it uses (got etp="
                              f"{cfg.etp}, backend gloo)")
         return cls(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, dp=world_size // model_parallel,
-                   world_size=world_size, sequence_parallel=cfg.sequence_parallel, backend=backend)
+                   world_size=world_size, sequence_parallel=cfg.sequence_parallel, backend=backend,
+                   rollout_ranks=rollout_ranks)
 
     def check_model(self, spec: ModelSpec) -> None:
         """Raise ValueError if this layout cannot shard `spec`."""
@@ -99,22 +128,37 @@ class ParallelLayout:
         if problems:
             raise ValueError("parallel layout does not fit the model: " + "; ".join(problems))
 
-    def initialize(self, timeout_minutes: int = 30) -> ParallelGroups:
-        """Initialise torch.distributed (if needed) and Megatron's model-parallel groups."""
+    def is_learner_rank(self, rank: int | None = None) -> bool:
+        """Whether global `rank` (default: this process) holds the model: ranks [0, world_size)."""
+        return (dist.get_rank() if rank is None else rank) < self.world_size
+
+    def initialize(self, timeout_minutes: int = 30) -> ParallelGroups | None:
+        """Initialise torch.distributed (if needed) and Megatron's model-parallel groups over the learner ranks.
+
+        Every rank of the world calls it (group creation is collective); returns None on rollout ranks."""
         from megatron.core import parallel_state as ps
 
         if not dist.is_initialized():
             dist.init_process_group(self.backend)
-        if dist.get_world_size() != self.world_size:
-            raise ValueError(f"layout was made for world size {self.world_size}, "
+        total = self.world_size + self.rollout_ranks
+        if dist.get_world_size() != total:
+            where = f"{self.world_size} learner + {self.rollout_ranks} rollout" if self.rollout_ranks else "world size"
+            raise ValueError(f"layout was made for {where} = {total} ranks, "
                              f"but torch.distributed has {dist.get_world_size()} ranks")
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
-            distributed_timeout_minutes=timeout_minutes, create_gloo_process_groups=self.backend == "gloo",
-        )
+        learner = None
+        if self.rollout_ranks:
+            learner = dist.new_group(list(range(self.world_size)))
+        with self._megatron_world(learner):
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+                distributed_timeout_minutes=timeout_minutes, create_gloo_process_groups=self.backend == "gloo",
+            )
+        if not self.is_learner_rank():
+            ps.destroy_model_parallel()  # a member of no group: keep no half-set Megatron state
+            return None
         return ParallelGroups(
             tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
             dp=ps.get_data_parallel_group(), ep=ps.get_expert_model_parallel_group(),
@@ -122,8 +166,59 @@ class ParallelLayout:
             model_parallel=ps.get_model_parallel_group(),
             tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(), ep_rank=ps.get_expert_model_parallel_rank(),
-            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(), learner=learner if learner is not None else dist.group.WORLD,
         )
+
+    def weight_sync_group(self, src: int = 0):
+        """The process group of learner rank `src` and every rollout rank (disaggregated weight sync).
+
+        Collective: every rank of the world calls it, in the same order relative to other group creations.
+        Ranks outside the group get torch's non-member placeholder."""
+        if not self.rollout_ranks:
+            raise ValueError("weight_sync_group needs rollout ranks (a disaggregated layout, rollout_ranks > 0)")
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"weight sync source must be a learner rank in [0, {self.world_size}) (got {src})")
+        return dist.new_group([src, *range(self.world_size, self.world_size + self.rollout_ranks)])
+
+    @contextlib.contextmanager
+    def learner_world(self, groups: ParallelGroups) -> Iterator[None]:
+        """On learner ranks, while Megatron's model and optimizer are built: the default world reads as the
+        learner ranks (`groups.learner`; see the module docstring). A no-op without rollout ranks."""
+        if not self.rollout_ranks:
+            yield
+            return
+        if groups is None or groups.learner is None or not self.is_learner_rank():
+            raise RuntimeError("learner_world() is for learner ranks, with the groups initialize() returned")
+        with self._megatron_world(groups.learner):
+            yield
+
+    @contextlib.contextmanager
+    def _megatron_world(self, learner) -> Iterator[None]:
+        """While Megatron reads the default world: `get_world_size()` = the learner ranks, and on learner
+        ranks the default-group `all_gather_object`/`barrier` run on `learner`. Learner ranks are [0, L), so
+        global and learner-group ranks coincide. A no-op without rollout ranks. Restored on exit."""
+        if not self.rollout_ranks:
+            yield
+            return
+        get_world_size, all_gather_object, barrier = dist.get_world_size, dist.all_gather_object, dist.barrier
+        on_learner = self.is_learner_rank()
+
+        def world_size(group=None):
+            return self.world_size if group is None else get_world_size(group)
+
+        def gather_object(object_list, obj, group=None):
+            if group is None and not on_learner:
+                raise RuntimeError("a rollout rank ran a default-world all_gather_object inside the learner world")
+            return all_gather_object(object_list, obj, group=learner if group is None else group)
+
+        def learner_barrier(group=None, **kwargs):
+            return barrier(group=learner if group is None and on_learner else group, **kwargs)
+
+        dist.get_world_size, dist.all_gather_object, dist.barrier = world_size, gather_object, learner_barrier
+        try:
+            yield
+        finally:
+            dist.get_world_size, dist.all_gather_object, dist.barrier = get_world_size, all_gather_object, barrier
 
     @staticmethod
     def destroy() -> None:

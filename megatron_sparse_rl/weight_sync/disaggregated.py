@@ -5,8 +5,9 @@
     # rollout ranks [L, L+R) (each owns one engine, or None to receive and drop)
     stats = receive_weights(engine, group, src=0)
 
-`group` holds the sender `src` (a global rank, usually learner rank 0) and every rollout rank; None means
-the default (world) group. Learner ranks other than `src` take part in the gathers of `iter_hf_tensors`
+`group` holds the sender `src` (a global rank, usually learner rank 0) and every rollout rank
+(`ParallelLayout.weight_sync_group(src)`, which also builds Megatron's groups over the learner ranks only);
+None means the default (world) group, right only when `src` is the sole learner rank. Learner ranks other than `src` take part in the gathers of `iter_hf_tensors`
 and drop the stream. Per bucket the sender broadcasts its metadata (index, names, dtypes, shapes, offsets,
 BLAKE2b digests) with `broadcast_object_list`, then the flat uint8 buffer with `broadcast`; a `None`
 header ends the stream. gloo on CPU; on GPU the buffer travels as-is if it is on the group's device.

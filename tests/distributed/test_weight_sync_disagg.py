@@ -1,18 +1,19 @@
-"""Disaggregated weight sync on 2 gloo ranks: rank 0 is the Megatron learner, rank 1 owns the vLLM engine.
+"""Disaggregated weight sync over gloo: learner ranks [0, L) hold the Megatron model, rank L owns the vLLM engine.
 
-After SFT steps on the learner, `send_weights` (rank 0) -> `receive_weights` (rank 1) over the world group
-makes the engine's prompt logprobs of a fixed probe equal the learner's forward (sent to rank 1 for the
-comparison) and differ from before the sync. A bucket corrupted in transit (after the sender's digests) is
-refused naming the bucket; a clean sync afterwards recovers the engine.
+- L = 1 (TP1): after SFT steps, `send_weights` (rank 0) -> `receive_weights` (rank 1) makes the engine's prompt
+  logprobs of a fixed probe equal the learner's forward (sent to rank 1 for the comparison) and differ from
+  before the sync. A bucket corrupted in transit (after the sender's digests) is refused naming the bucket;
+  a clean sync afterwards recovers the engine.
+- L = 2 (TP2, sequence parallel): both learner ranks join the TP gathers, rank 0 alone sends to rank 2;
+  the engine's logprobs equal the learner's after a train step.
 
-One world, two libraries that each build their groups over the whole world: vLLM's start-up runs collectives
-on its world group (new_group, is_in_the_same_node), so the learner rank joins them by running the same
-vLLM group set-up without a model (`_join_vllm_groups`); Megatron's groups are built over the learner
-rank only (`_single_learner_world`: learner ranks are [0, L), so global rank == learner rank).
+`ParallelLayout(world_size=L, rollout_ranks=1)` builds Megatron's groups over [0, L) only: every rank runs
+`initialize()` and `weight_sync_group()` (group creation is collective over the world), the rollout rank gets
+no Megatron groups, and the learner is built inside `layout.learner_world(groups)`. vLLM's start-up is also
+collective on its world group (new_group, is_in_the_same_node), so learner ranks run the same vLLM group
+set-up without a model (`_join_vllm_groups`), after the layout's groups on every rank.
 Run: .venv/bin/python -m pytest -q tests/distributed/test_weight_sync_disagg.py
 """
-import contextlib
-
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
 TOL = 1e-4
 PROBE = [[1, 5, 6, 14, 11, 18, 22, 20, 27, 21, 19, 5, 13], [1, 43, 21, 19, 9, 7, 15, 4, 4, 18, 22, 30, 31]]
-LEARNER, ROLLOUT = 0, 1
+SRC = 0  # the learner rank that sends
 
 
 def _join_vllm_groups():
@@ -36,24 +37,31 @@ def _join_vllm_groups():
         vps.ensure_model_parallel_initialized(1, 1)
 
 
-@contextlib.contextmanager
-def _single_learner_world():
-    """Megatron sizes its groups from the default world and all-gathers its optimizer param-group keys over
-    it: while the learner (one rank here) is built, show it a world of that rank alone."""
-    dist = torch.distributed
-    get_world_size, all_gather_object = dist.get_world_size, dist.all_gather_object
+def _layout_groups(n_learners: int, tp: int, model_dir):
+    """Every rank: the disaggregated layout, its groups (None on the rollout rank) and the sync group."""
+    from megatron_sparse_rl.config.schema import ParallelConfig
+    from megatron_sparse_rl.models import load_spec
+    from megatron_sparse_rl.parallel import ParallelLayout
+    from megatron_sparse_rl.patches import megatron_cpu
 
-    def gather_self(out, obj, group=None):
-        if group is not None:
-            return all_gather_object(out, obj, group=group)
-        out[0] = obj
+    megatron_cpu.apply()
+    layout = ParallelLayout.from_config(ParallelConfig(tp=tp, sequence_parallel=tp > 1), n_learners, rollout_ranks=1)
+    layout.check_model(load_spec(model_dir)[1])
+    groups = layout.initialize()
+    return layout, groups, layout.weight_sync_group(src=SRC)
 
-    dist.get_world_size = lambda group=None: 1 if group is None else get_world_size(group)
-    dist.all_gather_object = gather_self
-    try:
-        yield
-    finally:
-        dist.get_world_size, dist.all_gather_object = get_world_size, all_gather_object
+
+def _build_learner(layout, groups, model_dir):
+    from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, OptimizerConfig
+    from megatron_sparse_rl.learner.learner import Learner
+    from megatron_sparse_rl.models import load_spec
+
+    adapter, spec = load_spec(model_dir)
+    with layout.learner_world(groups):
+        learner = Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir)),
+                          cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2)), total_steps=10)
+        learner.load_hf(model_dir)
+    return learner
 
 
 def _flip_one_value(bucket):
@@ -62,24 +70,24 @@ def _flip_one_value(bucket):
         tensor.view(-1)[0] += 1.0
 
 
-def learner_rank(model_dir):
+def learner_rank(layout, groups, sync, model_dir, syncs):
     from megatron_sparse_rl.learner.sft import make_sft_loss
     from megatron_sparse_rl.weight_sync.disaggregated import send_weights
-    from tests.learner_workers import make_learner
 
     _join_vllm_groups()
-    with _single_learner_world():
-        learner = make_learner(1, model_dir, lr=1e-2)
+    learner = _build_learner(layout, groups, model_dir)
     tokens = torch.tensor(PROBE)
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
     for _ in range(2):
         learner.train_step(tokens, make_sft_loss(mask, mask.sum().item()))
-    torch.distributed.broadcast_object_list([learner.forward_logprobs(tokens)["logprobs"]], src=LEARNER)
-    stats = [send_weights(learner, src=LEARNER, bucket_mb=0.1) for _ in range(3)]  # clean, corrupted, clean
-    return {"stats": stats}
+    ours = learner.forward_logprobs(tokens)["logprobs"]  # collective over the TP group
+    if torch.distributed.get_rank() == SRC:
+        torch.distributed.broadcast_object_list([ours], src=SRC, group=sync)
+    stats = [send_weights(learner, sync, src=SRC, bucket_mb=0.1) for _ in range(syncs)]
+    return {"stats": stats, "learner": ours}
 
 
-def rollout_rank(model_dir):
+def rollout_rank(sync, model_dir, syncs):
     from megatron_sparse_rl.config.rollout import RolloutConfig
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.weight_sync import WeightSyncError
@@ -88,22 +96,37 @@ def rollout_rank(model_dir):
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1))
     before = torch.stack(engine.prompt_logprobs(PROBE))
     learner = [None]
-    torch.distributed.broadcast_object_list(learner, src=LEARNER)
-    out = {"before": before, "learner": learner[0], "stats": receive_weights(engine, src=LEARNER)}
+    torch.distributed.broadcast_object_list(learner, src=SRC, group=sync)
+    out = {"before": before, "learner": learner[0], "stats": receive_weights(engine, sync, src=SRC)}
     out["after"] = torch.stack(engine.prompt_logprobs(PROBE))
-    try:
-        receive_weights(engine, src=LEARNER, _corrupt=_flip_one_value)
-        out["corruption_error"] = None
-    except WeightSyncError as e:
-        out["corruption_error"] = str(e)
-    receive_weights(engine, src=LEARNER)
-    out["recovered"] = torch.stack(engine.prompt_logprobs(PROBE))
+    if syncs == 3:  # corrupted in transit, then clean again
+        try:
+            receive_weights(engine, sync, src=SRC, _corrupt=_flip_one_value)
+            out["corruption_error"] = None
+        except WeightSyncError as e:
+            out["corruption_error"] = str(e)
+        receive_weights(engine, sync, src=SRC)
+        out["recovered"] = torch.stack(engine.prompt_logprobs(PROBE))
     engine.shutdown()
     return out
 
 
-def disagg_worker(rank, world_size, model_dir):
-    return learner_rank(model_dir) if rank == LEARNER else rollout_rank(model_dir)
+def disagg_worker(rank, world_size, model_dir, tp, syncs):
+    layout, groups, sync = _layout_groups(world_size - 1, tp, model_dir)
+    if groups is None:
+        return rollout_rank(sync, model_dir, syncs)
+    return learner_rank(layout, groups, sync, model_dir, syncs)
+
+
+def _check_synced(sent, got):
+    diff = (got["after"] - got["learner"]).abs().max().item()
+    assert (got["after"] - got["before"]).abs().max() > 1e-2, "the train step must change the engine's logprobs"
+    assert diff < TOL
+    stats = got["stats"]
+    assert stats.buckets > 2 and stats.tensors > 10 and stats.bytes > 0
+    assert (stats.buckets, stats.tensors, stats.bytes) == (sent["stats"][0].buckets, sent["stats"][0].tensors,
+                                                           sent["stats"][0].bytes)
+    return diff
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe"])
@@ -111,17 +134,24 @@ def test_disaggregated_sync_after_train_step(tmp_path, arch):
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
     model_dir = str(build_tiny_hf_model(tmp_path / arch, arch=arch, seed=0))
-    sent, got = run_distributed(disagg_worker, 2, args=(model_dir,), timeout=240)
-    diff = (got["after"] - got["learner"]).abs().max().item()
+    sent, got = run_distributed(disagg_worker, 2, args=(model_dir, 1, 3), timeout=240)
+    diff = _check_synced(sent, got)
     print(f"{arch}: |engine - learner| after disaggregated sync {diff:.2e}; sent {sent['stats'][0]}; "
           f"received {got['stats']}")
-    assert (got["after"] - got["before"]).abs().max() > 1e-2, "the train step must change the engine's logprobs"
-    assert diff < TOL
     assert (got["recovered"] - got["learner"]).abs().max() < TOL
-    stats = got["stats"]
-    assert stats.buckets > 2 and stats.tensors > 10 and stats.bytes > 0
-    assert (stats.buckets, stats.tensors, stats.bytes) == (sent["stats"][0].buckets, sent["stats"][0].tensors,
-                                                           sent["stats"][0].bytes)
     err = got["corruption_error"]
     assert err is not None, "a bucket corrupted in transit must be refused"
     assert "bucket 1" in err and "checksum mismatch" in err and "model." in err
+
+
+def test_disaggregated_sync_from_tp2_learner(tmp_path):
+    """Learner TP2 on ranks 0-1 (Megatron groups over [0, 2) only), engine on rank 2."""
+    from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+
+    model_dir = str(build_tiny_hf_model(tmp_path / "moe", seed=0))
+    sent0, sent1, got = run_distributed(disagg_worker, 3, args=(model_dir, 2, 1), timeout=300)
+    diff = _check_synced(sent0, got)
+    print(f"TP2 learner: |engine - learner| after disaggregated sync {diff:.2e}; received {got['stats']}")
+    assert torch.equal(sent0["learner"], sent1["learner"]), "both TP ranks score the whole probe"
+    # rank 1 gathered the same stream without sending it
+    assert (sent1["stats"][0].tensors, sent1["stats"][0].bytes) == (got["stats"].tensors, got["stats"].bytes)
