@@ -5,6 +5,10 @@ Local names differ from full names in two ways: pipeline stages number their lay
 (global = ep_rank * local_count + local). Tensor-parallel shards follow each parameter's
 `tensor_model_parallel` / `partition_dim` attributes; a gated (GLU) fc1 is split per half ([gate; up] ->
 [gate_r; up_r] on rank r).
+
+Persistent buffers are checkpointed state like parameters (they are in `state_dict`), so they are listed too:
+DeepSeek-V3's router `expert_bias` (HF `e_score_correction_bias`) must be loaded, saved and synced, or routing
+silently changes. Non-persistent buffers (token counters, caches) are not.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 @dataclass(frozen=True)
 class LocalParam:
     full_name: str
-    param: torch.nn.Parameter
+    param: torch.Tensor
+    """The parameter, or a persistent buffer (replicated, never tensor-parallel)."""
     tp_dim: int | None
     """Dimension split across the (expert-)tensor-parallel group, None if replicated."""
     glu: bool
@@ -36,8 +41,17 @@ def _unwrap(model):
     return model
 
 
+def _named_state(model):
+    """(name, tensor) of every parameter and persistent buffer of `model` (what its state_dict holds)."""
+    yield from model.named_parameters()
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
+
+
 def local_params(model, groups: ParallelGroups) -> dict[str, LocalParam]:
-    """Full name -> LocalParam for every parameter of this rank's model shard."""
+    """Full name -> LocalParam for every parameter and persistent buffer of this rank's model shard."""
     model = _unwrap(model)
     layers = {}
     if hasattr(model, "decoder"):
@@ -45,7 +59,7 @@ def local_params(model, groups: ParallelGroups) -> dict[str, LocalParam]:
             layers[idx] = layer.layer_number - 1
     local_experts = None
     out = {}
-    for name, param in model.named_parameters():
+    for name, param in _named_state(model):
         full = name
         m = _LAYER.match(name)
         if m:

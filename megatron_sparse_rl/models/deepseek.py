@@ -5,9 +5,13 @@ What works: the config mapping of the MoE parts (`moe_kwargs`, verified against 
 `tests/distributed/test_adapters_more.py`) and the full HF <-> Megatron name map (`tensor_maps`, covering every
 tensor `save_pretrained` writes exactly once).
 
+The router's `e_score_correction_bias` maps to Megatron's `router.expert_bias`, a persistent buffer (not a
+parameter): `learner/params.py:local_params` lists persistent buffers, so the learner's HF loader, the
+converter's load/gather and the torch_dist save/load carry it bit-exactly (tested on DeepSeek's MoE layers in
+`tests/distributed/test_convert.py`).
+
 What does not yet: MLA (multi-latent attention, `q_lora_rank` / `kv_lora_rank`). transformers' DeepSeek-V3
-always uses MLA, and the Megatron MLA path (MLATransformerConfig, its RoPE variants, the
-`router.expert_bias` buffer that the learner's parameter loader does not load) is not verified here, so
+always uses MLA, and the Megatron MLA path (MLATransformerConfig and its RoPE variants) is not verified here, so
 `transformer_config` raises NotImplementedError rather than build a model that might silently differ. The MLA
 names in `tensor_maps` follow Megatron's MLASelfAttention local spec and are unverified against a forward pass.
 """

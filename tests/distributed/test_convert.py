@@ -234,3 +234,70 @@ def test_converted_checkpoint_loads_into_a_learner(converted):
     ours = run_distributed(learner_load_worker, 1, args=(hf, str(root / "mc_tp2ep2"), tokens), timeout=300)[0]
     ref, _ = hf_reference(hf, tokens)
     assert (ours.double() - ref).abs().max() < 1e-4
+
+
+# ---- DeepSeek-V3 router expert bias (HF e_score_correction_bias) ------------------------------------
+def deepseek_bias_worker(rank, world, model_dir, ckpt):
+    """DeepSeek-V3's non-attention tensors through the conversion machinery at EP2: HF safetensors -> shards
+    (`load_full_tensors`) -> torch_dist (`save_model_only`) -> a fresh model (`load_model_only`) -> full tensors
+    (`iter_full_tensors`) -> HF names. MLA cannot be built (not supported), so the Megatron model uses standard
+    attention; every other tensor, the router's expert_bias buffer included, is DeepSeek's. Returns
+    ({hf name: tensor} on rank 0, the mcore names this rank held but the DeepSeek map did not fill)."""
+    from megatron_sparse_rl.checkpoint.gather import iter_full_tensors
+    from megatron_sparse_rl.checkpoint.hf_io import iter_mcore_tensors
+    from megatron_sparse_rl.checkpoint.shard import load_model_only, save_model_only
+    from megatron_sparse_rl.config.schema import ParallelConfig
+    from megatron_sparse_rl.learner.model import build_gpt_model
+    from megatron_sparse_rl.learner.params import load_full_tensors, local_params
+    from megatron_sparse_rl.models import GPTAdapter, load_spec
+    from megatron_sparse_rl.models.tensor_map import to_hf
+    from megatron_sparse_rl.parallel import ParallelLayout
+    from megatron_sparse_rl.patches import megatron_cpu
+
+    megatron_cpu.apply()
+    adapter, spec = load_spec(model_dir)
+
+    class StandardAttention(type(adapter)):
+        def transformer_config(self, spec, **kw):
+            return GPTAdapter.transformer_config(self, spec, **kw, **self.moe_kwargs(spec))
+
+    layout = ParallelLayout.from_config(ParallelConfig(tp=1, ep=2, pp=1), world)
+    groups = layout.initialize()
+    model, _ = build_gpt_model(StandardAttention(), spec, layout, groups, seed=1)
+    held = set(local_params(model, groups))
+    loaded = load_full_tensors(model, groups, iter_mcore_tensors(model_dir, adapter, spec, wanted=held))
+    save_model_only(model, ckpt)
+    fresh, _ = build_gpt_model(StandardAttention(), spec, layout, groups, seed=2)
+    load_model_only(fresh, ckpt)
+    every = [None] * world
+    torch.distributed.all_gather_object(every, sorted(held))
+    names = sorted(set().union(*every))
+    maps = {tm.mcore: tm for tm in adapter.tensor_maps(spec)}
+    out = {}
+    for name, full in iter_full_tensors(fresh, groups, names):
+        if name in maps:
+            out.update(zip(maps[name].hf, (t.clone() for t in to_hf(maps[name], full, spec))))
+    return out, sorted(held - loaded)
+
+
+def test_deepseek_expert_bias_is_loaded_saved_and_exported_bit_exact(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
+
+    model_dir = build_tiny_deepseek(tmp_path / "ds", seed=3, layers=3, first_k_dense=1)
+    (out, unfilled), _ = run_distributed(deepseek_bias_worker, 2, args=(str(model_dir), str(tmp_path / "mc")),
+                                         timeout=300)
+    assert unfilled and all(".self_attention." in n for n in unfilled), unfilled  # only the stand-in attention
+    on_disk = load_file(str(model_dir / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    for i in (1, 2):  # the MoE layers (layer 0 is dense)
+        name = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        ref = hf.model.layers[i].mlp.gate.e_score_correction_bias
+        assert ref.abs().max() > 0.01, "a zero bias would not tell a dropped buffer from a kept one"
+        assert out[name].dtype == ref.dtype and torch.equal(out[name], ref), name
+    # o_proj has the same name and shape in MLA and standard attention, so it travels too
+    mla = {n for n in on_disk if ".self_attn." in n and not n.endswith(".o_proj.weight")}
+    assert set(out) == set(on_disk) - mla
+    for name, t in out.items():
+        assert torch.equal(t, on_disk[name]), name
