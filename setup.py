@@ -31,5 +31,10 @@ setup(
     package_data={"megatron_sparse_rl": ["assets/*", "assets/**/*"]},
     install_requires=CORE,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["msrl = tools.cli:main"]},
+    entry_points={
+        "console_scripts": ["msrl = tools.cli:main"],
+        # vLLM calls general plugins in every process it starts (engine core, workers): the sparse-KV runner
+        # hooks then exist in multi-process engines too; they are no-ops for engines without sparse KV.
+        "vllm.general_plugins": ["msrl_sparse_kv = megatron_sparse_rl.patches.vllm_sparse_kv:apply"],
+    },
 )

@@ -182,6 +182,14 @@ class SparseKVScheduler:
     """vLLM `scheduler_cls`: builds the sync or async sparse-KV scheduler to match the engine's config."""
 
     def __new__(cls, *args: Any, **kwargs: Any):
+        from megatron_sparse_rl.patches import vllm_sparse_kv
+
+        if not vllm_sparse_kv.is_applied():
+            # the compaction commands would reach a runner without the hooks and be silently ignored
+            raise RuntimeError("sparse KV: the model-runner hooks are not installed in this vLLM process; the "
+                               "vllm.general_plugins entry point msrl_sparse_kv must load (is it excluded by "
+                               "VLLM_PLUGINS? is megatron_sparse_rl pip-installed?), or call "
+                               "megatron_sparse_rl.patches.vllm_sparse_kv.apply() before the engine starts")
         vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
         variant = _AsyncSparseKVScheduler if vllm_config.scheduler_config.async_scheduling else _SyncSparseKVScheduler
         obj = variant.__new__(variant)

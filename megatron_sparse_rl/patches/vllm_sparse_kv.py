@@ -16,7 +16,8 @@ dense engines in the same process are untouched.
 `apply()` checks the vLLM version and the signature of every method it patches or overrides
 (scheduler, coordinator, block table, attention backend), fails loudly on any difference, and is
 idempotent. Requires the V1 model runner (on GPU set VLLM_USE_V2_MODEL_RUNNER=0; the CPU runner is V1).
-In a multi-process vLLM, call `apply()` in the workers too (a `vllm.general_plugins` entry point).
+In a multi-process vLLM the workers apply it through the `vllm.general_plugins` entry point
+`msrl_sparse_kv` (setup.py), which vLLM calls in every process it starts; `VLLM_PLUGINS` selects plugins.
 """
 from __future__ import annotations
 
