@@ -1,6 +1,6 @@
 """Disaggregated weight sync over gloo: learner ranks [0, L) hold the Megatron model, rank L owns the vLLM engine.
 
-- L = 1 (TP1): after SFT steps, `send_weights` (rank 0) -> `receive_weights` (rank 1) makes the engine's prompt
+- L = 1 (TP1; MoE and dense): after SFT steps, `send_weights` (rank 0) -> `receive_weights` (rank 1) makes the engine's prompt
   logprobs of a fixed probe equal the learner's forward (sent to rank 1 for the comparison) and differ from
   before the sync. A bucket corrupted in transit (after the sender's digests) is refused naming the bucket;
   a clean sync afterwards recovers the engine.
@@ -129,7 +129,7 @@ def _check_synced(sent, got):
     return diff
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
 def test_disaggregated_sync_after_train_step(tmp_path, arch):
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
