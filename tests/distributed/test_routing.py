@@ -24,7 +24,7 @@ TOKENS = torch.tensor([[1, 5, 6, 14, 11, 18, 22, 20, 27, 21, 19, 5, 13],
 LENGTHS = torch.tensor([13, 13, 12, 10])
 
 
-def _learner(world_size, model_dir, tp=1, ep=1, lr=1e-2, recompute=False):
+def _learner(world_size, model_dir, tp=1, ep=1, lr=1e-2, recompute=False, aux_coeff=0.0):
     from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_sparse_rl.learner.learner import Learner
     from megatron_sparse_rl.models import load_spec
@@ -38,7 +38,8 @@ def _learner(world_size, model_dir, tp=1, ep=1, lr=1e-2, recompute=False):
     layout = ParallelLayout.from_config(ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1), world_size)
     groups = layout.initialize()
     learner = Learner(adapter, spec, layout, groups,
-                      model_cfg=ModelConfig(path=str(model_dir), recompute_activations=recompute),
+                      model_cfg=ModelConfig(path=str(model_dir), recompute_activations=recompute,
+                                            moe_aux_loss_coeff=aux_coeff),
                       cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=lr, clip_grad=0.0)),
                       total_steps=10, routing_replay=True)
     learner.load_hf(model_dir)
