@@ -155,3 +155,29 @@ def test_disaggregated_sync_from_tp2_learner(tmp_path):
     assert torch.equal(sent0["learner"], sent1["learner"]), "both TP ranks score the whole probe"
     # rank 1 gathered the same stream without sending it
     assert (sent1["stats"][0].tensors, sent1["stats"][0].bytes) == (got["stats"].tensors, got["stats"].bytes)
+
+
+def _wrong_world_worker(rank, world_size):
+    from megatron_sparse_rl.config.schema import ParallelConfig
+    from megatron_sparse_rl.parallel import ParallelLayout
+
+    try:
+        ParallelLayout.from_config(ParallelConfig(), 1, rollout_ranks=2).initialize()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_disaggregated_layout_rejects_bad_settings():
+    from megatron_sparse_rl.config.schema import ParallelConfig
+    from megatron_sparse_rl.parallel import ParallelLayout
+
+    with pytest.raises(ValueError, match="rollout_ranks must be >= 0"):
+        ParallelLayout.from_config(ParallelConfig(), 1, rollout_ranks=-1)
+    with pytest.raises(ValueError, match="needs rollout ranks"):
+        ParallelLayout.from_config(ParallelConfig(), 2).weight_sync_group()
+    with pytest.raises(ValueError, match=r"learner rank in \[0, 2\) \(got 2\)"):
+        ParallelLayout.from_config(ParallelConfig(), 2, rollout_ranks=1).weight_sync_group(src=2)
+    errors = run_distributed(_wrong_world_worker, 2, timeout=60)
+    assert all(e == "layout was made for 1 learner + 2 rollout = 3 ranks, but torch.distributed has 2 ranks"
+               for e in errors), errors
