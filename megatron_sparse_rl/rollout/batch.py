@@ -37,7 +37,8 @@ class RolloutBatch:
     group_ids:        int64 [B]: samples of the same prompt share one id.
     reward:           float32 [B], filled by the reward stage (None until then).
     sampling_mask:    top-p/top-k kept ids per step (keep-sampling-mask correction); not recorded yet.
-    routed_experts:   uint8/uint16 [tokens, layers, topk] routes from the engine (R3), or None.
+    routed_experts:   the engine's routes (R3): a moe.RouteStore (uint8/uint16 [tokens, layers, topk] packed
+                      per sequence), or None.
     kv_keep:          record of the sparse-KV keep decisions (megatron_sparse_rl.kv), or None.
     """
 
@@ -50,7 +51,7 @@ class RolloutBatch:
     group_ids: torch.Tensor
     reward: torch.Tensor | None = None
     sampling_mask: Any | None = None
-    routed_experts: torch.Tensor | None = None
+    routed_experts: Any | None = None
     kv_keep: Any | None = None
 
     def __post_init__(self) -> None:
@@ -107,7 +108,9 @@ class RolloutBatch:
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor) and f.name != "routed_experts":
+            if f.name == "routed_experts" and v is not None:
+                values[f.name] = v.select(idx)  # RouteStore: packed per sequence
+            elif isinstance(v, torch.Tensor):
                 values[f.name] = v[idx]
             elif isinstance(v, tuple):
                 values[f.name] = tuple(v[i] for i in idx.tolist())

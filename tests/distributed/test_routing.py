@@ -31,9 +31,7 @@ def _learner(world_size, model_dir, tp=1, ep=1, lr=1e-2, recompute=False, aux_co
     from megatron_sparse_rl.parallel import ParallelLayout
     from megatron_sparse_rl.patches import megatron_cpu
 
-    megatron_cpu.apply()
-    if recompute:
-        _cpu_recompute_shim()
+    megatron_cpu.apply()  # includes the host RNG state for activation recompute
     adapter, spec = load_spec(model_dir)
     layout = ParallelLayout.from_config(ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1), world_size)
     groups = layout.initialize()
@@ -44,15 +42,6 @@ def _learner(world_size, model_dir, tp=1, ep=1, lr=1e-2, recompute=False, aux_co
                       total_steps=10, routing_replay=True)
     learner.load_hf(model_dir)
     return learner
-
-
-def _cpu_recompute_shim():
-    """Test-local: Megatron's activation-recompute CheckpointFunction saves the CUDA RNG state, which
-    patches/megatron_cpu does not shim yet; on CPU the CPU generator state stands in (this process only)."""
-    from megatron.core.tensor_parallel import random as mrandom
-
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
 def _perturb_routers(learner, seed=7):
