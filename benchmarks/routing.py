@@ -1,16 +1,20 @@
 """Routing replay overhead and route storage size.
 
-    .venv/bin/python benchmarks/routing.py [--hidden 128 --layers 4 --experts 64 --topk 8 --seq 256 --batch 8 --steps 5]
+    .venv/bin/python benchmarks/routing.py [--hidden 128 --layers 4 --experts 64 --topk 8 --seq 256 --batch 8 --pairs 8]
 
 One process (single-rank gloo world, TP1), a tiny random Qwen3-MoE, fp32, real Megatron learner on CPU.
 Prints the learner train-step time with R2 replay (LearnerRouting.update around train_step, including the
 per-step route checks and the applied-fraction verification) over the time without replay (same model,
-routers computing their own top-k), interleaved, best of `--steps`; and the route storage in bytes per
-token (packed uint8 RouteStore) next to what int64 indices padded to the batch's longest sequence would take.
+routers computing their own top-k): `--pairs` back-to-back pairs, the order alternating, reported as the
+median and range of the per-pair ratios (a shared CPU's noise shows in the range). Also the host time of
+the replay bookkeeping alone (route checks/expansion at phase entry, per-micro-batch route slicing,
+verification at exit), timed around those calls, as a share of the step. And the route storage in bytes
+per token (packed uint8 RouteStore) next to int64 indices padded to the batch's longest sequence.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -33,6 +37,35 @@ def _learner(model_dir):
     return learner
 
 
+class _Bookkeeping:
+    """Accumulates the host time of LearnerRouting's own replay work (phase entry/exit, micro-batch slicing)."""
+
+    def __init__(self, routing):
+        self.routing, self.seconds = routing, 0.0
+        inner = routing.before_micro_batch
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+        routing.before_micro_batch = timed
+
+    @contextlib.contextmanager
+    def timed_update(self, tokens, lengths, routes):
+        phase = self.routing.update(tokens, lengths, routes)
+        t = time.perf_counter()
+        ph = phase.__enter__()
+        self.seconds += time.perf_counter() - t
+        try:
+            yield ph
+        finally:
+            t = time.perf_counter()
+            phase.__exit__(None, None, None)
+            self.seconds += time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=128)
@@ -41,7 +74,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--pairs", type=int, default=8)
     a = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
@@ -68,20 +101,31 @@ def main() -> None:
         with routing.old_forward(tokens, lengths) as ph:
             learner.forward_logprobs(tokens)
         routes = ph.routes
-        plain, replay = float("inf"), float("inf")
         learner.train_step(tokens, loss_fn)  # warm-up
-        for _ in range(a.steps):
-            t = time.perf_counter()
-            learner.train_step(tokens, loss_fn)
-            plain = min(plain, time.perf_counter() - t)
-            t = time.perf_counter()
-            with routing.update(tokens, lengths, routes):
-                learner.train_step(tokens, loss_fn)
-            replay = min(replay, time.perf_counter() - t)
+        book = _Bookkeeping(routing)
+        ratios, plain_s = [], []
+        for i in range(a.pairs):
+            order = ("plain", "replay") if i % 2 == 0 else ("replay", "plain")
+            t = {}
+            for kind in order:
+                start = time.perf_counter()
+                if kind == "plain":
+                    learner.train_step(tokens, loss_fn)
+                else:
+                    with book.timed_update(tokens, lengths, routes):
+                        learner.train_step(tokens, loss_fn)
+                t[kind] = time.perf_counter() - start
+            ratios.append(t["replay"] / t["plain"])
+            plain_s.append(t["plain"])
     n_tok = int(routes.indices.shape[0])
     padded_int64 = a.batch * (a.seq - 1) * a.layers * a.topk * 8
-    print(f"learner step: {plain * 1e3:.1f} ms without replay, {replay * 1e3:.1f} ms with R2 replay "
-          f"-> overhead {100 * (replay / plain - 1):+.2f}% (target < 2%)")
+    ratios.sort()
+    med, step = ratios[len(ratios) // 2], sorted(plain_s)[len(plain_s) // 2]
+    print(f"learner step without replay: median {step * 1e3:.1f} ms; with R2 replay / without, over {a.pairs} "
+          f"pairs: median {med:.4f} (overhead {100 * (med - 1):+.2f}%, range {100 * (ratios[0] - 1):+.2f}% .. "
+          f"{100 * (ratios[-1] - 1):+.2f}%; target < 2%)")
+    per_step = book.seconds / a.pairs
+    print(f"replay bookkeeping (host): {per_step * 1e3:.2f} ms per step = {100 * per_step / step:.2f}% of the step")
     print(f"route storage: {routes.bytes_per_token():.2f} bytes/token packed {routes.indices.dtype} "
           f"({a.layers} layers x top-{a.topk}) vs {padded_int64 / n_tok:.1f} bytes/token as padded int64 "
           f"-> {padded_int64 / routes.nbytes:.1f}x smaller")
