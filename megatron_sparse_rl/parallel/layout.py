@@ -73,8 +73,11 @@ class ParallelLayout:
     (`world_size` counts the learner ranks only). 0: every rank is a learner rank."""
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int, rollout_ranks: int = 0) -> "ParallelLayout":
-        """`world_size`: the learner ranks (all ranks when colocated); `rollout_ranks`: engine-only ranks after them."""
+    def from_config(cls, cfg: ParallelConfig, world_size: int, rollout_ranks: int = 0, *,
+                    cuda: bool | None = None) -> "ParallelLayout":
+        """`world_size`: the learner ranks (all ranks when colocated); `rollout_ranks`: engine-only ranks after them;
+        `cuda`: whether the ranks that will run this layout have CUDA (resolves backend 'auto'); None = this
+        machine (a CPU login node checking a GPU job passes True)."""
         if world_size < 1:
             raise ValueError(f"world size must be >= 1 (got {world_size})")
         if rollout_ranks < 0:
@@ -93,7 +96,7 @@ class ParallelLayout:
             )
         backend = cfg.backend
         if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = "nccl" if (torch.cuda.is_available() if cuda is None else cuda) else "gloo"
         if backend == "gloo" and cfg.etp > 1:
             raise ValueError("parallel.etp > 1 needs NCCL: gloo cannot do the uneven all-gather it uses (got etp="
                              f"{cfg.etp}, backend gloo)")
