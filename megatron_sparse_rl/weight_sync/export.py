@@ -10,9 +10,10 @@ single naming truth, shared with checkpoint conversion. For each map:
 - routed experts: expert-parallel rank r holds global experts [r * n_local, (r + 1) * n_local); the
   holders join their expert-TP shards, then the tensor is broadcast over the EP group from its holder,
   so every rank receives every expert without ever materialising more than one tensor at a time.
+- pipeline parallelism: the stage holding a tensor (the lowest, for tensors more than one stage holds)
+  produces it as above, then broadcasts it over the pipeline group, so every stage receives every layer.
 Every rank walks the same maps in the same order, so collectives line up. Every rank receives the full
 stream (each colocated rank may own an engine); a rank without an engine must still drain it.
-Pipeline parallelism is not supported (stages hold different layers): `iter_hf_tensors` raises.
 Yielded tensors may share storage with the learner's parameters: do not modify them in place.
 """
 from __future__ import annotations
@@ -57,38 +58,69 @@ def _n_local_experts(params: dict[str, LocalParam], ep: int, num_experts: int) -
     return num_experts // ep
 
 
+def _stage_key(name: str) -> str:
+    """Experts of one layer share a shape and a pipeline stage: one key for all of them."""
+    return _EXPERT.sub(".local_experts.*.", name)
+
+
+def _stage_owners(params: dict[str, LocalParam], groups, pp: int) -> dict[str, tuple[int, tuple, torch.dtype]]:
+    """stage key -> (lowest pipeline stage holding it, full shape, dtype), agreed over the pipeline group."""
+    mine = {_stage_key(n): (_full_shape(lp, groups), lp.param.dtype) for n, lp in params.items()}
+    if pp == 1:
+        return {k: (0, *v) for k, v in mine.items()}
+    every: list = [None] * pp
+    dist.all_gather_object(every, mine, group=groups.pp)
+    owners: dict = {}
+    for stage, held in enumerate(every):
+        for key, (shape, dtype) in held.items():
+            owners.setdefault(key, (stage, shape, dtype))
+    return owners
+
+
+def _stage_tensor(tm, params: dict[str, LocalParam], groups, ep: int, n_local: int) -> torch.Tensor:
+    """The full tensor of `tm` on a rank of the stage holding it (EP holders broadcast over the EP group)."""
+    lp = params.get(tm.mcore)
+    m = _EXPERT.search(tm.mcore)
+    if m is None or ep == 1:
+        if lp is None:
+            raise WeightSyncError(f"{tm.mcore}: not held by this rank (the learner lacks a mapped parameter)")
+        return gather_full(lp, groups)
+    if lp is not None:
+        full = gather_full(lp, groups).contiguous()
+    else:
+        template = _expert_template(tm.mcore, params, groups.ep_rank, n_local)
+        full = torch.empty(_full_shape(template, groups), dtype=template.param.dtype, device=template.param.device)
+    owner = int(m.group(1)) // n_local
+    dist.broadcast(full, src=dist.get_process_group_ranks(groups.ep)[owner], group=groups.ep)
+    return full
+
+
 @torch.no_grad()
 def iter_full_mcore(learner) -> Iterator[tuple[object, torch.Tensor]]:
     """(TensorMap, full Megatron tensor) for every adapter tensor map, on every rank (collective)."""
-    if learner.layout.pp > 1:
-        raise NotImplementedError(f"weight sync from a pipeline-parallel learner (parallel.pp={learner.layout.pp}) "
-                                  "is not supported yet; use pp=1")
-    groups = learner.groups
+    groups, pp = learner.groups, learner.layout.pp
     params = dict(learner.named_full_parameters())
     ep = learner.layout.ep
     n_local = _n_local_experts(params, ep, learner.spec.num_experts)
-    ep_ranks = dist.get_process_group_ranks(groups.ep) if ep > 1 else None
     maps = learner.adapter.tensor_maps(learner.spec)
     unmapped = set(params) - {tm.mcore for tm in maps}
     if unmapped:
         raise WeightSyncError(f"the learner has {len(unmapped)} parameters the adapter does not map, "
                               f"e.g. {sorted(unmapped)[:3]}")
+    owners = _stage_owners(params, groups, pp)
+    pp_ranks = dist.get_process_group_ranks(groups.pp) if pp > 1 else None
     for tm in maps:
-        lp = params.get(tm.mcore)
-        m = _EXPERT.search(tm.mcore)
-        if m is None or ep == 1:
-            if lp is None:
-                raise WeightSyncError(f"{tm.mcore}: not held by this rank (the learner lacks a mapped parameter)")
-            yield tm, gather_full(lp, groups)
-            continue
-        owner = int(m.group(1)) // n_local
-        if lp is not None:
-            full = gather_full(lp, groups).contiguous()
+        key = _stage_key(tm.mcore)
+        if key not in owners:
+            raise WeightSyncError(f"{tm.mcore}: held by no pipeline stage (the learner lacks a mapped parameter)")
+        stage, shape, dtype = owners[key]
+        if stage == groups.pp_rank:
+            full = _stage_tensor(tm, params, groups, ep, n_local)
         else:
-            template = _expert_template(tm.mcore, params, groups.ep_rank, n_local)
-            full = torch.empty(_full_shape(template, groups), dtype=template.param.dtype,
-                               device=template.param.device)
-        dist.broadcast(full, src=ep_ranks[owner], group=groups.ep)
+            full = torch.empty(shape, dtype=dtype, device=next(iter(params.values())).param.device)
+        if pp > 1:
+            full = full.contiguous()
+            dist.broadcast(full, src=pp_ranks[stage], group=groups.pp)
         yield tm, full
 
 

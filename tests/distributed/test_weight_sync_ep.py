@@ -1,6 +1,6 @@
-"""Weight sync from a sharded learner: EP2 (2 gloo ranks, each holding half the experts) and TP2 (2 gloo
-ranks, each holding half of every linear layer, sequence parallel as Megatron requires for MoE under TP),
-one engine per rank, after a train step sync into an engine equal to one synced from a TP1 learner after
+"""Weight sync from a sharded learner: EP2 (2 gloo ranks, each holding half the experts), TP2 (2 gloo
+ranks, each holding half of every linear layer, sequence parallel as Megatron requires for MoE under TP) and
+PP2 (2 pipeline stages, each holding one of the two layers), one engine per rank, after a train step sync into an engine equal to one synced from a TP1 learner after
 the same step; both ranks receive the whole, identical HF-named stream.
 
 The TP1 run is the reference: its learner holds every tensor whole, so its stream needs no gathering.
@@ -17,7 +17,7 @@ TOL = 1e-4
 PROBE = [[1, 5, 6, 14, 11, 18, 22, 20, 27, 21, 19, 5, 13], [1, 43, 21, 19, 9, 7, 15, 4, 4, 18, 22, 30, 31]]
 
 
-def sync_worker(rank, world_size, model_dir, tp, ep):
+def sync_worker(rank, world_size, model_dir, tp, ep, pp=1):
     from megatron_sparse_rl.config.rollout import RolloutConfig
     from megatron_sparse_rl.learner.sft import make_sft_loss
     from megatron_sparse_rl.rollout import RolloutEngine
@@ -25,7 +25,7 @@ def sync_worker(rank, world_size, model_dir, tp, ep):
     from tests.learner_workers import make_learner
 
     # lr=1, eps=1: Adam's first step is smooth in the gradient, so layouts agree to ulps (see learner_workers)
-    learner = make_learner(world_size, model_dir, tp=tp, ep=ep, lr=1.0, eps=1.0, clip=0.0)
+    learner = make_learner(world_size, model_dir, tp=tp, ep=ep, pp=pp, lr=1.0, eps=1.0, clip=0.0)
     tokens = torch.tensor(PROBE)
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
     rows = torch.arange(tokens.shape[0]).chunk(learner.layout.dp)[learner.groups.dp_rank]
@@ -91,6 +91,22 @@ def test_tp2_sync_equals_tp1_sync(tp1_reference):
         assert r0["streamed"][name].shape == value.shape, name
         assert torch.equal(r0["streamed"][name], r1["streamed"][name]), name
     # the TP1 and TP2 steps reduce the gradient in different orders: fp32 rounding only
+    assert stream_diff < 1e-6
+    assert engine_diff < 1e-5
+    assert (r0["stats"].tensors, r0["stats"].bytes) == (ref["stats"].tensors, ref["stats"].bytes)
+
+
+def test_pp2_sync_equals_tp1_sync(tp1_reference):
+    model_dir, ref = tp1_reference
+    r0, r1 = run_distributed(sync_worker, 2, args=(model_dir, 1, 1, 2), timeout=240)
+    engine_diff = max((r["engine"] - ref["engine"]).abs().max().item() for r in (r0, r1))
+    stream_diff = _max_tensor_diff(r0["streamed"], ref["streamed"])
+    print(f"PP2 |engine - learner| = {max(r0['diff'], r1['diff']):.2e}; |engine PP2 - engine TP1| = "
+          f"{engine_diff:.2e}; |stream PP2 - stream TP1| = {stream_diff:.2e}; {r0['stats']}")
+    assert r0["diff"] < TOL and r1["diff"] < TOL
+    assert list(r0["streamed"]) == list(r1["streamed"]) == list(ref["streamed"]), "same names, same order"
+    for name in ref["streamed"]:
+        assert torch.equal(r0["streamed"][name], r1["streamed"][name]), name  # each stage got the other's layers
     assert stream_diff < 1e-6
     assert engine_diff < 1e-5
     assert (r0["stats"].tensors, r0["stats"].bytes) == (ref["stats"].tensors, ref["stats"].bytes)
