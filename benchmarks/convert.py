@@ -2,9 +2,9 @@
 the GB/s of a raw read + write of the same bytes (reading the safetensors files and writing a copy, no
 conversion), plus each direction's peak resident memory over the model's size.
 
-    .venv/bin/python benchmarks/convert.py [--hidden 512 --layers 4 --experts 8 --moe-ffn 1024]
+    .venv/bin/python benchmarks/convert.py [--hidden 512 --layers 6 --experts 8 --moe-ffn 1024]
 
-The default model is a random Qwen3-MoE of about 60M parameters (~240 MB fp32), built locally in a temporary
+The default model is a random Qwen3-MoE of about 80M parameters (~320 MB fp32), built locally in a temporary
 directory, so the fixed start-up cost (Megatron model build, process group) does not dominate. Each direction
 runs in a fresh single-rank process (TP1, gloo) so its peak RSS is its own; the timed span is the conversion
 call (model build, reads, sha256 manifest / read-back checks, torch_dist save or load, writes), not the Python
@@ -70,7 +70,7 @@ def run_direction(direction: str, src: Path, dst: Path) -> tuple[float, float, f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--moe-ffn", type=int, default=1024)
     args = ap.parse_args()

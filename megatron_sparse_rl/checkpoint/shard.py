@@ -39,6 +39,8 @@ def build_shard(model_dir, layout, dtype: str) -> ModelShard:
 
     adapter, spec = load_spec(model_dir)
     groups = layout.initialize()
+    # The random init is wasted work, but Megatron's CPU path sets the tensor-parallel attributes that
+    # learner/params.py reads only while initialising (perform_initialization=False leaves them unset).
     model, _ = build_gpt_model(adapter, spec, layout, groups, dtype=dtype, seed=LearnerConfig().seed)
     return ModelShard(adapter, spec, layout, groups, model)
 

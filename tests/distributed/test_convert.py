@@ -68,6 +68,14 @@ def export_tp1_worker(rank, world, root):
     mcore_to_hf(f"{root}/mc_tp2ep2", f"{root}/hf_tp2ep2_at_tp1")
 
 
+def verify_worker(rank, world, hf, root):
+    """--verify in both directions (the Learner path: forward parity against HF transformers)."""
+    from megatron_sparse_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
+
+    hf_to_mcore(hf, f"{root}/mc_verify", tp=1, ep=2, verify=True)
+    mcore_to_hf(f"{root}/mc_verify", f"{root}/hf_verify", ep=2, verify=True)
+
+
 def learner_load_worker(rank, world, hf, mcore, tokens):
     """A Learner (DDP + optimizer) loads the converted checkpoint with the training loader; its logprobs."""
     from megatron_sparse_rl.learner.checkpoint import load_learner
@@ -222,6 +230,12 @@ def test_progress_counts_match_the_bytes_moved(converted, direction, src):
     assert float(rate) > 0
     phase = {"hf_to_mcore": "hf-to-mcore torch_dist save", "mcore_to_hf": "mcore-to-hf torch_dist load"}[direction]
     assert re.search(phase + r": [\d.]+ MB in [\d.]+ s \([\d.]+ MB/s\)", text), text
+
+
+def test_verify_passes_on_a_correct_conversion(converted, tmp_path):
+    hf, _ = converted
+    run_distributed(verify_worker, 2, args=(hf, str(tmp_path)), timeout=300)
+    _assert_identical(hf, tmp_path / "hf_verify")
 
 
 def test_converted_checkpoint_loads_into_a_learner(converted):
