@@ -197,31 +197,15 @@ class ParallelLayout:
 
     @contextlib.contextmanager
     def _megatron_world(self, learner) -> Iterator[None]:
-        """While Megatron reads the default world: `get_world_size()` = the learner ranks, and on learner
-        ranks the default-group `all_gather_object`/`barrier` run on `learner`. Learner ranks are [0, L), so
-        global and learner-group ranks coincide. A no-op without rollout ranks. Restored on exit."""
+        """Megatron reads the learner ranks as its default world (patches/megatron_world.py); a no-op without
+        rollout ranks."""
         if not self.rollout_ranks:
             yield
             return
-        get_world_size, all_gather_object, barrier = dist.get_world_size, dist.all_gather_object, dist.barrier
-        on_learner = self.is_learner_rank()
+        from megatron_sparse_rl.patches.megatron_world import learner_world_view
 
-        def world_size(group=None):
-            return self.world_size if group is None else get_world_size(group)
-
-        def gather_object(object_list, obj, group=None):
-            if group is None and not on_learner:
-                raise RuntimeError("a rollout rank ran a default-world all_gather_object inside the learner world")
-            return all_gather_object(object_list, obj, group=learner if group is None else group)
-
-        def learner_barrier(group=None, **kwargs):
-            return barrier(group=learner if group is None and on_learner else group, **kwargs)
-
-        dist.get_world_size, dist.all_gather_object, dist.barrier = world_size, gather_object, learner_barrier
-        try:
+        with learner_world_view(self.world_size, learner, self.is_learner_rank()):
             yield
-        finally:
-            dist.get_world_size, dist.all_gather_object, dist.barrier = get_world_size, all_gather_object, barrier
 
     @staticmethod
     def destroy() -> None:
