@@ -13,7 +13,7 @@ torch.distributed world of L + R ranks:
     groups = layout.initialize()             # EVERY rank; None on rollout ranks (they hold no model)
     sync = layout.weight_sync_group(src=0)   # EVERY rank; src + the rollout ranks (weight_sync/disaggregated)
     if groups is not None:
-        with layout.learner_world():         # while Megatron's model and optimizer are built
+        with layout.learner_world(groups):   # while Megatron's model and optimizer are built
             learner = Learner(adapter, spec, layout, groups, ...)
 
 Megatron sizes its groups from the DEFAULT world (`torch.distributed.get_world_size()`), and torch's
