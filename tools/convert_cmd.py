@@ -5,7 +5,7 @@
 
 Under torchrun/srun (WORLD_SIZE set) every rank runs the conversion in the launcher's world. Without a
 launcher the command spawns the smallest world the layout needs (pp * lcm(tp, ep * etp) local processes).
-See docs/conversion.md.
+Rank 0 prints throttled progress lines (tensors, MB done of the total, MB/s) to stderr. See docs/conversion.md.
 """
 from __future__ import annotations
 
