@@ -16,9 +16,12 @@ def layout_problems(run, launch: LaunchConfig) -> list[str]:
     """Problems of the learner/rollout split against `run.parallel` and `run.rollout`."""
     p = run.parallel
     problems = []
-    learner_world = launch.learner_nodes * launch.nproc_per_node
+    learner_world = launch.learner_world_size
     where = (f"learner ranks = (launch.nodes {launch.nodes} - launch.rollout_nodes {launch.rollout_nodes}) * "
              f"launch.nproc_per_node {launch.nproc_per_node} = {learner_world}")
+    if launch.rollout_ranks:
+        where = (f"learner ranks = launch.nproc_per_node {launch.nproc_per_node} - launch.rollout_ranks "
+                 f"{launch.rollout_ranks} = {learner_world}")
     mp = p.tp * p.pp
     if learner_world % mp:
         problems.append(f"{where} is not divisible by parallel.tp * parallel.pp = {p.tp} * {p.pp} = {mp}; "
@@ -30,9 +33,10 @@ def layout_problems(run, launch: LaunchConfig) -> list[str]:
         problems.append(f"parallel.tp = {p.tp} exceeds launch.nproc_per_node = {launch.nproc_per_node}: tensor "
                         "parallel groups must stay inside a node (their all-reduces run every layer)")
     rtp = run.rollout.tensor_parallel_size
-    if launch.rollout_nodes and (launch.rollout_nodes * launch.nproc_per_node) % rtp:
-        problems.append(f"rollout ranks = launch.rollout_nodes {launch.rollout_nodes} * launch.nproc_per_node "
-                        f"{launch.nproc_per_node} is not divisible by rollout.tensor_parallel_size = {rtp}")
+    if launch.rollout_world_size % rtp:
+        problems.append(f"rollout ranks = {launch.rollout_world_size} (launch.rollout_nodes * "
+                        f"launch.nproc_per_node, or launch.rollout_ranks) is not divisible by "
+                        f"rollout.tensor_parallel_size = {rtp}")
     return problems
 
 

@@ -5,7 +5,9 @@ rollout -> rewards -> dense old logprobs -> advantages -> corrections -> updates
     from megatron_sparse_rl.trainer import train
     summary = train(load_config("configs/demo_tiny_moe.yaml"))
 
-Runs as one process or under torchrun/srun (every rank a learner with its own colocated engine).
+Runs as one process or under torchrun/srun: colocated (every rank a learner with its own engine) or
+disaggregated (`launch.rollout_ranks` / `launch.rollout_nodes`: learner ranks train, rollout ranks serve
+their engines to learner rank 0; training/disaggregated.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from megatron_sparse_rl.config.schema import RunConfig
 from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training import steps as S
 from megatron_sparse_rl.training.context import build_context, open_metrics
+from megatron_sparse_rl.training.disaggregated import RolloutRank, learner_scope, serve
 from megatron_sparse_rl.training.report import Reporter
 
 log = logging.getLogger(__name__)
@@ -23,6 +26,14 @@ log = logging.getLogger(__name__)
 def train(run: RunConfig) -> dict:
     cfg = run.trainer
     ctx = build_context(run, total_steps=max(cfg.steps * cfg.updates_per_rollout, 1))
+    if isinstance(ctx, RolloutRank):  # disaggregated: serve learner rank 0 until it says stop
+        return serve(ctx)
+    with learner_scope(ctx):  # stops the engine(s) on every way out
+        return rl_loop(ctx)
+
+
+def rl_loop(ctx) -> dict:
+    cfg, run = ctx.run.trainer, ctx.run
     from megatron_sparse_rl.rewards import make_scorer
 
     score, correct = make_scorer(run.reward), make_scorer(run.reward, shaping=False)

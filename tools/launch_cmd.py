@@ -5,7 +5,9 @@
     msrl launch slurm configs/big.yaml [--wait]       # write <log_dir>/<job>.sbatch and sbatch it
 
 The config is checked first (layout against the learner/rollout GPUs, partition, one rank per GPU, and
-`msrl validate`'s checks for colocated runs); every problem exits 2 naming the field. docs/launch.md
+`msrl validate`'s checks, which see the learner ranks of a disaggregated run); every problem exits 2
+naming the field. `--set launch.rollout_ranks=R` makes a local run disaggregated (the last R ranks run
+engines). docs/launch.md
 describes the rendered script.
 """
 from __future__ import annotations
@@ -66,8 +68,7 @@ def _slurm(args) -> int:
 
     run, launch = load_run(args.config, args.overrides)
     check_launch(run, launch, slurm=True)
-    if not launch.rollout_nodes:  # disaggregated layouts are checked above; validate() sees the whole world
-        validate(run, launch.world_size, cuda=launch.gpus_per_node > 0)
+    validate(run, launch.world_size, cuda=launch.gpus_per_node > 0)  # learner degrees vs the learner ranks
     script = render_sbatch(run, launch, args.config, job_overrides(args.overrides))
     if args.dry_run:
         sys.stdout.write(script)

@@ -5,6 +5,7 @@ and exits 0; a bad config prints `error: <message>` naming the fields and exits 
 
     msrl validate configs/tiny_moe_tp2ep2.yaml
     msrl validate configs/tiny_moe.yaml --set parallel.tp=2 --set launch.nproc_per_node=2 --dump
+    msrl validate configs/tiny_moe.yaml --set launch.nproc_per_node=2 --set launch.rollout_ranks=1  # disaggregated
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config YAML (overrides of the dataclass defaults)")
     parser.add_argument("--world-size", type=int, default=None, metavar="N",
                         help="total ranks; must equal launch.nodes * launch.nproc_per_node "
-                             "(default: that product)")
+                             "(default: that product); a disaggregated config's parallel degrees are "
+                             "checked against the learner ranks (N minus the rollout ranks)")
     parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="A.B=V",
                         help="override a field, value parsed as YAML (repeatable)")
     parser.add_argument("--dump", action="store_true", help="also print the whole resolved config as YAML")
@@ -25,7 +27,9 @@ def summary(run, spec, world_size: int) -> list[str]:
     """Human-readable lines describing the resolved run."""
     from megatron_sparse_rl.parallel.layout import ParallelLayout
 
-    m, layout = run.model, ParallelLayout.from_config(run.parallel, world_size)
+    rollout = run.launch.rollout_world_size
+    m = run.model
+    layout = ParallelLayout.from_config(run.parallel, world_size - rollout, rollout_ranks=rollout)
     lines = [f"model: {m.path or '(no path)'}" + (f" (tiny {m.tiny.arch}, built on first use)" if m.tiny else "")]
     if spec is None:
         lines.append("  architecture: unknown here (no config.json at model.path); model checks skipped")
@@ -35,9 +39,15 @@ def summary(run, spec, world_size: int) -> list[str]:
         if spec.is_moe:
             arch += f", {spec.num_experts} experts top-{spec.moe_topk} (ffn {spec.moe_ffn_hidden_size})"
         lines += [arch, f"  parameters: {spec.parameter_count():,}"]
-    lines.append(f"layout: world {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}; "
+    who = "world" if not rollout else "learner ranks"
+    lines.append(f"layout: {who} {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}; "
                  f"ep {layout.ep}, etp {layout.etp}, sequence_parallel {layout.sequence_parallel}, "
                  f"backend {layout.backend}")
+    if rollout:
+        lines.append(f"placement: disaggregated, learner ranks 0-{layout.world_size - 1}, rollout ranks "
+                     f"{layout.world_size}-{world_size - 1} (one engine each)")
+    else:
+        lines.append("placement: colocated (every rank a learner with its own engine)")
     s, kv, a = run.rollout.sampling, run.rollout.kv, run.algorithm
     lines.append(f"rollout: n {s.n}, temperature {s.temperature}, max_tokens {s.max_tokens}, kv policy {kv.policy}"
                  + (f" (budget {kv.budget}, window {kv.window})" if kv.policy != "none" else ""))

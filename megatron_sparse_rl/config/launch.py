@@ -9,6 +9,8 @@ layout and the rollout engine live in `launch/checks.py` (they span components).
       nproc_per_node: 8
       rollout_nodes: 1                # learner nodes 0-2, rollout node 3
       slurm: {partition: gpu, account: proj, time: "2-00:00:00", venv: /shared/msrl/.venv}
+
+    launch: {nproc_per_node: 2, rollout_ranks: 1}   # one machine: learner rank 0, rollout rank 1
 """
 from __future__ import annotations
 
@@ -101,6 +103,10 @@ class LaunchConfig:
     rollout_nodes: int = 0
     """Nodes given to rollout engines only (disaggregated); 0 = colocated, every rank is a learner with an
     engine. Learner ranks are [0, (nodes - rollout_nodes) * nproc_per_node), rollout ranks the rest."""
+    rollout_ranks: int = 0
+    """Ranks given to rollout engines only on a ONE-node run (`msrl launch local`, a bare torchrun):
+    learner ranks [0, nproc_per_node - rollout_ranks), rollout ranks the rest. 0 = colocated. Multi-node
+    jobs give whole nodes with `rollout_nodes` instead (set one of the two)."""
     program: str = "tools.cli train"
     """Python module (and leading arguments) every rank runs as `python -m <program> CONFIG --set ...`."""
     log_dir: str = ""
@@ -115,11 +121,29 @@ class LaunchConfig:
                f"launch.rollout_nodes must be in [0, launch.nodes - 1 = {self.nodes - 1}] so that at least one "
                f"node holds learners (got {self.rollout_nodes})")
         _check(bool(self.program.split()), "launch.program must name a python module (got '')")
+        _check(self.rollout_ranks >= 0, f"launch.rollout_ranks must be >= 0 (got {self.rollout_ranks})")
+        if self.rollout_ranks:
+            _check(self.nodes == 1,
+                   f"launch.rollout_ranks is for one-node runs (launch.nodes = {self.nodes}); on several nodes give "
+                   "the rollout engines whole nodes with launch.rollout_nodes")
+            _check(self.rollout_ranks < self.nproc_per_node,
+                   f"launch.rollout_ranks must be in [0, launch.nproc_per_node - 1 = {self.nproc_per_node - 1}] so "
+                   f"that at least one rank is a learner (got {self.rollout_ranks})")
 
     @property
     def learner_nodes(self) -> int:
         """Nodes holding learner ranks (all of them when colocated)."""
         return self.nodes - self.rollout_nodes
+
+    @property
+    def rollout_world_size(self) -> int:
+        """Rollout-only ranks (0 = colocated): `rollout_nodes * nproc_per_node` or `rollout_ranks`, whichever is set."""
+        return self.rollout_nodes * self.nproc_per_node + self.rollout_ranks
+
+    @property
+    def learner_world_size(self) -> int:
+        """Learner ranks [0, learner_world_size): the world without the rollout ranks."""
+        return self.world_size - self.rollout_world_size
 
     @property
     def world_size(self) -> int:

@@ -78,12 +78,19 @@ def model_spec(run: RunConfig):
 
 
 def _layout_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[str]:
+    """Problems of the parallel layout over the LEARNER ranks (all of `world_size` when colocated)."""
     from megatron_sparse_rl.parallel.layout import ParallelLayout
 
+    rollout = run.launch.rollout_world_size
+    learners = world_size - rollout
+    if learners < 1:
+        return [f"a disaggregated run needs at least one learner rank: world size {world_size} - "
+                f"{rollout} rollout ranks (launch.rollout_ranks / launch.rollout_nodes) = {learners}"]
     try:
-        layout = ParallelLayout.from_config(run.parallel, world_size)
+        layout = ParallelLayout.from_config(run.parallel, learners, rollout_ranks=rollout)
     except ValueError as e:
-        return [str(e)]
+        where = f"learner ranks = world size {world_size} - {rollout} rollout ranks = {learners}: " if rollout else ""
+        return [where + str(e)]
     problems = []
     if spec is not None:
         try:
@@ -135,6 +142,9 @@ def _rollout_algorithm_problems(run: RunConfig, cuda: bool) -> list[str]:
     rollout_tp = run.rollout.tensor_parallel_size
     if not cuda and rollout_tp != 1:
         problems.append(f"rollout.tensor_parallel_size must be 1 without CUDA (got {rollout_tp})")
+    elif run.launch.rollout_world_size and rollout_tp != 1:
+        problems.append(f"rollout.tensor_parallel_size must be 1 in a disaggregated run (each rollout rank runs "
+                        f"its own engine; got {rollout_tp})")
     return problems
 
 
@@ -144,7 +154,8 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     Args:
         run: the loaded run config (each component already checked its own fields).
         world_size: total ranks; None means `launch.nodes * launch.nproc_per_node`. Given explicitly it
-            must equal that product.
+            must equal that product. In a disaggregated run (`launch.rollout_ranks` or
+            `launch.rollout_nodes`) the parallel degrees are checked against the learner ranks only.
         cuda: whether the run will have CUDA (None: `torch.cuda.is_available()`). Without CUDA the model's
             head size must be one vLLM's CPU attention supports.
     Raises:

@@ -1,5 +1,9 @@
 """Set-up of one training process: the distributed world, the model directory, the learner, this rank's
-rollout engine, the tokenizer, the task data and the metrics sinks, gathered in a `RunContext`."""
+rollout engine, the tokenizer, the task data and the metrics sinks, gathered in a `RunContext`.
+
+Colocated: every rank is a learner with its own engine. Disaggregated (`launch.rollout_ranks` /
+`launch.rollout_nodes`): learner ranks get a `RemoteEngine` (training/disaggregated.py) in place of an
+engine, and rollout ranks get a `RolloutRank` (an engine to serve with) instead of a `RunContext`."""
 from __future__ import annotations
 
 import logging
@@ -79,17 +83,21 @@ def ensure_model(run: RunConfig, rank: int) -> Path:
     return path
 
 
-def build_context(run: RunConfig, total_steps: int) -> RunContext:
+def build_context(run: RunConfig, total_steps: int):
+    """This rank's `RunContext`; on a rollout rank of a disaggregated run, its `RolloutRank` instead.
+
+    Every rank creates the same process groups in the same order: Megatron's (over the learner ranks), the
+    weight-sync group (learner rank 0 + the rollout ranks) and vLLM's (each engine's start-up, mirrored by
+    `join_vllm_groups` on learner ranks)."""
     from transformers import AutoTokenizer
 
     from megatron_sparse_rl.config import validate
     from megatron_sparse_rl.data import build_task
-    from megatron_sparse_rl.learner.learner import Learner
     from megatron_sparse_rl.models import load_spec
     from megatron_sparse_rl.observability.logging import init_logging
     from megatron_sparse_rl.parallel import ParallelLayout
     from megatron_sparse_rl.patches import megatron_cpu
-    from megatron_sparse_rl.rollout import RolloutEngine
+    from megatron_sparse_rl.training import disaggregated as D
 
     rank, world = init_world()
     init_logging(rank)
@@ -100,9 +108,35 @@ def build_context(run: RunConfig, total_steps: int) -> RunContext:
         run_dir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_model(run, rank)
     adapter, spec = load_spec(model_dir)
-    layout = ParallelLayout.from_config(run.parallel, world)
+    n_rollout = run.launch.rollout_world_size
+    layout = ParallelLayout.from_config(run.parallel, world - n_rollout, rollout_ranks=n_rollout)
     layout.check_model(spec)
     groups = layout.initialize()
+    sync = layout.weight_sync_group(src=D.SRC) if n_rollout else None
+    if groups is None:  # a rollout rank: an engine and the command loop, no model
+        return D.RolloutRank(_engine(run, run_dir, model_dir, spec), sync, rank, rank - layout.world_size)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if n_rollout:
+        D.join_vllm_groups()
+        engine = D.RemoteEngine(sync, list(range(layout.world_size, world)), pad_id=_pad_id(tokenizer))
+    with layout.learner_world(groups):
+        learner, reference, routing = _learners(run, adapter, spec, layout, groups, model_dir, total_steps)
+    if not n_rollout:
+        engine = _engine(run, run_dir, model_dir, spec)
+    task = build_task(run.data, tokenizer)
+    return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, engine, tokenizer, task,
+                      None, spec, routing, reference)
+
+
+def _pad_id(tokenizer) -> int:
+    """The pad id the engine uses (its tokenizer is this one): pad, else EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _learners(run: RunConfig, adapter, spec, layout, groups, model_dir: Path, total_steps: int):
+    """(learner, frozen reference or None, LearnerRouting or None), loaded from the HF model."""
+    from megatron_sparse_rl.learner.learner import Learner
+
     use_routing = spec.is_moe and run.routing.replay
     learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=total_steps,
                       routing_replay=use_routing)
@@ -116,15 +150,23 @@ def build_context(run: RunConfig, total_steps: int) -> RunContext:
         from megatron_sparse_rl.learner.routing import LearnerRouting
 
         routing = LearnerRouting(learner, run.routing)
+    return learner, reference, routing
+
+
+def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
+    """This rank's vLLM engine (with route capture when R3 or route recording is on)."""
+    from megatron_sparse_rl.rollout import RolloutEngine
+
+    if run.launch.rollout_world_size and torch.cuda.is_available():
+        raise NotImplementedError("disaggregated placement runs its engines on CPU only so far (on GPU the engine "
+                                  "would join the whole world through vLLM's external_launcher); set "
+                                  "launch.rollout_ranks=0 and launch.rollout_nodes=0 for a colocated run")
     engine = RolloutEngine(model_dir, run.rollout, cache_dir=run_dir / "vllm_cache")
     if spec.is_moe and (run.routing.mode == "R3" or run.routing.capture_rollout_routes):
         from megatron_sparse_rl.rollout.routes import EngineRouteCapture
 
         EngineRouteCapture.attach(engine)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    task = build_task(run.data, tokenizer)
-    return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, engine, tokenizer, task,
-                      None, spec, routing, reference)
+    return engine
 
 
 def open_metrics(ctx: RunContext, keep_records: int | None) -> None:

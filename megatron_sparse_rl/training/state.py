@@ -58,7 +58,7 @@ def resume_run(ctx: RunContext) -> dict | None:
 
 
 def preemption_requested(ctx: RunContext) -> bool:
-    """True on every rank once the launcher's preemption file ($MSRL_PREEMPT_FILE, written by the sbatch
+    """True on every learner rank once the launcher's preemption file ($MSRL_PREEMPT_FILE, written by the sbatch
     script on SIGUSR1) exists: the trainer then checkpoints and exits so the requeued job resumes."""
     flag = os.environ.get("MSRL_PREEMPT_FILE")
     if not flag:
@@ -66,7 +66,7 @@ def preemption_requested(ctx: RunContext) -> bool:
     import torch
 
     hit = torch.tensor([float(ctx.is_main and Path(flag).exists())])
-    dist.broadcast(hit, src=0)
+    dist.broadcast(hit, src=0, group=ctx.groups.learner)  # learner ranks only (rollout ranks are serving)
     return bool(hit.item())
 
 

@@ -1,4 +1,8 @@
-"""The named steps of the RL loop, each one function over the `RunContext`."""
+"""The named steps of the RL loop, each one function over the `RunContext`.
+
+Colocated, each data-parallel leader samples its share with its own engine. Disaggregated, learner rank 0
+samples every share through the rollout ranks (`ctx.engine` is a `RemoteEngine`) and hands each learner
+rank its own, seeded as the colocated leaders would be."""
 from __future__ import annotations
 
 import logging
@@ -33,6 +37,17 @@ def _share_from_leader(ctx: RunContext, obj):
     return holder[0]
 
 
+def _from_main(ctx: RunContext, per_dp_rank):
+    """Disaggregated: learner rank 0 runs `per_dp_rank(d)` for every data-parallel rank d (it alone drives the
+    rollout ranks) and each learner rank gets the result for its own d."""
+    out = [per_dp_rank(d) for d in range(ctx.layout.dp)] if ctx.is_main else None
+    if ctx.layout.world_size > 1:
+        holder = [out]
+        dist.broadcast_object_list(holder, src=0, group=ctx.groups.learner)
+        out = holder[0]
+    return out[ctx.groups.dp_rank]
+
+
 def _global_sum(ctx: RunContext, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if ctx.layout.dp > 1:
@@ -43,13 +58,17 @@ def _global_sum(ctx: RunContext, values: list[float]) -> list[float]:
 def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
     """This data-parallel rank's rollout batch with rewards, and rollout metrics (global)."""
     t0 = time.perf_counter()
-    examples = _dp_share(ctx, ctx.task.next_train(ctx.run.trainer.prompts_per_step))
-    out = None
-    if _is_leader(ctx):
-        seed = ctx.run.rollout.seed + 1_000_003 * step + 10_007 * ctx.groups.dp_rank
-        out = R.collect(ctx.engine, ctx.tokenizer, examples, ctx.run.rollout.sampling, seed=seed, score=score,
-                        correct=correct)
-    batch, is_correct = _share_from_leader(ctx, out)
+    examples = ctx.task.next_train(ctx.run.trainer.prompts_per_step)
+
+    def collect(dp_rank: int):
+        seed = ctx.run.rollout.seed + 1_000_003 * step + 10_007 * dp_rank
+        return R.collect(ctx.engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp], ctx.run.rollout.sampling,
+                         seed=seed, score=score, correct=correct)
+
+    if ctx.layout.rollout_ranks:
+        batch, is_correct = _from_main(ctx, collect)
+    else:
+        batch, is_correct = _share_from_leader(ctx, collect(ctx.groups.dp_rank) if _is_leader(ctx) else None)
     seconds = time.perf_counter() - t0
     n_tok = float(batch.response_mask.sum())
     reward, right, count, length = _global_sum(ctx, [float(batch.reward.sum()), float(is_correct.sum()),
@@ -88,14 +107,22 @@ def train_step(ctx: RunContext, batch) -> dict[str, float]:
 
 def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None) -> dict[str, float]:
     """Learner -> engine weights, checksummed; logprob parity on a probe after the first sync and every N."""
+    from megatron_sparse_rl.training.disaggregated import verify_engines
     from megatron_sparse_rl.weight_sync import sync_to_engine, verify_logprobs
 
     cfg = ctx.run.trainer
-    stats = sync_to_engine(ctx.learner, ctx.engine, bucket_mb=cfg.sync_bucket_mb)
+    remote = bool(ctx.layout.rollout_ranks)  # disaggregated: the engines are on the rollout ranks
+    if remote:
+        stats = ctx.engine.sync_weights(ctx.learner, bucket_mb=cfg.sync_bucket_mb)
+    else:
+        stats = sync_to_engine(ctx.learner, ctx.engine, bucket_mb=cfg.sync_bucket_mb)
     metrics = {"time/sync_s": stats.seconds, "sync/bytes_per_s": stats.bytes_per_s}
     every = cfg.verify_sync_every
     if probe is not None and every and (n_syncs == 0 or (n_syncs + 1) % every == 0):
-        metrics["sync/probe_max_abs_diff"] = verify_logprobs(ctx.learner, ctx.engine, probe, cfg.verify_sync_tol)
+        verify = verify_engines if remote else verify_logprobs
+        diff = verify(ctx.learner, ctx.engine, probe, cfg.verify_sync_tol)
+        if diff is not None:  # None on learner ranks that compare nothing (disaggregated, rank > 0)
+            metrics["sync/probe_max_abs_diff"] = diff
     return metrics
 
 
@@ -103,14 +130,20 @@ def evaluate(ctx: RunContext, correct, n: int) -> float:
     """Held-out accuracy (global over data-parallel ranks): mean correctness of `trainer.eval_samples`
     samples per prompt at `trainer.eval_temperature` (greedy when 0), with a fixed seed."""
     cfg = ctx.run.trainer
-    examples = _dp_share(ctx, ctx.task.eval_examples(n))
-    total, count = 0.0, 0
-    if _is_leader(ctx):
-        total, count = R.accuracy(ctx.engine, ctx.tokenizer, examples, max_tokens=ctx.run.rollout.sampling.max_tokens,
-                                  score=correct, temperature=cfg.eval_temperature, samples=cfg.eval_samples,
-                                  seed=ctx.run.rollout.seed + 7919 * ctx.groups.dp_rank)
-    if ctx.layout.tp * ctx.layout.pp > 1:
-        total, count = _share_from_leader(ctx, (total, count))
+    examples = ctx.task.eval_examples(n)
+
+    def score(dp_rank: int) -> tuple[float, int]:
+        return R.accuracy(ctx.engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp],
+                          max_tokens=ctx.run.rollout.sampling.max_tokens, score=correct,
+                          temperature=cfg.eval_temperature, samples=cfg.eval_samples,
+                          seed=ctx.run.rollout.seed + 7919 * dp_rank)
+
+    if ctx.layout.rollout_ranks:
+        total, count = _from_main(ctx, score)
+    else:
+        total, count = score(ctx.groups.dp_rank) if _is_leader(ctx) else (0.0, 0)
+        if ctx.layout.tp * ctx.layout.pp > 1:
+            total, count = _share_from_leader(ctx, (total, count))
     total, count = _global_sum(ctx, [total, count])
     return total / max(count, 1.0)
 

@@ -1,0 +1,124 @@
+"""The RL trainer in the disaggregated placement, end to end through `msrl launch local` (real Megatron-Core
+learner ranks, real vLLM engines on the rollout ranks, tiny MoE on CPU, gloo).
+
+- 1 learner rank + 1 rollout rank: an SFT warm-start moves the weights, then RL steps; every sync is checked
+  against the learner's own forward (the engine's probe logprobs, within a tolerance tighter than the
+  default), and the sampler's logprobs of every rollout agree with the learner's recompute (mismatch k1);
+  the HF export differs from the initial model, so the engine matched weights that really changed.
+- the preemption path: the run checkpoints after its first step and exits 0 on every rank (the rollout
+  rank is stopped, not left waiting); the resumed run finishes the remaining steps.
+- 3 ranks: learner TP2 (ranks 0-1) + 1 rollout rank, and 1 learner + 2 rollout ranks (prompts split across
+  two engines and joined back).
+
+    .venv/bin/python -m pytest -q -m e2e tests/e2e/test_trainer_disaggregated.py
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+TOL = 1e-4  # trainer.verify_sync_tol for these runs: the run itself fails above it
+KEYS = ("rollout/reward", "rollout/accuracy", "rollout/response_len", "mismatch/k1", "loss/value", "train/grad_norm",
+        "time/rollout_s", "time/train_s", "time/sync_s", "sync/bytes_per_s", "sync/probe_max_abs_diff")
+
+
+def _launch(run_dir: Path, model_dir: Path, *, nproc: int, rollout_ranks: int, steps: int, extra=(), env=None):
+    sets = [f"logging.dir={run_dir}", f"model.path={model_dir}", f"trainer.steps={steps}",
+            f"launch.rollout_ranks={rollout_ranks}", "trainer.prompts_per_step=4", "trainer.eval_prompts=8",
+            "trainer.eval_every=2", "trainer.sft.max_steps=2", "trainer.sft.eval_every=2", "trainer.sft.batch_size=8",
+            "rollout.sampling.n=4", "rollout.sampling.max_tokens=6", "rollout.max_model_len=64",
+            "checkpoint.save_every=0", "logging.tensorboard=false", "learner.optimizer.lr=1e-3",
+            "trainer.verify_sync_every=1", f"trainer.verify_sync_tol={TOL}", *extra]
+    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
+           "--nproc", str(nproc), "--set", *sets]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _check_run(run_dir: Path, steps: list[int]) -> list[dict]:
+    records = _records(run_dir)
+    rl = {r["step"]: r for r in records if r["phase"] == "rl"}
+    assert sorted(rl) == steps
+    for step, rec in rl.items():
+        for key in KEYS:
+            assert key in rec, f"step {step} lacks {key}"
+        assert not rec.get("nonfinite") and all(math.isfinite(v) for v in rec.values() if isinstance(v, float))
+        # the engine sampled with the learner's weights: its logprobs match the learner's recompute
+        assert abs(rec["mismatch/k1"]) < 1e-4, (step, rec["mismatch/k1"])
+    diffs = [r["sync/probe_max_abs_diff"] for r in records if "sync/probe_max_abs_diff" in r]
+    assert len(diffs) >= len(steps) + 1 and max(diffs) < TOL, diffs
+    return records
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("model") / "tiny"
+
+
+def _print(label: str, records: list[dict]) -> None:
+    diffs = [r["sync/probe_max_abs_diff"] for r in records if "sync/probe_max_abs_diff" in r]
+    rate = [r["sync/bytes_per_s"] for r in records if r["phase"] == "rl"]
+    print(f"{label}: probe |engine - learner| max {max(diffs):.2e} over {len(diffs)} syncs; "
+          f"sync {min(rate) / 1e6:.1f}-{max(rate) / 1e6:.1f} MB/s")
+
+
+def test_one_learner_and_one_rollout_rank(tmp_path, model_dir):
+    import torch
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = _check_run(run_dir, [1, 2, 3])
+    assert "eval/accuracy" in records[-1] and any(r["phase"] == "sft" for r in records)
+    final = load_file(str(run_dir / "hf_final" / "model.safetensors"))
+    start = load_file(str(model_dir / "model.safetensors"))
+    changed = max((final[k].float() - start[k].float()).abs().max().item() for k in final)
+    assert changed > 1e-3, "training must move the weights the engine is checked against"
+    assert (run_dir / "metrics.png").is_file()
+    _print("1 learner + 1 rollout", records)
+
+
+def test_preempted_run_stops_every_rank_and_resumes(tmp_path, model_dir):
+    run_dir = tmp_path / "preempt"
+    flag = tmp_path / "preempt.flag"
+    flag.write_text("now\n")
+    proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3, env={"MSRL_PREEMPT_FILE": str(flag)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert '"preempted": true' in proc.stdout
+    assert sorted(r["step"] for r in _records(run_dir) if r["phase"] == "rl") == [1]
+    resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stderr
+    _check_run(run_dir, [1, 2, 3])
+
+
+@pytest.mark.parametrize("rollout_ranks,extra", [(1, ["parallel.tp=2", "parallel.sequence_parallel=true"]), (2, [])],
+                         ids=["learner_tp2", "two_rollout_ranks"])
+def test_three_ranks(tmp_path, model_dir, rollout_ranks, extra):
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, model_dir, nproc=3, rollout_ranks=rollout_ranks, steps=2, extra=extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = _check_run(run_dir, [1, 2])
+    assert next(r for r in records if r["phase"] == "rl")["rollout/response_len"] > 0
+    _print(f"3 ranks, {rollout_ranks} rollout", records)
+
+
+def test_a_failing_rollout_rank_fails_the_run_without_hanging(tmp_path, model_dir):
+    """The engine refuses the prompts (prompt + max_tokens > max_model_len): the rollout rank answers with its
+    error, learner rank 0 raises it naming the rank and stops the rollout ranks; the launch exits non-zero."""
+    proc = _launch(tmp_path / "run", model_dir, nproc=2, rollout_ranks=1, steps=2,
+                   extra=["rollout.sampling.max_tokens=60", "trainer.sft.max_steps=0"])
+    assert proc.returncode != 0
+    assert "rollout rank 1 failed: ValueError: prompt 0: needs 1 <= length and length + max_tokens" in proc.stderr
