@@ -15,9 +15,10 @@ final weights are also evaluated with a dense engine (a `msrl train` with 0 step
 are compared on equal terms. Writes OUT/compare.png (reward, held-out accuracy, mismatch, rejection and
 compression curves), OUT/summary.json and OUT/summary.md; per-run logs in OUT/logs/.
 
-    .venv/bin/python experiments/sparse_rl_compare.py --out runs/sparse_rl_compare            (~20 min)
-    .venv/bin/python experiments/sparse_rl_compare.py --out /tmp/x --steps 2 --sft-steps 2 \\
-        --prompts-per-step 4 --eval-prompts 8 --no-dense-eval                                  (smoke)
+    .venv/bin/python experiments/sparse_rl_compare.py --out runs/sparse_rl_compare
+        (100 steps per arm: 31 min measured on the shared 2-core machine at load average ~10)
+    .venv/bin/python experiments/sparse_rl_compare.py --out /tmp/x --steps 2 --sft-steps 0 \\
+        --prompts-per-step 4 --eval-prompts 4 --no-dense-eval          (smoke: random model, ~100 s)
 Extra `--set a.b=v ...` overrides go to every run (e.g. --set rollout.kv.budget=8 rollout.kv.policy=snapkv).
 """
 from __future__ import annotations
