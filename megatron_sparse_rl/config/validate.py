@@ -87,7 +87,7 @@ def _layout_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[
         return [f"a disaggregated run needs at least one learner rank: world size {world_size} - "
                 f"{rollout} rollout ranks (launch.rollout_ranks / launch.rollout_nodes) = {learners}"]
     try:
-        layout = ParallelLayout.from_config(run.parallel, learners, rollout_ranks=rollout)
+        layout = ParallelLayout.from_config(run.parallel, learners, rollout_ranks=rollout, cuda=cuda)
     except ValueError as e:
         where = f"learner ranks = world size {world_size} - {rollout} rollout ranks = {learners}: " if rollout else ""
         return [where + str(e)]

@@ -43,6 +43,14 @@ def test_degrees_must_divide_the_world_size():
         validate(run_of("parallel.ep=2", "launch.nproc_per_node=3"), 3, cuda=False)
 
 
+def test_expert_tp_needs_nccl_judged_for_the_machines_that_run_the_job():
+    # tiny MoE: expert FFN 64, etp 2 divides it; ep 1 x etp 2 over 2 ranks
+    run = run_of("parallel.etp=2", "launch.nproc_per_node=2")
+    with pytest.raises(ConfigError, match=r"parallel\.etp > 1 needs NCCL: gloo cannot do the uneven all-gather"):
+        validate(run, 2, cuda=False)
+    validate(run, 2, cuda=True)  # a CPU login node checking a GPU job: backend auto -> nccl there
+
+
 def test_tp_must_divide_the_heads():
     run = run_of("parallel.tp=4", "parallel.sequence_parallel=true", "launch.nproc_per_node=4")
     with pytest.raises(ConfigError) as e:
