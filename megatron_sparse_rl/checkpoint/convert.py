@@ -163,12 +163,20 @@ def _read_into_shards(holder, spec, ckpt: HFCheckpoint, maps: list, stream) -> d
             progress.add(sum(t.numel() * t.element_size() for t in hf), len(hf))
             yield tm.mcore, to_mcore(tm, hf, spec)
 
-    loaded = load_full_tensors(holder.model, holder.groups, tensors())
-    progress.finish()
-    if held - loaded:
-        raise ValueError(f"{ckpt.dir}: no weights for {len(held - loaded)} parameters, e.g. {sorted(held - loaded)[:3]}")
-    dist.all_gather_object(every, digests)
-    merged = {k: v for part in every for k, v in part.items()}
+    problem = None
+    try:  # an error on one rank is raised on every rank (the others would wait in the gather below forever)
+        loaded = load_full_tensors(holder.model, holder.groups, tensors())
+        progress.finish()
+        if held - loaded:
+            problem = ValueError(f"{ckpt.dir}: no weights for {len(held - loaded)} parameters of the Megatron model, "
+                                 f"e.g. {sorted(held - loaded)[:3]}")
+    except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+        problem = e
+    dist.all_gather_object(every, (problem, digests))
+    for err, _ in every:
+        if err is not None:
+            raise err
+    merged = {k: v for _, part in every for k, v in part.items()}
     return {n: merged[n] for tm in maps for n in tm.hf}
 
 
