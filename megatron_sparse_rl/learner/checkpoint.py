@@ -92,7 +92,8 @@ def load_learner(learner, path: str | Path, *, load_optimizer: bool = True, load
     if with_optimizer:
         learner.optimizer.load_state_dict(state["optimizer"])
     learner.step = common["step"]
-    learner.scheduler.load_state_dict(common["scheduler"])
+    if common["step"] > 0:  # resuming a run continues its schedule; a step-0 (e.g. converted) checkpoint
+        learner.scheduler.load_state_dict(common["scheduler"])  # leaves this learner's configured one
     rng_file = path / f"rng_rank{dist.get_rank():05d}.pt"
     if load_rng and rng_file.is_file() and common.get("world_size") == dist.get_world_size():
         _set_rng_state(torch.load(rng_file, weights_only=False))
