@@ -7,8 +7,10 @@ learner ranks, real vLLM engines on the rollout ranks, tiny MoE on CPU, gloo).
   the HF export differs from the initial model, so the engine matched weights that really changed.
 - the preemption path: the run checkpoints after its first step and exits 0 on every rank (the rollout
   rank is stopped, not left waiting); the resumed run finishes the remaining steps.
-- 3 ranks: learner TP2 (ranks 0-1) + 1 rollout rank, and 1 learner + 2 rollout ranks (prompts split across
-  two engines and joined back).
+- the same config colocated in one process gives the same metrics (same weights, prompts and seeds).
+- 3 ranks: learner TP2 (ranks 0-1) + 1 rollout rank; learner DP2 (rank 0 samples both shares and hands
+  rank 1 its own) + 1 rollout rank; 1 learner + 2 rollout ranks (prompts split across two engines and
+  joined back).
 
     .venv/bin/python -m pytest -q -m e2e tests/e2e/test_trainer_disaggregated.py
 """
@@ -25,17 +27,22 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-4  # trainer.verify_sync_tol for these runs: the run itself fails above it
+TIMING = ("time/", "tokens_per_s", "bytes_per_s", "sync/probe")
 KEYS = ("rollout/reward", "rollout/accuracy", "rollout/response_len", "mismatch/k1", "loss/value", "train/grad_norm",
         "time/rollout_s", "time/train_s", "time/sync_s", "sync/bytes_per_s", "sync/probe_max_abs_diff")
 
 
-def _launch(run_dir: Path, model_dir: Path, *, nproc: int, rollout_ranks: int, steps: int, extra=(), env=None):
-    sets = [f"logging.dir={run_dir}", f"model.path={model_dir}", f"trainer.steps={steps}",
+def _sets(run_dir: Path, model_dir: Path, *, rollout_ranks: int, steps: int, extra=()) -> list[str]:
+    return [f"logging.dir={run_dir}", f"model.path={model_dir}", f"trainer.steps={steps}",
             f"launch.rollout_ranks={rollout_ranks}", "trainer.prompts_per_step=4", "trainer.eval_prompts=8",
             "trainer.eval_every=2", "trainer.sft.max_steps=2", "trainer.sft.eval_every=2", "trainer.sft.batch_size=8",
             "rollout.sampling.n=4", "rollout.sampling.max_tokens=6", "rollout.max_model_len=64",
             "checkpoint.save_every=0", "logging.tensorboard=false", "learner.optimizer.lr=1e-3",
             "trainer.verify_sync_every=1", f"trainer.verify_sync_tol={TOL}", *extra]
+
+
+def _launch(run_dir: Path, model_dir: Path, *, nproc: int, rollout_ranks: int, steps: int, extra=(), env=None):
+    sets = _sets(run_dir, model_dir, rollout_ranks=rollout_ranks, steps=steps, extra=extra)
     cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
            "--nproc", str(nproc), "--set", *sets]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -73,13 +80,18 @@ def _print(label: str, records: list[dict]) -> None:
           f"sync {min(rate) / 1e6:.1f}-{max(rate) / 1e6:.1f} MB/s")
 
 
-def test_one_learner_and_one_rollout_rank(tmp_path, model_dir):
-    import torch
-    from safetensors.torch import load_file
-
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def one_plus_one(tmp_path_factory, model_dir):
+    run_dir = tmp_path_factory.mktemp("one_plus_one")
     proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return run_dir
+
+
+def test_one_learner_and_one_rollout_rank(one_plus_one, model_dir):
+    from safetensors.torch import load_file
+
+    run_dir = one_plus_one
     records = _check_run(run_dir, [1, 2, 3])
     assert "eval/accuracy" in records[-1] and any(r["phase"] == "sft" for r in records)
     final = load_file(str(run_dir / "hf_final" / "model.safetensors"))
@@ -88,6 +100,33 @@ def test_one_learner_and_one_rollout_rank(tmp_path, model_dir):
     assert changed > 1e-3, "training must move the weights the engine is checked against"
     assert (run_dir / "metrics.png").is_file()
     _print("1 learner + 1 rollout", records)
+
+
+def _assert_same_metrics(got_dir: Path, want_dir: Path) -> int:
+    """Every non-timing metric of every record equal; returns how many values were compared."""
+    want = {(r["phase"], r["step"]): r for r in _records(want_dir)}
+    got = {(r["phase"], r["step"]): r for r in _records(got_dir)}
+    assert sorted(got) == sorted(want)
+    compared = 0
+    for key, rec in want.items():
+        for name, value in rec.items():
+            if isinstance(value, float) and not any(t in name for t in TIMING):
+                assert got[key][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, name)
+                compared += 1
+    assert compared > 50
+    return compared
+
+
+def test_same_run_as_colocated(one_plus_one, model_dir, tmp_path):
+    """The reference: the same config colocated in one process (its engine in-process). Same weights, same
+    prompts, same seeds: every non-timing metric of every step equals the disaggregated run's."""
+    run_dir = tmp_path / "colocated"
+    cmd = [sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
+           *_sets(run_dir, model_dir, rollout_ranks=0, steps=3)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    compared = _assert_same_metrics(one_plus_one, run_dir)
+    print(f"disaggregated 1+1 vs colocated: {compared} metric values equal")
 
 
 def test_preempted_run_stops_every_rank_and_resumes(tmp_path, model_dir):
@@ -104,15 +143,20 @@ def test_preempted_run_stops_every_rank_and_resumes(tmp_path, model_dir):
     _check_run(run_dir, [1, 2, 3])
 
 
-@pytest.mark.parametrize("rollout_ranks,extra", [(1, ["parallel.tp=2", "parallel.sequence_parallel=true"]), (2, [])],
-                         ids=["learner_tp2", "two_rollout_ranks"])
+@pytest.mark.parametrize("rollout_ranks,extra", [(1, ["parallel.tp=2", "parallel.sequence_parallel=true"]), (1, []),
+                                                  (2, [])], ids=["learner_tp2", "learner_dp2", "two_rollout_ranks"])
 def test_three_ranks(tmp_path, model_dir, rollout_ranks, extra):
     run_dir = tmp_path / "run"
     proc = _launch(run_dir, model_dir, nproc=3, rollout_ranks=rollout_ranks, steps=2, extra=extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = _check_run(run_dir, [1, 2])
     assert next(r for r in records if r["phase"] == "rl")["rollout/response_len"] > 0
-    _print(f"3 ranks, {rollout_ranks} rollout", records)
+    _print(f"3 ranks, {rollout_ranks} rollout" + (f", {' '.join(extra)}" if extra else ""), records)
+    if rollout_ranks == 1 and not extra:  # learner DP2: the same run colocated on 2 ranks is the reference
+        colocated = tmp_path / "colocated"
+        proc = _launch(colocated, model_dir, nproc=2, rollout_ranks=0, steps=2)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        print(f"disaggregated DP2+1 vs colocated DP2: {_assert_same_metrics(run_dir, colocated)} metric values equal")
 
 
 def test_a_failing_rollout_rank_fails_the_run_without_hanging(tmp_path, model_dir):
