@@ -75,6 +75,9 @@ def _srun(launch: LaunchConfig, workdir: str) -> str:
 def _layout_comment(launch: LaunchConfig) -> str:
     n, p, r = launch.nodes, launch.nproc_per_node, launch.rollout_nodes
     learn = launch.learner_nodes
+    if launch.rollout_ranks:  # one node: the last ranks serve engines
+        learners = launch.learner_world_size
+        return (f"# layout: 1 node x {p} ranks; learner ranks 0-{learners - 1}, rollout ranks {learners}-{p - 1} (disaggregated)")
     if not r:
         return f"# layout: {n} node(s) x {p} rank(s) = {n * p} ranks, colocated (every rank a learner with an engine)"
     return (f"# layout: {n} nodes x {p} ranks = {n * p} ranks; learner nodes 0-{learn - 1} (ranks 0-{learn * p - 1}), "

@@ -93,6 +93,8 @@ def test_layout_comment_names_learner_and_rollout_ranks(tmp_path):
     script = _render(tmp_path, launch={"nodes": 3, "nproc_per_node": 4, "rollout_nodes": 1,
                                        "slurm": {"partition": "p"}})
     assert "learner nodes 0-1 (ranks 0-7), rollout nodes 2-2 (ranks 8-11)" in script
+    one_node = _render(tmp_path, launch={"nproc_per_node": 4, "rollout_ranks": 1, "slurm": {"partition": "p"}})
+    assert "# layout: 1 node x 4 ranks; learner ranks 0-2, rollout ranks 3-3 (disaggregated)" in one_node
 
 
 @pytest.mark.parametrize("launch,parallel,message", [
