@@ -1,7 +1,7 @@
 """`msrl bench KIND [...]`: benchmarks that print ratios (DESIGN.md, "Performance").
 
     msrl bench kv [--budget 128 --max-tokens 1024 ...]     sparse vs dense KV blocks, admitted sequences, tokens/s
-    msrl bench sync [--hidden 256 --bucket-mb 64 ...]      weight sync bytes/s over plain copy bytes/s
+    msrl bench sync [--mode both --bucket-mb 64 ...]       weight sync bytes/s over plain copy bytes/s (~100M params)
 
 Each kind is a module `benchmarks/<kind>.py` exposing `add_arguments(parser)` and `run(args) -> int`;
 add one by writing that module and a line in KINDS. Only the chosen kind's module is imported.
