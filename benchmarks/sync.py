@@ -7,7 +7,7 @@
 
 The default model is a random Qwen3-MoE of about 99M parameters (~397 MB fp32), built locally in a temporary
 directory; the exact parameter count and bytes are printed. Real Megatron learner, real vLLM engine, on CPU,
-gloo, TP1, every rank with one thread (benchmarks/_ranks.py).
+gloo, TP1, every rank with one thread (megatron_sparse_rl/parallel/spawn.py).
 
 - colocated: one rank holds learner and engine; `sync_to_engine` (HF-name export, bucket packing, BLAKE2b
   checksums and verification, vLLM's in-place reload with the CPU MoE repack).
@@ -233,7 +233,7 @@ def _dlogprob(diffs: tuple[float, float]) -> str:
 
 
 def run_colocated(model_dir, args) -> str:
-    from benchmarks._ranks import run_ranks
+    from megatron_sparse_rl.parallel.spawn import run_ranks
 
     (out,) = run_ranks(colocated_worker, 1, args=(str(model_dir), args.bucket_mb, args.repeats), timeout=args.timeout)
     sec, nbytes = min(out["seconds"]), out["stats"].bytes
@@ -243,7 +243,7 @@ def run_colocated(model_dir, args) -> str:
 
 
 def run_disaggregated(model_dir, args) -> str:
-    from benchmarks._ranks import run_ranks
+    from megatron_sparse_rl.parallel.spawn import run_ranks
 
     sent, got = run_ranks(disaggregated_worker, 2, args=(str(model_dir), args.bucket_mb, args.repeats),
                           timeout=args.timeout)
