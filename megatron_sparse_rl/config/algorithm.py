@@ -272,4 +272,5 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     """KL-to-reference penalty."""
     keep_sampling_mask: bool = False
-    """Renormalise pi_theta and pi_old over the token ids that survived top-p/top-k at sampling."""
+    """Renormalise pi_theta and pi_old over the token ids that survived top-p/top-k at sampling (the
+    support rollout.record_sampling_mask records), so they share mu's support."""

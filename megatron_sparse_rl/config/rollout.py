@@ -133,12 +133,13 @@ class RolloutConfig:
     enforce_eager: bool = True
     """No torch.compile / CUDA graphs (required on CPU; faster start-up for tests)."""
     record_sampling_mask: bool = False
-    """Record the token ids kept by top-p/top-k per step (keep-sampling-mask correction); not implemented
-    yet: true raises at engine start."""
+    """Record, at every sampled token, the ids the sampler could draw (what top-k/top-p kept) in
+    RolloutBatch.sampling_mask, for algorithm.keep_sampling_mask. Needs logprobs_mode = processed."""
     logprobs_mode: LogprobsMode = "processed"
     """What `rollout_logprobs` measure. processed: the logprob under the distribution actually sampled
     from (temperature, top-k/top-p applied and renormalised; the behaviour policy of the off-policy
-    corrections). raw: log_softmax of the unmodified logits (temperature 1, no truncation)."""
+    corrections). raw: log_softmax of the unmodified logits (temperature 1, no truncation). The trainer's
+    learner scores at the sampling temperature, so only processed logprobs are mu when it is not 1."""
     tensor_parallel_size: int = 1
     """GPU only: tensor-parallel degree of one engine (external_launcher joins the torchrun world). Must be
     1 on CPU."""
@@ -156,6 +157,9 @@ class RolloutConfig:
                  self.gpu_memory_utilization)
         _require(self.logprobs_mode in get_args(LogprobsMode), "rollout.logprobs_mode",
                  f"must be one of {list(get_args(LogprobsMode))}", self.logprobs_mode)
+        if self.record_sampling_mask and self.logprobs_mode != "processed":
+            raise ValueError("rollout.record_sampling_mask = true needs rollout.logprobs_mode = processed (the kept "
+                             f"ids are read from the processed logprobs; got {self.logprobs_mode!r})")
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1",
                  self.tensor_parallel_size)
         _require(self.seed >= 0, "rollout.seed", "must be >= 0", self.seed)

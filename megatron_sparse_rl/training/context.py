@@ -138,12 +138,15 @@ def _learners(run: RunConfig, adapter, spec, layout, groups, model_dir: Path, to
     from megatron_sparse_rl.learner.learner import Learner
 
     use_routing = spec.is_moe and run.routing.replay
+    # The policy being optimised is the one that samples: logits / sampling temperature (1 for greedy).
+    temperature = run.rollout.sampling.temperature or 1.0
     learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=total_steps,
-                      routing_replay=use_routing)
+                      temperature=temperature, routing_replay=use_routing)
     learner.load_hf(model_dir)
     reference = None
     if run.algorithm.kl.coef > 0:  # KL to the initial policy needs its logprobs: a frozen copy of the model
-        reference = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=1)
+        reference = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=1,
+                            temperature=temperature)
         reference.load_hf(model_dir)
     routing = None
     if use_routing:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
+from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
 from megatron_sparse_rl.weight_sync import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         routed_experts=None if all(p.routed_experts is None for p in parts)
         else _concat_routes([p.routed_experts for p in parts]),
         kv_keep=None if all(k is None for k in kv) else sum((tuple(k) for k in kv), ()),
+        sampling_mask=None if all(p.sampling_mask is None for p in parts)
+        else SamplingSupport.concat([p.sampling_mask for p in parts]),
     )
 
 
@@ -255,9 +258,8 @@ def verify_engines(learner, remote: RemoteEngine, tokens: torch.Tensor, tol: flo
 
     Every learner rank calls it (the learner forward is collective); rank `SRC` asks the engines and
     compares, the others return None. Raises WeightSyncError naming the rollout rank above `tol`."""
-    if getattr(learner, "temperature", 1.0) != 1.0:
-        raise ValueError(f"verify_engines needs a learner at temperature 1 (got {learner.temperature})")
-    ours = learner.forward_logprobs(tokens)["logprobs"].float()
+    with learner.scoring_temperature(1.0):  # the engine's prompt logprobs are of the raw logits
+        ours = learner.forward_logprobs(tokens)["logprobs"].float()
     if not remote.driver:
         return None
     worst = 0.0

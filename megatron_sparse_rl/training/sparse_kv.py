@@ -17,13 +17,16 @@ import torch
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 
 
-def sparse_logprobs(learner, batch: RolloutBatch, tokens: torch.Tensor) -> torch.Tensor | None:
+def sparse_logprobs(learner, batch: RolloutBatch, tokens: torch.Tensor, keep=None) -> torch.Tensor | None:
     """pi_sparse [B, T-1]: the learner's logprobs under what the engine's sparse cache kept (None when no
-    sample was compacted). Needs the full records (`rollout.kv.record_keep`)."""
+    sample was compacted), renormalised over `keep` (the sampling support) when given, like pi_old. Needs
+    the full records (`rollout.kv.record_keep`)."""
     from megatron_sparse_rl.kv.record import batch_attention_mask
 
     allowed = batch_attention_mask(batch.kv_keep, tokens.shape[1] - 1)
-    return None if allowed is None else learner.forward_logprobs(tokens, attention_mask=allowed)["logprobs"]
+    if allowed is None:
+        return None
+    return learner.forward_logprobs(tokens, attention_mask=allowed, keep=keep)["logprobs"]
 
 
 def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

@@ -91,7 +91,7 @@ def train_step(ctx: RunContext, batch) -> dict[str, float]:
         from megatron_sparse_rl.training.sparse_kv import kv_metrics, sparse_logprobs
 
         kv = ctx.run.rollout.kv
-        sparse = sparse_logprobs(ctx.learner, batch, prep.tokens) if kv.record_keep else None
+        sparse = sparse_logprobs(ctx.learner, batch, prep.tokens, keep=prep.keep) if kv.record_keep else None
         metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.response_mask, kv.budget,
                                   sparse=sparse))
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
@@ -162,5 +162,6 @@ def sft_step(ctx: RunContext) -> dict[str, float]:
         mask[i, :len(r.loss_mask)] = torch.tensor(r.loss_mask, dtype=torch.float32)
     mask = mask[:, 1:]  # learner column t scores token t + 1
     n_global = _global_sum(ctx, [float(mask.sum())])[0]
-    out = ctx.learner.train_step(tokens, make_sft_loss(mask, n_global), lr=cfg.lr)
+    with ctx.learner.scoring_temperature(1.0):  # supervised: the model itself, not the sampling temperature
+        out = ctx.learner.train_step(tokens, make_sft_loss(mask, n_global), lr=cfg.lr)
     return {"sft/loss": _global_sum(ctx, [out["loss"]])[0]}

@@ -40,6 +40,8 @@ class PreparedBatch:
     """[B, T-1] logprobs of the reference (initial) model, for the KL term."""
     response_mask: torch.Tensor | None = None
     """bool [B, T-1]: every response token, before corrections."""
+    keep: Any = None
+    """rollout.sampling_mask.SamplingSupport the learner renormalises over (algorithm.keep_sampling_mask)."""
 
 
 def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,23 +58,44 @@ def _scalar_metrics(metrics: dict[str, torch.Tensor], prefix: str = "") -> dict[
     return {prefix + k: float(v) for k, v in metrics.items()}
 
 
+def sampling_keep(batch: RolloutBatch, cfg: AlgorithmConfig):
+    """The sampling support the learner renormalises over, or None when algorithm.keep_sampling_mask is off."""
+    if not cfg.keep_sampling_mask:
+        return None
+    if batch.sampling_mask is None:
+        raise ValueError("algorithm.keep_sampling_mask = true but the rollout batch carries no sampling mask "
+                         "(set rollout.record_sampling_mask = true)")
+    return batch.sampling_mask
+
+
+def _support_metrics(keep) -> dict[str, float]:
+    counts = torch.cat([c.float() for c in keep.counts]) if len(keep) else torch.zeros(0)
+    truncated = counts[counts > 0]
+    return {"sampling_mask/truncated_frac": float(len(truncated)) / max(len(counts), 1),
+            "sampling_mask/kept_ids_mean": float(truncated.mean()) if len(truncated) else 0.0}
+
+
 def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, dp_group,
             routing=None, reference=None) -> PreparedBatch:
     """Old logprobs (dense recompute), advantages and corrections for this rank's rollout batch. With
-    `routing` (LearnerRouting) the old forward records (R2) or replays the engine's (R3) routes."""
+    `routing` (LearnerRouting) the old forward records (R2) or replays the engine's (R3) routes; with
+    algorithm.keep_sampling_mask, pi_old (and later pi_theta) is renormalised over the sampler's support."""
     if batch.reward is None:
         raise ValueError("the rollout batch has no rewards; score it before the update")
     tokens, mask, rollout_lp = align_rollout(batch, pad_id)
     lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
+    keep = sampling_keep(batch, cfg)
     phase = routing.old_forward(tokens, lengths, batch.routed_experts) if routing else contextlib.nullcontext()
     with phase as old:
-        old_lp = learner.forward_logprobs(tokens)["logprobs"]
+        old_lp = learner.forward_logprobs(tokens, keep=keep)["logprobs"]
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
     corr = apply_corrections(cfg.corrections, old_lp, rollout_lp, mask, advantages=advantages, group=dp_group)
     metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask))
     metrics.update(_scalar_metrics(corr.metrics))
     if old:
         metrics.update(_scalar_metrics(old.metrics))
+    if keep is not None:
+        metrics.update(_support_metrics(keep))
     ref_lp = None
     if cfg.kl.coef > 0:
         if reference is None:
@@ -80,7 +103,7 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
         ref_lp = reference.forward_logprobs(tokens)["logprobs"]
     return PreparedBatch(tokens, mask & corr.keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
-                         response_mask=mask)
+                         response_mask=mask, keep=keep)
 
 
 def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group,
@@ -96,8 +119,9 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
         loss_fn = _loss_fn(prep, chunk, cfg, norm)
         routes = prep.routes.select(chunk) if prep.routes is not None else None
         phase = routing.update(prep.tokens[chunk], prep.lengths[chunk], routes) if routing else contextlib.nullcontext()
+        keep = prep.keep.select(chunk) if prep.keep is not None else None
         with phase as up:
-            out = learner.train_step(prep.tokens[chunk], loss_fn)
+            out = learner.train_step(prep.tokens[chunk], loss_fn, keep=keep)
         if up:
             routing_out.update({k: float(v) for k, v in up.metrics.items()})
         for k, v in out.items():

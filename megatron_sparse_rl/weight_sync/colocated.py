@@ -103,13 +103,12 @@ def verify_logprobs(learner, engine, tokens, tol: float) -> float | None:
     """Max |engine prompt logprob - learner logprob| on the probe `tokens` ([B, S] or [S], no padding).
 
     Every learner rank calls it (the learner forward is collective); ranks with `engine` None return None.
-    Raises WeightSyncError when the difference exceeds `tol`. The learner must score at temperature 1
-    (the engine's prompt logprobs are of the raw logits).
+    Raises WeightSyncError when the difference exceeds `tol`. The learner scores at temperature 1 here,
+    whatever its training temperature (the engine's prompt logprobs are of the raw logits).
     """
-    if getattr(learner, "temperature", 1.0) != 1.0:
-        raise ValueError(f"verify_logprobs needs a learner at temperature 1 (got {learner.temperature})")
     rows = _probe_rows(tokens)
-    ours = learner.forward_logprobs(rows)["logprobs"]
+    with learner.scoring_temperature(1.0):
+        ours = learner.forward_logprobs(rows)["logprobs"]
     if engine is None:
         return None
     theirs = torch.stack(engine.prompt_logprobs(rows.tolist()))

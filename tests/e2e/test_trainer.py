@@ -167,3 +167,21 @@ def test_sparse_rl_run_attributes_the_mismatch_to_compression(tmp_path):
         assert abs(rec["kv/k1_sparse_numerics"]) < 1e-4  # engine == learner once both drop the same KV
         assert rec["kv/k1_sparse_compression"] == pytest.approx(rec["kv/k1_after_compression"], abs=1e-4)
         assert "sparse_rl/rejected_seq_frac" in rec and not rec.get("nonfinite")
+
+
+def test_keep_sampling_mask_run_trains_on_the_samplers_distribution(tmp_path, model_dir):
+    """Sampling at temperature 0.8 with top-k/top-p, the support recorded and the learner renormalised over it:
+    pi_old is the sampler's distribution up to numerics (k1 ~ 0), which needs both the learner scoring at the
+    sampling temperature and the record applied."""
+    run_dir = tmp_path / "ksm"
+    extra = ["rollout.sampling.temperature=0.8", "rollout.sampling.top_p=0.8", "rollout.sampling.top_k=20",
+             "rollout.record_sampling_mask=true", "algorithm.keep_sampling_mask=true", "trainer.sft.max_steps=0"]
+    proc = subprocess.run(_args(run_dir, model_dir, 2, extra), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rl = _rl(_records(run_dir))
+    assert sorted(rl) == [1, 2]
+    for rec in rl.values():
+        assert rec["sampling_mask/truncated_frac"] == 1.0  # top-k 20 < vocab truncates every token
+        assert 1 <= rec["sampling_mask/kept_ids_mean"] <= 20
+        assert abs(rec["mismatch/k1"]) < 1e-4, rec["mismatch/k1"]
+        assert math.isfinite(rec["loss/value"])

@@ -1,0 +1,220 @@
+"""Keep-sampling-mask record (DeepSeek-V3.2, arXiv 2512.02556): for every sampled token, the token ids the
+sampler could have drawn (what survived top-k / top-p and any -inf logit processor), so the learner can
+renormalise pi_theta and pi_old over the same support as the sampler's mu.
+
+`SamplingSupport` is the record one RolloutBatch carries (`batch.sampling_mask`); `SamplingMaskCapture`
+records it inside a RolloutEngine's in-process vLLM worker: a forward pre-hook on the model notes, per
+engine step, which request owns which rows and at which position each row's next token will be sampled,
+and a wrapper around the runner's `Sampler.sample` reads the support of every row from vLLM's processed
+logprobs (finite = kept; rollout.logprobs_mode must be "processed"). After `generate`, each response token
+gets the support recorded at its position, checked against the token the engine returned; a gap or a
+mismatch raises naming the sequence and position.
+
+    capture = SamplingMaskCapture.attach(engine)   # RolloutEngine does this when rollout.record_sampling_mask
+    batch = engine.generate(prompts, sampling)     # batch.sampling_mask: SamplingSupport
+    learner.forward_logprobs(tokens, keep=batch.sampling_mask)
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from megatron_sparse_rl.rollout.routes import _INTERNAL_ID
+
+
+class SamplingMaskError(RuntimeError):
+    """The sampling-support record is missing or disagrees with the sampled tokens."""
+
+
+@dataclass(frozen=True)
+class SamplingSupport:
+    """Per row of a RolloutBatch, the sampler's support at every response token.
+
+    prompt_lens: int64 [B]; response token j of row i is scored at learner column prompt_lens[i] - 1 + j.
+    counts:      per row int32 [R_i]: kept ids at response token j; 0 = no truncation (the full vocabulary).
+    ids:         per row int32 [sum(counts)]: the kept ids, token after token, ascending within a token.
+    """
+
+    prompt_lens: torch.Tensor
+    counts: tuple[torch.Tensor, ...]
+    ids: tuple[torch.Tensor, ...]
+
+    def __post_init__(self):
+        if not (len(self.prompt_lens) == len(self.counts) == len(self.ids)):
+            raise ValueError(f"SamplingSupport rows disagree: prompt_lens {len(self.prompt_lens)}, counts "
+                             f"{len(self.counts)}, ids {len(self.ids)}")
+        for i, (c, ids) in enumerate(zip(self.counts, self.ids)):
+            if int(c.sum()) != len(ids):
+                raise ValueError(f"SamplingSupport row {i}: counts sum to {int(c.sum())} but {len(ids)} ids are stored")
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() + i.numel() * i.element_size() for c, i in zip(self.counts, self.ids))
+
+    @staticmethod
+    def concat(parts: list["SamplingSupport"]) -> "SamplingSupport":
+        """The rows of `parts` in order."""
+        return SamplingSupport(prompt_lens=torch.cat([p.prompt_lens for p in parts]),
+                               counts=sum((p.counts for p in parts), ()), ids=sum((p.ids for p in parts), ()))
+
+    def select(self, index) -> "SamplingSupport":
+        idx = torch.as_tensor(index, dtype=torch.long).tolist()
+        return SamplingSupport(prompt_lens=self.prompt_lens[idx], counts=tuple(self.counts[i] for i in idx),
+                               ids=tuple(self.ids[i] for i in idx))
+
+    def local_mask(self, rows, length: int, vocab_start: int, vocab_end: int) -> torch.Tensor:
+        """bool [len(rows), length, vocab_end - vocab_start]: True where the learner may put probability mass at
+        each column of rows `rows` (a learner micro-batch), for the vocabulary slice [vocab_start, vocab_end) a
+        tensor-parallel rank holds. Columns without a record (prompt, padding, untruncated tokens) allow all."""
+        rows = torch.as_tensor(rows, dtype=torch.long).tolist()
+        mask = torch.ones(len(rows), length, vocab_end - vocab_start, dtype=torch.bool)
+        for k, r in enumerate(rows):
+            counts, ids = self.counts[r], self.ids[r].long()
+            truncated = torch.nonzero(counts > 0).squeeze(1)
+            if len(truncated) == 0:
+                continue
+            first = int(self.prompt_lens[r]) - 1
+            if first + len(counts) > length:
+                raise ValueError(f"sampling support row {r}: {len(counts)} response tokens after a {first + 1}-token "
+                                 f"prompt do not fit {length} learner columns")
+            mask[k, first + truncated] = False
+            token = torch.repeat_interleave(torch.arange(len(counts)), counts.long())
+            here = (ids >= vocab_start) & (ids < vocab_end)
+            mask[k, first + token[here], ids[here] - vocab_start] = True
+        return mask
+
+
+class SamplingMaskCapture:
+    """Sampling-support capture bound to one RolloutEngine's in-process worker (see module docstring)."""
+
+    def __init__(self):
+        self.active = False
+        self._runner = None
+        self._sampler = None
+        self._handle = None
+        self._step = None
+        # internal request id -> position -> (sampled token id, int32 kept ids or None for the full vocabulary)
+        self._seen: dict[str, dict[int, tuple[int, torch.Tensor | None]]] = defaultdict(dict)
+
+    @classmethod
+    def attach(cls, engine) -> "SamplingMaskCapture":
+        capture = cls()
+        engine.apply_worker(capture._install)
+        engine.sampling_capture = capture
+        capture._engine = engine
+        return capture
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._sampler is not None:
+            self._sampler.__dict__.pop("sample", None)
+            self._sampler = None
+        if getattr(self._engine, "sampling_capture", None) is self:
+            self._engine.sampling_capture = None
+
+    # ---- worker side (runs in the engine's process) -------------------------------------------------
+    def _install(self, worker) -> None:
+        runner = worker.model_runner
+        sampler = getattr(runner, "sampler", None)
+        if sampler is None or not hasattr(sampler, "sample"):
+            raise SamplingMaskError("sampling-mask capture: the engine's model runner has no vLLM Sampler")
+        if sampler.logprobs_mode != "processed_logprobs":
+            raise SamplingMaskError(f"sampling-mask capture needs processed logprobs (rollout.logprobs_mode="
+                                    f"processed); the engine's sampler uses {sampler.logprobs_mode!r}")
+        self._runner, self._sampler = runner, sampler
+        original = sampler.sample
+
+        def sample(logits, sampling_metadata, *args, **kwargs):
+            sampled, processed = original(logits, sampling_metadata, *args, **kwargs)
+            if self.active:
+                self._on_sample(sampled, processed)
+            return sampled, processed
+
+        sampler.sample = sample
+        self._handle = runner.get_model().register_forward_pre_hook(self._on_forward, with_kwargs=True)
+
+    def _on_forward(self, module, args, kwargs) -> None:
+        if not self.active:
+            return
+        runner = self._runner
+        num_reqs = runner.input_batch.num_reqs
+        ends = runner.query_start_loc.cpu[1:num_reqs + 1].tolist()
+        positions = kwargs["positions"]
+        # each request's next token is sampled at (its last scheduled position) + 1
+        self._step = dict(req_ids=list(runner.input_batch.req_ids[:num_reqs]),
+                          next_pos=[int(p) + 1 for p in positions[torch.tensor(ends) - 1].cpu()])
+
+    def _on_sample(self, sampled: torch.Tensor, processed: torch.Tensor | None) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            raise SamplingMaskError("sampling-mask capture: the sampler ran without a model forward before it")
+        if processed is None:
+            raise SamplingMaskError("sampling-mask capture: vLLM returned no processed logprobs for a sampling step")
+        finite = torch.isfinite(processed[:len(step["req_ids"])]).cpu()
+        tokens = sampled.reshape(-1).cpu().tolist()
+        full = finite.shape[1]
+        counts = finite.sum(dim=1).tolist()
+        for r, (req, pos) in enumerate(zip(step["req_ids"], step["next_pos"])):
+            kept = None if counts[r] == full else torch.nonzero(finite[r]).squeeze(1).to(torch.int32)
+            self._seen[req][pos] = (int(tokens[r]), kept)
+
+    # ---- driver side -------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start capturing (RolloutEngine.generate calls this)."""
+        self._seen.clear()
+        self._step = None
+        self.active = True
+
+    def collect(self, outputs, prompts: list[list[int]]) -> SamplingSupport:
+        """Stop capturing; the support at every response token of vLLM's `outputs`, in RolloutBatch order."""
+        self.active = False
+        by_key = {}
+        for req in self._seen:
+            m = _INTERNAL_ID.match(req)
+            if m is None:
+                raise SamplingMaskError(f"sampling-mask capture: cannot parse vLLM request id {req!r}")
+            by_key[(m.group(2), int(m.group(1) or 0))] = req
+        prompt_lens, counts, ids = [], [], []
+        for out, prompt in zip(outputs, prompts):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                row = len(counts)
+                req = by_key.get((out.request_id, c.index))
+                if req is None and len(c.token_ids):
+                    raise SamplingMaskError(f"sequence {row}: no sampling support captured (request "
+                                            f"{out.request_id}, sample {c.index})")
+                n, kept = self._sequence_support(row, len(prompt), list(c.token_ids), self._seen.get(req, {}))
+                prompt_lens.append(len(prompt))
+                counts.append(n)
+                ids.append(kept)
+        self._seen.clear()
+        return SamplingSupport(prompt_lens=torch.tensor(prompt_lens, dtype=torch.long), counts=tuple(counts),
+                               ids=tuple(ids))
+
+    @staticmethod
+    def _sequence_support(row: int, prompt_len: int, response: list[int], seen: dict):
+        counts, kept_ids = [], []
+        for j, tok in enumerate(response):
+            pos = prompt_len + j
+            if pos not in seen:
+                raise SamplingMaskError(f"sequence {row}: no sampling support recorded at position {pos}")
+            sampled, kept = seen[pos]
+            if sampled != tok:
+                raise SamplingMaskError(f"sequence {row}: position {pos} was sampled as token {sampled}, the "
+                                        f"response has {tok}")
+            if kept is None:
+                counts.append(0)
+                continue
+            if not bool((kept == tok).any()):
+                raise SamplingMaskError(f"sequence {row}: the token {tok} sampled at position {pos} is outside its "
+                                        f"recorded support ({len(kept)} ids)")
+            counts.append(len(kept))
+            kept_ids.append(kept)
+        ids = torch.cat(kept_ids) if kept_ids else torch.zeros(0, dtype=torch.int32)
+        return torch.tensor(counts, dtype=torch.int32), ids
