@@ -133,3 +133,18 @@ def test_concat_batches_joins_routes_and_kv_records():
     assert torch.equal(joined.routed_experts.indices, store.indices)
     assert torch.equal(joined.routed_experts.token_hash, store.token_hash)
     assert joined.kv_keep == ("a", "b", "c")
+
+
+def test_concat_batches_joins_sampling_supports():
+    from dataclasses import replace
+
+    from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
+
+    whole = _hand_batch()
+    support = SamplingSupport(prompt_lens=whole.prompt_lens,
+                              counts=tuple(torch.tensor(c, dtype=torch.int32) for c in ([2], [0, 1, 0], [1, 1])),
+                              ids=tuple(torch.tensor(i, dtype=torch.int32) for i in ([3, 11], [13], [15, 16])))
+    whole = replace(whole, sampling_mask=support)
+    joined = concat_batches([whole.select([0]), whole.select([1, 2])], pad_id=0)
+    for r in range(3):
+        assert torch.equal(joined.sampling_mask.local_mask([r], 5, 0, 20), support.local_mask([r], 5, 0, 20))
