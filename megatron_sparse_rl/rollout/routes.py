@@ -28,6 +28,17 @@ from moe.storage import RouteStore, RoutingError
 _INTERNAL_ID = re.compile(r"^(?:(\d+)_)?(.+)-[0-9a-f]{8}$")
 
 
+def requests_by_sample(req_ids, error: type[Exception]) -> dict[tuple[str, int], str]:
+    """{(vLLM output request id, sample index): internal request id} for the internal ids seen in a step."""
+    by_key = {}
+    for req in req_ids:
+        m = _INTERNAL_ID.match(req)
+        if m is None:
+            raise error(f"cannot parse vLLM request id {req!r}")
+        by_key[(m.group(2), int(m.group(1) or 0))] = req
+    return by_key
+
+
 class EngineRouteCapture:
     """Route capture bound to one RolloutEngine's in-process worker (see module docstring)."""
 
@@ -125,12 +136,7 @@ class EngineRouteCapture:
         """Stop capturing; routes of every (prompt, response) row of vLLM's `outputs`, in RolloutBatch order."""
         self._flush()
         self.active = False
-        by_key = {}
-        for req in self._seen:
-            m = _INTERNAL_ID.match(req)
-            if m is None:
-                raise RoutingError(f"route capture: cannot parse vLLM request id {req!r}")
-            by_key[(m.group(2), int(m.group(1) or 0))] = req
+        by_key = requests_by_sample(self._seen, RoutingError)
         routes, tokens = [], []
         for out, prompt in zip(outputs, prompts):
             for c in sorted(out.outputs, key=lambda c: c.index):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sparse_rl.rollout.routes import _INTERNAL_ID
+from megatron_sparse_rl.rollout.routes import requests_by_sample
 
 
 class SamplingMaskError(RuntimeError):
@@ -175,12 +175,7 @@ class SamplingMaskCapture:
     def collect(self, outputs, prompts: list[list[int]]) -> SamplingSupport:
         """Stop capturing; the support at every response token of vLLM's `outputs`, in RolloutBatch order."""
         self.active = False
-        by_key = {}
-        for req in self._seen:
-            m = _INTERNAL_ID.match(req)
-            if m is None:
-                raise SamplingMaskError(f"sampling-mask capture: cannot parse vLLM request id {req!r}")
-            by_key[(m.group(2), int(m.group(1) or 0))] = req
+        by_key = requests_by_sample(self._seen, SamplingMaskError)
         prompt_lens, counts, ids = [], [], []
         for out, prompt in zip(outputs, prompts):
             for c in sorted(out.outputs, key=lambda c: c.index):
