@@ -126,11 +126,11 @@ class Learner:
         logits = logits[:, :length]
         entropy = vocab_parallel_entropy(logits, self.groups.tp)
         targets = self._padded(tokens)[:, 1:length + 1].to(logits.device).contiguous()
+        allowed = None
         if keep is not None:
             start = self.groups.tp_rank * logits.shape[-1]
             allowed = keep.local_mask(index, length, start, start + logits.shape[-1]).to(logits.device)
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        return vocab_parallel_logprobs(logits, targets, self.temperature), entropy
+        return vocab_parallel_logprobs(logits, targets, self.temperature, allowed), entropy
 
     def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool,
                       attention_mask: torch.Tensor | None = None, keep=None):

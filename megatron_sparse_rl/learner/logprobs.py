@@ -29,13 +29,18 @@ def vocab_parallel_entropy(logits: torch.Tensor, tp_group, chunk: int = 4096) ->
     return out.reshape(logits.shape[:-1])
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                            allowed: torch.Tensor | None = None) -> torch.Tensor:
     """log softmax(logits / temperature)[target] over the full (TP-split) vocabulary; [b, s, V/tp] -> [b, s].
+    `allowed`: optional bool [b, s, V/tp] (this rank's vocabulary slice): the softmax is restricted to the True
+    ids (keep-sampling-mask); consumed (negated in place).
 
     Differentiable. Does not modify `logits`.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     scaled = logits.float() / temperature if temperature != 1.0 else logits.float().clone()
+    if allowed is not None:  # in place on the copy: no second logits-sized tensor
+        scaled = scaled.masked_fill_(allowed.logical_not_(), float("-inf"))
     # Megatron's kernel works in place on its input, hence the copy above.
     return -vocab_parallel_cross_entropy(scaled, targets)
