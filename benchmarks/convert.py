@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_sparse_rl.config.checks import positive
+
 
 def raw_copy_seconds(files: list[Path], dst: Path) -> float:
     t = time.perf_counter()
@@ -67,14 +69,21 @@ def run_direction(direction: str, src: Path, dst: Path) -> tuple[float, float, f
     return result
 
 
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--hidden", type=positive(), default=512)
+    ap.add_argument("--layers", type=positive(), default=6)
+    ap.add_argument("--experts", type=positive(), default=8)
+    ap.add_argument("--moe-ffn", type=positive(), default=1024)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--moe-ffn", type=int, default=1024)
-    args = ap.parse_args()
+    add_arguments(ap)
+    raise SystemExit(run(ap.parse_args()))
 
+
+def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
     root = Path(tempfile.mkdtemp(prefix="msrl_bench_convert_"))
@@ -96,6 +105,7 @@ def main() -> None:
                   f"model {gb * 1e3:.0f} MB)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,20 +21,22 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_sparse_rl.config.checks import positive
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model dir (default: a tiny Qwen3-MoE built in a temp dir)")
     parser.add_argument("--policy", default="streamingllm", choices=["rkv", "snapkv", "h2o", "streamingllm"])
-    parser.add_argument("--budget", type=int, default=128)
-    parser.add_argument("--interval", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--prompts", type=int, default=8, help="part 1: sequences")
-    parser.add_argument("--max-tokens", type=int, default=1024, help="part 1: tokens generated per sequence")
-    parser.add_argument("--pool-prompts", type=int, default=16, help="part 2: sequences")
-    parser.add_argument("--pool-max-tokens", type=int, default=512, help="part 2: tokens per sequence")
-    parser.add_argument("--pool-seqs", type=int, default=2,
+    parser.add_argument("--budget", type=positive(), default=128)
+    parser.add_argument("--interval", type=positive(), default=128)
+    parser.add_argument("--block-size", type=positive(), default=32)
+    parser.add_argument("--prompts", type=positive(), default=8, help="part 1: sequences")
+    parser.add_argument("--max-tokens", type=positive(), default=1024, help="part 1: tokens generated per sequence")
+    parser.add_argument("--pool-prompts", type=positive(), default=16, help="part 2: sequences")
+    parser.add_argument("--pool-max-tokens", type=positive(), default=512, help="part 2: tokens per sequence")
+    parser.add_argument("--pool-seqs", type=positive(), default=2,
                         help="part 2: the pool holds this many dense worst-case sequences")
-    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--prompt-len", type=positive(), default=32)
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:

@@ -1,5 +1,6 @@
 """Routing replay overhead and route storage size.
 
+    msrl bench routing [--hidden 128 --layers 4 --experts 64 --topk 8 --seq 256 --batch 8 --pairs 8]
     .venv/bin/python benchmarks/routing.py [--hidden 128 --layers 4 --experts 64 --topk 8 --seq 256 --batch 8 --pairs 8]
 
 One process (single-rank gloo world, TP1), a tiny random Qwen3-MoE, fp32, real Megatron learner on CPU.
@@ -18,6 +19,8 @@ import contextlib
 import os
 import tempfile
 import time
+
+from megatron_sparse_rl.config.checks import positive
 
 
 def _learner(model_dir):
@@ -66,18 +69,30 @@ class _Bookkeeping:
             self.seconds += time.perf_counter() - t
 
 
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--hidden", type=positive(), default=128)
+    ap.add_argument("--layers", type=positive(), default=4)
+    ap.add_argument("--experts", type=positive(), default=64)
+    ap.add_argument("--topk", type=positive(), default=8)
+    ap.add_argument("--seq", type=positive(), default=256)
+    ap.add_argument("--batch", type=positive(), default=8)
+    ap.add_argument("--pairs", type=positive(), default=8)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--pairs", type=int, default=8)
-    a = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
+    add_arguments(ap)
+    raise SystemExit(run(ap.parse_args()))
+
+
+def run(a: argparse.Namespace) -> int:
+    from megatron_sparse_rl.parallel.ports import free_port
+
+    if a.topk > a.experts:
+        raise SystemExit(f"error: --topk must be <= --experts (got {a.topk} > {a.experts})")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
     import torch
     import torch.distributed as dist
 
@@ -130,6 +145,7 @@ def main() -> None:
           f"({a.layers} layers x top-{a.topk}) vs {padded_int64 / n_tok:.1f} bytes/token as padded int64 "
           f"-> {padded_int64 / routes.nbytes:.1f}x smaller")
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":

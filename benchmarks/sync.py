@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_sparse_rl.config.checks import positive
+
 PROBE = [list(range(1, 17))]
 LOGPROB_TOL = 1e-2
 """Engine vs learner on the probe after the syncs. Loose: at ~100M parameters (14 layers, fp32) Megatron and vLLM
@@ -38,28 +40,20 @@ _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
 SRC, ENGINE_RANK = 0, 1  # disaggregated: the learner rank that sends, the rank that owns the engine
 
 
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
-        return value
-    return parse
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["colocated", "disaggregated", "both"], default="both")
-    p.add_argument("--hidden", type=_positive(int), default=512)
-    p.add_argument("--layers", type=_positive(int), default=14)
-    p.add_argument("--experts", type=_positive(int), default=16)
-    p.add_argument("--topk", type=_positive(int), default=2)
-    p.add_argument("--moe-ffn", type=_positive(int), default=256, help="intermediate size of each expert")
-    p.add_argument("--heads", type=_positive(int), default=8)
-    p.add_argument("--kv-heads", type=_positive(int), default=4)
-    p.add_argument("--head-dim", type=_positive(int), default=64, help="one vLLM's CPU attention supports")
-    p.add_argument("--bucket-mb", type=_positive(float), default=64.0)
-    p.add_argument("--repeats", type=_positive(int), default=3)
-    p.add_argument("--timeout", type=_positive(float), default=1800.0, help="seconds per mode before giving up")
+    p.add_argument("--hidden", type=positive(int), default=512)
+    p.add_argument("--layers", type=positive(int), default=14)
+    p.add_argument("--experts", type=positive(int), default=16)
+    p.add_argument("--topk", type=positive(int), default=2)
+    p.add_argument("--moe-ffn", type=positive(int), default=256, help="intermediate size of each expert")
+    p.add_argument("--heads", type=positive(int), default=8)
+    p.add_argument("--kv-heads", type=positive(int), default=4)
+    p.add_argument("--head-dim", type=positive(int), default=64, help="one vLLM's CPU attention supports")
+    p.add_argument("--bucket-mb", type=positive(float), default=64.0)
+    p.add_argument("--repeats", type=positive(int), default=3)
+    p.add_argument("--timeout", type=positive(float), default=1800.0, help="seconds per mode before giving up")
 
 
 def plain_copy_bytes_per_s(tensors, repeats: int) -> float:

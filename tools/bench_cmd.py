@@ -2,6 +2,9 @@
 
     msrl bench kv [--budget 128 --max-tokens 1024 ...]     sparse vs dense KV blocks, admitted sequences, tokens/s
     msrl bench sync [--mode both --bucket-mb 64 ...]       weight sync bytes/s over plain copy bytes/s (~100M params)
+    msrl bench learner [--seq 256 --batch 16 ...]          learner tokens/s; corrections / keep-mask overhead
+    msrl bench routing [--experts 64 --topk 8 ...]         routing replay overhead, route bytes per token
+    msrl bench convert [--hidden 512 --layers 6 ...]       conversion GB/s over raw read+write (~80M params)
 
 Each kind is a module `benchmarks/<kind>.py` exposing `add_arguments(parser)` and `run(args) -> int`;
 add one by writing that module and a line in KINDS. Only the chosen kind's module is imported.
@@ -17,6 +20,9 @@ from pathlib import Path
 KINDS: dict[str, str] = {
     "kv": "sparse vs dense KV: vLLM blocks in use, sequences admitted at a fixed pool, tokens/s",
     "sync": "learner -> engine weight sync bytes/s over a plain tensor copy of the same bytes",
+    "learner": "learner step tokens/s; overhead of the off-policy corrections and of keep-sampling-mask",
+    "routing": "learner step time with routing replay over without; route storage bytes per token",
+    "convert": "HF <-> Megatron conversion GB/s over a raw read+write of the same bytes; peak memory",
 }
 
 
