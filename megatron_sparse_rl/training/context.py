@@ -83,6 +83,17 @@ def ensure_model(run: RunConfig, rank: int) -> Path:
     return path
 
 
+def _warn_truncated_support(run: RunConfig) -> None:
+    """top-k/top-p without keep-sampling-mask: mu is over the truncated support, pi_old over the vocabulary, so
+    the mismatch metrics and corrections also see the truncated mass (legal, but rarely what is meant)."""
+    s, r = run.rollout.sampling, run.rollout
+    if (s.top_p < 1 or s.top_k != -1) and r.logprobs_mode == "processed" and not run.algorithm.keep_sampling_mask:
+        log.warning("rollout.sampling top_p=%s top_k=%s truncates the sampler's distribution but "
+                    "algorithm.keep_sampling_mask is off: pi_old / mu then includes the truncated mass (k1 > 0 on "
+                    "every token); set rollout.record_sampling_mask=true and algorithm.keep_sampling_mask=true to "
+                    "renormalise the learner over the sampler's support", s.top_p, s.top_k)
+
+
 def build_context(run: RunConfig, total_steps: int):
     """This rank's `RunContext`; on a rollout rank of a disaggregated run, its `RolloutRank` instead.
 
@@ -102,6 +113,7 @@ def build_context(run: RunConfig, total_steps: int):
     rank, world = init_world()
     init_logging(rank)
     validate(run, world)
+    _warn_truncated_support(run)
     megatron_cpu.apply()
     run_dir = Path(run.logging.dir)
     if rank == 0:

@@ -81,3 +81,17 @@ def test_config_needs_processed_logprobs_and_the_trainer_needs_the_record():
     assert sampling_keep(batch, AlgorithmConfig()) is None
     with pytest.raises(ValueError, match="carries no sampling mask"):
         sampling_keep(batch, AlgorithmConfig(keep_sampling_mask=True))
+
+
+@pytest.mark.parametrize("sets,warned", [(["rollout.sampling.top_p=0.9"], True), (["rollout.sampling.top_k=20"], True),
+                                         (["rollout.sampling.top_p=0.9", "rollout.record_sampling_mask=true",
+                                           "algorithm.keep_sampling_mask=true"], False),
+                                         (["rollout.sampling.top_p=0.9", "rollout.logprobs_mode=raw"], False),
+                                         ([], False)])
+def test_truncated_sampling_without_the_mask_is_warned_about(caplog, sets, warned):
+    from megatron_sparse_rl.training.context import _warn_truncated_support
+    from tests.unit.test_config_validate import run_of
+
+    with caplog.at_level("WARNING"):
+        _warn_truncated_support(run_of(*sets))
+    assert ("algorithm.keep_sampling_mask is off" in caplog.text) == warned
