@@ -15,6 +15,8 @@ median and range of the per-pair time ratios (a shared CPU's noise shows in the 
 - all corrections on (TIS, MIS, veto, IcePop, OPSM, Sparse-RL; the pure tensor math of DESIGN.md says ~0);
   also the time of `apply_corrections` alone, timed around its call, as a share of the step;
 - keep-sampling-mask on (the support mask built per micro-batch and applied in both forwards);
+- every micro-batch at the batch's full width, rows in order (the learner without length grouping/trimming;
+  the plain step groups rows by length and runs each micro-batch up to its longest row);
 - the plain step's response tokens/s and all tokens/s.
 """
 from __future__ import annotations
@@ -115,6 +117,8 @@ def _configs():
 
 
 def bench_worker(rank, world_size, model_dir, args):
+    import torch
+
     import megatron_sparse_rl.training.update as U
 
     learner = _learner(model_dir, args.mbs)
@@ -133,16 +137,24 @@ def bench_worker(rank, world_size, model_dir, args):
     U.apply_corrections = timed
 
     def step(name: str) -> float:
+        algo = configs.get(name, configs["plain"])
+        if name == "full_width":  # what the learner did before micro-batches were grouped and trimmed
+            learner._width = lambda tokens, lengths, index: tokens.shape[1]
+            learner._micro_batches = lambda tokens, lengths: list(torch.arange(len(tokens)).split(args.mbs))
         start = time.perf_counter()
-        prep = U.prepare(learner, batch, configs[name], pad_id=0, dp_group=None)
-        U.update(learner, prep, configs[name], updates=1, dp_group=None)
+        try:
+            prep = U.prepare(learner, batch, algo, pad_id=0, dp_group=None)
+            U.update(learner, prep, algo, updates=1, dp_group=None)
+        finally:
+            learner.__dict__.pop("_width", None)
+            learner.__dict__.pop("_micro_batches", None)
         return time.perf_counter() - start
 
     step("plain")  # warm-up
-    ratios = {"corrections": [], "keep_mask": [], "corrections_math": []}
+    ratios = {"corrections": [], "keep_mask": [], "full_width": [], "corrections_math": []}
     plain = []
     for i in range(args.pairs):
-        for other in ("corrections", "keep_mask"):
+        for other in ("corrections", "keep_mask", "full_width"):
             correction_s[0] = 0.0
             t = {}
             for name in (("plain", other) if i % 2 == 0 else (other, "plain")):
@@ -175,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"plain learner step (old-logprob forward + advantages + 1 update): median {step * 1e3:.0f} ms; "
           f"{out['response_tokens'] / step:.0f} response tokens/s, {out['all_tokens'] / step:.0f} tokens/s")
     for name, label in (("corrections", "all corrections on (TIS, MIS, veto, IcePop, OPSM, Sparse-RL)"),
-                        ("keep_mask", "keep-sampling-mask on (32-id support per token)")):
+                        ("keep_mask", "keep-sampling-mask on (32-id support per token)"),
+                        ("full_width", "every micro-batch at the batch's full width (no length grouping)")):
         med, lo, hi = _summary(out["ratios"][name])
         print(f"{label} / plain: median {med:.4f} (overhead {100 * (med - 1):+.2f}%, range {100 * (lo - 1):+.2f}% .. "
               f"{100 * (hi - 1):+.2f}%)")

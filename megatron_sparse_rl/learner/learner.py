@@ -106,9 +106,31 @@ class Learner:
         return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
 
     # ---- forward -------------------------------------------------------------------------------
-    def _micro_batches(self, tokens: torch.Tensor):
-        mbs = self.cfg.micro_batch_size
-        return [torch.arange(s, min(s + mbs, tokens.shape[0])) for s in range(0, tokens.shape[0], mbs)]
+    def _micro_batches(self, tokens: torch.Tensor, lengths: torch.Tensor | None):
+        """Row indices of each micro-batch: consecutive rows, or with `lengths` and learner.group_by_length the
+        rows sorted longest first, so rows of similar length share a micro-batch (and its trimmed width)."""
+        mbs, n = self.cfg.micro_batch_size, tokens.shape[0]
+        order = torch.arange(n)
+        if lengths is not None and self.cfg.group_by_length:
+            order = torch.argsort(lengths, descending=True, stable=True)
+        return [order[s:s + mbs] for s in range(0, n, mbs)]
+
+    def _width(self, tokens: torch.Tensor, lengths: torch.Tensor | None, index: torch.Tensor) -> int:
+        """Tokens a micro-batch runs: its longest row; the whole batch width without `lengths` or when pipeline
+        stages must exchange one fixed activation shape (pp > 1)."""
+        if lengths is None or self.layout.pp > 1:
+            return tokens.shape[1]
+        return max(2, int(lengths[index].max()))
+
+    @staticmethod
+    def _check_lengths(tokens: torch.Tensor, lengths) -> torch.Tensor | None:
+        if lengths is None:
+            return None
+        lengths = torch.as_tensor(lengths, dtype=torch.long).reshape(-1)
+        if lengths.numel() != tokens.shape[0] or bool((lengths < 1).any()) or bool((lengths > tokens.shape[1]).any()):
+            raise ValueError(f"lengths must hold one value in [1, {tokens.shape[1]}] per row (got "
+                             f"{lengths.tolist()[:8]} for {tokens.shape[0]} rows)")
+        return lengths
 
     def _padded(self, tokens: torch.Tensor) -> torch.Tensor:
         """Right-pad the sequence so sequence parallelism can split it over TP ranks (padding after a token
@@ -133,13 +155,14 @@ class Learner:
         return vocab_parallel_logprobs(logits, targets, self.temperature, allowed), entropy
 
     def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool,
-                      attention_mask: torch.Tensor | None = None, keep=None):
+                      attention_mask: torch.Tensor | None = None, keep=None, lengths: torch.Tensor | None = None):
         """Megatron's forward/backward schedule (pipelined when pp > 1) over micro-batches of `tokens`; the
         loss (or logprob collection) runs on the last pipeline stage only. `attention_mask`: optional
-        per-layer visibility; `keep`: optional sampling support (see forward_logprobs)."""
+        per-layer visibility; `keep`: optional sampling support; `lengths`: real tokens per row, so each
+        micro-batch runs only up to its longest row (see forward_logprobs)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batches = self._micro_batches(tokens)
+        batches = self._micro_batches(tokens, lengths)
         mbs = len(batches[0])
         if self.layout.pp > 1 and any(len(b) != mbs for b in batches):
             # pipeline stages exchange activations of one fixed [seq, micro_batch, hidden] shape
@@ -152,14 +175,16 @@ class Learner:
 
         def forward_step(data_iterator, model):
             index = next(data_iterator)
-            inputs = padded[index, :-1].to(device).contiguous()
+            mb_tokens = tokens[index, :self._width(tokens, lengths, index)]
+            inputs = self._padded(mb_tokens)[:, :-1].to(device).contiguous()
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
             if self.routing is not None:
                 self.routing.before_micro_batch(index, inputs)
             if attention_mask is not None:
-                self._layer_masks.current = attention_mask[index]
+                width = inputs.shape[1]
+                self._layer_masks.current = attention_mask[index][..., :width, :width]
             output = model(inputs, positions, None)
-            return output, partial(self._loss_wrapper, loss_fn, tokens[index], index, keep)
+            return output, partial(self._loss_wrapper, loss_fn, mb_tokens, index, keep, tokens.shape[1] - 1)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
@@ -167,8 +192,11 @@ class Learner:
             forward_only=forward_only,
         )
 
-    def _loss_wrapper(self, loss_fn, tokens, index, keep, logits):
+    def _loss_wrapper(self, loss_fn, tokens, index, keep, full, logits):
         logprobs, entropy = self._scores(logits, tokens, index, keep)
+        if logprobs.shape[1] < full:  # a trimmed micro-batch: zeros after its longest row, as the caller's layout
+            logprobs = torch.nn.functional.pad(logprobs, (0, full - logprobs.shape[1]))
+            entropy = torch.nn.functional.pad(entropy, (0, full - entropy.shape[1]))
         zero = torch.zeros((), dtype=torch.int)
         if loss_fn is None:  # forward-only collection
             return logprobs.sum() * 0, zero, {"logprobs": logprobs.detach(), "entropy": entropy, "index": index}
@@ -176,7 +204,7 @@ class Learner:
         return loss, zero, {"loss": loss.detach(), **metrics}
 
     @torch.no_grad()
-    def forward_logprobs(self, tokens: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+    def forward_logprobs(self, tokens: torch.Tensor, *, lengths=None, attention_mask: torch.Tensor | None = None,
                          keep=None) -> dict[str, torch.Tensor]:
         """Log-probabilities and entropy of every next token: {"logprobs", "entropy"}: [B, S-1] fp32.
 
@@ -186,15 +214,20 @@ class Learner:
         `keep`: optional sampling support with `local_mask(rows, length, vocab_start, vocab_end)` (e.g. a
         rollout.sampling_mask.SamplingSupport of these rows): logprobs renormalised over the ids the sampler
         could draw at each position (keep-sampling-mask).
+        `lengths`: optional int [B], the real (unpadded) tokens of each row: micro-batches then run only up to
+        their longest row (rows grouped by length with learner.group_by_length), and the outputs of a row's
+        padding positions (column >= length - 1) are 0. Without it every micro-batch runs the full width S.
         """
         self._check_keep(tokens, keep)
+        lengths = self._check_lengths(tokens, lengths)
         if attention_mask is not None:
             self._check_mask(tokens, attention_mask)
             if self._layer_masks is None:
                 self._layer_masks = LayerAttentionMasks(self.model, self.groups.tp_rank)
         self.model.eval()
         try:
-            out = self._run_schedule(tokens, None, forward_only=True, attention_mask=attention_mask, keep=keep)
+            out = self._run_schedule(tokens, None, forward_only=True, attention_mask=attention_mask, keep=keep,
+                                     lengths=lengths)
         finally:
             self.model.train()
             if self._layer_masks is not None:
@@ -208,6 +241,10 @@ class Learner:
             last = dist.get_process_group_ranks(self.groups.pp)[-1]
             for k in result:
                 dist.broadcast(result[k], src=last, group=self.groups.pp)
+        if lengths is not None:  # padding positions: 0, whatever micro-batch a row ran in
+            beyond = torch.arange(shape[1])[None, :] >= (lengths - 1)[:, None]
+            for k in result:
+                result[k][beyond] = 0.0
         return result
 
     def _check_mask(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
@@ -234,10 +271,11 @@ class Learner:
             raise ValueError(f"keep (sampling support) has {len(keep)} rows, the batch has {tokens.shape[0]}")
 
     # ---- training ------------------------------------------------------------------------------
-    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, lr: float | None = None,
+    def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, lengths=None, lr: float | None = None,
                    keep=None) -> dict[str, float]:
         """One optimizer step over this rank's batch; returns loss, grad norm, lr and the loss_fn metrics summed
-        over micro-batches (rank-local; reduce across ranks in the caller). `keep`: as in forward_logprobs.
+        over micro-batches (rank-local; reduce across ranks in the caller). `lengths`, `keep`: as in
+        forward_logprobs (the loss_fn sees [b, S-1] logprobs either way).
 
         `lr` runs this step at a fixed learning rate outside the schedule (e.g. an SFT warm-start): the
         schedule and `self.step` do not advance.
@@ -249,7 +287,8 @@ class Learner:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         self._check_keep(tokens, keep)
-        out = self._run_schedule(tokens, loss_fn, forward_only=False, keep=keep)
+        lengths = self._check_lengths(tokens, lengths)
+        out = self._run_schedule(tokens, loss_fn, forward_only=False, keep=keep, lengths=lengths)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: gradients were not finite")

@@ -48,6 +48,7 @@ class LearnerRouting:
         self.all_layers = self._all_layers()
         self._rows: torch.Tensor | None = None  # this phase's per-row full routes [B, L, layers, k]
         self._mb_rows: list[torch.Tensor] = []
+        self._mb_widths: list[int] = []
         self._width = 0
         learner.routing = self
 
@@ -62,10 +63,11 @@ class LearnerRouting:
     # ---- the learner hook --------------------------------------------------------------------------
     def before_micro_batch(self, index: torch.Tensor, inputs: torch.Tensor) -> None:
         self._mb_rows.append(index.clone())
-        self._width = inputs.shape[1]
+        self._width = inputs.shape[1]  # a micro-batch may run fewer positions than the batch (learner trims it)
+        self._mb_widths.append(self._width)
         targets = None
         if self.model.phase == "replay":
-            full = self._rows[index]  # [b, L0, all layers, k]
+            full = self._rows[index][:, :self._width]  # [b, L, all layers, k]
             if full.shape[1] < self._width:  # sequence-parallel padding positions: any valid experts
                 pad = self._pad_routes(full.shape[0], self._width - full.shape[1])
                 full = torch.cat([full, pad], dim=1)
@@ -160,7 +162,7 @@ class LearnerRouting:
             ph.metrics.update(routing_metrics(ph.learner_routes, routes))
 
     def _begin(self, phase: str) -> None:
-        self._mb_rows = []
+        self._mb_rows, self._mb_widths = [], []
         self.model.start(phase)
 
     def _end(self) -> None:
@@ -205,8 +207,8 @@ class LearnerRouting:
         """Per-micro-batch, per-local-layer router indices -> per-row full routes [B, L, all layers, k]."""
         k, tp = self.model.topk, self.layout.tp
         rows_total = sum(len(r) for r in self._mb_rows)
-        out = torch.zeros(rows_total, self._width, len(self.all_layers), k, dtype=torch.long)
-        for rows, layers in zip(self._mb_rows, per_mb):
+        out = torch.zeros(rows_total, max(self._mb_widths), len(self.all_layers), k, dtype=torch.long)
+        for rows, width, layers in zip(self._mb_rows, self._mb_widths, per_mb):
             for j, t in enumerate(layers):
                 if t is None:
                     raise RoutingError(f"layer {self.model.layers[j]}: no routes were recorded for a micro-batch")
@@ -220,7 +222,7 @@ class LearnerRouting:
                 dist.all_gather_object(parts, (list(self.model.layers), local), group=self.groups.pp)
                 by_layer = {lay: p[1][:, :, i] for p in parts for i, lay in enumerate(p[0])}
                 local = torch.stack([by_layer[lay] for lay in self.all_layers], dim=2)
-            out[rows] = local.permute(1, 0, 2, 3)
+            out[rows, :width] = local.permute(1, 0, 2, 3)
         return out
 
     def _store(self, per_row: torch.Tensor, tokens, lengths, source: str) -> RouteStore:

@@ -26,7 +26,8 @@ def sparse_logprobs(learner, batch: RolloutBatch, tokens: torch.Tensor, keep=Non
     allowed = batch_attention_mask(batch.kv_keep, tokens.shape[1] - 1)
     if allowed is None:
         return None
-    return learner.forward_logprobs(tokens, attention_mask=allowed, keep=keep)["logprobs"]
+    lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
+    return learner.forward_logprobs(tokens, lengths=lengths, attention_mask=allowed, keep=keep)["logprobs"]
 
 
 def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

@@ -163,5 +163,6 @@ def sft_step(ctx: RunContext) -> dict[str, float]:
     mask = mask[:, 1:]  # learner column t scores token t + 1
     n_global = _global_sum(ctx, [float(mask.sum())])[0]
     with ctx.learner.scoring_temperature(1.0):  # supervised: the model itself, not the sampling temperature
-        out = ctx.learner.train_step(tokens, make_sft_loss(mask, n_global), lr=cfg.lr)
+        out = ctx.learner.train_step(tokens, make_sft_loss(mask, n_global), lr=cfg.lr,
+                                     lengths=[len(r.input_ids) for r in rows])
     return {"sft/loss": _global_sum(ctx, [out["loss"]])[0]}

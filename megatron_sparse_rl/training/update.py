@@ -87,7 +87,7 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     keep = sampling_keep(batch, cfg)
     phase = routing.old_forward(tokens, lengths, batch.routed_experts) if routing else contextlib.nullcontext()
     with phase as old:
-        old_lp = learner.forward_logprobs(tokens, keep=keep)["logprobs"]
+        old_lp = learner.forward_logprobs(tokens, lengths=lengths, keep=keep)["logprobs"]
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
     corr = apply_corrections(cfg.corrections, old_lp, rollout_lp, mask, advantages=advantages, group=dp_group)
     metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask))
@@ -100,7 +100,7 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     if cfg.kl.coef > 0:
         if reference is None:
             raise ValueError("algorithm.kl.coef > 0 needs reference logprobs, but no reference model was built")
-        ref_lp = reference.forward_logprobs(tokens)["logprobs"]
+        ref_lp = reference.forward_logprobs(tokens, lengths=lengths)["logprobs"]
     return PreparedBatch(tokens, mask & corr.keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
                          response_mask=mask, keep=keep)
@@ -121,7 +121,7 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
         phase = routing.update(prep.tokens[chunk], prep.lengths[chunk], routes) if routing else contextlib.nullcontext()
         keep = prep.keep.select(chunk) if prep.keep is not None else None
         with phase as up:
-            out = learner.train_step(prep.tokens[chunk], loss_fn, keep=keep)
+            out = learner.train_step(prep.tokens[chunk], loss_fn, lengths=prep.lengths[chunk], keep=keep)
         if up:
             routing_out.update({k: float(v) for k, v in up.metrics.items()})
         for k, v in out.items():

@@ -18,7 +18,7 @@ def test_bench_learner_prints_its_ratios():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert re.search(r"plain learner step .* median \d+ ms; \d+ response tokens/s, \d+ tokens/s", out), out
-    for label in ("all corrections on", "keep-sampling-mask on"):
+    for label in ("all corrections on", "keep-sampling-mask on", "every micro-batch at the batch's full width"):
         assert re.search(rf"{label} .* / plain: median \d+\.\d{{4}} \(overhead [+-]\d+\.\d\d%", out), out
     assert re.search(r"apply_corrections alone: \d+\.\d\d% of the corrected step", out), out
 
