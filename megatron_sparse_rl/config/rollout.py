@@ -141,8 +141,9 @@ class RolloutConfig:
     corrections). raw: log_softmax of the unmodified logits (temperature 1, no truncation). The trainer's
     learner scores at the sampling temperature, so only processed logprobs are mu when it is not 1."""
     tensor_parallel_size: int = 1
-    """GPU only: tensor-parallel degree of one engine (external_launcher joins the torchrun world). Must be
-    1 on CPU."""
+    """Tensor-parallel degree of one engine, CPU or GPU. Above 1 the engine joins the torchrun world through
+    vLLM's external_launcher: colocated, the world splits into engines of this many consecutive ranks (it
+    must divide the world size). Disaggregated runs and sparse KV need 1 so far."""
     seed: int = 0
     """Seed of the engine's random state (model init, sampling when sampling.seed is None)."""
 
@@ -162,6 +163,10 @@ class RolloutConfig:
                              f"ids are read from the processed logprobs; got {self.logprobs_mode!r})")
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1",
                  self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.kv.policy != "none":
+            raise ValueError(f"rollout.kv.policy = {self.kv.policy!r} needs rollout.tensor_parallel_size = 1 (got "
+                             f"{self.tensor_parallel_size}): an engine rank holds only its KV heads, so the kv_keep "
+                             "record would be partial")
         _require(self.seed >= 0, "rollout.seed", "must be >= 0", self.seed)
         if self.sampling.max_tokens >= self.max_model_len:
             raise ValueError(f"rollout.sampling.max_tokens must be < rollout.max_model_len "

@@ -122,7 +122,7 @@ def _model_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
     return problems
 
 
-def _rollout_algorithm_problems(run: RunConfig, cuda: bool) -> list[str]:
+def _rollout_algorithm_problems(run: RunConfig, world_size: int) -> list[str]:
     sampling, algo = run.rollout.sampling, run.algorithm
     problems = []
     # Both estimators (grpo, rloo) compare a sample with the other samples of its prompt's group.
@@ -140,11 +140,12 @@ def _rollout_algorithm_problems(run: RunConfig, cuda: bool) -> list[str]:
         problems.append(f"rollout.kv.budget = {kv.budget} must be < rollout.max_model_len = "
                         f"{run.rollout.max_model_len}, or rollout.kv.policy={kv.policy!r} never compresses")
     rollout_tp = run.rollout.tensor_parallel_size
-    if not cuda and rollout_tp != 1:
-        problems.append(f"rollout.tensor_parallel_size must be 1 without CUDA (got {rollout_tp})")
-    elif run.launch.rollout_world_size and rollout_tp != 1:
+    if run.launch.rollout_world_size and rollout_tp != 1:
         problems.append(f"rollout.tensor_parallel_size must be 1 in a disaggregated run (each rollout rank runs "
                         f"its own engine; got {rollout_tp})")
+    elif world_size % rollout_tp:
+        problems.append(f"rollout.tensor_parallel_size = {rollout_tp} must divide the world size {world_size} "
+                        "(colocated, each engine spans that many consecutive ranks)")
     return problems
 
 
@@ -175,7 +176,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     spec = model_spec(run)
     problems += _layout_problems(run, world_size, spec, cuda)
     problems += _model_problems(run, spec, cuda)
-    problems += _rollout_algorithm_problems(run, cuda)
+    problems += _rollout_algorithm_problems(run, world_size)
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:

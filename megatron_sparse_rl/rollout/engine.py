@@ -5,8 +5,10 @@ CPU (tests, demo): vLLM V1 without its engine-core subprocess (VLLM_ENABLE_V1_MU
 reference (`load_weights`) and the model is reachable through `apply_model`. Each rank of a gloo world
 may own one engine. If no torch.distributed world exists, vLLM creates one of size 1 (gloo) and
 `shutdown` destroys it: start a learner's world BEFORE the engine, never after.
-GPU: the same, except that inside a torchrun world of more than one rank the engine joins that world
-through vLLM's "external_launcher" backend (see `_executor_backend`; not exercised on the CPU machine).
+Engine tensor parallelism (`rollout.tensor_parallel_size` t > 1, CPU or GPU; on GPU also any engine in a
+world of more than one rank): the engine joins the torchrun world through vLLM's "external_launcher"
+backend; the world splits into engines of t consecutive ranks, and the ranks of one engine call every
+method together with the same arguments (see `_executor_backend`).
 
 Try it:
     python -c "from megatron_sparse_rl.models.tiny import build_tiny_hf_model as b; \
@@ -37,19 +39,27 @@ logger = logging.getLogger(__name__)
 def _executor_backend(cfg: RolloutConfig, on_gpu: bool) -> str:
     """The vLLM executor for this process.
 
-    CPU: always "uni" (one engine per process, TP 1). Inside an initialised torch.distributed world
+    Engine TP 1 on CPU: "uni" (one engine per process). Inside an initialised torch.distributed world
     (colocated learner ranks) vLLM adopts that WORLD group but builds TP/PP/DP groups of 1, so every
     rank runs its own engine with no collectives (measured: 2 gloo ranks, uneven workloads, no hang).
-    GPU: "external_launcher" in a world of more than one rank (vLLM joins the torchrun world; TP groups
-    of `tensor_parallel_size`), else "uni". Not exercised on the CPU machine.
+    Engine TP t > 1 (CPU or GPU), or any engine inside a GPU world of more than one rank:
+    "external_launcher". vLLM joins the torchrun world (reads RANK, LOCAL_RANK) and splits it into
+    world / t engines of t consecutive ranks (its "external data parallel" dimension); the ranks of one
+    engine must call `generate` together with the same prompts and get the same outputs.
     """
-    if not on_gpu:
-        if cfg.tensor_parallel_size != 1:
-            raise ValueError(f"rollout.tensor_parallel_size must be 1 on CPU (got {cfg.tensor_parallel_size})")
-        return "uni"
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return "external_launcher" if world > 1 else "uni"
+    tp = cfg.tensor_parallel_size
+    if tp > 1:
+        if world % tp:
+            raise ValueError(f"rollout.tensor_parallel_size = {tp} needs a torch.distributed world whose size is a "
+                             f"multiple of it (each engine spans {tp} consecutive ranks; got a world of {world})")
+        for var in ("RANK", "LOCAL_RANK"):
+            if var not in os.environ:
+                raise ValueError(f"rollout.tensor_parallel_size = {tp}: vLLM's external_launcher reads ${var}, "
+                                 "which is unset (start the ranks with torchrun or msrl launch)")
+        return "external_launcher"
+    return "external_launcher" if on_gpu and world > 1 else "uni"
 
 
 def _set_vllm_env(cfg: RolloutConfig, cache_dir: str | Path | None, on_gpu: bool) -> None:
@@ -129,8 +139,8 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
             enable_prefix_caching=False,  # the sparse-KV integration rewrites blocks in place
         )
+        kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
         if self.on_gpu:
-            kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
             if cfg.kv_cache_gb is not None:
                 kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_gb * 2**30
         self.sparse_kv = cfg.kv.policy != "none"

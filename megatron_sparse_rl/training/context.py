@@ -40,6 +40,9 @@ class RunContext:
     """LearnerRouting when the model is MoE and routing replay or statistics are on."""
     reference: Any = None
     """A frozen copy of the initial model (a Learner never stepped) when algorithm.kl.coef > 0."""
+    engine_shares: tuple[int, ...] | None = None
+    """Colocated engine TP > 1: the data-parallel ranks of the ranks this rank's engine spans, in order
+    (the engine samples for all of them); None when every rank owns a whole engine."""
 
     @property
     def dp_group(self):
@@ -133,11 +136,24 @@ def build_context(run: RunConfig, total_steps: int):
         engine = D.RemoteEngine(sync, list(range(layout.world_size, world)), pad_id=_pad_id(tokenizer))
     with layout.learner_world(groups):
         learner, reference, routing = _learners(run, adapter, spec, layout, groups, model_dir, total_steps)
+    shares = None
     if not n_rollout:
         engine = _engine(run, run_dir, model_dir, spec)
+        shares = _engine_shares(groups.dp_rank, run.rollout.tensor_parallel_size)
     task = build_task(run.data, tokenizer)
     return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, engine, tokenizer, task,
-                      None, spec, routing, reference)
+                      None, spec, routing, reference, shares)
+
+
+def _engine_shares(dp_rank: int, engine_tp: int) -> tuple[int, ...] | None:
+    """Colocated: the data-parallel ranks of the `engine_tp` consecutive ranks that form this rank's engine
+    (vLLM's external_launcher layout), sorted; None for engine TP 1. Collective over the world."""
+    if engine_tp == 1:
+        return None
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dp_rank)
+    first = dist.get_rank() // engine_tp * engine_tp
+    return tuple(sorted(set(every[first:first + engine_tp])))
 
 
 def _pad_id(tokenizer) -> int:

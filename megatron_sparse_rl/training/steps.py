@@ -1,6 +1,8 @@
 """The named steps of the RL loop, each one function over the `RunContext`.
 
-Colocated, each data-parallel leader samples its share with its own engine. Disaggregated, learner rank 0
+Colocated, each data-parallel leader samples its share with its own engine; an engine spanning several
+ranks (rollout.tensor_parallel_size > 1) samples the shares of all its ranks, every rank of it taking part.
+Disaggregated, learner rank 0
 samples every share through the rollout ranks (`ctx.engine` is a `RemoteEngine`) and hands each learner
 rank its own, seeded as the colocated leaders would be."""
 from __future__ import annotations
@@ -48,6 +50,14 @@ def _from_main(ctx: RunContext, per_dp_rank):
     return out[ctx.groups.dp_rank]
 
 
+def _from_engine(ctx: RunContext, per_dp_rank):
+    """Colocated engine TP > 1: the ranks of one engine run `per_dp_rank(d)` for every data-parallel rank d
+    among them, the same calls in the same order (vLLM's external_launcher needs every rank of an engine in
+    each call), and each keeps the result for its own d; seeds depend on d only, as with TP-1 engines."""
+    out = {d: per_dp_rank(d) for d in ctx.engine_shares}
+    return out[ctx.groups.dp_rank]
+
+
 def _global_sum(ctx: RunContext, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if ctx.layout.dp > 1:
@@ -67,6 +77,8 @@ def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
 
     if ctx.layout.rollout_ranks:
         batch, is_correct = _from_main(ctx, collect)
+    elif ctx.engine_shares is not None:
+        batch, is_correct = _share_from_leader(ctx, _from_engine(ctx, collect))
     else:
         batch, is_correct = _share_from_leader(ctx, collect(ctx.groups.dp_rank) if _is_leader(ctx) else None)
     seconds = time.perf_counter() - t0
@@ -140,6 +152,8 @@ def evaluate(ctx: RunContext, correct, n: int) -> float:
 
     if ctx.layout.rollout_ranks:
         total, count = _from_main(ctx, score)
+    elif ctx.engine_shares is not None:
+        total, count = _share_from_leader(ctx, _from_engine(ctx, score))
     else:
         total, count = score(ctx.groups.dp_rank) if _is_leader(ctx) else (0.0, 0)
         if ctx.layout.tp * ctx.layout.pp > 1:

@@ -130,9 +130,16 @@ def test_context_must_fit_the_model_positions():
         validate(run_of("rollout.max_model_len=4096"), 1, cuda=False)
 
 
-def test_rollout_tp_is_one_without_cuda():
-    with pytest.raises(ConfigError, match=r"rollout\.tensor_parallel_size must be 1 without CUDA \(got 2\)"):
-        validate(run_of("rollout.tensor_parallel_size=2"), 1, cuda=False)
+def test_rollout_tp_must_divide_the_world():
+    with pytest.raises(ConfigError, match=r"rollout\.tensor_parallel_size = 2 must divide the world size 3"):
+        validate(run_of("rollout.tensor_parallel_size=2", "launch.nproc_per_node=3"),
+                 3, cuda=False)
+    validate(run_of("rollout.tensor_parallel_size=2", "launch.nproc_per_node=2"), 2, cuda=False)  # CPU is fine
+
+
+def test_rollout_tp_needs_dense_kv():
+    with pytest.raises(ValueError, match=r"rollout\.kv\.policy = 'snapkv' needs rollout\.tensor_parallel_size = 1"):
+        run_of("rollout.tensor_parallel_size=2", "rollout.kv.policy=snapkv")
 
 
 def test_every_problem_is_reported_at_once():
