@@ -12,6 +12,8 @@ learner ranks, real vLLM engines on the rollout ranks, tiny MoE on CPU, gloo).
 - more ranks: learner TP2 (ranks 0-1) + 2 rollout ranks (prompts split across two engines and joined back);
   learner DP2 (rank 0 samples both shares and hands rank 1 its own) + 1 rollout rank, equal to the same run
   colocated on 2 ranks.
+- colocated engine tensor parallelism: learner DP2 with one TP2 engine over both ranks equals the run with a
+  TP-1 engine per rank.
 
     .venv/bin/python -m pytest -q -m e2e tests/e2e/test_trainer_disaggregated.py
 """
@@ -148,9 +150,18 @@ def test_preempted_run_stops_every_rank_and_resumes(one_plus_one):
     assert "resumed from" in resumed.stderr
 
 
+@pytest.fixture(scope="module")
+def colocated_dp2(tmp_path_factory, model_dir):
+    """The reference for the 2-rank runs below: learner DP2 colocated, one TP-1 engine per rank, 2 steps."""
+    run_dir = tmp_path_factory.mktemp("colocated_dp2")
+    proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=0, steps=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run_dir
+
+
 @pytest.mark.parametrize("nproc,rollout_ranks,extra", [(4, 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
                                                         (3, 1, [])], ids=["learner_tp2_two_rollout_ranks", "learner_dp2"])
-def test_more_ranks(tmp_path, model_dir, nproc, rollout_ranks, extra):
+def test_more_ranks(tmp_path, model_dir, nproc, rollout_ranks, extra, request):
     run_dir = tmp_path / "run"
     proc = _launch(run_dir, model_dir, nproc=nproc, rollout_ranks=rollout_ranks, steps=2, extra=extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -158,10 +169,20 @@ def test_more_ranks(tmp_path, model_dir, nproc, rollout_ranks, extra):
     assert next(r for r in records if r["phase"] == "rl")["rollout/response_len"] > 0
     _print(f"{nproc} ranks, {rollout_ranks} rollout" + (f", {' '.join(extra)}" if extra else ""), records)
     if rollout_ranks == 1 and not extra:  # learner DP2: the same run colocated on 2 ranks is the reference
-        colocated = tmp_path / "colocated"
-        proc = _launch(colocated, model_dir, nproc=2, rollout_ranks=0, steps=2)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        print(f"disaggregated DP2+1 vs colocated DP2: {_assert_same_metrics(run_dir, colocated)} metric values equal")
+        compared = _assert_same_metrics(run_dir, request.getfixturevalue("colocated_dp2"))
+        print(f"disaggregated DP2+1 vs colocated DP2: {compared} metric values equal")
+
+
+def test_colocated_engine_tp2(tmp_path, model_dir, colocated_dp2):
+    """Learner DP2 with ONE engine over both ranks (rollout.tensor_parallel_size=2, vLLM's external_launcher):
+    both ranks sample both data-parallel shares together and each trains on its own; every metric equals
+    the run with a TP-1 engine per rank (same seeds per share; engine numerics differ by ~1e-6)."""
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=0, steps=2, extra=["rollout.tensor_parallel_size=2"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = _check_run(run_dir, [1, 2])
+    _print("colocated DP2, engine TP2", records)
+    print(f"engine TP2 vs a TP-1 engine per rank: {_assert_same_metrics(run_dir, colocated_dp2)} metric values equal")
 
 
 def test_a_failing_rollout_rank_fails_the_run_without_hanging(tmp_path, model_dir):
