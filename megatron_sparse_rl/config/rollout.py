@@ -142,8 +142,9 @@ class RolloutConfig:
     learner scores at the sampling temperature, so only processed logprobs are mu when it is not 1."""
     tensor_parallel_size: int = 1
     """Tensor-parallel degree of one engine, CPU or GPU. Above 1 the engine joins the torchrun world through
-    vLLM's external_launcher: colocated, the world splits into engines of this many consecutive ranks (it
-    must divide the world size). Disaggregated runs and sparse KV need 1 so far."""
+    vLLM's external_launcher and the world splits into engines of this many consecutive ranks: colocated it
+    must divide the world size; disaggregated, both the learner and the rollout rank counts. Sparse KV
+    needs 1 so far."""
     seed: int = 0
     """Seed of the engine's random state (model init, sampling when sampling.seed is None)."""
 

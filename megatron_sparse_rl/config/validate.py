@@ -139,11 +139,12 @@ def _rollout_algorithm_problems(run: RunConfig, world_size: int) -> list[str]:
     if kv.policy != "none" and kv.budget >= run.rollout.max_model_len:
         problems.append(f"rollout.kv.budget = {kv.budget} must be < rollout.max_model_len = "
                         f"{run.rollout.max_model_len}, or rollout.kv.policy={kv.policy!r} never compresses")
-    rollout_tp = run.rollout.tensor_parallel_size
-    if run.launch.rollout_world_size and rollout_tp != 1:
-        problems.append(f"rollout.tensor_parallel_size must be 1 in a disaggregated run (each rollout rank runs "
-                        f"its own engine; got {rollout_tp})")
-    elif world_size % rollout_tp:
+    rollout_tp, rollout_ranks = run.rollout.tensor_parallel_size, run.launch.rollout_world_size
+    if rollout_ranks and (rollout_ranks % rollout_tp or (world_size - rollout_ranks) % rollout_tp):
+        problems.append(f"rollout.tensor_parallel_size = {rollout_tp} must divide both the rollout ranks "
+                        f"({rollout_ranks}) and the learner ranks ({world_size - rollout_ranks}): vLLM cuts the "
+                        "whole world into engines of that many consecutive ranks")
+    elif not rollout_ranks and world_size % rollout_tp:
         problems.append(f"rollout.tensor_parallel_size = {rollout_tp} must divide the world size {world_size} "
                         "(colocated, each engine spans that many consecutive ranks)")
     return problems

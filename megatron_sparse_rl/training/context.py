@@ -129,11 +129,13 @@ def build_context(run: RunConfig, total_steps: int):
     groups = layout.initialize()
     sync = layout.weight_sync_group(src=D.SRC) if n_rollout else None
     if groups is None:  # a rollout rank: an engine and the command loop, no model
-        return D.RolloutRank(_engine(run, run_dir, model_dir, spec), sync, rank, rank - layout.world_size)
+        return D.RolloutRank(_engine(run, run_dir, model_dir, spec), sync, rank, rank - layout.world_size,
+                             engine_tp=run.rollout.tensor_parallel_size)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if n_rollout:
-        D.join_vllm_groups()
-        engine = D.RemoteEngine(sync, list(range(layout.world_size, world)), pad_id=_pad_id(tokenizer))
+        D.join_vllm_groups(run.rollout.tensor_parallel_size)
+        engine = D.RemoteEngine(sync, list(range(layout.world_size, world)), pad_id=_pad_id(tokenizer),
+                                engine_tp=run.rollout.tensor_parallel_size)
     with layout.learner_world(groups):
         learner, reference, routing = _learners(run, adapter, spec, layout, groups, model_dir, total_steps)
     shares = None

@@ -1,10 +1,12 @@
 """Disaggregated placement (DESIGN.md "Process model"): learner ranks [0, L) train, rollout ranks [L, L + R)
-each run one vLLM engine (TP 1) and serve commands from learner rank 0.
+run R / t vLLM engines of t = rollout.tensor_parallel_size consecutive ranks each and serve commands from
+learner rank 0 (t > 1: vLLM's external_launcher; every rank of an engine runs every command).
 
 Learner rank 0 drives the rollout ranks over the weight-sync group (rank 0 + every rollout rank):
 
-    ("generate", parts, sampling)  rollout rank i samples parts[i] (a slice of the prompts); the parts come
-                                   back to rank 0 by gather_object and are joined in prompt order
+    ("generate", parts)            engine e (rollout ranks [e t, (e + 1) t)) samples parts[e] (a slice of the
+                                   prompts); its first rank's part comes back to rank 0 by gather_object, and
+                                   the parts are joined in prompt order
     ("sync",)                      every learner rank runs `send_weights`, every rollout rank `receive_weights`
                                    (checksummed buckets); each rollout rank then reports its status
     ("probe", rows)                each engine's prompt logprobs of the probe rows, for rank 0 to compare
@@ -53,17 +55,30 @@ class RolloutRank:
     rank: int
     index: int
     """This rank's place among the rollout ranks (global rank - learner ranks)."""
+    engine_tp: int = 1
+    """Ranks per engine (rollout.tensor_parallel_size): this rank serves engine index // engine_tp."""
 
 
-def join_vllm_groups() -> None:
-    """On a learner rank: the collective part of a TP-1 vLLM engine's start-up (vLLM's world and TP/PP
-    groups, made with `new_group` over the whole world), so that the rollout ranks' engines do not wait."""
-    from vllm.config import VllmConfig, set_current_vllm_config
+def join_vllm_groups(engine_tp: int = 1) -> None:
+    """On a learner rank: the collective part of the rollout engines' start-up, so that they do not wait.
+
+    vLLM makes its world and TP/PP groups with `new_group` over the whole world (every rank must enter);
+    with engine TP > 1 (external_launcher) it also takes the MIN of the free KV memory over its world
+    group (`ExecutorWithExternalLauncher.determine_available_memory`), which learner ranks join with +inf.
+    vLLM cuts the world into TP groups of `engine_tp` consecutive ranks, so the learner ranks' groups are
+    their own (the layout checks that `engine_tp` divides the learner and rollout rank counts)."""
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as vps
 
-    with set_current_vllm_config(VllmConfig()):
-        vps.init_distributed_environment(1, 0, "env://", 0, "gloo")
-        vps.ensure_model_parallel_initialized(1, 1)
+    backend = "external_launcher" if engine_tp > 1 else "uni"
+    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=engine_tp,
+                                                       distributed_executor_backend=backend))
+    with set_current_vllm_config(config):
+        vps.init_distributed_environment(engine_tp, dist.get_rank(), "env://", 0, "gloo")
+        vps.ensure_model_parallel_initialized(engine_tp, 1)
+    if engine_tp > 1:
+        unbounded = torch.tensor([torch.iinfo(torch.int64).max], dtype=torch.int64)
+        dist.all_reduce(unbounded, group=vps.get_world_group().cpu_group, op=dist.ReduceOp.MIN)
 
 
 @contextlib.contextmanager
@@ -151,8 +166,10 @@ class RemoteEngine:
     """The rollout ranks as one engine, on learner ranks. Only global rank `SRC` talks to them; on the other
     learner ranks it is a stand-in with `pad_id` (their steps never generate)."""
 
-    def __init__(self, sync_group, rollout_ranks: list[int], pad_id: int):
-        self.group, self.ranks, self.pad_id = sync_group, rollout_ranks, pad_id
+    def __init__(self, sync_group, rollout_ranks: list[int], pad_id: int, engine_tp: int = 1):
+        if len(rollout_ranks) % engine_tp:
+            raise ValueError(f"{len(rollout_ranks)} rollout ranks do not split into engines of {engine_tp} ranks")
+        self.group, self.ranks, self.pad_id, self.engine_tp = sync_group, rollout_ranks, pad_id, engine_tp
         self.driver = dist.get_rank() == SRC
         self.stopped = False
 
@@ -176,10 +193,10 @@ class RemoteEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
                  group_ids: list[int] | None = None) -> RolloutBatch:
-        """As RolloutEngine.generate, the prompts split across the rollout ranks (seeds as one engine's)."""
+        """As RolloutEngine.generate, the prompts split across the engines (seeds as one engine's)."""
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
         parts = []
-        for r in split_prompts(len(prompt_token_ids), len(self.ranks)):
+        for r in split_prompts(len(prompt_token_ids), len(self.ranks) // self.engine_tp):
             seed = None if sampling.seed is None else sampling.seed + r.start * sampling.n
             parts.append(([prompt_token_ids[i] for i in r], replace(sampling, seed=seed), [gids[i] for i in r]))
         answers = self._command("generate", parts)
@@ -218,8 +235,9 @@ def _handle(rr: RolloutRank, command: tuple):
     """One command on a rollout rank; returns what goes back to learner rank `SRC`."""
     op = command[0]
     if op == "generate":
-        prompts, sampling, gids = command[1][rr.index]
-        return rr.engine.generate(prompts, sampling, group_ids=gids) if prompts else None
+        prompts, sampling, gids = command[1][rr.index // rr.engine_tp]
+        batch = rr.engine.generate(prompts, sampling, group_ids=gids) if prompts else None
+        return batch if rr.index % rr.engine_tp == 0 else None  # the engine's other ranks hold the same rows
     if op == "sync":
         from megatron_sparse_rl.weight_sync.disaggregated import receive_weights
 

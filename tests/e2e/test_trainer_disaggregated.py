@@ -10,8 +10,8 @@ learner ranks, real vLLM engines on the rollout ranks, tiny MoE on CPU, gloo).
 - the same config colocated in one process, uninterrupted, gives the same metrics (same weights, prompts and
   seeds), so the preempted + resumed disaggregated run lost nothing.
 - more ranks: learner TP2 (ranks 0-1) + 2 rollout ranks (prompts split across two engines and joined back);
-  learner DP2 (rank 0 samples both shares and hands rank 1 its own) + 1 rollout rank, equal to the same run
-  colocated on 2 ranks.
+  learner DP2 (rank 0 samples both shares and hands rank 1 its own) + ONE engine of tensor-parallel size 2
+  over rollout ranks 2-3 (vLLM's external_launcher), equal to the same run colocated on 2 ranks.
 - colocated engine tensor parallelism: learner DP2 with one TP2 engine over both ranks equals the run with a
   TP-1 engine per rank.
 
@@ -159,8 +159,9 @@ def colocated_dp2(tmp_path_factory, model_dir):
     return run_dir
 
 
-@pytest.mark.parametrize("nproc,rollout_ranks,extra", [(4, 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-                                                        (3, 1, [])], ids=["learner_tp2_two_rollout_ranks", "learner_dp2"])
+@pytest.mark.parametrize("nproc,rollout_ranks,extra", [
+    (4, 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    (4, 2, ["rollout.tensor_parallel_size=2"])], ids=["learner_tp2_two_engines", "learner_dp2_one_tp2_engine"])
 def test_more_ranks(tmp_path, model_dir, nproc, rollout_ranks, extra, request):
     run_dir = tmp_path / "run"
     proc = _launch(run_dir, model_dir, nproc=nproc, rollout_ranks=rollout_ranks, steps=2, extra=extra)
@@ -168,9 +169,9 @@ def test_more_ranks(tmp_path, model_dir, nproc, rollout_ranks, extra, request):
     records = _check_run(run_dir, [1, 2])
     assert next(r for r in records if r["phase"] == "rl")["rollout/response_len"] > 0
     _print(f"{nproc} ranks, {rollout_ranks} rollout" + (f", {' '.join(extra)}" if extra else ""), records)
-    if rollout_ranks == 1 and not extra:  # learner DP2: the same run colocated on 2 ranks is the reference
+    if "parallel.tp=2" not in extra:  # learner DP2: the same run colocated on 2 ranks is the reference
         compared = _assert_same_metrics(run_dir, request.getfixturevalue("colocated_dp2"))
-        print(f"disaggregated DP2+1 vs colocated DP2: {compared} metric values equal")
+        print(f"disaggregated DP2 + one TP2 engine vs colocated DP2: {compared} metric values equal")
 
 
 def test_colocated_engine_tp2(tmp_path, model_dir, colocated_dp2):

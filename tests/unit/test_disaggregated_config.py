@@ -62,12 +62,16 @@ def test_validate_checks_learner_degrees_against_learner_ranks():
         validate(run_of("launch.nproc_per_node=3", "launch.rollout_ranks=1"), 2, cuda=False)
 
 
-def test_validate_wants_one_engine_per_rollout_rank():
-    with pytest.raises(ConfigError, match=re.escape(
-            "rollout.tensor_parallel_size must be 1 in a disaggregated run (each rollout rank runs its own engine; "
-            "got 2)")):
-        validate(run_of("launch.nproc_per_node=2", "launch.rollout_ranks=1", "rollout.tensor_parallel_size=2"), 2,
-                 cuda=True)
+def test_validate_wants_engines_that_split_both_rank_ranges():
+    """vLLM cuts the whole world into engines of t consecutive ranks: t must divide learner and rollout ranks."""
+    for nproc, rollout in ((3, 2), (3, 1), (4, 1)):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"rollout.tensor_parallel_size = 2 must divide both the rollout ranks ({rollout}) and the learner "
+                f"ranks ({nproc - rollout})")):
+            validate(run_of(f"launch.nproc_per_node={nproc}", f"launch.rollout_ranks={rollout}",
+                            "rollout.tensor_parallel_size=2"), nproc, cuda=False)
+    validate(run_of("launch.nproc_per_node=4", "launch.rollout_ranks=2", "rollout.tensor_parallel_size=2",
+                    "parallel.tp=2", "parallel.sequence_parallel=true"), 4, cuda=False)
 
 
 def test_launch_checks_and_cli_see_the_learner_ranks(tmp_path, capsys):
