@@ -14,9 +14,9 @@ header ends the stream. gloo on CPU; on GPU the buffer travels as-is if it is on
 
 Receive side: each bucket is checksum-verified (`verify_bucket`) before its tensors reach
 `engine.load_weights` (one call, fed lazily: at most one bucket beyond the engine's weights is alive).
-`keep(name) -> bool` selects what this rank's engine shard needs; with engine TP = 1 (the only layout on
-CPU) a shard needs every tensor, so the default keeps all. A broadcast still delivers every bucket to every
-rollout rank: a TP>1 engine would plug its shard's name filter (and, for bandwidth, a slicing step) in here.
+`keep(name) -> bool` filters by name (default: all). An engine of tensor-parallel size > 1 needs every
+tensor too: each of its ranks receives the full tensors and vLLM's weight loaders keep that rank's slice
+(one broadcast serves every engine rank; the sender sends each byte once).
 On a failed checksum the receiver drains the rest of the stream (the sender never blocks) and raises
 WeightSyncError naming the bucket; the engine then holds partly updated weights: sync again.
 """
@@ -107,7 +107,7 @@ def receive_weights(engine, group=None, *, src: int, verify: bool = True,
                     _corrupt=None) -> SyncStats:
     """Receive the stream `send_weights` broadcasts from global rank `src` into `engine` (None: drop it).
 
-    `keep(name)`: the tensors this engine shard needs (default: all, right for engine TP = 1). `device`:
+    `keep(name)`: the tensors this engine needs (default: all; vLLM slices them for a TP engine). `device`:
     where the buffers are received (the group's device: "cuda" for NCCL). `_corrupt(bucket)` is a test
     hook called on each received bucket before verification. Raises WeightSyncError on a checksum
     mismatch (naming the bucket and tensors) or if the engine stops reading before the stream ends.
