@@ -143,8 +143,7 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     """Tensor-parallel degree of one engine, CPU or GPU. Above 1 the engine joins the torchrun world through
     vLLM's external_launcher and the world splits into engines of this many consecutive ranks: colocated it
-    must divide the world size; disaggregated, both the learner and the rollout rank counts. Sparse KV
-    needs 1 so far."""
+    must divide the world size; disaggregated, both the learner and the rollout rank counts."""
     seed: int = 0
     """Seed of the engine's random state (model init, sampling when sampling.seed is None)."""
 
@@ -164,10 +163,6 @@ class RolloutConfig:
                              f"ids are read from the processed logprobs; got {self.logprobs_mode!r})")
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1",
                  self.tensor_parallel_size)
-        if self.tensor_parallel_size > 1 and self.kv.policy != "none":
-            raise ValueError(f"rollout.kv.policy = {self.kv.policy!r} needs rollout.tensor_parallel_size = 1 (got "
-                             f"{self.tensor_parallel_size}): an engine rank holds only its KV heads, so the kv_keep "
-                             "record would be partial")
         _require(self.seed >= 0, "rollout.seed", "must be >= 0", self.seed)
         if self.sampling.max_tokens >= self.max_model_len:
             raise ValueError(f"rollout.sampling.max_tokens must be < rollout.max_model_len "

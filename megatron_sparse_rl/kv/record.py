@@ -25,6 +25,20 @@ class KVKeepRecord:
     def num_compactions(self) -> int:
         return len(self.lengths)
 
+    @staticmethod
+    def join_heads(parts: "list[KVKeepRecord]") -> "KVKeepRecord":
+        """One sample's record from the records of the ranks of a tensor-parallel engine, each holding its
+        own KV heads (rank order = head order): the kept positions concatenated over the head dimension.
+        The ranks compact at the same steps (each runs the same deterministic scheduler): a disagreement
+        raises."""
+        first = parts[0]
+        if any(p.lengths != first.lengths for p in parts):
+            raise RuntimeError(f"engine ranks compacted at different steps: {[p.lengths for p in parts]}")
+        kept = None
+        if first.kept is not None:
+            kept = tuple(torch.cat([p.kept[c] for p in parts], dim=1) for c in range(first.num_compactions))
+        return KVKeepRecord(first.lengths, kept, any(p.preempted for p in parts))
+
     def attention_mask(self, seq_len: int) -> torch.Tensor:
         """bool [layers, kv_heads, seq_len, seq_len]: may query position t attend to key position s.
 

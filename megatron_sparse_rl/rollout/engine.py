@@ -324,12 +324,23 @@ def _sparse_kv_engine_args(cfg: RolloutConfig) -> dict[str, Any]:
 
 
 def _take_kv_records(worker, req_ids):
+    """This engine's keep records of `req_ids`. In a tensor-parallel engine each rank's worker holds its own
+    KV heads: the records are gathered over the engine's TP group and joined in head order."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from megatron_sparse_rl.kv.record import KVKeepRecord
+
     state = worker.model_runner.__dict__.get("_msrl_sparse_kv")
     if state is None:  # no step ran with sparse KV yet
-        from megatron_sparse_rl.kv.record import KVKeepRecord
-
-        return {rid: KVKeepRecord(lengths=()) for rid in req_ids}
-    return state.take_records(req_ids)
+        records = {rid: KVKeepRecord(lengths=()) for rid in req_ids}
+    else:
+        records = state.take_records(req_ids)
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return records
+    parts: list = [None] * tp.world_size
+    torch.distributed.all_gather_object(parts, records, group=tp.cpu_group)
+    return {rid: KVKeepRecord.join_heads([p[rid] for p in parts]) for rid in req_ids}
 
 
 def _call_on_model(worker, fn):

@@ -6,7 +6,10 @@ vLLM's external_launcher), colocated with a Megatron learner at TP2 on the same 
   logprobs within float32 noise), and the engine's prompt logprobs equal transformers' (independent);
 - after an SFT step, `sync_to_engine` (the full HF stream on every rank; vLLM's loaders take each rank's
   slice) leaves the engine equal to the learner's own forward within the fp32 tolerance, and different
-  from before the sync; the learner's world survives the engine's shutdown.
+  from before the sync; the learner's world survives the engine's shutdown;
+- sparse KV (SnapKV, kv_keep recorded) in the TP2 engine: each rank compacts its own KV heads; the same
+  tokens as a TP-1 sparse engine, logprobs within float32 noise, and the kv_keep records joined over the
+  engine's ranks equal the TP-1 engine's (every layer, KV head and compaction).
 Run: .venv/bin/python -m pytest -q tests/e2e/test_rollout_engine_tp.py
 """
 import pytest
@@ -86,3 +89,43 @@ def test_two_ranks_form_one_engine(tmp_path):
     assert sampled < TOL and reference < TOL
     assert r0["diff"] < TOL and r1["diff"] < TOL
     assert moved > 1e-3, "the SFT step must move the weights the engine is checked against"
+
+
+SPARSE_PROMPTS = [[1] + [5 + (7 * i + 3 * j) % 30 for j in range(21 + 4 * i)] for i in range(4)]
+
+
+def _sparse(model_dir, tp: int):
+    """A SnapKV engine (budget 64, compaction every 32 tokens) and its 150-token rollouts of SPARSE_PROMPTS."""
+    from megatron_sparse_rl.config.rollout import KVConfig, RolloutConfig, SamplingConfig
+    from megatron_sparse_rl.rollout import RolloutEngine
+
+    kv = KVConfig(policy="snapkv", budget=64, window=8, interval=32, record_keep=True)
+    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=640, max_num_seqs=8, kv_cache_gb=1, kv=kv,
+                                                    tensor_parallel_size=tp))
+    # fixed-length generations (the tiny random model samples EOS often): vLLM's ignore_eos
+    engine._sampling_params = lambda s, i, **extra: RolloutEngine._sampling_params(engine, s, i, ignore_eos=True,
+                                                                                   **extra)
+    with engine:
+        batch = engine.generate(SPARSE_PROMPTS, SamplingConfig(n=2, temperature=1.0, max_tokens=150, seed=11))
+    return batch.responses(), batch.rollout_logprobs, batch.kv_keep
+
+
+def _sparse_rank(rank, world_size, model_dir):
+    return _sparse(model_dir, tp=2)
+
+
+def test_sparse_kv_in_a_tp2_engine(tmp_path):
+    from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+
+    model_dir = str(build_tiny_hf_model(tmp_path / "m", seed=0))
+    (tok0, lp0, kv0), (tok1, lp1, kv1) = run_distributed(_sparse_rank, world_size=2, args=(model_dir,), timeout=420)
+    tok, lp, kv = _sparse(model_dir, tp=1)
+    assert tok0 == tok1 == tok
+    assert torch.equal(lp0, lp1) and (lp0 - lp).abs().max().item() < TOL
+    assert min(r.num_compactions for r in kv) >= 3
+    for got, want, other in zip(kv0, kv, kv1):
+        assert got.lengths == want.lengths == other.lengths
+        assert got.kept[0].shape == want.kept[0].shape  # [layers, every KV head, budget]
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(got.kept, want.kept, other.kept))
+    print(f"sparse TP2 vs TP1: tokens equal, logprobs {(lp0 - lp).abs().max().item():.2e}, "
+          f"{sum(r.num_compactions for r in kv)} compactions' keep sets equal")

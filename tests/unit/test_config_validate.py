@@ -137,11 +137,6 @@ def test_rollout_tp_must_divide_the_world():
     validate(run_of("rollout.tensor_parallel_size=2", "launch.nproc_per_node=2"), 2, cuda=False)  # CPU is fine
 
 
-def test_rollout_tp_needs_dense_kv():
-    with pytest.raises(ValueError, match=r"rollout\.kv\.policy = 'snapkv' needs rollout\.tensor_parallel_size = 1"):
-        run_of("rollout.tensor_parallel_size=2", "rollout.kv.policy=snapkv")
-
-
 def test_every_problem_is_reported_at_once():
     run = run_of("model.tiny.head_dim=48", "rollout.sampling.n=1", "launch.nproc_per_node=2")
     with pytest.raises(ConfigError) as e:

@@ -27,6 +27,19 @@ def test_attention_mask_replays_compactions():
             assert set(m[0, h, t].nonzero()[:, 0].tolist()) == want[t], (h, t)
 
 
+def test_join_heads_puts_each_ranks_heads_in_rank_order():
+    # the record above split as a TP2 engine holds it: rank 0 has KV head 0, rank 1 KV head 1
+    kept = (torch.tensor([[[0, 3, 4], [1, 2, 4]]]), torch.tensor([[[0, 5, 6], [2, 4, 6]]]))
+    ranks = [KVKeepRecord(lengths=(5, 7), kept=tuple(k[:, h:h + 1] for k in kept), preempted=h == 1)
+             for h in range(2)]
+    joined = KVKeepRecord.join_heads(ranks)
+    assert joined.lengths == (5, 7) and joined.preempted
+    assert all(torch.equal(a, b) for a, b in zip(joined.kept, kept))
+    assert KVKeepRecord.join_heads([KVKeepRecord(lengths=(5,))] * 2) == KVKeepRecord(lengths=(5,))
+    with pytest.raises(RuntimeError, match=r"engine ranks compacted at different steps: \[\(5, 7\), \(5,\)\]"):
+        KVKeepRecord.join_heads([ranks[0], KVKeepRecord(lengths=(5,), kept=kept[:1])])
+
+
 def test_attention_mask_needs_kept_positions():
     with pytest.raises(ValueError, match="record_keep"):
         KVKeepRecord(lengths=(5,)).attention_mask(8)
