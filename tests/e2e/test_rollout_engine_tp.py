@@ -3,7 +3,8 @@ vLLM's external_launcher), colocated with a Megatron learner at TP2 on the same 
 
 - each rank holds half of every attention projection (a real TP2 engine, not two TP1 copies);
 - both ranks return the same rollouts, equal to a TP1 engine's with the same seeds (tokens equal,
-  logprobs within float32 noise), and the engine's prompt logprobs equal transformers' (independent);
+  logprobs within float32 noise, the same captured routes and top-k sampling support), and the engine's
+  prompt logprobs equal transformers' (independent);
 - after an SFT step, `sync_to_engine` (the full HF stream on every rank; vLLM's loaders take each rank's
   slice) leaves the engine equal to the learner's own forward within the fp32 tolerance, and different
   from before the sync; the learner's world survives the engine's shutdown;
@@ -27,15 +28,20 @@ PROBE = [[1, 5, 6, 14, 11, 18, 22, 20, 27, 21, 19, 5, 13], [1, 43, 21, 19, 9, 7,
 def _sampling():
     from megatron_sparse_rl.config.rollout import SamplingConfig
 
-    return SamplingConfig(n=2, temperature=1.0, max_tokens=10, seed=11)
+    return SamplingConfig(n=2, temperature=1.0, top_k=8, max_tokens=10, seed=11)
 
 
 def _engine(model_dir, tp: int):
+    """An engine that also records the routes it used (R3) and the sampler's kept ids (keep-sampling-mask)."""
     from megatron_sparse_rl.config.rollout import RolloutConfig
     from megatron_sparse_rl.rollout import RolloutEngine
+    from megatron_sparse_rl.rollout.routes import EngineRouteCapture
 
-    return RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1,
-                                                  tensor_parallel_size=tp))
+    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1,
+                                                    tensor_parallel_size=tp, logprobs_mode="processed",
+                                                    record_sampling_mask=True))
+    EngineRouteCapture.attach(engine)
+    return engine
 
 
 def _qkv_rows(model) -> int:
@@ -64,6 +70,7 @@ def _tp2_rank(rank, world_size, model_dir):
     x = torch.ones(1)
     dist.all_reduce(x)  # the learner's world outlived the engine
     return dict(rows=rows, responses=batch.responses(), logprobs=batch.rollout_logprobs, before=before,
+                routes=batch.routed_experts.indices, support=batch.sampling_mask,
                 after=after, diff=diff, world=x.item())
 
 
@@ -81,6 +88,13 @@ def test_two_ranks_form_one_engine(tmp_path):
     # one engine: both ranks see the same rollouts, and they are the TP1 engine's
     assert r0["responses"] == r1["responses"] == want.responses()
     assert torch.equal(r0["logprobs"], r1["logprobs"])
+    # the records that ride along: the experts every layer used (R3) and the sampler's top-k support
+    assert torch.equal(r0["routes"], want.routed_experts.indices) and torch.equal(r1["routes"], r0["routes"])
+    ref = want.sampling_mask
+    for got in (r0["support"], r1["support"]):
+        assert torch.equal(got.prompt_lens, ref.prompt_lens)
+        assert all(torch.equal(a, b) for a, b in zip(got.counts + got.ids, ref.counts + ref.ids, strict=True))
+    assert all(int(c.min()) == 8 for c in ref.counts)  # top-k = 8 kept exactly 8 ids at every token
     sampled = (r0["logprobs"] - want.rollout_logprobs).abs().max().item()
     reference = max_diff(r0["before"], hf_logprobs(model_dir, PROBE))
     moved = max_diff(r0["after"], r0["before"])
