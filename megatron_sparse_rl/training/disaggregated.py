@@ -67,13 +67,10 @@ def join_vllm_groups(engine_tp: int = 1) -> None:
     group (`ExecutorWithExternalLauncher.determine_available_memory`), which learner ranks join with +inf.
     vLLM cuts the world into TP groups of `engine_tp` consecutive ranks, so the learner ranks' groups are
     their own (the layout checks that `engine_tp` divides the learner and rollout rank counts)."""
-    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as vps
 
-    backend = "external_launcher" if engine_tp > 1 else "uni"
-    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=engine_tp,
-                                                       distributed_executor_backend=backend))
-    with set_current_vllm_config(config):
+    with set_current_vllm_config(VllmConfig()):
         vps.init_distributed_environment(engine_tp, dist.get_rank(), "env://", 0, "gloo")
         vps.ensure_model_parallel_initialized(engine_tp, 1)
     if engine_tp > 1:

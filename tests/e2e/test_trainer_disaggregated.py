@@ -122,7 +122,10 @@ def _assert_same_metrics(got_dir: Path, want_dir: Path) -> int:
     for key, rec in want.items():
         for name, value in rec.items():
             if isinstance(value, float) and not any(t in name for t in TIMING):
-                assert got[key][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, name)
+                # engine-vs-learner mismatch metrics sit at the float32 noise floor (~1e-6) when the weights
+                # match: they compare within that floor, not relative to it
+                floor = 1e-5 if name.startswith("mismatch/") else 1e-6
+                assert got[key][name] == pytest.approx(value, rel=1e-5, abs=floor), (key, name)
                 compared += 1
     assert compared > 50
     return compared
