@@ -7,6 +7,7 @@ from typing import Literal, get_args
 
 RoutingMode = Literal["off", "R2", "R3"]
 AuxLossUnderReplay = Literal["off", "replayed"]
+EngineRoutes = Literal["auto", "hook", "vllm"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -27,12 +28,19 @@ class RoutingConfig:
     R3 and the route capture on the engine)."""
     capture_rollout_routes: bool = False
     """Capture the engine's routes even when mode is not R3 (for the agreement statistics under off/R2)."""
+    engine_routes: EngineRoutes = "auto"
+    """How the engine reports the routes it used: vllm = vLLM's own routed-experts output
+    (enable_return_routed_experts; runs in its GPU model runner, needs CUDA); hook = a callback on every vLLM
+    MoE router (CPU and GPU); auto = vllm with CUDA, else hook."""
 
     def __post_init__(self):
         if self.mode not in get_args(RoutingMode):
             raise ValueError(f"routing.mode must be one of {get_args(RoutingMode)} (got {self.mode!r})")
         if self.aux_loss not in get_args(AuxLossUnderReplay):
             raise ValueError(f"routing.aux_loss must be one of {get_args(AuxLossUnderReplay)} (got {self.aux_loss!r})")
+        if self.engine_routes not in get_args(EngineRoutes):
+            raise ValueError(f"routing.engine_routes must be one of {get_args(EngineRoutes)} "
+                             f"(got {self.engine_routes!r})")
 
     @property
     def replay(self) -> bool:
@@ -43,3 +51,7 @@ class RoutingConfig:
     def capture(self) -> bool:
         """Whether the rollout engine must capture the routes it used."""
         return self.mode == "R3" or self.capture_rollout_routes
+
+    def vllm_routes(self, cuda: bool) -> bool:
+        """Whether the engine's routes come from vLLM's own output (else from the router callback)."""
+        return self.engine_routes == "vllm" or (self.engine_routes == "auto" and cuda)

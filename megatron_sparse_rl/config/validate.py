@@ -178,6 +178,9 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _layout_problems(run, world_size, spec, cuda)
     problems += _model_problems(run, spec, cuda)
     problems += _rollout_algorithm_problems(run, world_size)
+    if run.routing.engine_routes == "vllm" and not cuda:
+        problems.append("routing.engine_routes = 'vllm' needs CUDA (vLLM returns routed experts from its GPU model "
+                        "runner only); use 'hook' or 'auto' (the router callback) without CUDA")
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:

