@@ -51,6 +51,9 @@ class TrainerConfig:
     """Samples per held-out prompt (1 when eval_temperature is 0)."""
     sync_bucket_mb: float = 64.0
     """Bucket size of the learner -> engine weight sync."""
+    sync_engine_slices: bool = True
+    """Disaggregated engines of rollout.tensor_parallel_size > 1: each engine rank receives only its slice of the
+    tensor-parallel weights (False: every engine rank receives whole tensors and vLLM's loaders narrow them)."""
     verify_sync_every: int = 10
     """Check engine logprobs against the learner on a probe sequence after the first sync and every N syncs
     (0 = never)."""

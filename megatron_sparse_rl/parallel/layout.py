@@ -183,6 +183,21 @@ class ParallelLayout:
             raise ValueError(f"weight sync source must be a learner rank in [0, {self.world_size}) (got {src})")
         return dist.new_group([src, *range(self.world_size, self.world_size + self.rollout_ranks)])
 
+    def engine_shard_groups(self, src: int, engine_tp: int) -> list:
+        """For engines of `engine_tp` consecutive rollout ranks: group r = learner rank `src` + every rollout rank
+        of engine TP rank r (the sliced weight sync sends group r the slices those ranks keep).
+
+        Collective like `weight_sync_group`: every rank of the world calls it, in the same order."""
+        if not self.rollout_ranks:
+            raise ValueError("engine_shard_groups needs rollout ranks (a disaggregated layout, rollout_ranks > 0)")
+        if engine_tp < 1 or self.rollout_ranks % engine_tp:
+            raise ValueError(f"{self.rollout_ranks} rollout ranks do not split into engines of {engine_tp} ranks")
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"weight sync source must be a learner rank in [0, {self.world_size}) (got {src})")
+        first = self.world_size
+        return [dist.new_group([src, *range(first + r, first + self.rollout_ranks, engine_tp)])
+                for r in range(engine_tp)]
+
     @contextlib.contextmanager
     def learner_world(self, groups: ParallelGroups) -> Iterator[None]:
         """On learner ranks, while Megatron's model and optimizer are built: the default world reads as the

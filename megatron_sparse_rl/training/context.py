@@ -101,7 +101,8 @@ def build_context(run: RunConfig, total_steps: int):
     """This rank's `RunContext`; on a rollout rank of a disaggregated run, its `RolloutRank` instead.
 
     Every rank creates the same process groups in the same order: Megatron's (over the learner ranks), the
-    weight-sync group (learner rank 0 + the rollout ranks) and vLLM's (each engine's start-up, mirrored by
+    weight-sync group (learner rank 0 + the rollout ranks), with engine TP > 1 one sliced-sync group per engine
+    TP rank, and vLLM's (each engine's start-up, mirrored by
     `join_vllm_groups` on learner ranks)."""
     from transformers import AutoTokenizer
 
@@ -112,6 +113,7 @@ def build_context(run: RunConfig, total_steps: int):
     from megatron_sparse_rl.parallel import ParallelLayout
     from megatron_sparse_rl.patches import megatron_cpu
     from megatron_sparse_rl.training import disaggregated as D
+    from megatron_sparse_rl.weight_sync.engine_shards import EngineShards
 
     rank, world = init_world()
     init_logging(rank)
@@ -128,14 +130,19 @@ def build_context(run: RunConfig, total_steps: int):
     layout.check_model(spec)
     groups = layout.initialize()
     sync = layout.weight_sync_group(src=D.SRC) if n_rollout else None
+    engine_tp = run.rollout.tensor_parallel_size
+    sliced = bool(n_rollout) and engine_tp > 1 and run.trainer.sync_engine_slices
+    shard_groups = layout.engine_shard_groups(D.SRC, engine_tp) if sliced else None
     if groups is None:  # a rollout rank: an engine and the command loop, no model
-        return D.RolloutRank(_engine(run, run_dir, model_dir, spec), sync, rank, rank - layout.world_size,
-                             engine_tp=run.rollout.tensor_parallel_size)
+        index = rank - layout.world_size
+        return D.RolloutRank(_engine(run, run_dir, model_dir, spec), sync, rank, index, engine_tp=engine_tp,
+                             weights_group=shard_groups[index % engine_tp] if sliced else None)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if n_rollout:
-        D.join_vllm_groups(run.rollout.tensor_parallel_size)
+        D.join_vllm_groups(engine_tp)
         engine = D.RemoteEngine(sync, list(range(layout.world_size, world)), pad_id=_pad_id(tokenizer),
-                                engine_tp=run.rollout.tensor_parallel_size)
+                                engine_tp=engine_tp, shards=EngineShards(spec, engine_tp) if sliced else None,
+                                shard_groups=shard_groups)
     with layout.learner_world(groups):
         learner, reference, routing = _learners(run, adapter, spec, layout, groups, model_dir, total_steps)
     shares = None

@@ -8,7 +8,9 @@ Learner rank 0 drives the rollout ranks over the weight-sync group (rank 0 + eve
                                    prompts); its first rank's part comes back to rank 0 by gather_object, and
                                    the parts are joined in prompt order
     ("sync",)                      every learner rank runs `send_weights`, every rollout rank `receive_weights`
-                                   (checksummed buckets); each rollout rank then reports its status
+                                   (checksummed buckets; with t > 1 and trainer.sync_engine_slices each engine
+                                   rank receives only its slices, over its engine TP rank's group); each
+                                   rollout rank then reports its status
     ("probe", rows)                each engine's prompt logprobs of the probe rows, for rank 0 to compare
                                    with the learner's own forward (`verify_engines`)
     ("stop",)                      the rollout ranks leave `serve` and shut their engines down
@@ -57,6 +59,8 @@ class RolloutRank:
     """This rank's place among the rollout ranks (global rank - learner ranks)."""
     engine_tp: int = 1
     """Ranks per engine (rollout.tensor_parallel_size): this rank serves engine index // engine_tp."""
+    weights_group: Any = None
+    """Where its weights arrive: its engine TP rank's sliced-sync group (None: `sync_group`, whole tensors)."""
 
 
 def join_vllm_groups(engine_tp: int = 1) -> None:
@@ -163,10 +167,12 @@ class RemoteEngine:
     """The rollout ranks as one engine, on learner ranks. Only global rank `SRC` talks to them; on the other
     learner ranks it is a stand-in with `pad_id` (their steps never generate)."""
 
-    def __init__(self, sync_group, rollout_ranks: list[int], pad_id: int, engine_tp: int = 1):
+    def __init__(self, sync_group, rollout_ranks: list[int], pad_id: int, engine_tp: int = 1, *,
+                 shards=None, shard_groups: list | None = None):
         if len(rollout_ranks) % engine_tp:
             raise ValueError(f"{len(rollout_ranks)} rollout ranks do not split into engines of {engine_tp} ranks")
         self.group, self.ranks, self.pad_id, self.engine_tp = sync_group, rollout_ranks, pad_id, engine_tp
+        self.shards, self.shard_groups = shards, shard_groups
         self.driver = dist.get_rank() == SRC
         self.stopped = False
 
@@ -206,7 +212,8 @@ class RemoteEngine:
         start = time.perf_counter()
         if self.driver:
             dist.broadcast_object_list([("sync",)], src=SRC, group=self.group)
-        stats = send_weights(learner, self.group, src=SRC, bucket_mb=bucket_mb)
+        stats = send_weights(learner, self.group, src=SRC, bucket_mb=bucket_mb, shards=self.shards,
+                             shard_groups=self.shard_groups)
         if self.driver:
             self._gather()  # every engine verified its buckets and loaded them
         return replace(stats, seconds=time.perf_counter() - start)
@@ -238,7 +245,7 @@ def _handle(rr: RolloutRank, command: tuple):
     if op == "sync":
         from megatron_sparse_rl.weight_sync.disaggregated import receive_weights
 
-        receive_weights(rr.engine, rr.sync_group, src=SRC)
+        receive_weights(rr.engine, rr.weights_group or rr.sync_group, src=SRC)
         return None
     if op == "probe":
         return torch.stack(rr.engine.prompt_logprobs(command[1]))

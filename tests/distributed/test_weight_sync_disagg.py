@@ -37,7 +37,7 @@ def _join_vllm_groups():
         vps.ensure_model_parallel_initialized(1, 1)
 
 
-def _layout_groups(n_learners: int, tp: int, model_dir):
+def _layout_groups(n_learners: int, tp: int, model_dir, rollout_ranks: int = 1):
     """Every rank: the disaggregated layout, its groups (None on the rollout rank) and the sync group."""
     from megatron_sparse_rl.config.schema import ParallelConfig
     from megatron_sparse_rl.models import load_spec
@@ -45,7 +45,8 @@ def _layout_groups(n_learners: int, tp: int, model_dir):
     from megatron_sparse_rl.patches import megatron_cpu
 
     megatron_cpu.apply()
-    layout = ParallelLayout.from_config(ParallelConfig(tp=tp, sequence_parallel=tp > 1), n_learners, rollout_ranks=1)
+    layout = ParallelLayout.from_config(ParallelConfig(tp=tp, sequence_parallel=tp > 1), n_learners,
+                                        rollout_ranks=rollout_ranks)
     layout.check_model(load_spec(model_dir)[1])
     groups = layout.initialize()
     return layout, groups, layout.weight_sync_group(src=SRC)
@@ -155,6 +156,101 @@ def test_disaggregated_sync_from_tp2_learner(tmp_path):
     assert torch.equal(sent0["learner"], sent1["learner"]), "both TP ranks score the whole probe"
     # rank 1 gathered the same stream without sending it
     assert (sent1["stats"][0].tensors, sent1["stats"][0].bytes) == (got["stats"].tensors, got["stats"].bytes)
+
+
+class _ShiftedShards:
+    """Engine slices with one rule wrong on purpose: engine rank 1 is told its o_proj columns start at 0
+    (what rank 0 keeps), while vLLM's loader reads its own columns."""
+
+    def __init__(self, shards):
+        self.shards, self.tp = shards, shards.tp
+
+    def cut(self, name, tensor, rank):
+        from megatron_sparse_rl.weight_sync.engine_shards import Cut
+
+        piece, where = self.shards.cut(name, tensor, rank)
+        if where is not None and name.endswith("o_proj.weight") and rank == 1:
+            return tensor.narrow(where.dim, 0, where.length), Cut(where.full_shape, where.dim, 0, where.length)
+        return piece, where
+
+
+def sliced_worker(rank, world_size, model_dir):
+    """Ranks 0-1: learner TP2; ranks 2-3: ONE vLLM engine of TP2. Syncs: sliced, whole, wrong slices, sliced."""
+    from megatron_sparse_rl.learner.sft import make_sft_loss
+    from megatron_sparse_rl.models import load_spec
+    from megatron_sparse_rl.training.disaggregated import join_vllm_groups
+    from megatron_sparse_rl.weight_sync import WeightSyncError
+    from megatron_sparse_rl.weight_sync.disaggregated import receive_weights, send_weights
+    from megatron_sparse_rl.weight_sync.engine_shards import EngineShards
+
+    layout, groups, sync = _layout_groups(2, 2, model_dir, rollout_ranks=2)
+    slices = layout.engine_shard_groups(SRC, 2)
+    if groups is None:
+        from megatron_sparse_rl.config.rollout import RolloutConfig
+        from megatron_sparse_rl.rollout import RolloutEngine
+
+        engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1,
+                                                        tensor_parallel_size=2))
+        mine = slices[rank % 2]
+        out = {"before": torch.stack(engine.prompt_logprobs(PROBE))}
+        box = [None]
+        torch.distributed.broadcast_object_list(box, src=SRC, group=sync)
+        out["learner"] = box[0]
+        out["sliced_stats"] = receive_weights(engine, mine, src=SRC)
+        out["sliced"] = torch.stack(engine.prompt_logprobs(PROBE))
+        out["whole_stats"] = receive_weights(engine, sync, src=SRC)
+        out["whole"] = torch.stack(engine.prompt_logprobs(PROBE))
+        try:
+            receive_weights(engine, mine, src=SRC)
+            out["wrong_error"] = None
+        except WeightSyncError as e:
+            out["wrong_error"] = str(e)
+        receive_weights(engine, mine, src=SRC)
+        out["recovered"] = torch.stack(engine.prompt_logprobs(PROBE))
+        engine.shutdown()
+        return out
+    join_vllm_groups(2)
+    learner = _build_learner(layout, groups, model_dir)
+    tokens = torch.tensor(PROBE)
+    mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+    for _ in range(2):
+        learner.train_step(tokens, make_sft_loss(mask, mask.sum().item()))
+    ours = learner.forward_logprobs(tokens)["logprobs"]
+    if rank == SRC:
+        torch.distributed.broadcast_object_list([ours], src=SRC, group=sync)
+    shards = EngineShards(load_spec(model_dir)[1], 2)
+    sent = {"sliced": send_weights(learner, src=SRC, bucket_mb=0.1, shards=shards, shard_groups=slices),
+            "whole": send_weights(learner, sync, src=SRC, bucket_mb=0.1)}
+    send_weights(learner, src=SRC, bucket_mb=0.1, shards=_ShiftedShards(shards), shard_groups=slices)
+    send_weights(learner, src=SRC, bucket_mb=0.1, shards=shards, shard_groups=slices)
+    return sent
+
+
+def test_sliced_sync_into_a_tp2_engine(tmp_path):
+    """Each rank of a TP2 engine receives only its slices; the engine ends up exactly as after a whole-tensor
+    sync (vLLM's own loaders narrowing), and a slice that disagrees with vLLM's loader is caught."""
+    from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+
+    model_dir = str(build_tiny_hf_model(tmp_path / "moe", seed=0))
+    sent, _, got2, got3 = run_distributed(sliced_worker, 4, args=(model_dir,), timeout=420)
+    for got in (got2, got3):
+        assert (got["sliced"] - got["before"]).abs().max() > 1e-2, "the train steps must change the engine"
+        assert (got["sliced"] - got["learner"]).abs().max() < TOL
+        assert torch.equal(got["sliced"], got["whole"]), "sliced and whole-tensor syncs must load the same weights"
+        assert (got["recovered"] - got["learner"]).abs().max() < TOL
+        assert got["sliced_stats"].tensors == got["whole_stats"].tensors
+    ratio = [g["sliced_stats"].bytes / g["whole_stats"].bytes for g in (got2, got3)]
+    print(f"|engine - learner| after a sliced sync {(got2['sliced'] - got2['learner']).abs().max():.2e}; "
+          f"bytes received per engine rank, sliced / whole: {ratio[0]:.3f}, {ratio[1]:.3f}; "
+          f"sent {sent['sliced'].bytes} sliced vs {sent['whole'].bytes} whole")
+    assert all(r < 0.6 for r in ratio), ratio
+    assert sent["sliced"].bytes == got2["sliced_stats"].bytes + got3["sliced_stats"].bytes
+    # engine rank 1 (global rank 3) got rank 0's o_proj columns, placed where rank 0 keeps them: its loader
+    # reads NaN
+    assert got2["wrong_error"] is None
+    err = got3["wrong_error"]
+    assert err is not None and "read outside the slices" in err, err
+    assert "model.layers.0.self_attn.o_proj.weight" in err and "q_proj" not in err, err
 
 
 def _wrong_world_worker(rank, world_size):

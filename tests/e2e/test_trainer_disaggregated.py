@@ -172,6 +172,8 @@ def test_more_ranks(tmp_path, model_dir, nproc, rollout_ranks, extra, request):
     records = _check_run(run_dir, [1, 2])
     assert next(r for r in records if r["phase"] == "rl")["rollout/response_len"] > 0
     _print(f"{nproc} ranks, {rollout_ranks} rollout" + (f", {' '.join(extra)}" if extra else ""), records)
+    if "rollout.tensor_parallel_size=2" in extra:  # the engine's two ranks each received their own slices
+        assert "buckets to 2 group(s)" in proc.stderr, proc.stderr[-4000:]
     if "parallel.tp=2" not in extra:  # learner DP2: the same run colocated on 2 ranks is the reference
         compared = _assert_same_metrics(run_dir, request.getfixturevalue("colocated_dp2"))
         print(f"disaggregated DP2 + one TP2 engine vs colocated DP2: {compared} metric values equal")
