@@ -13,8 +13,10 @@ about its model shard plus the tensor being moved. hf_to_mcore streams the HF te
 side files (config, tokenizer) under `<out>/hf/`. mcore_to_hf loads that checkpoint (or one saved by training)
 at the current layout, gathers full tensors to rank 0, writes safetensors shards, re-reads them and compares
 every tensor with the manifest, naming the first one that differs. Rank 0 prints throttled progress lines
-(tensors, MB done of the total, MB/s; `progress.py`). Outputs appear atomically (staging directory, then
-rename); on any error nothing is left behind.
+(tensors, MB done of the total, MB/s; `progress.py`). The inputs are checked against the model config first
+(`checks.py`: HF headers before any process group use, torch_dist metadata and files before the load), every
+error naming the file or tensor. Outputs appear atomically (staging directory, then rename); on any error
+nothing is left behind.
 """
 from __future__ import annotations
 
@@ -31,11 +33,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.checkpoint import manifest as M
+from megatron_sparse_rl.checkpoint.checks import (check_hf_files, check_hf_tensors, check_saved_tensors,
+                                                  check_torch_dist_files, damaged_torch_dist_file)
 from megatron_sparse_rl.checkpoint.gather import iter_full_tensors, ownership
 from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
 from megatron_sparse_rl.checkpoint.hf_writer import ShardedSafetensorsWriter, parse_size
 from megatron_sparse_rl.checkpoint.progress import TransferProgress, report_phase
-from megatron_sparse_rl.checkpoint.shard import build_shard, dir_bytes, load_model_only, save_model_only
+from megatron_sparse_rl.checkpoint.shard import (build_shard, dir_bytes, load_model_only, save_model_only,
+                                                 sharded_shapes)
 from megatron_sparse_rl.learner.params import load_full_tensors, local_params
 from megatron_sparse_rl.models import load_spec
 from megatron_sparse_rl.models.tensor_map import to_hf, to_mcore
@@ -53,9 +58,14 @@ def _staging(out: Path) -> Path:
 
 
 def _clean(out: Path) -> None:
-    """Remove every temporary path a conversion to `out` may have created."""
+    """Remove every temporary path a conversion to `out` may have created. A `.<out>.old` left by a conversion
+    stopped between `_publish`'s two renames is the only copy of the previous output: it is put back, not removed."""
     stage = _staging(out)
-    for p in (stage, stage.with_name(f".{stage.name}.tmp"), out.with_name(f".{out.name}.old")):
+    old = out.with_name(f".{out.name}.old")
+    if old.is_dir() and not out.exists():
+        log.warning("restoring %s from %s (a previous conversion stopped while replacing it)", out, old)
+        os.replace(old, out)
+    for p in (stage, stage.with_name(f".{stage.name}.tmp"), old):
         shutil.rmtree(p, ignore_errors=True)
 
 
@@ -117,24 +127,6 @@ def _build(model_dir: Path, layout, dtype: str, verify: bool):
                    cfg=LearnerConfig(micro_batch_size=4), total_steps=1)
 
 
-def _check_hf_files(ckpt: HFCheckpoint) -> None:
-    """Open every shard named by the checkpoint (missing or corrupt files fail here, before any work)."""
-    from safetensors import safe_open
-
-    for file in sorted(set(ckpt.weight_map.values())):
-        path = ckpt.dir / file
-        if not path.is_file():
-            raise FileNotFoundError(f"{ckpt.dir}: shard {file!r} named in the index is missing")
-        try:
-            with safe_open(str(path), "pt") as f:
-                keys = set(f.keys())
-        except Exception as e:  # safetensors has its own error types
-            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
-        absent = [n for n, fl in ckpt.weight_map.items() if fl == file and n not in keys]
-        if absent:
-            raise ValueError(f"{path}: index names {len(absent)} tensors the file lacks, e.g. {absent[:3]}")
-
-
 def _read_into_shards(holder, spec, ckpt: HFCheckpoint, maps: list, stream) -> dict:
     """Stream the HF tensors into this rank's shards, reading each one once: a rank reads the tensors of the
     Megatron parameters it holds and hashes those it is the lowest holding rank of. Returns name -> manifest
@@ -188,16 +180,12 @@ def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1,
     hf_dir, out = Path(hf_dir), Path(out_dir).absolute()
     _check_out(out, overwrite)
     adapter, spec = load_spec(hf_dir)
-    layout = _layout(spec, tp, ep, pp, etp)
     ckpt = HFCheckpoint(hf_dir)
-    _check_hf_files(ckpt)
+    check_hf_files(ckpt)  # the input checks need no process group: they run before anything else
+    check_hf_tensors(ckpt, adapter, spec, hf_dir / "config.json")
+    layout = _layout(spec, tp, ep, pp, etp)
     maps = adapter.tensor_maps(spec)
     hf_names = [n for tm in maps for n in tm.hf]
-    missing = [n for n in hf_names if n not in ckpt.weight_map]
-    extra = sorted(set(ckpt.weight_map) - set(hf_names))
-    if missing or extra:
-        raise ValueError(f"{hf_dir}: tensors do not match the {spec.architecture} map: missing {missing[:3]} "
-                         f"({len(missing)}), unmapped {extra[:3]} ({len(extra)})")
     float_dtypes = {ckpt.header(n)[0] for n in hf_names}
     param_dtype = "bfloat16" if float_dtypes == {"bfloat16"} else "float32"
     stage = _staging(out)
@@ -233,32 +221,21 @@ def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1,
 
 
 # ---- Megatron -> HF --------------------------------------------------------------------------------
-def _check_torch_dist(mcore: Path) -> None:
-    """A complete torch_dist checkpoint whose every shard file exists (before any expensive work)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from megatron_sparse_rl.learner.checkpoint import COMMON, is_complete
-
-    if not mcore.is_dir():
-        raise FileNotFoundError(f"{str(mcore)!r} is not a directory")
-    if not is_complete(mcore) or not (mcore / COMMON).is_file():
-        raise FileNotFoundError(f"{str(mcore)!r} is not a complete Megatron checkpoint (no COMPLETE marker or "
-                                f"{COMMON})")
-    try:
-        meta = FileSystemReader(str(mcore)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a bad checkpoint
-        raise ValueError(f"{mcore}: unreadable torch_dist metadata ({e})") from None
-    files = sorted({s.relative_path for s in (meta.storage_data or {}).values()})
-    absent = [f for f in files if not (mcore / f).is_file()]
-    if absent:
-        raise FileNotFoundError(f"{mcore}: torch_dist shard file(s) missing: {absent[:3]}")
-
-
 def _target_dtypes(manifest: dict | None, hf_cfg: dict, param_dtype: str) -> Callable[[str], torch.dtype]:
     if manifest is not None:
         return lambda name: M.DTYPES[manifest["tensors"][name]["dtype"]]
     default = M.DTYPES.get(str(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or param_dtype), torch.float32)
     return lambda name: default
+
+
+def _check_digests(mcore: Path) -> None:
+    """A checkpoint saved by training carries every file's sha256 (learner/integrity.py): a bit flip inside
+    tensor data, which the structural checks cannot see, is named here before anything is built."""
+    from megatron_sparse_rl.learner.integrity import read_manifest as read_file_digests
+    from megatron_sparse_rl.learner.integrity import verify_files
+
+    if read_file_digests(mcore) is not None and (problems := verify_files(mcore)):
+        raise ValueError(f"{mcore}: damaged checkpoint files:\n  " + "\n  ".join(problems))
 
 
 def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, etp: int = 1,
@@ -271,7 +248,8 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
     mcore, out = Path(mcore_dir), Path(out_dir).absolute()
     _check_out(out, overwrite)
     max_bytes = parse_size(max_shard_size)
-    _check_torch_dist(mcore)
+    meta = check_torch_dist_files(mcore)
+    _check_digests(mcore)
     manifest = M.read_manifest(mcore)
     side_dir = Path(hf_config_dir) if hf_config_dir else mcore / M.HF_FILES_DIR
     if not (side_dir / "config.json").is_file():
@@ -289,17 +267,14 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
     try:
         if dist.get_rank() == 0:
             _clean(out)
-            stage.mkdir(parents=True)
-        dist.barrier()
         holder = _build(side_dir, layout, param_dtype, verify)
+        _check_saved(holder, mcore, meta, side_dir / "config.json")
         t0 = time.perf_counter()
-        try:
-            load_model_only(holder.model, mcore)
-        except Exception as e:  # noqa: BLE001 - dist_checkpointing errors are long; keep the cause
-            raise ValueError(f"{mcore}: cannot load the torch_dist checkpoint at tp={tp} ep={ep} pp={pp} "
-                             f"({type(e).__name__}: {e})") from e
+        _load(holder, mcore, meta, f"tp={tp} ep={ep} pp={pp}")
         if dist.get_rank() == 0:
             report_phase("mcore-to-hf torch_dist load", dir_bytes(mcore), time.perf_counter() - t0, stream=progress)
+            stage.mkdir(parents=True)
+        dist.barrier()
         _write_hf(holder, adapter, spec, stage, max_bytes, _target_dtypes(manifest, hf_cfg, param_dtype), manifest,
                   progress)
         if verify:
@@ -314,6 +289,32 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
         raise
     log.info("converted %s -> %s", mcore, out)
     return out
+
+
+def _check_saved(holder, mcore: Path, meta, config: Path) -> None:
+    """The checkpoint's tensor shapes and dtypes against those of the model built from `config` (every rank
+    checks the union of all ranks' tensors, so all raise the same error)."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sharded_shapes(holder.model))
+    check_saved_tensors(mcore, meta, {k: v for part in every for k, v in part.items()}, config)
+
+
+def _load(holder, mcore: Path, meta, layout: str) -> None:
+    """Load the checkpoint into the model; a failure names the damaged shard file when one does not read back
+    (torch.distributed.checkpoint reports a bare EOFError/RuntimeError inside a CheckpointException)."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        load_model_only(holder.model, mcore)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        damaged = damaged_torch_dist_file(mcore, meta)
+        if damaged:
+            raise ValueError(damaged) from None
+        cause = e
+        if isinstance(e, CheckpointException) and e.failures:
+            cause = next(iter(e.failures.values()))[0]  # (exception, traceback) of the first failing rank
+        raise ValueError(f"{mcore}: cannot load the torch_dist checkpoint at {layout} "
+                         f"({type(cause).__name__}: {cause})") from e
 
 
 def _write_hf(holder, adapter, spec, stage: Path, max_bytes: int, target_dtype, manifest: dict | None,

@@ -17,7 +17,7 @@ from megatron_sparse_rl.models.tensor_map import to_mcore
 
 INDEX = "model.safetensors.index.json"
 # safetensors header dtype code -> (torch dtype name, bytes per element)
-_DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2), "F64": ("float64", 8),
+DTYPE_CODES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2), "F64": ("float64", 8),
            "I64": ("int64", 8), "I32": ("int32", 4), "I8": ("int8", 1), "U8": ("uint8", 1), "BOOL": ("bool", 1)}
 
 
@@ -75,16 +75,19 @@ class HFCheckpoint:
     def names(self) -> list[str]:
         return list(self.weight_map)
 
-    def header(self, name: str) -> tuple[str, tuple[int, ...], int]:
-        """(dtype name, shape, bytes) of tensor `name` from its file header, without reading the data."""
+    def raw_header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype code such as "BF16", shape) of tensor `name` from its file header, no data read."""
         if name not in self.weight_map:
             raise KeyError(f"{self.dir}: tensor {name!r} is not in the checkpoint")
         info = self._handle(self.weight_map[name]).get_slice(name)
-        code = info.get_dtype()
-        if code not in _DTYPES:
-            raise ValueError(f"{self.dir}: tensor {name!r} has dtype {code}; supported: {', '.join(_DTYPES)}")
-        dtype, size = _DTYPES[code]
-        shape = tuple(info.get_shape())
+        return info.get_dtype(), tuple(info.get_shape())
+
+    def header(self, name: str) -> tuple[str, tuple[int, ...], int]:
+        """(dtype name, shape, bytes) of tensor `name` from its file header, without reading the data."""
+        code, shape = self.raw_header(name)
+        if code not in DTYPE_CODES:
+            raise ValueError(f"{self.dir}: tensor {name!r} has dtype {code}; supported: {', '.join(DTYPE_CODES)}")
+        dtype, size = DTYPE_CODES[code]
         numel = 1
         for d in shape:
             numel *= d

@@ -4,6 +4,7 @@ torch_dist save/load in the format of `learner/checkpoint.py`.
     shard = build_shard(hf_dir, layout, "float32")     # after megatron_cpu.apply(); initialises the groups
     save_model_only(shard.model, out)                  # loadable by load_learner(..., load_optimizer=False)
     load_model_only(shard.model, ckpt)                 # any checkpoint save_learner / save_model_only wrote
+    sharded_shapes(shard.model)                        # torch_dist key -> (global shape, dtype) of this shard
 
 A Learner holds, besides the model, a DDP gradient buffer (fp32, the size of the model shard) and an optimizer
 (for bf16 an fp32 copy of every parameter, and Adam moments after a step); a conversion needs none of them,
@@ -121,6 +122,19 @@ def load_model_only(model, path: Path) -> None:
     inner = _unwrap(model)
     state = dist_checkpointing.load({"model": inner.sharded_state_dict()}, str(path))
     inner.load_state_dict(state["model"])
+
+
+def sharded_shapes(model) -> dict[str, tuple[tuple[int, ...] | None, str]]:
+    """torch_dist key -> (global shape, dtype name) of every tensor this rank's `model` saves or loads (the keys
+    and stacking of Megatron's sharded state dict: fused layer norms, experts stacked on a leading axis). The
+    shape is None where Megatron allows a checkpoint's shape to differ."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    state = _unwrap(model).sharded_state_dict()
+    apply_factories(state)  # e.g. the gated MLP's fc1, saved as two halves of one key
+    return {t.key: (None if t.allow_shape_mismatch else tuple(t.global_shape), str(t.dtype).removeprefix("torch."))
+            for t in nested_values(state) if isinstance(t, ShardedTensor)}
 
 
 def dir_bytes(path: Path) -> int:

@@ -73,42 +73,62 @@ class GPTAdapter:
 
     # ---- name map ------------------------------------------------------------------------------
     def tensor_maps(self, spec: ModelSpec) -> list[TensorMap]:
-        """Every Megatron parameter of the full model with its HF sources, in HF checkpoint order."""
-        maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+        """Every Megatron parameter of the full model with its HF sources and their shapes, in HF checkpoint
+        order."""
+        h, vocab = spec.hidden_size, spec.vocab_size
+        maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), shapes=((vocab, h),))]
         for i in range(spec.num_layers):
             maps += self._layer_maps(spec, i)
-        maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",)))
+        maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), shapes=((h,),)))
         if not spec.tie_embeddings:
-            maps.append(TensorMap("output_layer.weight", ("lm_head.weight",)))
+            maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), shapes=((vocab, h),)))
         return maps
+
+    def hf_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor name of the full model -> its shape, as the config implies (from `tensor_maps`)."""
+        out: dict[str, tuple[int, ...]] = {}
+        for tm in self.tensor_maps(spec):
+            if len(tm.shapes) != len(tm.hf):
+                raise AssertionError(f"{type(self).__name__}: tensor map {tm.mcore} has no shape for each HF tensor")
+            out.update(zip(tm.hf, tm.shapes))
+        return out
 
     def _layer_maps(self, spec: ModelSpec, i: int) -> list[TensorMap]:
         hf = self.hf_layer.format(i=i)
         mc = f"decoder.layers.{i}"
         att = f"{hf}.self_attn"
+        h, hd = spec.hidden_size, spec.head_dim
+        q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
         maps = [
-            TensorMap(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
+            TensorMap(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",), shapes=((h,),)),
             TensorMap(f"{mc}.self_attention.linear_qkv.weight",
-                      (f"{att}.q_proj.weight", f"{att}.k_proj.weight", f"{att}.v_proj.weight"), "qkv"),
-            TensorMap(f"{mc}.self_attention.linear_proj.weight", (f"{att}.o_proj.weight",)),
-            TensorMap(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)),
+                      (f"{att}.q_proj.weight", f"{att}.k_proj.weight", f"{att}.v_proj.weight"), "qkv",
+                      shapes=((q, h), (kv, h), (kv, h))),
+            TensorMap(f"{mc}.self_attention.linear_proj.weight", (f"{att}.o_proj.weight",), shapes=((h, q),)),
+            TensorMap(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",), shapes=((h,),)),
         ]
         if spec.qkv_bias:
             maps.append(TensorMap(f"{mc}.self_attention.linear_qkv.bias",
-                                  (f"{att}.q_proj.bias", f"{att}.k_proj.bias", f"{att}.v_proj.bias"), "qkv"))
+                                  (f"{att}.q_proj.bias", f"{att}.k_proj.bias", f"{att}.v_proj.bias"), "qkv",
+                                  shapes=((q,), (kv,), (kv,))))
         if spec.qk_norm:
-            maps += [TensorMap(f"{mc}.self_attention.q_layernorm.weight", (f"{att}.q_norm.weight",)),
-                     TensorMap(f"{mc}.self_attention.k_layernorm.weight", (f"{att}.k_norm.weight",))]
-        if spec.moe_layers and spec.moe_layers[i]:
-            maps.append(TensorMap(f"{mc}.mlp.router.weight", (f"{hf}.{self.hf_router}",)))
-            gate, up, down = self.hf_expert_names
-            for e in range(spec.num_experts):
-                ex = f"{hf}.{self.hf_experts.format(e=e)}"
-                me = f"{mc}.mlp.experts.local_experts.{e}"
-                maps += [TensorMap(f"{me}.linear_fc1.weight", (f"{ex}.{gate}.weight", f"{ex}.{up}.weight"), "glu"),
-                         TensorMap(f"{me}.linear_fc2.weight", (f"{ex}.{down}.weight",))]
-        else:
-            maps += [TensorMap(f"{mc}.mlp.linear_fc1.weight",
-                               (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), "glu"),
-                     TensorMap(f"{mc}.mlp.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",))]
+            maps += [TensorMap(f"{mc}.self_attention.q_layernorm.weight", (f"{att}.q_norm.weight",), shapes=((hd,),)),
+                     TensorMap(f"{mc}.self_attention.k_layernorm.weight", (f"{att}.k_norm.weight",), shapes=((hd,),))]
+        if not (spec.moe_layers and spec.moe_layers[i]):
+            return maps + mlp_maps(f"{mc}.mlp", f"{hf}.mlp", ("gate_proj", "up_proj", "down_proj"), h,
+                                   spec.ffn_hidden_size)
+        maps.append(TensorMap(f"{mc}.mlp.router.weight", (f"{hf}.{self.hf_router}",),
+                              shapes=((spec.num_experts, h),)))
+        for e in range(spec.num_experts):
+            maps += mlp_maps(f"{mc}.mlp.experts.local_experts.{e}", f"{hf}.{self.hf_experts.format(e=e)}",
+                             self.hf_expert_names, h, spec.moe_ffn_hidden_size)
         return maps
+
+
+def mlp_maps(mcore: str, hf: str, names: tuple[str, str, str], hidden: int, ffn: int) -> list[TensorMap]:
+    """The two maps of a SwiGLU MLP: fc1 = [gate; up] ((ffn, hidden) each), fc2 = down ((hidden, ffn)); `names`
+    are the HF (gate, up, down) projection names under prefix `hf`."""
+    gate, up, down = names
+    return [TensorMap(f"{mcore}.linear_fc1.weight", (f"{hf}.{gate}.weight", f"{hf}.{up}.weight"), "glu",
+                      shapes=((ffn, hidden), (ffn, hidden))),
+            TensorMap(f"{mcore}.linear_fc2.weight", (f"{hf}.{down}.weight",), shapes=((hidden, ffn),))]

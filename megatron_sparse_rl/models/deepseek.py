@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_sparse_rl.models.base import GPTAdapter
+from megatron_sparse_rl.models.base import GPTAdapter, mlp_maps
 from megatron_sparse_rl.models.mixtral import check_family
 from megatron_sparse_rl.models.qwen import _check_act
 from megatron_sparse_rl.models.spec import ModelSpec
@@ -102,38 +102,43 @@ class DeepseekV3Adapter(GPTAdapter):
     # ---- name map ------------------------------------------------------------------------------
     def _attention_maps(self, spec: DeepseekSpec, hf: str, mc: str) -> list[TensorMap]:
         att, sa = f"{hf}.self_attn", f"{mc}.self_attention"
+        h, heads, lora = spec.hidden_size, spec.num_heads, spec.kv_lora_rank
+        q = heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
         if spec.q_lora_rank is None:
-            maps = [TensorMap(f"{sa}.linear_q_proj.weight", (f"{att}.q_proj.weight",))]
+            maps = [TensorMap(f"{sa}.linear_q_proj.weight", (f"{att}.q_proj.weight",), shapes=((q, h),))]
         else:
-            maps = [TensorMap(f"{sa}.linear_q_down_proj.weight", (f"{att}.q_a_proj.weight",)),
-                    TensorMap(f"{sa}.q_layernorm.weight", (f"{att}.q_a_layernorm.weight",)),
-                    TensorMap(f"{sa}.linear_q_up_proj.weight", (f"{att}.q_b_proj.weight",))]
+            r = spec.q_lora_rank
+            maps = [TensorMap(f"{sa}.linear_q_down_proj.weight", (f"{att}.q_a_proj.weight",), shapes=((r, h),)),
+                    TensorMap(f"{sa}.q_layernorm.weight", (f"{att}.q_a_layernorm.weight",), shapes=((r,),)),
+                    TensorMap(f"{sa}.linear_q_up_proj.weight", (f"{att}.q_b_proj.weight",), shapes=((q, r),))]
+        kv_up = heads * (spec.qk_nope_head_dim + spec.v_head_dim)
         return maps + [
-            TensorMap(f"{sa}.linear_kv_down_proj.weight", (f"{att}.kv_a_proj_with_mqa.weight",)),
-            TensorMap(f"{sa}.kv_layernorm.weight", (f"{att}.kv_a_layernorm.weight",)),
-            TensorMap(f"{sa}.linear_kv_up_proj.weight", (f"{att}.kv_b_proj.weight",)),
-            TensorMap(f"{sa}.linear_proj.weight", (f"{att}.o_proj.weight",)),
+            TensorMap(f"{sa}.linear_kv_down_proj.weight", (f"{att}.kv_a_proj_with_mqa.weight",),
+                      shapes=((lora + spec.qk_rope_head_dim, h),)),
+            TensorMap(f"{sa}.kv_layernorm.weight", (f"{att}.kv_a_layernorm.weight",), shapes=((lora,),)),
+            TensorMap(f"{sa}.linear_kv_up_proj.weight", (f"{att}.kv_b_proj.weight",), shapes=((kv_up, lora),)),
+            TensorMap(f"{sa}.linear_proj.weight", (f"{att}.o_proj.weight",), shapes=((h, heads * spec.v_head_dim),)),
         ]
 
     def _layer_maps(self, spec: DeepseekSpec, i: int) -> list[TensorMap]:
         if spec.qkv_bias:
             raise NotImplementedError("DeepSeek-V3 with attention_bias is not supported")
-        hf, mc = self.hf_layer.format(i=i), f"decoder.layers.{i}"
-        maps = [TensorMap(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",))]
+        hf, mc, h = self.hf_layer.format(i=i), f"decoder.layers.{i}", spec.hidden_size
+        maps = [TensorMap(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",), shapes=((h,),))]
         maps += self._attention_maps(spec, hf, mc)
-        maps.append(TensorMap(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)))
+        maps.append(TensorMap(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",),
+                              shapes=((h,),)))
+        names = ("gate_proj", "up_proj", "down_proj")
         if not spec.moe_layers[i]:
-            return maps + [TensorMap(f"{mc}.mlp.linear_fc1.weight",
-                                     (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), "glu"),
-                           TensorMap(f"{mc}.mlp.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",))]
-        maps += [TensorMap(f"{mc}.mlp.router.weight", (f"{hf}.mlp.gate.weight",)),
-                 TensorMap(f"{mc}.mlp.router.expert_bias", (f"{hf}.mlp.gate.e_score_correction_bias",))]
-        for e in range(spec.num_experts):
-            ex, me = f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{e}"
-            maps += [TensorMap(f"{me}.linear_fc1.weight", (f"{ex}.gate_proj.weight", f"{ex}.up_proj.weight"), "glu"),
-                     TensorMap(f"{me}.linear_fc2.weight", (f"{ex}.down_proj.weight",))]
+            return maps + mlp_maps(f"{mc}.mlp", f"{hf}.mlp", names, h, spec.ffn_hidden_size)
+        experts = spec.num_experts
+        maps += [TensorMap(f"{mc}.mlp.router.weight", (f"{hf}.mlp.gate.weight",), shapes=((experts, h),)),
+                 TensorMap(f"{mc}.mlp.router.expert_bias", (f"{hf}.mlp.gate.e_score_correction_bias",),
+                           shapes=((experts,),))]
+        for e in range(experts):
+            maps += mlp_maps(f"{mc}.mlp.experts.local_experts.{e}", f"{hf}.mlp.experts.{e}", names, h,
+                             spec.moe_ffn_hidden_size)
         if spec.shared_expert_ffn_hidden_size:
-            sh, ms = f"{hf}.mlp.shared_experts", f"{mc}.mlp.shared_experts"
-            maps += [TensorMap(f"{ms}.linear_fc1.weight", (f"{sh}.gate_proj.weight", f"{sh}.up_proj.weight"), "glu"),
-                     TensorMap(f"{ms}.linear_fc2.weight", (f"{sh}.down_proj.weight",))]
+            maps += mlp_maps(f"{mc}.mlp.shared_experts", f"{hf}.mlp.shared_experts", names, h,
+                             spec.shared_expert_ffn_hidden_size)
         return maps

@@ -5,7 +5,8 @@ A `TensorMap` says which HF tensors one Megatron parameter is made of and how th
 - qkv: q, k, v projections fused into Megatron's grouped [groups, q_per_group + 2, head_dim, ...] layout;
 - glu: gate and up projections stacked into one fc1 weight ([gate; up]).
 "Full" Megatron names use the GLOBAL layer number (0-based) and GLOBAL expert index; `learner/params.py`
-maps them to a rank's local shards.
+maps them to a rank's local shards. Each map also carries the shape of each HF tensor, derived from the config by
+the adapter (`GPTAdapter.hf_shapes`): conversion checks checkpoint headers against it.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class TensorMap:
     mcore: str
     hf: tuple[str, ...]
     kind: Kind = "copy"
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """The shape of each tensor of `hf` (same order), derived from the model config by the adapter."""
 
 
 def to_mcore(tm: TensorMap, tensors: list[torch.Tensor], spec: ModelSpec) -> torch.Tensor:

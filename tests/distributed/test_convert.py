@@ -2,7 +2,8 @@
 torch.equal against the original safetensors), cross-layout (saved at EP2, exported at TP1 and the reverse; saved
 at TP2xEP2 on 4 ranks, exported at TP2xEP2 and at TP1), a converted checkpoint loaded into a Learner matching HF
 transformers' logprobs, the progress lines' counts against the bytes on disk, and bad inputs that must fail
-clearly and leave nothing behind."""
+clearly and leave nothing behind (including damaged .distcp files named by `msrl convert` and torch_dist shapes
+checked against the config; the HF header checks are unit-tested in tests/unit/test_convert_checks.py)."""
 import io
 import json
 import re
@@ -132,6 +133,30 @@ def bad_inputs_worker(rank, world, hf, root, bad):
 
     (bad / "replace").mkdir()
     case("overwrite", lambda: mcore_to_hf(f"{root}/mc_tp1", bad / "replace", overwrite=True))
+    return results
+
+
+def m2h_failures_worker(rank, world, inputs, out):
+    """mcore-to-hf of damaged or mismatched inputs into the existing directory `out` (with overwrite). Damaged
+    files go through `msrl convert` (in this rank: WORLD_SIZE is set, so the CLI converts in this world), config
+    mismatches through the library. Returns {case: (exit code or exception type, message)}."""
+    from contextlib import redirect_stderr
+
+    from megatron_sparse_rl.checkpoint.convert import mcore_to_hf
+    from tools.cli import main
+
+    results = {}
+    for case in ("damaged_item", "truncated_distcp"):
+        err = io.StringIO()
+        with redirect_stderr(err):
+            code = main(["convert", "mcore-to-hf", "--mcore", f"{inputs}/{case}", "--out", out, "--overwrite"])
+        results[case] = (code, err.getvalue())
+    for case in ("ffn_config", "layers_config"):
+        try:
+            mcore_to_hf(f"{inputs}/mc", out, hf_config_dir=f"{inputs}/{case}", overwrite=True)
+            results[case] = (None, "")
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            results[case] = (type(e).__name__, str(e))
     return results
 
 
@@ -315,3 +340,85 @@ def test_deepseek_expert_bias_is_loaded_saved_and_exported_bit_exact(tmp_path):
     assert set(out) == set(on_disk) - mla
     for name, t in out.items():
         assert torch.equal(t, on_disk[name]), name
+
+
+# ---- mcore-to-hf: damaged files and config mismatches, named, nothing written --------------------------------
+def _snapshot(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+def _damaged_inputs(mc: Path, inputs: Path) -> None:
+    """Copies of `mc`: one .distcp item's zip directory zeroed (the file keeps its size, so only the load finds
+    it), one .distcp cut to 1000 bytes; and HF configs that disagree with the checkpoint (expert FFN size, layers)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shutil.copytree(mc, inputs / "mc")
+    item = shutil.copytree(mc, inputs / "damaged_item")
+    _, info = next((i, s) for i, s in FileSystemReader(str(item)).read_metadata().storage_data.items()
+                   if i.fqn == "decoder.layers.0.self_attention.linear_qkv.weight")
+    data = bytearray((item / info.relative_path).read_bytes())
+    data[info.offset + info.length - 22:info.offset + info.length] = bytes(22)
+    (item / info.relative_path).write_bytes(bytes(data))
+    cut = shutil.copytree(mc, inputs / "truncated_distcp")
+    shard = sorted(cut.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    for case, change in (("ffn_config", {"moe_intermediate_size": 32}), ("layers_config", {"num_hidden_layers": 1})):
+        d = shutil.copytree(mc / "hf", inputs / case)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **change}))
+
+
+@pytest.fixture(scope="module")
+def m2h_failures(converted, tmp_path_factory):
+    """One spawned rank runs every case; returns (results, inputs dir, snapshots before, snapshots after)."""
+    _, root = converted
+    inputs, outs = tmp_path_factory.mktemp("m2h_inputs"), tmp_path_factory.mktemp("m2h_outs")
+    _damaged_inputs(root / "mc_tp1", inputs)
+    (outs / "existing").mkdir()
+    (outs / "existing" / "keep.txt").write_text("the user's data")
+    before = (_snapshot(inputs), _snapshot(outs))
+    results = run_distributed(m2h_failures_worker, 1, args=(str(inputs), str(outs / "existing")), timeout=300)[0]
+    return results, inputs, before, (_snapshot(inputs), _snapshot(outs))
+
+
+def _assert_nothing_changed(before, after):
+    assert after[1] == before[1], "the output directory changed (or a partial one was left)"
+    assert after[0] == before[0], "an input changed"
+
+
+def test_m2h_cli_names_the_damaged_distcp_item(m2h_failures):
+    results, inputs, before, after = m2h_failures
+    code, err = results["damaged_item"]
+    assert code == 2, err
+    assert re.search(rf"(?m)^error: ValueError: {re.escape(str(inputs))}/damaged_item/__\d+_\d+\.distcp: damaged "
+                    r"torch_dist shard file: item 'decoder.layers.0.self_attention.linear_qkv.weight' at byte \d+ "
+                    r"does not read \(BadZipFile", err), err
+    _assert_nothing_changed(before, after)
+
+
+def test_m2h_cli_names_the_truncated_distcp(m2h_failures):
+    results, inputs, before, after = m2h_failures
+    code, err = results["truncated_distcp"]
+    assert code == 2 and "EOFError" not in err and "Traceback" not in err, err
+    assert re.search(rf"(?m)^error: ValueError: {re.escape(str(inputs))}/truncated_distcp/__0_0\.distcp: damaged "
+                    r"torch_dist shard file: 1000 bytes, but \.metadata places data up to byte \d+", err), err
+    _assert_nothing_changed(before, after)
+
+
+def test_m2h_saved_shapes_are_checked_against_the_config(m2h_failures):
+    results, inputs, before, after = m2h_failures
+    kind, msg = results["ffn_config"]
+    assert kind == "ValueError" and f"do not fit the model of {inputs}/ffn_config/config.json" in msg, msg
+    assert "decoder.layers.0.mlp.experts.experts.linear_fc1.weight: expected shape (4, 64, 64), found (4, 128, 64)" \
+        in msg, msg
+    _assert_nothing_changed(before, after)
+
+
+def test_m2h_tensors_the_config_lacks_are_refused(m2h_failures):
+    results, inputs, before, after = m2h_failures
+    kind, msg = results["layers_config"]
+    assert kind == "ValueError" and "missing [] (0), not in the model ['decoder.layers.1." in msg, msg
+    _assert_nothing_changed(before, after)
