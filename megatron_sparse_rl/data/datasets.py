@@ -1,14 +1,18 @@
 """Prompt datasets (JSONL, parquet, the built-in arithmetic task), encoding, and the resumable stream.
 
-- JSONL: one JSON object per line with `data.prompt_key` (a non-empty string) and `data.answer_key`
-  (a string or a number; numbers become their decimal text). Blank lines are ignored. Any other
-  malformed line (bad JSON, not an object, a missing key, a wrong type) raises `DatasetError` naming
-  the file and the 1-based line number; nothing is skipped silently.
-- Parquet: read with pyarrow (an ImportError says how to install it when absent); the same checks,
-  reported with the 1-based row number.
+- JSONL: one JSON object per line, UTF-8, with `data.prompt_key` (a non-empty string) and
+  `data.answer_key` (a string or a number; numbers become their decimal text). Blank lines are ignored.
+  Any other problem (undecodable bytes, bad JSON, not an object, a missing key, a key given twice, a
+  wrong type) raises `DatasetError` naming the file and the 1-based line number; an empty file and a
+  file that does not exist (`DatasetMissing`) are errors too. Nothing is skipped silently.
+- Parquet: read with pyarrow one record batch at a time (an ImportError says how to install it when
+  absent); the same checks, reported with the 1-based row number.
 - Prompts longer than `data.max_prompt_tokens` after templating: `DatasetError` naming the line
   (on_long_prompt="error"), or dropped and counted (on_long_prompt="skip"; the count is returned by
   `encode_prompts` and held by `PromptStream.skipped` for the trainer to log).
+
+The `iter_*` readers stream (one record at a time); `read_*` and `load_prompts` collect them. `checks.py`
+runs the same readers over every record before a run starts.
 
     train = load_prompts(cfg.data, "train")
     encoded, skipped = encode_prompts(train, load_tokenizer(model_dir), cfg.data)
@@ -19,12 +23,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Generic, Literal, Sequence, TypeVar
+from typing import Any, Generic, Iterator, Literal, Sequence, TypeVar
 
 import numpy as np
 
 from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.data import DataConfig
+from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.data import arithmetic
 from megatron_sparse_rl.data.templates import encode_prompt
 from megatron_sparse_rl.data.types import Example, Prompt
@@ -32,8 +37,15 @@ from megatron_sparse_rl.data.types import Example, Prompt
 T = TypeVar("T")
 
 
-class DatasetError(ValueError):
-    """A dataset file or record is malformed; the message names the file and the line (or row)."""
+class DatasetError(ConfigError):
+    """A dataset file or record is malformed; the message names the file and the line (or row).
+
+    A ConfigError: the data a config points to is part of what `msrl validate` and `msrl train` check
+    before anything starts, and the command line prints it as `error: <message>` (exit 2)."""
+
+
+class DatasetMissing(DatasetError, FileNotFoundError):
+    """A dataset file named by the config does not exist."""
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -49,7 +61,8 @@ def _record(obj: Any, where: str, prompt_key: str, answer_key: str) -> Prompt:
                            f"got {type(obj).__name__}")
     for key in (prompt_key, answer_key):
         if key not in obj:
-            raise DatasetError(f"{where}: missing key {key!r} (has {sorted(obj)})")
+            raise DatasetError(f"{where}: missing key {key!r} (need {prompt_key!r} and {answer_key!r}; "
+                               f"has {sorted(obj)})")
     prompt, answer = obj[prompt_key], obj[answer_key]
     if not isinstance(prompt, str) or not prompt:
         raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty string (got {prompt!r})")
@@ -60,59 +73,143 @@ def _record(obj: Any, where: str, prompt_key: str, answer_key: str) -> Prompt:
     return Prompt(text=prompt, answer=str(answer), source=where)
 
 
-def read_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Prompt]:
-    """All records of a JSONL file, in file order; `DatasetError` with file:line on a malformed line."""
+def _existing_file(path: str | Path) -> Path:
+    """`path` as a Path; `DatasetMissing` when nothing is there, `DatasetError` for a directory."""
     path = Path(path)
+    if not path.exists():
+        raise DatasetMissing(f"dataset file {str(path)!r} does not exist")
     if not path.is_file():
-        raise DatasetError(f"dataset file {str(path)!r} does not exist")
-    prompts = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+        raise DatasetError(f"dataset file {str(path)!r} is not a file (a directory?)")
+    return path
+
+
+def _decode(raw: bytes, where: str, first: bool) -> str:
+    # utf-8-sig on the first line accepts the byte-order mark some editors write; json.loads refuses it.
+    try:
+        return raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{where}: undecodable bytes (not UTF-8: byte 0x{raw[e.start]:02x} at byte "
+                           f"{e.start + 1} of the line)") from None
+
+
+def _parse_json(line: str, where: str, keys: tuple[str, str]) -> Any:
+    def no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict:
+        names = [k for k, _ in pairs]
+        for key in keys:  # json.loads would keep the last value silently; which one the user meant is unknown
+            if names.count(key) > 1:
+                raise DatasetError(f"{where}: key {key!r} appears {names.count(key)} times in one object")
+        return dict(pairs)
+
+    try:
+        return json.loads(line, object_pairs_hook=no_repeated_keys)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def iter_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> Iterator[Prompt]:
+    """The records of a JSONL file one at a time, in file order (nothing is held); `DatasetError` naming
+    file:line on the first malformed line, `DatasetMissing` when the file does not exist."""
+    path = _existing_file(path)
+    records = lineno = 0
+    try:
+        f = path.open("rb")  # bytes: an undecodable line is reported with its number
+    except OSError as e:
+        raise DatasetError(f"dataset file {str(path)!r} cannot be read ({e.strerror})") from None
+    with f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            line = _decode(raw, where, first=lineno == 1)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            prompts.append(_record(obj, where, prompt_key, answer_key))
-    if not prompts:
-        raise DatasetError(f"dataset file {str(path)!r} holds no records")
-    return prompts
+            records += 1
+            yield _record(_parse_json(line, where, (prompt_key, answer_key)), where, prompt_key, answer_key)
+    if not records:
+        what = "is empty" if not lineno else f"has only blank lines ({lineno})"
+        raise DatasetError(f"dataset file {str(path)!r} {what}: it holds no records")
+
+
+def read_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Prompt]:
+    """All records of a JSONL file, in file order; `DatasetError` with file:line on a malformed line."""
+    return list(iter_jsonl(path, prompt_key, answer_key))
+
+
+def iter_parquet(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> Iterator[Prompt]:
+    """The rows of a parquet table one record batch at a time; `DatasetError` with file and 1-based row.
+
+    A path that does not exist is reported before the pyarrow check (ImportError when it is missing)."""
+    path = _existing_file(path)
+    require("pyarrow", "Reading parquet datasets (data.source: parquet)",
+            "Install it with `pip install pyarrow` (or `pip install -e .[parquet]`), or convert the data to JSONL.")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 0
+    try:
+        table = pq.ParquetFile(path)
+        names = table.schema_arrow.names
+        for key in (prompt_key, answer_key):
+            if key not in names:
+                raise DatasetError(f"{path}: missing column {key!r} (need {prompt_key!r} and {answer_key!r}; "
+                                   f"has {names})")
+        for batch in table.iter_batches(columns=[prompt_key, answer_key]):
+            for row in batch.to_pylist():
+                rows += 1
+                yield _record(row, f"{path}:row {rows}", prompt_key, answer_key)
+    except (pa.ArrowException, OSError) as e:  # not parquet, truncated, unreadable
+        raise DatasetError(f"{path}: not a readable parquet file (after {rows} rows: {e})") from None
+    if not rows:
+        raise DatasetError(f"dataset file {str(path)!r} holds no rows")
 
 
 def read_parquet(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Prompt]:
     """All rows of a parquet table; `DatasetError` with file and 1-based row on a malformed row."""
-    require("pyarrow", "Reading parquet datasets (data.source: parquet)",
-            "Install it with `pip install pyarrow` (or `pip install -e .[parquet]`), or convert the data to JSONL.")
-    import pyarrow.parquet as pq
+    return list(iter_parquet(path, prompt_key, answer_key))
 
-    path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"dataset file {str(path)!r} does not exist")
-    names = pq.read_schema(path).names
-    for key in (prompt_key, answer_key):
-        if key not in names:
-            raise DatasetError(f"{path}: missing column {key!r} (has {names})")
-    table = pq.read_table(path, columns=[prompt_key, answer_key])
-    rows = table.to_pylist()
-    if not rows:
-        raise DatasetError(f"dataset file {str(path)!r} holds no rows")
-    return [_record(row, f"{path}:row {i}", prompt_key, answer_key) for i, row in enumerate(rows, start=1)]
+
+def iter_prompts(cfg: DataConfig, split: Literal["train", "eval"]) -> Iterator[Prompt]:
+    """The raw prompts of one split, streamed. jsonl/parquet read `path` (train) or `eval_path` (eval; none
+    if unset). A file's errors are prefixed with the config field that names it ("data.path: ...")."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
+    if cfg.source == "arithmetic":
+        try:
+            train, held_out = arithmetic.generate(cfg.arithmetic)
+        except ValueError as e:
+            raise DatasetError(str(e)) from None
+        yield from (train if split == "train" else held_out)
+        return
+    field, path = ("data.path", cfg.path) if split == "train" else ("data.eval_path", cfg.eval_path)
+    if not path:
+        return
+    reader = iter_jsonl if cfg.source == "jsonl" else iter_parquet
+    try:
+        yield from reader(path, cfg.prompt_key, cfg.answer_key)
+    except DatasetError as e:
+        raise type(e)(f"{field}: {e}") from None
 
 
 def load_prompts(cfg: DataConfig, split: Literal["train", "eval"]) -> list[Prompt]:
     """The raw prompts of one split. jsonl/parquet read `path` (train) or `eval_path` (eval; [] if unset)."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
-    if cfg.source == "arithmetic":
-        train, held_out = arithmetic.generate(cfg.arithmetic)
-        return train if split == "train" else held_out
-    path = cfg.path if split == "train" else cfg.eval_path
-    if not path:
-        return []
-    reader = read_jsonl if cfg.source == "jsonl" else read_parquet
-    return reader(path, cfg.prompt_key, cfg.answer_key)
+    return list(iter_prompts(cfg, split))
+
+
+def encode_one(prompt: Prompt, tokenizer, cfg: DataConfig) -> Example | None:
+    """The templated, tokenized prompt; None when it is over `cfg.max_prompt_tokens` and
+    on_long_prompt="skip"; `DatasetError` naming its line when on_long_prompt="error"."""
+    text, ids = encode_prompt(tokenizer, prompt.text, cfg.template)
+    if len(ids) <= cfg.max_prompt_tokens:
+        return Example(prompt=text, answer=prompt.answer, ids=tuple(ids), difficulty=prompt.difficulty,
+                       source=prompt.source)
+    if cfg.on_long_prompt == "error":
+        raise DatasetError(f"{prompt.source}: the prompt is {len(ids)} tokens after the {cfg.template!r} "
+                           f"template, more than data.max_prompt_tokens={cfg.max_prompt_tokens} "
+                           f"(raise it, or set data.on_long_prompt: skip)")
+    return None
+
+
+def all_too_long(count: int, cfg: DataConfig) -> DatasetError:
+    """The error for a split whose `count` prompts were all skipped for length."""
+    return DatasetError(f"all {count} prompts are longer than data.max_prompt_tokens={cfg.max_prompt_tokens}")
 
 
 def encode_prompts(prompts: Sequence[Prompt], tokenizer, cfg: DataConfig) -> tuple[list[Example], int]:
@@ -121,21 +218,11 @@ def encode_prompts(prompts: Sequence[Prompt], tokenizer, cfg: DataConfig) -> tup
     A prompt over `cfg.max_prompt_tokens` raises `DatasetError` naming its line (on_long_prompt="error")
     or is skipped and counted (on_long_prompt="skip"). Raises if nothing is left.
     """
-    out, skipped = [], 0
-    for p in prompts:
-        text, ids = encode_prompt(tokenizer, p.text, cfg.template)
-        if len(ids) > cfg.max_prompt_tokens:
-            if cfg.on_long_prompt == "error":
-                raise DatasetError(f"{p.source}: the prompt is {len(ids)} tokens after the {cfg.template!r} "
-                                   f"template, more than data.max_prompt_tokens={cfg.max_prompt_tokens} "
-                                   f"(raise it, or set data.on_long_prompt: skip)")
-            skipped += 1
-            continue
-        out.append(Example(prompt=text, answer=p.answer, ids=tuple(ids), difficulty=p.difficulty, source=p.source))
+    encoded = [encode_one(p, tokenizer, cfg) for p in prompts]
+    out = [e for e in encoded if e is not None]
     if prompts and not out:
-        raise DatasetError(f"all {len(prompts)} prompts are longer than data.max_prompt_tokens="
-                           f"{cfg.max_prompt_tokens}")
-    return out, skipped
+        raise all_too_long(len(prompts), cfg)
+    return out, len(encoded) - len(out)
 
 
 class PromptStream(Generic[T]):

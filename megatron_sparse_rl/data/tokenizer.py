@@ -54,17 +54,11 @@ def _backend():
     return tok
 
 
-def build_tokenizer(out_dir: str | Path) -> Path:
-    """Write the tokenizer (tokenizer.json, tokenizer_config.json, special_tokens_map) into `out_dir`.
-
-    Returns `out_dir` as a Path. The directory is created if missing; existing tokenizer files are
-    overwritten. Loadable with `AutoTokenizer.from_pretrained(out_dir)` and by vLLM.
-    """
+def character_tokenizer():
+    """The tokenizer as a `transformers.PreTrainedTokenizerFast`, in memory (nothing written)."""
     from transformers import PreTrainedTokenizerFast
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hf = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=_backend(),
         bos_token=BOS,
         eos_token=EOS,
@@ -73,5 +67,15 @@ def build_tokenizer(out_dir: str | Path) -> Path:
         model_max_length=MODEL_MAX_LENGTH,
         clean_up_tokenization_spaces=False,
     )
-    hf.save_pretrained(str(out))
+
+
+def build_tokenizer(out_dir: str | Path) -> Path:
+    """Write the tokenizer (tokenizer.json, tokenizer_config.json, special_tokens_map) into `out_dir`.
+
+    Returns `out_dir` as a Path. The directory is created if missing; existing tokenizer files are
+    overwritten. Loadable with `AutoTokenizer.from_pretrained(out_dir)` and by vLLM.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    character_tokenizer().save_pretrained(str(out))
     return out

@@ -172,8 +172,10 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path):
 
     if _has("pyarrow"):
         pytest.skip("pyarrow is installed")
+    f = tmp_path / "x.parquet"
+    f.write_bytes(b"PAR1")  # an existing path: a missing one is reported first (tests/unit/test_data_checks.py)
     with pytest.raises(ImportError, match="needs the 'pyarrow' package.*pip install pyarrow"):
-        read_parquet(tmp_path / "x.parquet")
+        read_parquet(f)
 
 
 def test_parquet_round_trip_and_row_errors(tmp_path):
