@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 from megatron_sparse_rl.config.launch import LaunchConfig
@@ -31,8 +32,22 @@ def resolve_paths(run, launch: LaunchConfig, workdir: str | None = None) -> dict
     wd = Path(s.workdir or workdir or os.getcwd()).resolve()
     log_dir = Path(launch.log_dir) if launch.log_dir else Path(run.logging.dir) / "slurm"
     log_dir = log_dir if log_dir.is_absolute() else wd / log_dir
-    python = str((wd / s.venv / "bin" / "python") if s.venv else "python")
-    return {"workdir": str(wd), "log_dir": str(log_dir), "python": python}
+    return {"workdir": str(wd), "log_dir": str(log_dir), "python": job_python(launch, wd)[0]}
+
+
+def job_python(launch: LaunchConfig, workdir: Path) -> tuple[str, str]:
+    """(interpreter the ranks run, where that choice comes from); never a bare `python` from the nodes' PATH
+    unless the config asks for it (docs: LaunchConfig.python)."""
+    s = launch.slurm
+    if launch.python:
+        named = Path(launch.python)
+        path = named if named.is_absolute() or "/" not in launch.python else workdir / named
+        return str(path), "launch.python"
+    if s.venv:
+        return str(workdir / s.venv / "bin" / "python"), "launch.slurm.venv"
+    if s.container_image:
+        return "python", "the container image's own python (launch.slurm.container_image)"
+    return sys.executable, "the interpreter that rendered this script"
 
 
 def _header(launch: LaunchConfig, log_dir: str) -> list[str]:
@@ -101,7 +116,7 @@ def render_sbatch(run, launch: LaunchConfig, config_path: str | Path, overrides:
     lines += list(s.setup)
     port = str(s.rdzv_port) if s.rdzv_port else f"$({FREE_PORT})"
     lines += [
-        f"PYTHON={shlex.quote(paths['python'])}",
+        f"PYTHON={shlex.quote(paths['python'])}  # {job_python(launch, Path(paths['workdir']))[1]}",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"MASTER_PORT={port}",
         f"MSRL_PREEMPT_FILE={shlex.quote(paths['log_dir'])}/preempt-$SLURM_JOB_ID",

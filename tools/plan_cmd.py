@@ -8,10 +8,15 @@ MODEL is a bundled name (qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, kimi-k2) o
 config.json. Prints parameters, ranked learner layouts (per-GPU weights, grads, optimizer, activations;
 why a layout does not fit), rollout KV per sequence dense vs sparse and the sequences an engine can hold,
 and the weight-sync volume and time. The assumptions are in docs/scale.md.
+
+Exit status: 0 when a learner layout and the rollout engine fit; 1 when none does (or the `--layout` asked
+for does not, or the engine's weights leave no KV room), each reason printed as `error: ...` on stderr;
+2 for a bad argument.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,12 +40,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--link-gbps", type=float, default=400.0, help="bandwidth of one learner -> engine link")
 
 
-def _gpus(args) -> tuple[int, int]:
+def _check(args) -> tuple[int, int]:
+    """Reject impossible arguments before planning; return (gpus, nodes)."""
     from megatron_sparse_rl.config import ConfigError
 
     g, n, per = args.gpus, args.nodes, args.gpus_per_node
     if per < 1 or args.gpu_mem <= 0:
         raise ConfigError("--gpus-per-node must be >= 1 and --gpu-mem > 0")
+    for flag in ("seq_len", "micro_batch", "top", "kv_budget", "kv_interval", "rollout_gpus"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
+    if args.link_gbps <= 0:
+        raise ConfigError(f"--link-gbps must be > 0 (got {args.link_gbps:g})")
     if g is None and n is None:
         raise ConfigError("give --gpus N or --nodes N")
     g = g if g is not None else n * per
@@ -50,14 +62,27 @@ def _gpus(args) -> tuple[int, int]:
     return g, n
 
 
+def _layout(text: str) -> tuple[int, int, int]:
+    """`--layout TP,PP,EP` -> (tp, pp, ep)."""
+    from megatron_sparse_rl.config import ConfigError
+
+    try:
+        tp, pp, ep = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--layout must be TP,PP,EP (got {text!r})") from None
+    if min(tp, pp, ep) < 1:
+        raise ConfigError(f"--layout degrees must be >= 1 (got {text!r})")
+    return tp, pp, ep
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.config import ConfigError
-    from megatron_sparse_rl.planner import (PlanOptions, default_engine_gpus, load_shape, plan_layout,
-                                            rank_layouts, rollout_plan, weight_sync)
+    from megatron_sparse_rl.planner import (PlanOptions, default_engine_gpus, load_shape, rank_layouts, rollout_plan,
+                                            weight_sync)
     from megatron_sparse_rl.planner import report
-    from megatron_sparse_rl.planner.memory import shard_problems
 
-    gpus, nodes = _gpus(args)
+    gpus, nodes = _check(args)
+    layout = _layout(args.layout) if args.layout else None
     try:
         shape = load_shape(args.model)
     except (ValueError, KeyError, NotImplementedError) as e:
@@ -65,23 +90,20 @@ def run(args: argparse.Namespace) -> int:
     opts = PlanOptions(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem, seq_len=args.seq_len,
                        micro_batch=args.micro_batch, recompute=args.recompute, grad_dtype=args.grad_dtype,
                        optimizer_offload=args.optimizer_offload)
-    lines = report.model_lines(shape) + [""] + report.layout_lines(rank_layouts(shape, opts), opts, args.top)
-    if args.layout:
-        try:
-            tp, pp, ep = (int(x) for x in args.layout.split(","))
-        except ValueError:
-            raise ConfigError(f"--layout must be TP,PP,EP (got {args.layout!r})") from None
-        bad = shard_problems(shape, tp, pp, ep, opts)
-        p = None if bad else plan_layout(shape, tp, pp, ep, opts)
-        lines.append(f"layout tp{tp} pp{pp} ep{ep}: " + ("; ".join(bad) if bad else
-                     f"{p.total_gib:.1f} GiB/GPU (weights {p.weights_gib:.1f}, grads {p.grads_gib:.1f}, optimizer "
-                     f"{p.optimizer_gib:.1f}, activations {p.activations_gib:.1f}) -> "
-                     + ("fits" if p.fits else "does not fit: " + "; ".join(p.problems))))
+    plans = rank_layouts(shape, opts)
+    lines = report.model_lines(shape) + [""] + report.layout_lines(plans, opts, args.top)
+    asked = None
+    if layout:
+        line, bad = report.requested_layout(shape, layout, opts)
+        lines.append(line)
+        asked = (layout, bad)
     engine = args.rollout_gpus or default_engine_gpus(shape, args.gpu_mem, gpus)
-    kv_bytes = 1 if args.kv_dtype == "fp8" else 2
     r = rollout_plan(shape, gpu_mem_gib=args.gpu_mem, engine_gpus=engine, seq_len=args.seq_len,
-                     budget=args.kv_budget, interval=args.kv_interval, kv_bytes=kv_bytes)
+                     budget=args.kv_budget, interval=args.kv_interval, kv_bytes=1 if args.kv_dtype == "fp8" else 2)
     lines += [""] + report.rollout_lines(r, args.kv_dtype, args.kv_budget, args.kv_interval)
     lines += report.sync_lines(weight_sync(shape, link_gbps=args.link_gbps, learner_nodes=nodes))
     print("\n".join(lines))
-    return 0
+    problems = report.failures(shape, plans, opts, r, asked)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problems else 0

@@ -50,7 +50,7 @@ class SlurmConfig:
     rdzv_port: int = 0
     """Rendezvous port on the first node (0 = pick a free port there when the job starts)."""
     venv: str = ""
-    """Python virtual environment on the nodes ('' = `python` from PATH, e.g. inside the container)."""
+    """Python virtual environment on the nodes, whose bin/python the ranks run ('' = see `launch.python`)."""
     container_image: str = ""
     """Container image run by srun through pyxis/enroot (`--container-image`; '' = no container)."""
     container_mounts: tuple[str, ...] = ()
@@ -109,6 +109,11 @@ class LaunchConfig:
     jobs give whole nodes with `rollout_nodes` instead (set one of the two)."""
     program: str = "tools.cli train"
     """Python module (and leading arguments) every rank runs as `python -m <program> CONFIG --set ...`."""
+    python: str = ""
+    """Interpreter the ranks of a SLURM job run (an absolute path, a path relative to the job's workdir, or a
+    command name looked up on the nodes' PATH). '' = the venv of `launch.slurm.venv` if set; else, with a
+    `launch.slurm.container_image`, the image's `python`; else the interpreter that renders the script
+    (`msrl launch slurm`'s own). `msrl launch local` always runs its own interpreter."""
     log_dir: str = ""
     """Where the sbatch script and the job's logs go ('' = <logging.dir>/slurm)."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
@@ -121,6 +126,11 @@ class LaunchConfig:
                f"launch.rollout_nodes must be in [0, launch.nodes - 1 = {self.nodes - 1}] so that at least one "
                f"node holds learners (got {self.rollout_nodes})")
         _check(bool(self.program.split()), "launch.program must name a python module (got '')")
+        _check(self.python == self.python.strip() and "\n" not in self.python,
+               f"launch.python must be a path or a command name, without surrounding spaces (got {self.python!r})")
+        _check(not (self.python and self.slurm.venv),
+               f"set one of launch.python ({self.python!r}) and launch.slurm.venv ({self.slurm.venv!r}): both name "
+               "the interpreter the job runs")
         _check(self.rollout_ranks >= 0, f"launch.rollout_ranks must be >= 0 (got {self.rollout_ranks})")
         if self.rollout_ranks:
             _check(self.nodes == 1,

@@ -23,9 +23,29 @@ class ConfigError(ValueError):
 
 
 def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert_union(tp: Any, value: Any, path: str) -> Any:
+    """`X | None` and other unions. A mapping given where one member is a dataclass is built as that
+    dataclass, so its own errors (an unknown key inside `model.tiny`) surface instead of a type mismatch."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    members = [a for a in args if a is not type(None)]
+    sections = [a for a in members if dataclasses.is_dataclass(a)]
+    if isinstance(value, dict) and len(sections) == 1:
+        return _convert(sections[0], value, path)
+    for arg in members:
+        try:
+            return _convert(arg, value, path)
+        except ConfigError:
+            continue
+    raise ConfigError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
@@ -33,18 +53,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     dataclasses). Raises ConfigError naming `path`."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{path}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+        return _convert_union(tp, value, path)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -94,6 +103,15 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"{path}: unsupported annotation {tp!r} in a config dataclass")
 
 
+def _unknown_key(dotted: str, section: str, fields: dict) -> str:
+    """The message for `dotted`, a key not among `fields` of `section`; the suggestion is a full dotted path:
+    unknown key model.tiny.hiden (did you mean model.tiny.hidden?); allowed under model.tiny: arch, ..."""
+    key = dotted.rsplit(".", 1)[-1]
+    hint = difflib.get_close_matches(key, list(fields), n=1)
+    did = f" (did you mean {section + '.' if section else ''}{hint[0]}?)" if hint else ""
+    return f"unknown key {dotted}{did}; allowed under {section or 'the top level'}: {', '.join(sorted(fields))}"
+
+
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
     """Build dataclass `cls` from a nested mapping of overrides, strictly."""
     where = path or "<root>"
@@ -107,9 +125,7 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     for key, value in data.items():
         dotted = f"{path}.{key}" if path else str(key)
         if key not in fields:
-            hint = difflib.get_close_matches(str(key), list(fields), n=1)
-            did = f"; did you mean '{hint[0]}'?" if hint else ""
-            raise ConfigError(f"unknown key '{dotted}'{did} (allowed: {', '.join(sorted(fields))})")
+            raise ConfigError(_unknown_key(dotted, path, fields))
         kwargs[key] = _convert(hints[key], value, dotted)
     try:
         return cls(**kwargs)
@@ -135,11 +151,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def merge_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides to the nested mapping `data` in place (and return it)."""
     for text in overrides:
         parts, value = parse_override(text)
         node = data
         for p in parts[:-1]:
-            nxt = node.setdefault(p, {})
+            if node.get(p) is None:  # absent, or `tiny: null` in the file: --set model.tiny.x=v opens it
+                node[p] = {}
+            nxt = node[p]
             if not isinstance(nxt, dict):
                 raise ConfigError(f"override {text!r}: '{p}' is a value, not a section")
             node = nxt

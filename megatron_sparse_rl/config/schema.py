@@ -89,7 +89,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Collective backend: auto = nccl with CUDA, gloo without."""
+    """Collective backend of the run's torch.distributed world: auto = nccl with CUDA, gloo without; a named one
+    is used as named (nccl on a machine without CUDA is an error before the world starts)."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "ep", "etp"):
@@ -175,9 +176,16 @@ class LoggingConfig:
     dir: str = "runs/default"
     """Run directory (metrics.jsonl, TensorBoard events, plots, checkpoints)."""
     level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
-    """Log level on rank 0."""
+    """Console log level of this project's own messages on rank 0 (other ranks: WARNING)."""
+    verbose: bool = False
+    """Also show vLLM's, Megatron's and transformers' INFO lines and their known-benign start-up warnings on the
+    console (`msrl train --verbose`); they always go to <dir>/logs/rank<N>.log."""
     tensorboard: bool = True
     """Also write TensorBoard event files (when tensorboard is installed)."""
+    overwrite: bool = False
+    """Start a fresh run even when `dir` holds another run: that run's artifacts (run.json, metrics, plots,
+    TensorBoard events, logs, hf_final, its checkpoints) are removed first. Off: such a directory is refused
+    unless the run resumes it."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -31,11 +31,12 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.config.schema import ParallelConfig
 from megatron_sparse_rl.models.spec import ModelSpec
+from megatron_sparse_rl.parallel.world import backend_problem, resolve_backend
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,7 @@ class ParallelLayout:
                 f"world size / parallel.pp = {per_stage} is not divisible by parallel.ep * parallel.etp = "
                 f"{cfg.ep} * {cfg.etp}; expert parallel groups must tile each pipeline stage"
             )
-        backend = cfg.backend
-        if backend == "auto":
-            backend = "nccl" if (torch.cuda.is_available() if cuda is None else cuda) else "gloo"
+        backend = resolve_backend(cfg.backend, cuda)
         if backend == "gloo" and cfg.etp > 1:
             raise ValueError("parallel.etp > 1 needs NCCL: gloo cannot do the uneven all-gather it uses (got etp="
                              f"{cfg.etp}, backend gloo)")
@@ -142,6 +141,9 @@ class ParallelLayout:
         from megatron.core import parallel_state as ps
 
         if not dist.is_initialized():
+            problem = backend_problem(self.backend)
+            if problem:
+                raise ConfigError(problem)
             dist.init_process_group(self.backend)
         total = self.world_size + self.rollout_ranks
         if dist.get_world_size() != total:

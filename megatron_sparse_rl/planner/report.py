@@ -1,7 +1,8 @@
-"""Text report of a plan: model summary, ranked learner layouts with reasons, rollout KV, weight sync."""
+"""Text report of a plan: model summary, ranked learner layouts with reasons, rollout KV, weight sync, and
+`failures`: what makes a plan unusable (`msrl plan` exits 1 when there is any)."""
 from __future__ import annotations
 
-from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions
+from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions, plan_layout, shard_problems
 from megatron_sparse_rl.planner.rollout import RolloutPlan, SyncPlan
 from megatron_sparse_rl.planner.shapes import ModelShape
 
@@ -43,20 +44,53 @@ def layout_lines(plans: list[LayoutPlan], opts: PlanOptions, top: int) -> list[s
     return lines
 
 
+def requested_layout(shape: ModelShape, layout: tuple[int, int, int], opts: PlanOptions) -> tuple[str, list[str]]:
+    """The report line of one layout asked for by name (`--layout TP,PP,EP`), and its problems."""
+    tp, pp, ep = layout
+    bad = shard_problems(shape, tp, pp, ep, opts)
+    if bad:
+        return f"layout tp{tp} pp{pp} ep{ep}: " + "; ".join(bad), bad
+    p = plan_layout(shape, tp, pp, ep, opts)
+    line = (f"layout tp{tp} pp{pp} ep{ep}: {p.total_gib:.1f} GiB/GPU (weights {p.weights_gib:.1f}, grads "
+            f"{p.grads_gib:.1f}, optimizer {p.optimizer_gib:.1f}, activations {p.activations_gib:.1f}) -> "
+            + ("fits" if p.fits else "does not fit: " + "; ".join(p.problems)))
+    return line, list(p.problems)
+
+
 def rollout_lines(r: RolloutPlan, kv_dtype: str, budget: int, interval: int) -> list[str]:
-    ratio = r.sparse_max_seqs / r.dense_max_seqs if r.dense_max_seqs else float("inf")
+    head = (f"rollout engine on {r.engine_gpus} GPU(s): weights {r.weights_gib_per_gpu:.1f} GiB/GPU, "
+            f"KV space {r.kv_free_gib_per_gpu:.1f} GiB/GPU ({kv_dtype} cache)")
+    if r.kv_free_gib_per_gpu <= 0:
+        return [head] + [f"  NO: {p}" for p in r.problems]
+    ratio = f"{r.sparse_max_seqs / r.dense_max_seqs:.1f}x dense" if r.dense_max_seqs else "dense holds none"
     return [
-        f"rollout engine on {r.engine_gpus} GPU(s): weights {r.weights_gib_per_gpu:.1f} GiB/GPU, "
-        f"KV space {r.kv_free_gib_per_gpu:.1f} GiB/GPU ({kv_dtype} cache)",
+        head,
         f"  dense  KV: {r.dense_tokens} tokens -> {r.dense_mib_per_seq:.0f} MiB/sequence; "
         f"max concurrent sequences per engine {r.dense_max_seqs}",
         f"  sparse KV: budget {budget} + interval {interval} = {r.sparse_tokens} tokens -> "
         f"{r.sparse_mib_per_seq:.0f} MiB/sequence; max concurrent sequences per engine {r.sparse_max_seqs} "
-        f"({ratio:.1f}x dense)",
-    ]
+        f"({ratio})",
+    ] + [f"  NO: {p}" for p in r.problems]
 
 
 def sync_lines(s: SyncPlan) -> list[str]:
     return [f"weight sync: {s.bytes_per_update / 1e9:.1f} GB per update (bf16, whole model to every engine); "
             f"{s.seconds_one_link:.1f} s over one {s.link_gbps:g} Gb/s link, "
             f"{s.seconds_all_learner_links:.2f} s with all {s.learner_nodes} learner nodes sending their shards"]
+
+
+def failures(shape: ModelShape, plans: list[LayoutPlan], opts: PlanOptions, rollout: RolloutPlan,
+             layout: tuple[tuple[int, int, int], list[str]] | None = None) -> list[str]:
+    """What makes the plan unusable, one plain sentence each ([] when a learner layout and the rollout engine
+    fit). `layout` is an explicitly requested (tp, pp, ep) and its problems."""
+    out = []
+    if not any(p.fits for p in plans):  # tp = pp = ep = 1 always shards, so `plans` is never empty
+        best = min(plans, key=lambda p: p.total_gib)
+        where = f"{opts.gpus} x {opts.gpu_mem_gib:g} GiB GPUs"
+        out.append(f"no learner layout fits {shape.name} on {where}; the closest, tp{best.tp} pp{best.pp} "
+                   f"ep{best.ep}, needs {best.total_gib:.1f} GiB/GPU ({best.problems[0]})")
+    if layout is not None and layout[1]:
+        (tp, pp, ep), problems = layout
+        out.append(f"layout tp{tp} pp{pp} ep{ep} does not fit: " + "; ".join(problems))
+    out += [f"rollout: {p}" for p in rollout.problems]
+    return out

@@ -33,6 +33,13 @@ class RolloutPlan:
     sparse_mib_per_seq: float
     dense_max_seqs: int
     sparse_max_seqs: int
+    problems: tuple[str, ...] = ()
+    """Why the engine cannot generate at all ([] when it can): no KV room left by the weights, or not one
+    sequence fits even with the sparse budget."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
 
 
 def _kv_elems_per_gpu(shape: ModelShape, gpus: int) -> float:
@@ -50,6 +57,19 @@ def default_engine_gpus(shape: ModelShape, gpu_mem_gib: float, total_gpus: int) 
     return g
 
 
+def _problems(weights: float, free: float, sparse_max_seqs: int, engine_gpus: int, sparse_tokens: int, *,
+              usable: float) -> tuple[str, ...]:
+    """Why an engine cannot generate: the weights leave no KV room, or the room holds not one sequence."""
+    if free <= 0:
+        return (f"the engine's weights ({weights:.1f} GiB/GPU on {engine_gpus} GPU(s)) leave no KV room in the "
+                f"{usable:.1f} GiB usable per GPU: spread the engine over more GPUs (--rollout-gpus) or use "
+                "larger GPUs",)
+    if sparse_max_seqs == 0:
+        return (f"the KV room ({free:.2f} GiB/GPU) holds not one sequence, even sparse ({sparse_tokens} tokens): "
+                "spread the engine over more GPUs (--rollout-gpus), lower the KV budget or use an fp8 cache",)
+    return ()
+
+
 def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq_len: int, budget: int,
                  interval: int, kv_bytes: int = 2, gpu_util: float = 0.9, reserve_gib: float = 4.0) -> RolloutPlan:
     weights = 2 * shape.total_params() / engine_gpus / GiB
@@ -62,12 +82,15 @@ def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq
     def engine_mib(tokens: int) -> float:
         return ceil(tokens / BLOCK) * BLOCK * shape.layers * shape.kv_elems * kv_bytes / 2 ** 20
 
+    sparse_max_seqs = int(free * GiB // per_gpu_bytes(sparse_tokens))
+    problems = _problems(weights, free, sparse_max_seqs, engine_gpus, sparse_tokens,
+                         usable=gpu_mem_gib * gpu_util - reserve_gib)
     return RolloutPlan(
         engine_gpus=engine_gpus, weights_gib_per_gpu=weights, kv_free_gib_per_gpu=free,
         dense_tokens=seq_len, sparse_tokens=sparse_tokens,
         dense_mib_per_seq=engine_mib(seq_len), sparse_mib_per_seq=engine_mib(sparse_tokens),
-        dense_max_seqs=int(free * GiB // per_gpu_bytes(seq_len)),
-        sparse_max_seqs=int(free * GiB // per_gpu_bytes(sparse_tokens)),
+        dense_max_seqs=int(free * GiB // per_gpu_bytes(seq_len)), sparse_max_seqs=sparse_max_seqs,
+        problems=problems,
     )
 
 

@@ -54,7 +54,7 @@ def test_validate_with_overrides_and_dump(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--set", "parallel.tpp=2"], "error: unknown key 'parallel.tpp'; did you mean 'tp'?"),
+    (["--set", "parallel.tpp=2"], "error: unknown key parallel.tpp (did you mean parallel.tp?)"),
     (["--set", "learner.micro_batch_size=four"], "error: learner.micro_batch_size: expected int, got 'four'"),
     (["--world-size", "2"], "error: world size 2 != launch.nodes * launch.nproc_per_node = 1 * 1 = 1"),
     (["--set", "parallel.ep=3", "launch.nproc_per_node=3"], "parallel.ep=3 must divide the expert count (4)"),

@@ -4,10 +4,13 @@
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from megatron_sparse_rl.config import ConfigError, RunConfig, load_config, to_dict, validate
 from megatron_sparse_rl.config.loader import parse_override
@@ -55,15 +58,70 @@ def test_empty_file_gives_the_defaults(tmp_path):
 
 
 def test_unknown_top_level_key(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown key 'modle'; did you mean 'model'\?"):
+    with pytest.raises(ConfigError, match=r"unknown key modle \(did you mean model\?\); allowed under the top level: "):
         load_config(_write(tmp_path, "modle:\n  path: x\n"))
 
 
 def test_unknown_nested_key_names_the_dotted_path(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(_write(tmp_path, "rollout:\n  sampling:\n    temprature: 0.7\n"))
-    assert "unknown key 'rollout.sampling.temprature'" in str(e.value)
-    assert "did you mean 'temperature'" in str(e.value)
+    assert "unknown key rollout.sampling.temprature (did you mean rollout.sampling.temperature?)" in str(e.value)
+
+
+def _sections(cls=RunConfig, path=""):
+    """(dotted path, dataclass) of every nested section, `model.tiny` (an optional one) included."""
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        sub = next((c for c in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(c)), None)
+        if sub is not None:
+            dotted = f"{path}{f.name}"
+            yield dotted, sub
+            yield from _sections(sub, dotted + ".")
+
+
+def _nest(dotted: str, value) -> dict:
+    for part in reversed(dotted.split(".")):
+        value = {part: value}
+    return value
+
+
+SECTIONS = sorted(_sections())
+
+
+def test_every_nesting_level_is_walked():
+    names = {name for name, _ in SECTIONS}
+    assert {"model.tiny", "rollout.kv", "rollout.sampling", "algorithm.corrections.sparse_rl", "launch.slurm"} <= names
+
+
+@pytest.mark.parametrize("section, cls", SECTIONS, ids=[name for name, _ in SECTIONS])
+@pytest.mark.parametrize("via", ["file", "--set"])
+def test_unknown_key_in_any_section_is_named_with_a_suggestion(tmp_path, section, cls, via):
+    field = max((f.name for f in dataclasses.fields(cls)), key=len)  # a long name: one clear nearest match
+    typo = field + field[-1]
+    path = tmp_path / "run.yaml"
+    path.write_text("# run\n" + (yaml.safe_dump(_nest(f"{section}.{typo}", 1)) if via == "file" else ""))
+    with pytest.raises(ConfigError) as e:
+        load_config(path, [f"{section}.{typo}=1"] if via == "--set" else [])
+    assert str(e.value).startswith(f"unknown key {section}.{typo} (did you mean {section}.{field}?); "
+                                   f"allowed under {section}: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # nothing written
+
+
+def test_misspelt_tiny_model_key_is_named_not_a_type_mismatch(tmp_path):
+    model_dir = tmp_path / "model"
+    path = _write(tmp_path, f"model:\n  path: {model_dir}\n  tiny: {{hiden: 8}}\n")
+    with pytest.raises(ConfigError, match=r"^unknown key model\.tiny\.hiden \(did you mean model\.tiny\.hidden\?\)"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^unknown key rollout\.kv\.windw \(did you mean rollout\.kv\.window\?\)"):
+        load_config(path, ["model.tiny=null", "rollout.kv.windw=8"])
+    assert not model_dir.exists()
+
+
+def test_set_opens_a_section_the_file_leaves_null(tmp_path):
+    path = _write(tmp_path, "model:\n  tiny: null\n")
+    assert load_config(path, ["model.tiny.hidden=32"]).model.tiny.hidden == 32
+    with pytest.raises(ConfigError, match=r"model\.tiny: expected TinyModelConfig or null, got 5"):
+        load_config(path, ["model.tiny=5"])
 
 
 def test_wrong_type_names_field_type_and_value(tmp_path):
@@ -138,7 +196,7 @@ def test_override_errors_name_the_field(tmp_path):
     path = _write(tmp_path, "model:\n  path: x\n")
     with pytest.raises(ConfigError, match="'path' is a value, not a section"):
         load_config(path, ["model.path.x=1"])
-    with pytest.raises(ConfigError, match=r"unknown key 'learner\.optimiser'; did you mean 'optimizer'\?"):
+    with pytest.raises(ConfigError, match=r"unknown key learner\.optimiser \(did you mean learner\.optimizer\?\)"):
         load_config(path, ["learner.optimiser.lr=1"])
     with pytest.raises(ConfigError, match=r"parallel\.tp: expected int, got 'two'"):
         load_config(path, ["parallel.tp=two"])

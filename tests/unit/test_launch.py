@@ -117,7 +117,7 @@ def test_bad_launch_configs_error_clearly(tmp_path, launch, parallel, message):
 @pytest.mark.parametrize("launch,message", [
     ({"nodes": 2, "rollout_nodes": 2}, "launch.rollout_nodes must be in [0, launch.nodes - 1 = 1]"),
     ({"slurm": {"time": "forever"}}, "launch.slurm.time must look like"),
-    ({"slurm": {"partiton": "p"}}, "unknown key 'launch.slurm.partiton'; did you mean 'partition'?"),
+    ({"slurm": {"partiton": "p"}}, "unknown key launch.slurm.partiton (did you mean launch.slurm.partition?)"),
     ({"slurm": {"extra_sbatch": ["constraint=h100"]}}, "must be single options starting with '-'"),
 ])
 def test_launch_fields_check_themselves(tmp_path, launch, message):
@@ -141,3 +141,37 @@ def test_local_dry_run_command(tmp_path, capsys):
     assert out[5:9] == ["-m", "tools.cli", "train", str(path)]
     assert "learner.seed=3" in out and "launch.nproc_per_node=2" in out
     assert cli.main(["launch", "local", "--nproc", "3", str(path), "--dry-run"]) == 2  # tp=2 does not divide 3
+
+
+def _python_line(script: str) -> str:
+    return next(line for line in script.splitlines() if line.startswith("PYTHON="))
+
+
+@pytest.mark.parametrize("launch, python, source", [
+    ({}, sys.executable, "the interpreter that rendered this script"),  # never a bare `python` from PATH
+    ({"python": "/opt/py/bin/python3"}, "/opt/py/bin/python3", "launch.python"),
+    ({"python": "envs/a/bin/python"}, "{workdir}/envs/a/bin/python", "launch.python"),
+    ({"python": "python3.11"}, "python3.11", "launch.python"),  # a command name: the nodes' PATH, as asked
+    ({"slurm": {"venv": ".venv"}}, "{workdir}/.venv/bin/python", "launch.slurm.venv"),
+    ({"slurm": {"mode": "srun", "container_image": "nvcr.io/x:1"}}, "python",
+     "the container image's own python (launch.slurm.container_image)"),
+])
+def test_the_job_runs_the_rendering_interpreter_or_the_named_one(tmp_path, launch, python, source):
+    slurm = {"partition": "p", **launch.pop("slurm", {})}
+    script = _render(tmp_path, launch={**launch, "slurm": slurm})
+    _bash_n(script, tmp_path)
+    assert _python_line(script) == f"PYTHON={python.format(workdir=tmp_path)}  # {source}"
+    assert 'exec "$0" -m' in script and '"$PYTHON" "${PROGRAM[@]}"' in script  # the ranks run $PYTHON
+
+
+@pytest.mark.parametrize("launch, message", [
+    ({"python": "/opt/py/bin/python", "slurm": {"partition": "p", "venv": ".venv"}},
+     "set one of launch.python ('/opt/py/bin/python') and launch.slurm.venv ('.venv')"),
+    ({"python": " python", "slurm": {"partition": "p"}}, "launch.python must be a path or a command name"),
+])
+def test_conflicting_interpreters_exit_2_and_write_nothing(tmp_path, monkeypatch, capsys, launch, message):
+    monkeypatch.chdir(tmp_path)  # the job's workdir: its log dir would be created here
+    path = _cfg(tmp_path, launch=launch)
+    assert cli.main(["launch", "slurm", str(path)]) == 2  # not a dry run: it would write and submit
+    assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no log dir, no script

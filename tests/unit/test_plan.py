@@ -97,3 +97,58 @@ def test_cli(capsys):
     assert "1.026T parameters" in out and "layout tp8 pp8 ep32" in out and "sparse KV" in out
     assert cli.main(["plan", "no-such-model", "--gpus", "8", "--gpu-mem", "80"]) == 2
     assert "neither a bundled config" in capsys.readouterr().err
+
+
+def _plan_in(tmp_path, monkeypatch, capsys, *argv) -> tuple[int, str, str]:
+    """Run `msrl plan` in an empty folder; check it wrote nothing there."""
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["plan", *argv])
+    out, err = capsys.readouterr()
+    assert list(tmp_path.iterdir()) == []
+    return code, out, err
+
+
+def test_cli_exits_1_and_says_so_when_no_layout_fits(tmp_path, monkeypatch, capsys):
+    # 671B parameters with fp32 Adam on GPU: 186 GiB of states per GPU on 64 x 80 GiB at best (see above).
+    code, out, err = _plan_in(tmp_path, monkeypatch, capsys, "deepseek-v3", "--gpus", "64", "--gpu-mem", "80")
+    assert code == 1
+    assert "error: no learner layout fits deepseek-v3 on 64 x 80 GiB GPUs; the closest, tp8 pp1 ep64" in err
+    assert "weights+grads+optimizer" in err and "NO:" in out  # the table is still printed, with its reasons
+
+
+def test_cli_exits_1_when_the_requested_layout_does_not_fit(tmp_path, monkeypatch, capsys):
+    code, _, err = _plan_in(tmp_path, monkeypatch, capsys, "qwen3-30b-a3b", "--gpus", "64", "--gpu-mem", "80",
+                            "--layout", "8,8,3")
+    assert code == 1
+    assert "error: layout tp8 pp8 ep3 does not fit: " in err and "ep=3 must divide the experts (128)" in err
+    assert "no learner layout fits" not in err  # other layouts do fit
+
+
+def test_cli_exits_1_when_engine_weights_leave_no_kv_room(tmp_path, monkeypatch, capsys):
+    # 671.0e9 bf16 parameters over 8 GPUs: 156.2 GiB each > 80 * 0.9 - 4 = 68 GiB usable.
+    code, out, err = _plan_in(tmp_path, monkeypatch, capsys, "deepseek-v3", "--gpus", "512", "--gpu-mem", "80",
+                              "--rollout-gpus", "8")
+    assert code == 1
+    assert ("error: rollout: the engine's weights (156.2 GiB/GPU on 8 GPU(s)) leave no KV room in the 68.0 GiB "
+            "usable per GPU") in err
+    assert "no learner layout fits" not in err and "inf" not in out
+
+
+def test_rollout_plan_names_the_missing_kv_room():
+    s = load_shape("qwen3-30b-a3b")  # 61.1 GB of bf16 weights on one 40 GiB GPU: 56.9 GiB > 40 * 0.9 - 4 = 32
+    r = rollout_plan(s, gpu_mem_gib=40, engine_gpus=1, seq_len=32768, budget=2048, interval=128)
+    assert not r.fits and r.kv_free_gib_per_gpu == 0 and r.sparse_max_seqs == 0
+    assert "leave no KV room in the 32.0 GiB usable per GPU" in r.problems[0]
+    assert rollout_plan(s, gpu_mem_gib=80, engine_gpus=1, seq_len=32768, budget=2048, interval=128).fits
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-len", "0"], "--seq-len must be >= 1 (got 0)"),
+    (["--kv-budget", "-1"], "--kv-budget must be >= 1 (got -1)"),
+    (["--rollout-gpus", "0"], "--rollout-gpus must be >= 1 (got 0)"),
+    (["--layout", "8,0,1"], "--layout degrees must be >= 1 (got '8,0,1')"),
+    (["--layout", "8x8"], "--layout must be TP,PP,EP (got '8x8')"),
+])
+def test_cli_rejects_bad_arguments_before_planning(tmp_path, monkeypatch, capsys, argv, message):
+    code, out, err = _plan_in(tmp_path, monkeypatch, capsys, "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", *argv)
+    assert code == 2 and f"error: {message}" in err and out == ""

@@ -1,0 +1,55 @@
+"""The torch.distributed world on the collective backend the config names (`parallel.backend`).
+
+    rank, world = join_world(run.parallel)   # torchrun/srun's world from the environment, or a world of one
+
+'auto' is nccl with CUDA and gloo without; 'nccl' and 'gloo' are kept as named. A backend this machine
+cannot run (nccl without CUDA) is a ConfigError naming the field before any process group starts; so is a
+world someone already started on another backend than the one the config names.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparse_rl.config.loader import ConfigError
+from megatron_sparse_rl.config.schema import ParallelConfig
+from megatron_sparse_rl.parallel.ports import free_port
+
+
+def resolve_backend(backend: str, cuda: bool | None = None) -> str:
+    """`parallel.backend` -> the torch.distributed backend for ranks with (`cuda`; None: this machine's) CUDA."""
+    if backend == "auto":
+        return "nccl" if (torch.cuda.is_available() if cuda is None else cuda) else "gloo"
+    return backend
+
+
+def backend_problem(backend: str) -> str | None:
+    """Why this machine cannot run the resolved `backend`, or None when it can."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        return "parallel.backend = 'nccl' needs CUDA, which this machine does not have; use 'auto' or 'gloo'"
+    if backend == "nccl" and not dist.is_nccl_available():
+        return "parallel.backend = 'nccl': this torch build has no NCCL; use 'auto' or 'gloo'"
+    if backend == "gloo" and not dist.is_gloo_available():
+        return "parallel.backend = 'gloo': this torch build has no gloo; use 'auto' or 'nccl'"
+    return None
+
+
+def join_world(cfg: ParallelConfig) -> tuple[int, int]:
+    """(rank, world size) of the torchrun/srun world from the environment, or of a new world of one on this
+    machine, initialised on `cfg.backend`. Raises ConfigError before starting anything it cannot honour."""
+    backend = resolve_backend(cfg.backend)
+    if dist.is_initialized():
+        if cfg.backend != "auto" and dist.get_backend() != backend:
+            raise ConfigError(f"parallel.backend = {cfg.backend!r}, but torch.distributed was already initialised "
+                              f"with {dist.get_backend()!r} in this process; make them agree")
+        return dist.get_rank(), dist.get_world_size()
+    problem = backend_problem(backend)
+    if problem:
+        raise ConfigError(problem)
+    if "RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
