@@ -38,12 +38,15 @@ def rl_loop(ctx) -> dict:
 
     score, correct = make_scorer(run.reward), make_scorer(run.reward, shaping=False)
     counters = state.resume_run(ctx) or {"sft_step": 0, "rl_step": 0, "sft_done": cfg.sft.max_steps == 0}
+    _announce(ctx, counters)
     open_metrics(ctx, counters.pop("metrics_records", 0))  # a fresh run starts a fresh metrics.jsonl
     report = Reporter(ctx, total=cfg.steps)
     probe = report.probe_tokens()
-    counters["syncs"] = 0
-    report.scalars(S.sync_step(ctx, counters["syncs"], probe), step=counters["rl_step"], phase="sync")
-    counters["syncs"] += 1
+    # The engine's first load in this process is always probed; the every-N schedule counts the run's syncs
+    # across restarts (a resume's first sync is extra, so it does not count).
+    resumed = "syncs" in counters
+    report.scalars(S.sync_step(ctx, 0, probe), step=counters["rl_step"], phase="sync")
+    counters["syncs"] = counters["syncs"] if resumed else 1
     if not counters["sft_done"]:
         sft_stage(ctx, correct, counters, report, probe)
         if run.checkpoint.save_every:
@@ -65,6 +68,19 @@ def rl_loop(ctx) -> dict:
             log.warning("preemption requested: checkpointing at step %d and exiting", step + 1)
             return {"rank": ctx.rank, "preempted": True, "checkpoint": str(state.save_run(ctx, counters))}
     return report.finish(counters)
+
+
+def _announce(ctx, counters: dict) -> None:
+    """The start line: which run, where, from which step, on which layout, and where the full log is."""
+    if not ctx.is_main:
+        return
+    lay = ctx.layout
+    where = (f"continuing at RL step {counters['rl_step']} (SFT step {counters['sft_step']})"
+             if counters["rl_step"] or counters["sft_step"] else "from the start")
+    log.info("run %s in %s, %s: %s (%.1fM parameters), %d RL steps, learner TP%d PP%d EP%d DP%d%s; full log: %s",
+             ctx.owner.run_id[:8], ctx.run_dir, where, ctx.spec.architecture, ctx.spec.parameter_count() / 1e6,
+             ctx.run.trainer.steps, lay.tp, lay.pp, lay.ep, lay.dp,
+             f" + {lay.rollout_ranks} rollout ranks" if lay.rollout_ranks else "", ctx.run_dir / "logs")
 
 
 def sft_stage(ctx, correct, counters: dict, report, probe) -> None:

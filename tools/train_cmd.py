@@ -4,6 +4,7 @@ One process, or every rank of a torchrun/srun world (`msrl launch local --nproc 
 
     msrl train configs/demo_tiny_moe.yaml
     msrl train configs/tiny_moe.yaml --set trainer.steps=2 --set logging.dir=runs/try
+    msrl train configs/tiny_moe.yaml --verbose      # library INFO lines on the console too
 """
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config YAML (overrides of the dataclass defaults)")
     parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="A.B=V",
                         help="override a field, value parsed as YAML (repeatable)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show vLLM / Megatron-Core INFO lines and their benign start-up warnings "
+                             "(= --set logging.verbose=true; the full log is in <logging.dir>/logs/ either way)")
 
 
 def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.config import load_config
     from megatron_sparse_rl.trainer import train
 
-    summary = train(load_config(args.config, args.overrides))
+    overrides = [*args.overrides, *(["logging.verbose=true"] if args.verbose else [])]
+    summary = train(load_config(args.config, overrides))
     if summary.get("rank", 0) == 0:
         print(json.dumps(summary, indent=2, sort_keys=True))
     return 0

@@ -1,6 +1,8 @@
 """Distributed checkpoints of a Learner: model + optimizer (torch_dist, any layout reloads at any layout),
 LR schedule, step, per-rank RNG states and caller-provided extra state. Atomic: written to a temporary
-directory beside the target, renamed into place once every rank has finished.
+directory beside the target, renamed into place once every rank has finished. Every file's size and sha256 and
+the id of the run that saved it go into `MANIFEST.json` (learner/integrity.py), so a damaged or foreign
+checkpoint is recognised before it is loaded.
 
     save_learner(learner, "runs/x/checkpoints/step_000010", extra={"data_position": 640})
     extra = load_learner(learner, "runs/x/checkpoints/step_000010")
@@ -47,9 +49,12 @@ def _sharded_state(learner, is_loading: bool, with_optimizer: bool) -> dict:
     return state
 
 
-def save_learner(learner, path: str | Path, extra: dict | None = None) -> Path:
-    """Save everything needed to resume; returns the final path. Refuses to overwrite an existing one."""
+def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner: str | None = None) -> Path:
+    """Save everything needed to resume; returns the final path. Refuses to overwrite an existing one.
+    `owner`: the id of the run saving it (recorded in the manifest; a run resumes only its own checkpoints)."""
     from megatron.core import dist_checkpointing
+
+    from megatron_sparse_rl.learner.integrity import digest_files, write_manifest
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -66,7 +71,9 @@ def save_learner(learner, path: str | Path, extra: dict | None = None) -> Path:
         torch.save({"step": learner.step, "scheduler": learner.scheduler.state_dict(), "extra": extra or {},
                     "world_size": dist.get_world_size()}, tmp / COMMON)
     dist.barrier()
+    files = digest_files(tmp)  # collective: each rank hashes a share of the files
     if rank == 0:
+        write_manifest(tmp, files, owner=owner)
         (tmp / DONE).write_text("ok\n")
         os.replace(tmp, path)
     dist.barrier()

@@ -1,19 +1,93 @@
-"""Process-wide logging set-up: one `init_logging(rank)` with a rank prefix, INFO on rank 0 only."""
+"""Process-wide logging set-up: one `init_logging(rank)` with a rank prefix, then `attach_log_file` once the run
+directory is known.
+
+The console stays readable: this project's own messages at `level` (rank 0; WARNING elsewhere); the libraries'
+(vLLM, Megatron-Core, transformers, torch) only from WARNING up, less the known-benign start-up warnings in
+`BENIGN`, unless `verbose`. The log file gets everything from every logger at INFO (DEBUG with level DEBUG), so
+nothing is lost by keeping the console short. Python `warnings` are routed into logging (logger "py.warnings").
+"""
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
+
+OWN = ("megatron_sparse_rl", "moe", "tools", "launch", "__main__")
+# Warnings the libraries print on every start of this stack that need no action (docs/launch.md, "Logs"):
+BENIGN = (
+    "Apex is not installed", "Transformer Engine and Apex are not installed",  # Megatron-Core: local torch fallbacks
+    "Transformer Engine is not installed",  # Megatron-Core's local layer spec is the CPU path by design
+    "full scope is deprecated",  # Megatron-Core's own TransformerConfig default
+    "Failed to load weights",  # vLLM reload: RotaryEmbedding's cos/sin cache is derived, not a checkpoint tensor
+    "FutureWarning:", "DeprecationWarning:",  # library-internal deprecations
+    # vLLM on CPU: settings this project chooses (eager, in-process engine, no Triton) and tuning hints
+    "The global random seed is set to", "Enforce eager set", "Inductor compilation was disabled",
+    "Triton is not installed", "Model Runner V2 requires Triton", "Reset SSM cache type",
+    "is not found in LD_PRELOAD", "doesn't allow to use `torch.set_num_threads`",
+    "Triton not available",  # torch
+)
+# Libraries that install their own console handler: their records are sent to the root logger instead.
+_OWN_HANDLERS = ("vllm", "torch", "transformers")
+_FORMAT = "[rank {rank}] %(levelname)s %(name)s: %(message)s"
 
 
-def init_logging(rank: int = 0, level: int | None = None) -> None:
+class ConsoleFilter(logging.Filter):
+    """Drop library records below WARNING and the known-benign warnings (unless verbose)."""
+
+    def __init__(self, verbose: bool):
+        super().__init__()
+        self.verbose = verbose
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.verbose or record.name.split(".")[0] in OWN:
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        return record.levelno >= logging.ERROR or not any(b in record.getMessage() for b in BENIGN)
+
+
+def _reroute_library_handlers(verbose: bool) -> None:
+    """Send vLLM's, torch's and transformers' records to the root logger's handlers (the console filter and the
+    log file) instead of their own console handlers. The variable covers a later `import vllm` (and spawned
+    engine processes); loggers already set up are rewired directly."""
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    for name in _OWN_HANDLERS:
+        lib = logging.getLogger(name)
+        lib.handlers[:] = []
+        lib.propagate = True
+        lib.setLevel(logging.NOTSET)
+    if not verbose and "transformers" in sys.modules:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars of the tiny builder
+
+
+def init_logging(rank: int = 0, level: int | str | None = None, *, verbose: bool = False) -> None:
     """Configure the root logger once per process: `[rank N] LEVEL name: message` on stderr.
 
-    Rank 0 logs at INFO, the others at WARNING unless `level` is given.
-    """
+    Rank 0 shows this project's messages from `level` (default INFO), the others from WARNING."""
     if level is None:
         level = logging.INFO if rank == 0 else logging.WARNING
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    level = logging.getLevelName(level) if isinstance(level, str) else level
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(_FORMAT.format(rank=rank)))
+    console.setLevel(level if rank == 0 else max(level, logging.WARNING))
+    console.addFilter(ConsoleFilter(verbose))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+    root.handlers[:] = [console]
+    root.setLevel(min(level, logging.INFO))
+    logging.captureWarnings(True)
+    _reroute_library_handlers(verbose)
+
+
+def attach_log_file(path: str | Path) -> Path:
+    """Also write every record (all loggers, INFO and up; DEBUG when the root is at DEBUG) to `path`,
+    appending (a resumed run continues its log)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.getLogger().level)
+    logging.getLogger().addHandler(handler)
+    return path

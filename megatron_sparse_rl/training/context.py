@@ -7,7 +7,6 @@ engine, and rollout ranks get a `RolloutRank` (an engine to serve with) instead 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.schema import RunConfig
-from megatron_sparse_rl.parallel.ports import free_port as _free_port
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +41,8 @@ class RunContext:
     engine_shares: tuple[int, ...] | None = None
     """Colocated engine TP > 1: the data-parallel ranks of the ranks this rank's engine spans, in order
     (the engine samples for all of them); None when every rank owns a whole engine."""
+    owner: Any = None
+    """The run directory and this run's identity (training/run_dir.py `RunDir`)."""
 
     @property
     def dp_group(self):
@@ -53,14 +53,13 @@ class RunContext:
         return self.rank == 0
 
 
-def init_world() -> tuple[int, int]:
-    """Join the torchrun/srun world from the environment, or start a world of one on this machine."""
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                              LOCAL_RANK="0")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), dist.get_world_size()
+def init_world(parallel) -> tuple[int, int]:
+    """Join the torchrun/srun world from the environment, or start a world of one on this machine, on
+    `parallel.backend` of the run's ParallelConfig (parallel/world.py). A backend this machine cannot run is a
+    ConfigError naming the field, before any process group starts."""
+    from megatron_sparse_rl.parallel.world import join_world
+
+    return join_world(parallel)
 
 
 def ensure_model(run: RunConfig, rank: int) -> Path:
@@ -107,24 +106,28 @@ def build_context(run: RunConfig, total_steps: int):
     from transformers import AutoTokenizer
 
     from megatron_sparse_rl.config import validate
-    from megatron_sparse_rl.data import build_task
+    from megatron_sparse_rl.data import build_task, check_data
     from megatron_sparse_rl.models import load_spec
-    from megatron_sparse_rl.observability.logging import init_logging
+    from megatron_sparse_rl.observability.logging import attach_log_file, init_logging
     from megatron_sparse_rl.parallel import ParallelLayout
     from megatron_sparse_rl.patches import megatron_cpu
     from megatron_sparse_rl.training import disaggregated as D
     from megatron_sparse_rl.weight_sync.engine_shards import EngineShards
 
-    rank, world = init_world()
-    init_logging(rank)
+    rank, world = init_world(run.parallel)
+    init_logging(rank, run.logging.level, verbose=run.logging.verbose)
     validate(run, world)
+    check_data(run.data)  # every record, before Megatron and vLLM start: a bad line is named in seconds
     _warn_truncated_support(run)
     megatron_cpu.apply()
-    run_dir = Path(run.logging.dir)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    owner = _claim_run_dir(run, rank)
+    run_dir = owner.path
+    attach_log_file(run_dir / "logs" / f"rank{rank}.log")
     model_dir = ensure_model(run, rank)
     adapter, spec = load_spec(model_dir)
+    # Tokenised prompts (a prompt over data.max_prompt_tokens is an error) before Megatron and vLLM start.
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    task = build_task(run.data, tokenizer)
     n_rollout = run.launch.rollout_world_size
     layout = ParallelLayout.from_config(run.parallel, world - n_rollout, rollout_ranks=n_rollout)
     layout.check_model(spec)
@@ -137,7 +140,6 @@ def build_context(run: RunConfig, total_steps: int):
         index = rank - layout.world_size
         return D.RolloutRank(_engine(run, run_dir, model_dir, spec), sync, rank, index, engine_tp=engine_tp,
                              weights_group=shard_groups[index % engine_tp] if sliced else None)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if n_rollout:
         D.join_vllm_groups(engine_tp)
         engine = D.RemoteEngine(sync, list(range(layout.world_size, world)), pad_id=_pad_id(tokenizer),
@@ -149,9 +151,25 @@ def build_context(run: RunConfig, total_steps: int):
     if not n_rollout:
         engine = _engine(run, run_dir, model_dir, spec)
         shares = _engine_shares(groups.dp_rank, run.rollout.tensor_parallel_size)
-    task = build_task(run.data, tokenizer)
     return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, engine, tokenizer, task,
-                      None, spec, routing, reference, shares)
+                      None, spec, routing, reference, shares, owner)
+
+
+def _claim_run_dir(run: RunConfig, rank: int):
+    """Rank 0 decides whether this run starts fresh or continues in `logging.dir` (training/run_dir.py); every
+    rank gets the same answer, or the same error, before anything expensive starts."""
+    from megatron_sparse_rl.training.run_dir import RunDirError, claim
+
+    box: list = [None]
+    if rank == 0:
+        try:
+            box[0] = claim(run)
+        except RunDirError as err:
+            box[0] = str(err)
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise RunDirError(box[0])
+    return box[0]
 
 
 def _engine_shares(dp_rank: int, engine_tp: int) -> tuple[int, ...] | None:

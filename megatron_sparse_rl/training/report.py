@@ -1,16 +1,29 @@
 """What a run shows and leaves behind: a progress line per step, metrics.jsonl + TensorBoard, the
-warm-start vs final accuracy summary, the final checkpoint, the HF export and the PNG plot."""
+warm-start vs final accuracy summary, the final checkpoint, the HF export and the PNG plot. A resumed run
+takes the warm-start and latest held-out accuracy back from its metrics.jsonl, so its summary has both."""
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
+from megatron_sparse_rl.observability.metrics import EVAL_ACCURACY, FILENAME, read_metrics
 from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training.context import RunContext
 
 log = logging.getLogger(__name__)
+
+
+def recorded_accuracies(path: Path) -> tuple[float | None, float | None]:
+    """(warm-start, latest) held-out accuracy in a run's metrics.jsonl: the `warm_start` record's
+    eval/accuracy and the last record's that has one; None for what is not there (or no file)."""
+    if not path.is_file():
+        return None, None
+    evals = [r for r in read_metrics(path) if r.get(EVAL_ACCURACY) is not None]
+    warm = [r[EVAL_ACCURACY] for r in evals if r.get("phase") == "warm_start"]
+    return (warm[-1] if warm else None), (evals[-1][EVAL_ACCURACY] if evals else None)
 
 
 class Reporter:
@@ -20,11 +33,15 @@ class Reporter:
         self.ctx = ctx
         self.progress = ProgressPrinter(total) if ctx.is_main else None
         self.start = time.perf_counter()
-        self.warm_start_accuracy: float | None = None
-        self.last_eval: float | None = None
+        # A resumed run past its warm start reports the accuracies its metrics.jsonl already holds (rank 0
+        # owns that file; open_metrics has cut it back to the checkpoint's records).
+        recorded = recorded_accuracies(ctx.run_dir / FILENAME) if ctx.is_main else (None, None)
+        self.warm_start_accuracy: float | None = recorded[0]
+        self.last_eval: float | None = recorded[1]
 
     def probe_tokens(self) -> torch.Tensor:
-        """A fixed sequence (a held-out prompt and its answer) for engine-vs-learner logprob checks."""
+        """A fixed sequence for engine-vs-learner logprob checks: the first evaluation example and its answer
+        (a held-out prompt, or the first train prompt when there is no held-out split: `Task.eval_examples`)."""
         example = self.ctx.task.eval_examples(1)[0]
         tok = self.ctx.tokenizer
         ids = list(example.ids) + tok.encode(example.answer, add_special_tokens=False)

@@ -1,5 +1,6 @@
 """Whole-run checkpoints (learner, optimizer, RNG, schedule, data position, loop counters) and the final
-Hugging Face export."""
+Hugging Face export. A run saves, prunes and resumes only its own checkpoints (the run id in their manifest),
+and resumes from its newest intact one (every file's size and sha256 as recorded at save)."""
 from __future__ import annotations
 
 import logging
@@ -10,45 +11,74 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_sparse_rl.learner.checkpoint import is_complete, load_learner, save_learner
+from megatron_sparse_rl.learner.integrity import owner_of, verify_files
 from megatron_sparse_rl.training.context import RunContext
+from megatron_sparse_rl.training.run_dir import RunDirError
 
 log = logging.getLogger(__name__)
 
 
 def checkpoint_dir(ctx: RunContext) -> Path:
-    return Path(ctx.run.checkpoint.dir) if ctx.run.checkpoint.dir else ctx.run_dir / "checkpoints"
+    return ctx.owner.checkpoints
 
 
-def latest_checkpoint(ctx: RunContext) -> Path | None:
+def own_checkpoints(ctx: RunContext) -> list[Path]:
+    """This run's complete checkpoints, oldest first (another run's, in a shared checkpoint.dir, never count)."""
     root = checkpoint_dir(ctx)
     found = sorted(p for p in root.glob("step_*") if is_complete(p)) if root.is_dir() else []
-    return found[-1] if found else None
+    return [p for p in found if owner_of(p) == ctx.owner.run_id]
 
 
 def save_run(ctx: RunContext, counters: dict) -> Path:
-    """Checkpoint named after the RL step; keeps the newest `checkpoint.keep_last`."""
+    """Checkpoint named after the RL step; keeps this run's newest `checkpoint.keep_last`."""
     root = checkpoint_dir(ctx)
     path = root / f"step_{counters['rl_step']:06d}_sft_{counters['sft_step']:06d}"
     if is_complete(path):  # already saved at this point of the run
+        if owner_of(path) != ctx.owner.run_id:
+            raise RunDirError(f"checkpoint {str(path)!r} was not written by this run ({ctx.owner.run_id}); "
+                              "refusing to treat it as this run's")
         return path
     if ctx.writer is not None:
         counters = {**counters, "metrics_records": ctx.writer.records}
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    save_learner(ctx.learner, path, extra={"counters": counters, "task": ctx.task.state_dict()})
+    save_learner(ctx.learner, path, extra={"counters": counters, "task": ctx.task.state_dict()},
+                 owner=ctx.owner.run_id)
     if ctx.is_main:
-        for old in sorted(p for p in root.glob("step_*") if is_complete(p))[:-ctx.run.checkpoint.keep_last]:
+        for old in own_checkpoints(ctx)[:-ctx.run.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return path
 
 
+def newest_intact(ctx: RunContext) -> Path | None:
+    """This run's newest checkpoint whose files match their manifest (sizes and sha256). A damaged newer one is
+    skipped with a warning naming its bad files; when this run has checkpoints but none is intact, the error
+    names every damaged file. Collective over the learner ranks (they share the hashing)."""
+    damaged: dict[Path, list[str]] = {}
+    candidates = own_checkpoints(ctx)
+    for path in reversed(candidates):
+        problems = verify_files(path)
+        if not problems:
+            for bad, lines in damaged.items():
+                log.warning("checkpoint %s is damaged, resuming from the older %s instead: %s", bad, path,
+                            "; ".join(lines))
+            return path
+        damaged[path] = problems
+    if damaged:
+        detail = "\n  ".join(line for lines in damaged.values() for line in lines)
+        raise RunDirError(f"no intact checkpoint of this run in {str(checkpoint_dir(ctx))!r} to resume from; "
+                          f"damaged files:\n  {detail}\n(start over with --set logging.overwrite=true, or restore "
+                          "the files)")
+    return None
+
+
 def resume_run(ctx: RunContext) -> dict | None:
-    """Load the newest complete checkpoint if resuming is on and there is one; returns its loop counters."""
-    if not ctx.run.checkpoint.resume:
+    """Load this run's newest intact checkpoint when the run is resuming and has one; returns its loop counters."""
+    if not ctx.owner.resuming:
         return None
-    path = latest_checkpoint(ctx)
+    path = newest_intact(ctx)
     if path is None:
         return None
     extra = load_learner(ctx.learner, path)

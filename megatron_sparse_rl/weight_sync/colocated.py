@@ -85,7 +85,7 @@ def sync_to_engine(learner, engine, *, bucket_mb: float = 256.0, verify: bool = 
     if engine is not None and leftover:
         raise WeightSyncError(f"the engine stopped reading after {feed.tensors - leftover} of {feed.tensors} tensors")
     stats = SyncStats(feed.bytes, time.perf_counter() - start, feed.count, feed.tensors)
-    log.info("weight sync: %d tensors, %.1f MB in %d buckets, %.3f s (%.1f MB/s)", stats.tensors,
+    log.debug("weight sync: %d tensors, %.1f MB in %d buckets, %.3f s (%.1f MB/s)", stats.tensors,
              stats.bytes / 1e6, stats.buckets, stats.seconds, stats.bytes_per_s / 1e6)
     return stats
 

@@ -110,7 +110,7 @@ def send_weights(learner, group=None, *, src: int, bucket_mb: float = 256.0, sha
     for target in targets:
         dist.broadcast_object_list([None], src=src, group=target)
     stats = SyncStats(nbytes, time.perf_counter() - start, count, tensors)
-    log.info("weight sync sent: %d tensors, %.1f MB in %d buckets to %d group(s), %.3f s (%.1f MB/s)",
+    log.debug("weight sync sent: %d tensors, %.1f MB in %d buckets to %d group(s), %.3f s (%.1f MB/s)",
              stats.tensors, stats.bytes / 1e6, stats.buckets, len(targets), stats.seconds, stats.bytes_per_s / 1e6)
     return stats
 
@@ -223,6 +223,6 @@ def receive_weights(engine, group=None, *, src: int, verify: bool = True,
             "weight_sync/engine_shards.py does not match vLLM's loader; sync again with "
             "trainer.sync_engine_slices=false to send whole tensors")
     stats = SyncStats(feed.bytes, time.perf_counter() - start, feed.count, feed.tensors)
-    log.info("weight sync received: %d tensors (%d kept), %.1f MB in %d buckets, %.3f s (%.1f MB/s)",
+    log.debug("weight sync received: %d tensors (%d kept), %.1f MB in %d buckets, %.3f s (%.1f MB/s)",
              stats.tensors, feed.handed, stats.bytes / 1e6, stats.buckets, stats.seconds, stats.bytes_per_s / 1e6)
     return stats

@@ -27,7 +27,8 @@ def _args(run_dir: Path, model_dir: Path, steps: int, extra=()) -> list[str]:
             "trainer.prompts_per_step=4", "trainer.eval_prompts=8", "trainer.eval_every=2",
             "trainer.sft.max_steps=3", "trainer.sft.eval_every=3", "trainer.sft.batch_size=8",
             "rollout.sampling.n=4", "rollout.sampling.max_tokens=6", "rollout.max_model_len=64",
-            "checkpoint.save_every=2", "logging.tensorboard=false", "learner.optimizer.lr=1e-3", *FEATURES, *extra]
+            "checkpoint.save_every=2", "logging.tensorboard=false", "learner.optimizer.lr=1e-3",
+            "trainer.verify_sync_every=3", *FEATURES, *extra]
     return [sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/tiny_moe.yaml"),
             "--set", *sets]
 
@@ -122,17 +123,49 @@ def test_resume_after_kill_gives_the_same_metrics(straight, tmp_path, model_dir)
     resumed = subprocess.run(_args(run_dir, model_dir, 4), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
-    want, got = _rl(_records(straight[0])), _rl(_records(run_dir))
-    assert sorted(got) == [1, 2, 3, 4], "replayed steps must not be logged twice"
-    for step in (3, 4):
+    _assert_same_steps(straight[0], run_dir, (3, 4))
+
+
+def _assert_same_steps(want_dir: Path, got_dir: Path, steps) -> None:
+    """The resumed run's RL records equal the uninterrupted run's at `steps` (timings aside), each step is logged
+    once, and the sync probe ran after the same steps (its every-N schedule survived the restart)."""
+    want, got = _rl(_records(want_dir)), _rl(_records(got_dir))
+    assert sorted(got) == sorted(want), "replayed steps must not be logged twice"
+    for step in steps:
+        assert ("sync/probe_max_abs_diff" in got[step]) == ("sync/probe_max_abs_diff" in want[step]), step
         for key, value in want[step].items():
             if isinstance(value, float) and not any(t in key for t in TIMING):
                 assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
 
 
+def test_resume_skips_a_corrupted_newest_checkpoint(straight, tmp_path, model_dir):
+    """The newest checkpoint (step 4) is damaged: the rerun warns naming the file, resumes from step 2 and
+    replays steps 3-4 exactly."""
+    import shutil
+
+    run_dir = tmp_path / "corrupted"
+    shutil.copytree(straight[0], run_dir)
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert newest.name.startswith("step_000004")
+    shard = sorted(newest.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    resumed = subprocess.run(_args(run_dir, model_dir, 4), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"checkpoint {newest} is damaged" in resumed.stderr and str(shard) in resumed.stderr
+    assert "resumed from" in resumed.stderr and "step_000002" in resumed.stderr
+    _assert_same_steps(straight[0], run_dir, (3, 4))
+
+
 def test_two_rank_run_through_msrl_launch_local(tmp_path, model_dir):
+    """Two ranks, on a user's JSONL prompts without a held-out file (evaluation and the sync probe use the first
+    train prompts)."""
     run_dir = tmp_path / "two"
-    args = _args(run_dir, model_dir, 2)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(12) for b in range(3)))
+    args = _args(run_dir, model_dir, 2, extra=("data.source=jsonl", f"data.path={data}"))
     sets = args[args.index("--set") + 1:]
     cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
            "--nproc", "2", "--set", *sets]

@@ -123,3 +123,49 @@ def test_plot_writes_a_png(tmp_path):
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert series(records, ("eval/accuracy",)) == ([2, 4], [2 / 15, 4 / 15])
     assert series(records, ("mismatch/k3",))[0] == [1, 2, 4, 5]  # the NaN point is skipped
+
+
+def _emit_everything():
+    """What a run's start prints: the project's INFO, library INFO, known-benign and real library warnings."""
+    import logging
+    import warnings
+
+    logging.getLogger("megatron_sparse_rl.training.report").info("held-out accuracy before RL: 0.250")
+    logging.getLogger("vllm.config.model").info("Resolved architecture: Qwen3MoeForCausalLM")
+    logging.getLogger("vllm.model_executor.model_loader").warning("%s: Failed to load weights", "RotaryEmbedding")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # a repeated warning is otherwise shown once per process
+        warnings.warn("Apex is not installed. Falling back to Torch Norm")
+    logging.getLogger("vllm.v1.core").warning("KV cache is nearly full")
+    logging.getLogger("megatron.core.models").error("a library error")
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_console_shows_own_lines_and_real_warnings_the_log_file_everything(tmp_path, capsys, verbose):
+    import logging
+
+    from megatron_sparse_rl.observability.logging import attach_log_file, init_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        init_logging(0, "INFO", verbose=verbose)
+        log_file = attach_log_file(tmp_path / "logs" / "rank0.log")
+        _emit_everything()
+        for h in root.handlers:
+            h.flush()
+        console = capsys.readouterr().err
+        lines = [ln for ln in console.splitlines() if ln.startswith("[rank 0]")]
+        in_file = log_file.read_text()
+    finally:
+        for h in root.handlers:
+            h.close()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+        logging.captureWarnings(False)
+    assert "[rank 0] INFO megatron_sparse_rl.training.report: held-out accuracy before RL: 0.250" in lines
+    assert any("KV cache is nearly full" in ln for ln in lines) and any("a library error" in ln for ln in lines)
+    benign = ("Resolved architecture", "Failed to load weights", "Apex is not installed")
+    for text in benign:
+        assert text in in_file  # never lost
+        assert any(text in ln for ln in lines) == verbose
