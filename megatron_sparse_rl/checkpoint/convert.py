@@ -44,6 +44,7 @@ from megatron_sparse_rl.checkpoint.shard import (build_shard, dir_bytes, load_mo
 from megatron_sparse_rl.learner.params import load_full_tensors, local_params
 from megatron_sparse_rl.models import load_spec
 from megatron_sparse_rl.models.tensor_map import to_hf, to_mcore
+from megatron_sparse_rl.parallel.world import on_rank0
 
 log = logging.getLogger(__name__)
 
@@ -74,21 +75,6 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise FileExistsError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"output {str(out)!r} exists and is not a directory")
-
-
-def _on_rank0(fn: Callable[[], object]):
-    """Run `fn` on rank 0 only and raise its error on every rank (so no rank waits in a collective forever)."""
-    box: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
-            box[0] = ("err", e)
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "err":
-        raise value
-    return value
 
 
 def _publish(stage: Path, out: Path) -> None:
@@ -211,7 +197,7 @@ def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1,
                              tensors=tensors, side_files=files)
             _publish(stage, out)
 
-        _on_rank0(finish)
+        on_rank0(finish)
     except BaseException:
         if dist.get_rank() == 0:
             _clean(out)
@@ -280,9 +266,9 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
         if verify:
             from megatron_sparse_rl.checkpoint.verify import check_forward_parity
 
-            _on_rank0(lambda: M.copy_side_files(side_dir, stage))
+            on_rank0(lambda: M.copy_side_files(side_dir, stage))
             check_forward_parity(holder, stage)
-        _on_rank0(lambda: (M.copy_side_files(side_dir, stage), _publish(stage, out)))
+        on_rank0(lambda: (M.copy_side_files(side_dir, stage), _publish(stage, out)))
     except BaseException:
         if dist.get_rank() == 0:
             _clean(out)
@@ -355,7 +341,7 @@ def _write_hf(holder, adapter, spec, stage: Path, max_bytes: int, target_dtype, 
             if on_disk.get(n) != d:
                 raise ConversionError(f"{n}: the tensor read back from disk differs from the one written")
 
-    _on_rank0(finish)
+    on_rank0(finish)
 
 
 def _describe(name: str, want: dict | None, got: dict) -> str:

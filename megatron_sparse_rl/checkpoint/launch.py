@@ -7,14 +7,7 @@ nccl with CUDA, one GPU per rank). Under torchrun/srun (WORLD_SIZE set) call `in
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import traceback
 from typing import Callable
-
-import torch
-import torch.distributed as dist
-from megatron_sparse_rl.parallel.ports import free_port as _free_port
 
 
 def min_world_size(tp: int, ep: int, pp: int = 1, etp: int = 1) -> int:
@@ -25,49 +18,27 @@ def min_world_size(tp: int, ep: int, pp: int = 1, etp: int = 1) -> int:
 
 
 def init_from_env() -> None:
-    """Initialise the default process group from torchrun's environment (a no-op if already initialised)."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    """Join torchrun's/srun's world from the environment (a no-op if already joined): nccl with CUDA (one GPU per
+    local rank), gloo without (parallel/world.py)."""
+    from megatron_sparse_rl.config.schema import ParallelConfig
+    from megatron_sparse_rl.parallel.world import join_world
+
+    join_world(ParallelConfig(backend="auto"))
 
 
-def _worker(fn, rank: int, world: int, port: int, args: tuple, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    try:
-        init_from_env()
-        fn(*args)
-        errors.put((rank, None))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        errors.put((rank, f"{type(e).__name__}: {e}" if isinstance(e, (ValueError, OSError, RuntimeError))
-                    else traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _call(rank: int, world: int, fn: Callable, args: tuple) -> None:
+    fn(*args)
 
 
 def run_local(fn: Callable, world_size: int, args: tuple = (), timeout: float | None = None) -> list[str]:
-    """Run `fn(*args)` on `world_size` spawned ranks; returns the error messages (rank 0's first)."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, errors)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results = {}
+    """Run `fn(*args)` on `world_size` spawned ranks (parallel/spawn.py); returns the error messages ([] when
+    every rank succeeded): `Type: message` for the input errors conversion raises (ValueError, OSError,
+    RuntimeError), the traceback for anything else."""
+    from megatron_sparse_rl.parallel.spawn import RankFailed, run_ranks
+
     try:
-        for _ in range(world_size):
-            rank, err = errors.get(timeout=timeout)
-            results[rank] = err
-            if err is not None:  # the other ranks may be stuck in a collective with the failed one
-                break
-    finally:
-        failed = any(v is not None for v in results.values())
-        for p in procs:
-            p.join(timeout=5 if failed else None)
-            if p.is_alive():
-                p.kill()
-    return [f"rank {r}: {e}" for r, e in sorted(results.items()) if e is not None]
+        run_ranks(_call, world_size, args=(fn, args), timeout=timeout, backend="auto", threads=None)
+    except RankFailed as e:
+        known = {"ValueError", "OSError", "RuntimeError"} & set(e.kinds)
+        return [f"rank {e.rank}: {e.summary if known else e.traceback}"]
+    return []

@@ -28,7 +28,7 @@ def hf_logprobs(hf_dir, tokens: torch.Tensor) -> torch.Tensor:
 
 def check_forward_parity(learner, hf_dir, *, batch: int = 2, length: int = 16, seed: int = 0) -> float:
     """Max |logprob difference| Megatron vs HF on random tokens; raises ValueError above the tolerance."""
-    from megatron_sparse_rl.checkpoint.convert import _on_rank0
+    from megatron_sparse_rl.parallel.world import on_rank0
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, learner.spec.vocab_size, (batch, length), generator=g)
@@ -43,7 +43,7 @@ def check_forward_parity(learner, hf_dir, *, batch: int = 2, length: int = 16, s
                              f"(> {tol:g}) on {batch}x{length} tokens")
         return diff
 
-    diff = _on_rank0(compare)
+    diff = on_rank0(compare)
     if dist.get_rank() == 0:
         log.info("verify: max |logprob diff| Megatron vs HF = %.3g", diff)
     return diff

@@ -33,10 +33,9 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.config.schema import ParallelConfig
 from megatron_sparse_rl.models.spec import ModelSpec
-from megatron_sparse_rl.parallel.world import backend_problem, resolve_backend
+from megatron_sparse_rl.parallel.world import join_world, resolve_backend
 
 
 @dataclass(frozen=True)
@@ -141,10 +140,7 @@ class ParallelLayout:
         from megatron.core import parallel_state as ps
 
         if not dist.is_initialized():
-            problem = backend_problem(self.backend)
-            if problem:
-                raise ConfigError(problem)
-            dist.init_process_group(self.backend)
+            join_world(ParallelConfig(backend=self.backend))
         total = self.world_size + self.rollout_ranks
         if dist.get_world_size() != total:
             where = f"{self.world_size} learner + {self.rollout_ranks} rollout" if self.rollout_ranks else "world size"

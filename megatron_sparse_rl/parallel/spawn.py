@@ -1,13 +1,16 @@
-"""Run a function on N local gloo ranks in fresh processes and collect each rank's return value.
+"""Run a function on N local ranks in fresh processes and collect each rank's return value: the one spawner
+of the project (distributed tests through tests/spawn.py, multi-rank benchmarks, `msrl convert` without a
+launcher through checkpoint/launch.py).
 
     results = run_ranks(fn, world_size=2, args=(x,), timeout=300)
 
 `fn(rank, world_size, *args)` must be a module-level function of an importable module (it is pickled into
-spawned processes). Each rank runs with OMP_NUM_THREADS=1 and one torch thread (on a small machine ranks
-would otherwise fight over the cores) in a gloo world on a free loopback port, destroyed after `fn`.
-A failure on any rank raises here with that rank's traceback; a hang past `timeout` kills every rank. A
-rendezvous port taken between `free_port()` and the bind (other jobs on the machine) is retried, twice.
-Used by the distributed tests (tests/spawn.py) and the multi-rank benchmarks.
+spawned processes). Each rank joins a world on a free loopback port (parallel/world.py `join_world`; gloo by
+default, `backend="auto"` picks nccl with one GPU per rank when CUDA is there), destroyed after `fn`. With
+`threads=1` (the default) a rank runs with OMP_NUM_THREADS=1 and one torch thread (on a small machine ranks would
+otherwise fight over the cores). A failure on any rank raises `RankFailed` here with that rank's error and
+traceback; a hang past `timeout` kills every rank. A rendezvous port taken between `free_port()` and the bind
+(other jobs on the machine) is retried, twice.
 """
 from __future__ import annotations
 
@@ -27,16 +30,32 @@ class _PortTaken(Exception):
     pass
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+class RankFailed(RuntimeError):
+    """A spawned rank raised: `rank`, `summary` (`Type: message`), `kinds` (the names of the exception's classes,
+    most derived first) and the rank's `traceback`."""
+
+    def __init__(self, rank: int, summary: str, kinds: tuple[str, ...], trace: str):
+        super().__init__(f"rank {rank} failed:\n{trace}")
+        self.rank, self.summary, self.kinds, self.traceback = rank, summary, kinds, trace
+
+
+def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, backend: str,
+               threads: int | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    from megatron_sparse_rl.config.schema import ParallelConfig
+    from megatron_sparse_rl.parallel.world import join_world
+
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         try:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            join_world(ParallelConfig(backend=backend))
         except Exception as e:  # noqa: BLE001 - a taken port is retried by the parent
             if "EADDRINUSE" in str(e):
                 results.put((rank, False, _PORT_TAKEN))
@@ -44,28 +63,31 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results) 
             raise
         # plain pickle bytes: torch's queue reductions share memory that dies with this process
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
-    except BaseException:  # noqa: BLE001 - every failure goes back to the parent with its traceback
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+        kinds = tuple(c.__name__ for c in type(e).__mro__)
+        results.put((rank, False, (f"{type(e).__name__}: {e}", kinds, traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 300) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float | None = 300, *,
+              backend: str = "gloo", threads: int | None = 1) -> list[Any]:
     """[fn's return value on rank 0, rank 1, ...] (see the module docstring)."""
     for _ in range(3):
         try:
-            return _run_once(fn, world_size, args, timeout)
+            return _run_once(fn, world_size, args, timeout, backend, threads)
         except _PortTaken:
             continue
     raise RuntimeError("could not bind a free rendezvous port in 3 attempts")
 
 
-def _run_once(fn, world_size: int, args: tuple, timeout: float) -> list[Any]:
+def _run_once(fn, world_size: int, args: tuple, timeout: float | None, backend: str, threads: int | None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results)) for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, backend, threads))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     outs: dict[int, Any] = {}
@@ -77,8 +99,8 @@ def _run_once(fn, world_size: int, args: tuple, timeout: float) -> list[Any]:
                 raise TimeoutError(f"{world_size} ranks did not finish in {timeout} s (ranks done: {sorted(outs)})")
             if not ok and out == _PORT_TAKEN:
                 raise _PortTaken()
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{out}")
+            if not ok:  # the other ranks may be stuck in a collective with the failed one: killed below
+                raise RankFailed(rank, *out)
             outs[rank] = pickle.loads(out)
     finally:
         for p in procs:

@@ -1,6 +1,9 @@
-"""The torch.distributed world on the collective backend the config names (`parallel.backend`).
+"""The torch.distributed world on the collective backend the config names (`parallel.backend`): the one place a
+process joins its world (`msrl train`, `msrl convert`, spawned ranks), and `on_rank0`, the collective helper that
+runs a step on rank 0 and raises its error on every rank.
 
     rank, world = join_world(run.parallel)   # torchrun/srun's world from the environment, or a world of one
+    result = on_rank0(lambda: write_files())  # every rank gets the result, or the same error
 
 'auto' is nccl with CUDA and gloo without; 'nccl' and 'gloo' are kept as named. A backend this machine
 cannot run (nccl without CUDA) is a ConfigError naming the field before any process group starts; so is a
@@ -9,6 +12,7 @@ world someone already started on another backend than the one the config names.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,5 +55,23 @@ def join_world(cfg: ParallelConfig) -> tuple[int, int]:
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
+    if backend == "nccl":  # one GPU per local rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
+
+
+def on_rank0(fn: Callable[[], object]):
+    """Run `fn` on rank 0 only and return its result on every rank, or raise its error on every rank (so no
+    rank waits in a collective forever)."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+            box[0] = ("err", e)
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "err":
+        raise value
+    return value

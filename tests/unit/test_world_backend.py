@@ -54,8 +54,11 @@ def started(monkeypatch):
 def test_the_configured_backend_is_the_one_started(no_world, started, monkeypatch, cuda, backend, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    devices = []
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     assert init_world(ParallelConfig(backend=backend)) == (0, 1)
     assert started == [expected]
+    assert devices == ([0] if expected == "nccl" else [])  # nccl: this rank's GPU (LOCAL_RANK) is selected first
 
 
 def test_nccl_without_cuda_fails_before_anything_starts(no_world, started, monkeypatch):
