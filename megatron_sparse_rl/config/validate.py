@@ -18,33 +18,26 @@ from pathlib import Path
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.config.schema import RunConfig, TinyModelConfig
 
-# What `models/tiny.py` writes besides the TinyModelConfig fields (its builder's defaults).
-TINY_MAX_POSITION = 2048
-TINY_RMS_NORM_EPS = 1e-6
-
 
 def tiny_hf_config(tiny: TinyModelConfig) -> dict:
-    """The Hugging Face config dict `build_tiny_hf_model(**tiny)` would write (no weights, no transformers).
+    """The Hugging Face config dict `build_tiny_hf_model(**tiny)` would write (no weights, no transformers):
+    models/tiny.py's `hf_config_kwargs` plus the keys transformers fills in with their defaults.
 
-    Keys are the ones the Qwen adapters read; `tests/unit/test_config_validate.py` checks the resulting
-    ModelSpec against a model really built by `models/tiny.py`.
+    `tests/unit/test_config_validate.py` checks the resulting ModelSpec against a model really built by
+    `models/tiny.py`.
     """
-    from megatron_sparse_rl.data.tokenizer import vocab_size
+    from megatron_sparse_rl.models.tiny import hf_config_kwargs
 
-    moe = tiny.arch == "qwen3_moe" and tiny.experts > 0
-    cfg = {
-        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
-        "model_type": "qwen3_moe" if moe else "qwen3",
-        "vocab_size": vocab_size(), "hidden_size": tiny.hidden, "num_hidden_layers": tiny.layers,
-        "num_attention_heads": tiny.heads, "num_key_value_heads": tiny.kv_heads, "head_dim": tiny.head_dim,
-        "intermediate_size": tiny.ffn, "max_position_embeddings": TINY_MAX_POSITION,
-        "rms_norm_eps": TINY_RMS_NORM_EPS, "tie_word_embeddings": False, "hidden_act": "silu",
-        "attention_bias": False, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-    }
-    if moe:
-        cfg.update(num_experts=tiny.experts, num_experts_per_tok=tiny.topk, moe_intermediate_size=tiny.moe_ffn,
-                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-    return cfg
+    family, kwargs = hf_config_kwargs(tiny.arch, **tiny_fields(tiny, seed=False))
+    return {"architectures": ["Qwen3MoeForCausalLM" if family == "qwen3_moe" else "Qwen3ForCausalLM"],
+            "model_type": family, "hidden_act": "silu", "attention_bias": False,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, **kwargs}
+
+
+def tiny_fields(tiny: TinyModelConfig, *, seed: bool = True) -> dict:
+    """`model.tiny` as the keyword arguments of `build_tiny_hf_model` (less `arch` and, without `seed`, the seed)."""
+    names = ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "topk", "moe_ffn", "ffn")
+    return {n: getattr(tiny, n) for n in (*names, *(("seed",) if seed else ()))}
 
 
 def _has_config(run: RunConfig) -> bool:

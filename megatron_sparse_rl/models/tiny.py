@@ -35,39 +35,24 @@ def _check_args(arch: str, hidden: int, layers: int, heads: int, kv_heads: int, 
         raise ValueError(f"topk must be in [1, experts] (got {topk}, experts={experts})")
 
 
-def _hf_config(arch: str, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-               experts: int, topk: int, moe_ffn: int, ffn: int, init_std: float, dtype: str,
-               max_position: int):
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
-    common = dict(
-        vocab_size=char_tok.vocab_size(),
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=ffn,
-        max_position_embeddings=max_position,
-        initializer_range=init_std,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=char_tok.BOS_ID,
-        eos_token_id=char_tok.EOS_ID,
-        pad_token_id=char_tok.PAD_ID,
-        dtype=dtype,
+def hf_config_kwargs(arch: str, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                     experts: int, topk: int, moe_ffn: int, ffn: int, init_std: float = 0.2,
+                     dtype: str = "float32", max_position: int = 2048) -> tuple[str, dict]:
+    """(the family built: "qwen3_moe" or "qwen3", the keyword arguments of its transformers config): the one
+    definition of what a tiny model's config.json holds (config/validate.py derives the run's ModelSpec from it
+    without building anything). `experts=0` gives the dense family."""
+    family = "qwen3" if arch == "qwen3" or experts == 0 else "qwen3_moe"
+    kwargs = dict(
+        vocab_size=char_tok.vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=ffn,
+        max_position_embeddings=max_position, initializer_range=init_std, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=char_tok.BOS_ID, eos_token_id=char_tok.EOS_ID,
+        pad_token_id=char_tok.PAD_ID, dtype=dtype,
     )
-    if arch == "qwen3":
-        return Qwen3Config(**common)
-    return Qwen3MoeConfig(
-        **common,
-        num_experts=experts,
-        num_experts_per_tok=topk,
-        moe_intermediate_size=moe_ffn,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
+    if family == "qwen3_moe":
+        kwargs.update(num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=moe_ffn,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    return family, kwargs
 
 
 def build_tiny_hf_model(
@@ -113,12 +98,13 @@ def build_tiny_hf_model(
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
     _check_args(arch, hidden, layers, heads, kv_heads, head_dim, experts, topk, dtype)
-    if arch == "qwen3_moe" and experts == 0:
-        arch = "qwen3"
-    config = _hf_config(arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                        head_dim=head_dim, experts=experts, topk=topk, moe_ffn=moe_ffn, ffn=ffn,
-                        init_std=init_std, dtype=dtype, max_position=max_position)
+    arch, kwargs = hf_config_kwargs(arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                                    head_dim=head_dim, experts=experts, topk=topk, moe_ffn=moe_ffn, ffn=ffn,
+                                    init_std=init_std, dtype=dtype, max_position=max_position)
+    config = (Qwen3MoeConfig if arch == "qwen3_moe" else Qwen3Config)(**kwargs)
     cls = Qwen3MoeForCausalLM if arch == "qwen3_moe" else Qwen3ForCausalLM
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
