@@ -1,4 +1,5 @@
-# megatron_sparse_rl: `make demo` runs the main job, `make test` runs the test suite.
+# megatron_sparse_rl: `make demo` runs the main job, `make test` runs the test suite (experiment-scale `slow`
+# tests excluded; `make test-all` runs them too).
 # Both set up .venv first when it is missing (CPU stack; torch 2.13.0+cpu is installed before anything
 # that could pull a CUDA torch).
 PY ?= python3.11
@@ -6,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.msrl-setup-done
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test test-all test-fast demo clean
 
 setup: $(STAMP)
 
@@ -22,6 +23,9 @@ $(STAMP): setup.py
 	@touch $(STAMP)
 
 test: setup
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 tests
+
+test-all: setup
 	$(BIN)/python -m pytest -q tests
 
 test-fast: setup
