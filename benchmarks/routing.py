@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/routing.py [--hidden 128 --layers 4 --experts 64 --topk 8 --seq 256 --batch 8 --pairs 8]
 
 One process (single-rank gloo world, TP1), a tiny random Qwen3-MoE, fp32, real Megatron learner on CPU.
-Prints the learner train-step time with R2 replay (LearnerRouting.update around train_step, including the
-per-step route checks and the applied-fraction verification) over the time without replay (same model,
+Prints the learner train-step time with R2 replay (train_step with the update's replay request in its extras,
+including the per-step route checks and the applied-fraction verification) over the time without replay (same model,
 routers computing their own top-k): `--pairs` back-to-back pairs, the order alternating, reported as the
 median and range of the per-pair ratios (a shared CPU's noise shows in the range). Also the host time of
 the replay bookkeeping alone (route checks/expansion at phase entry, per-micro-batch route slicing,
@@ -15,15 +15,16 @@ per token (packed uint8 RouteStore) next to int64 indices padded to the batch's 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import tempfile
 import time
+from dataclasses import replace
 
 from megatron_sparse_rl.config.checks import positive
 
 
 def _learner(model_dir):
+    from megatron_sparse_rl.config.routing import RoutingConfig
     from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_sparse_rl.learner.learner import Learner
     from megatron_sparse_rl.models import load_spec
@@ -35,39 +36,28 @@ def _learner(model_dir):
     layout = ParallelLayout.from_config(ParallelConfig(), 1)
     learner = Learner(adapter, spec, layout, layout.initialize(), model_cfg=ModelConfig(path=str(model_dir)),
                       cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-5)), total_steps=100,
-                      routing_replay=True)
+                      routing=RoutingConfig(mode="R2", record_stats=False))
     learner.load_hf(model_dir)
     return learner
 
 
 class _Bookkeeping:
-    """Accumulates the host time of LearnerRouting's own replay work (phase entry/exit, micro-batch slicing)."""
+    """Accumulates the host time of the learner's own replay work (request start and finish, micro-batch
+    slicing): its LearnerRouting's calls, timed on that instance."""
 
     def __init__(self, routing):
-        self.routing, self.seconds = routing, 0.0
-        inner = routing.before_micro_batch
+        self.seconds = 0.0
+        for name in ("begin", "before_micro_batch", "finish"):
+            setattr(routing, name, self._timed(getattr(routing, name)))
 
+    def _timed(self, inner):
         def timed(*args, **kwargs):
             t = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t
-        routing.before_micro_batch = timed
-
-    @contextlib.contextmanager
-    def timed_update(self, tokens, lengths, routes):
-        phase = self.routing.update(tokens, lengths, routes)
-        t = time.perf_counter()
-        ph = phase.__enter__()
-        self.seconds += time.perf_counter() - t
-        try:
-            yield ph
-        finally:
-            t = time.perf_counter()
-            phase.__exit__(None, None, None)
-            self.seconds += time.perf_counter() - t
-
+        return timed
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -96,8 +86,7 @@ def run(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_sparse_rl.config.routing import RoutingConfig
-    from megatron_sparse_rl.learner.routing import LearnerRouting
+    from megatron_sparse_rl.learner.extras import ForwardExtras
     from megatron_sparse_rl.learner.sft import make_sft_loss
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
@@ -107,15 +96,15 @@ def run(a: argparse.Namespace) -> int:
         model_dir = build_tiny_hf_model(f"{tmp}/m", hidden=a.hidden, layers=a.layers, experts=a.experts, topk=a.topk,
                                         moe_ffn=a.hidden, max_position=max(2048, a.seq))
         learner = _learner(model_dir)
-        routing = LearnerRouting(learner, RoutingConfig(mode="R2", record_stats=False))
+        routing = learner.routing
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(3, 60, (a.batch, a.seq), generator=g)
         lengths = torch.randint(a.seq // 2, a.seq + 1, (a.batch,), generator=g)
         mask = (torch.arange(a.seq - 1)[None] < (lengths - 1)[:, None]).float()
         loss_fn = make_sft_loss(mask, mask.sum().item())
-        with routing.old_forward(tokens, lengths) as ph:
-            learner.forward_logprobs(tokens)
-        routes = ph.routes
+        record = ForwardExtras(routes=replace(routing.old_forward(None), lengths=lengths))  # R2: record
+        routes = learner.forward_logprobs(tokens, extras=record)["routing"].routes
+        replay = ForwardExtras(routes=replace(routing.update(routes), lengths=lengths))
         learner.train_step(tokens, loss_fn)  # warm-up
         book = _Bookkeeping(routing)
         ratios, plain_s = [], []
@@ -127,8 +116,7 @@ def run(a: argparse.Namespace) -> int:
                 if kind == "plain":
                     learner.train_step(tokens, loss_fn)
                 else:
-                    with book.timed_update(tokens, lengths, routes):
-                        learner.train_step(tokens, loss_fn)
+                    learner.train_step(tokens, loss_fn, extras=replay)
                 t[kind] = time.perf_counter() - start
             ratios.append(t["replay"] / t["plain"])
             plain_s.append(t["plain"])

@@ -12,9 +12,10 @@ gloo, TP1, every rank with one thread (megatron_sparse_rl/parallel/spawn.py).
 - colocated: one rank holds learner and engine; `sync_to_engine` (HF-name export, bucket packing, BLAKE2b
   checksums and verification, vLLM's in-place reload with the CPU MoE repack).
 - disaggregated: 2 ranks, learner on rank 0, engine on rank 1 (`ParallelLayout(rollout_ranks=1)`), rank 0
-  `send_weights` -> rank 1 `receive_weights` (checksums on). A sync's time is the later of the two ranks'
-  (both start after a barrier). Also printed: the gloo transport's own bandwidth, a plain `dist.send`/`recv`
-  of the same bytes from rank 0 to rank 1 in messages of the bucket size, timed until rank 1 acknowledges.
+  `send_weights` -> rank 1 `receive_weights` over the weight-sync bridge (checksums on). A sync's time is the
+  later of the two ranks' (both start after a barrier). Also printed: the gloo transport's own bandwidth, a
+  plain broadcast over the same two-member bridge (one send) of the same bytes from rank 0 to rank 1 in
+  messages of the bucket size, timed until rank 1 acknowledges.
 
 Each mode prints one line with its ratio(s); every number is the best of `--repeats`, and each ratio is
 taken from numbers measured in the same processes in one run. The engine's prompt logprobs of a probe are
@@ -85,16 +86,14 @@ def _engine(model_dir):
 
 
 def _learner(layout, groups, model_dir):
-    """A TP1 fp32 learner loaded from `model_dir`, built with the layout's view of the learner world."""
+    """A TP1 fp32 learner loaded from `model_dir`."""
     from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
     from megatron_sparse_rl.learner.learner import Learner
     from megatron_sparse_rl.models import load_spec
 
     adapter, spec = load_spec(model_dir)
-    with layout.learner_world(groups):
-        learner = Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir)),
-                          cfg=LearnerConfig())
-        learner.load_hf(model_dir)
+    learner = Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir)), cfg=LearnerConfig())
+    learner.load_hf(model_dir)
     return learner
 
 
@@ -125,50 +124,40 @@ def colocated_worker(rank, world_size, model_dir, bucket_mb, repeats):
     return {"seconds": [s.seconds for s in syncs], "stats": syncs[0], "copy_bps": copy_bps, "diff": (before, diff)}
 
 
-def gloo_bytes_per_s(nbytes: int, chunk: int, repeats: int) -> float:
-    """A plain dist.send (rank SRC) / recv (rank ENGINE_RANK) of `nbytes` in messages of at most `chunk`
-    bytes, timed on the sender from a barrier until the receiver's 1-byte ack; best of `repeats` (the
-    receiver returns 0)."""
+def gloo_bytes_per_s(sync, nbytes: int, chunk: int, repeats: int) -> float:
+    """A plain broadcast over the two-member bridge `sync` (rank SRC -> rank ENGINE_RANK, one send each) of
+    `nbytes` in messages of at most `chunk` bytes, timed on the sender from a barrier until the receiver's
+    1-byte ack; best of `repeats` (the receiver returns 0)."""
     import torch
-    import torch.distributed as dist
 
-    sender = dist.get_rank() == SRC
+    sender = sync.members[sync.rank] == SRC
     buf, ack = torch.zeros(min(chunk, nbytes), dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
     sizes = [min(chunk, nbytes - off) for off in range(0, nbytes, chunk)]
     best = float("inf")
     for _ in range(repeats):
-        dist.barrier()
+        sync.barrier()
         start = time.perf_counter()
         for n in sizes:
-            if sender:
-                dist.send(buf[:n], dst=ENGINE_RANK)
-            else:
-                dist.recv(buf[:n], src=SRC)
-        if sender:
-            dist.recv(ack, src=ENGINE_RANK)
-        else:
-            dist.send(ack, dst=SRC)
+            sync.broadcast(buf[:n], src=SRC)
+        sync.broadcast(ack, src=ENGINE_RANK)
         best = min(best, time.perf_counter() - start)
     return nbytes / best if sender else 0.0
 
 
 def _disagg_learner(layout, groups, sync, model_dir, bucket_mb, repeats):
     import torch
-    import torch.distributed as dist
 
-    from megatron_sparse_rl.training.disaggregated import join_vllm_groups
     from megatron_sparse_rl.weight_sync import send_weights
 
-    join_vllm_groups()  # the collective half of the engine rank's vLLM start-up
     learner = _learner(layout, groups, model_dir)
     copy_bps = _learner_copy_bps(learner, repeats)
     sends = []
     for _ in range(repeats):
-        dist.barrier(group=sync)
+        sync.barrier()
         sends.append(send_weights(learner, sync, src=SRC, bucket_mb=bucket_mb))
-    gloo_bps = gloo_bytes_per_s(sends[0].bytes, int(bucket_mb * 2**20), repeats)
+    gloo_bps = gloo_bytes_per_s(sync, sends[0].bytes, int(bucket_mb * 2**20), repeats)
     ours = learner.forward_logprobs(torch.tensor(PROBE))["logprobs"]
-    dist.broadcast_object_list([ours], src=SRC, group=sync)
+    sync.broadcast_object(ours, src=SRC)
     return {"seconds": [s.seconds for s in sends], "stats": sends[0], "copy_bps": copy_bps, "gloo_bps": gloo_bps}
 
 
@@ -182,7 +171,6 @@ def disaggregated_worker(rank, world_size, model_dir, bucket_mb, repeats):
 
 def _disagg_engine_rank(sync, model_dir, bucket_mb, repeats):
     import torch
-    import torch.distributed as dist
 
     from megatron_sparse_rl.weight_sync import receive_weights
 
@@ -190,11 +178,10 @@ def _disagg_engine_rank(sync, model_dir, bucket_mb, repeats):
     before = torch.stack(engine.prompt_logprobs(PROBE))
     received = []
     for _ in range(repeats):
-        dist.barrier(group=sync)
+        sync.barrier()
         received.append(receive_weights(engine, sync, src=SRC, verify=True))
-    gloo_bytes_per_s(received[0].bytes, int(bucket_mb * 2**20), repeats)
-    got = [None]
-    dist.broadcast_object_list(got, src=SRC, group=sync)
+    gloo_bytes_per_s(sync, received[0].bytes, int(bucket_mb * 2**20), repeats)
+    got = [sync.broadcast_object(None, src=SRC)]
     diff = (torch.stack(engine.prompt_logprobs(PROBE)) - got[0]).abs().max().item()
     engine.shutdown()
     if not diff <= LOGPROB_TOL:
@@ -247,7 +234,7 @@ def run_disaggregated(model_dir, args) -> str:
     sec = min(max(a, b) for a, b in zip(sent["seconds"], got["seconds"]))
     bps, copy_bps, gloo_bps = s.bytes / sec, sent["copy_bps"], sent["gloo_bps"]
     return (f"disaggregated: sync {_gbps(bps)} ({sec * 1e3:.0f} ms, {s.buckets} bucket(s), rank 0 -> rank 1) / "
-            f"plain copy {_gbps(copy_bps)} = {bps / copy_bps:.4f}; gloo send/recv {_gbps(gloo_bps)} "
+            f"plain copy {_gbps(copy_bps)} = {bps / copy_bps:.4f}; gloo bridge {_gbps(gloo_bps)} "
             f"(/ plain copy = {gloo_bps / copy_bps:.4f}); sync / gloo = {bps / gloo_bps:.4f}; "
             f"{_dlogprob(got['diff'])}")
 

@@ -17,7 +17,7 @@ from megatron_sparse_rl.config.schema import RunConfig
 from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training import steps as S
 from megatron_sparse_rl.training.context import build_context, open_metrics
-from megatron_sparse_rl.training.disaggregated import RolloutRank, learner_scope, serve
+from megatron_sparse_rl.training.disaggregated import RolloutRank, serve
 from megatron_sparse_rl.training.report import Reporter
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,10 @@ def train(run: RunConfig) -> dict:
     ctx = build_context(run, total_steps=max(cfg.steps * cfg.updates_per_rollout, 1))
     if isinstance(ctx, RolloutRank):  # disaggregated: serve learner rank 0 until it says stop
         return serve(ctx)
-    with learner_scope(ctx):  # stops the engine(s) on every way out
+    try:
         return rl_loop(ctx)
+    finally:  # the engines (local, or the rollout ranks) stop on every way out, errors included
+        ctx.placement.shutdown()
 
 
 def rl_loop(ctx) -> dict:

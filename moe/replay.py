@@ -154,7 +154,7 @@ class ModelRouting:
             if self.phase == "observe" or (self.phase == "replay" and not _in_backward()):
                 if self._micro_batch < 0:
                     raise RoutingError(f"layer {self.layers[j]}: router ran before set_micro_batch "
-                                       "(is the routing hook attached to the learner?)")
+                                       "(call set_micro_batch before every micro-batch forward)")
             if self.phase == "replay":
                 rr = router.router_replay
                 tokens = args[0].shape[0] * args[0].shape[1]

@@ -51,8 +51,10 @@ class SamplingConfig:
 class KVConfig:
     """Fixed-budget KV cache compression during rollout (Sparse-RL); "none" keeps the dense cache.
 
-    The policies live in `megatron_sparse_rl.kv.policies`; the vLLM integration that applies them and
-    frees blocks in `megatron_sparse_rl.kv` (see docs/sparse_kv.md)."""
+    The one KV schema: the settings vLLM carries to its scheduler and workers (`kv.settings.SparseKVSettings`)
+    and the policies' knobs (`kv.policies.PolicyParams`) are this class. The policies live in
+    `megatron_sparse_rl.kv.policies`; the vLLM integration that applies them and frees blocks in
+    `megatron_sparse_rl.kv` (see docs/sparse_kv.md)."""
 
     policy: KVPolicy = "none"
     """Which tokens to keep: none (dense), rkv, snapkv, h2o or streamingllm."""

@@ -20,36 +20,25 @@ No vLLM imports; the vLLM integration (megatron_sparse_rl.kv.vllm_*) calls these
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 
-POLICIES = ("rkv", "snapkv", "h2o", "streamingllm")
+from megatron_sparse_rl.config.rollout import KVConfig, KVPolicy
+
+POLICIES = tuple(p for p in get_args(KVPolicy) if p != "none")
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyParams:
-    """The knobs of one policy (built from `KVConfig` by `params_from_config`).
-
-    budget: entries kept per KV head; window: recent tokens always kept (and R-KV/SnapKV's query
-    window); sinks: StreamingLLM's first tokens; pooling/kernel: 1-D pooling of importance scores
-    (R-KV, SnapKV); rkv_lambda: R-KV's importance weight; rkv_threshold: R-KV's similarity threshold.
-    """
-
-    budget: int
-    window: int = 8
-    sinks: int = 4
-    pooling: str = "max"
-    kernel: int = 7
-    rkv_lambda: float = 0.1
-    rkv_threshold: float = 0.5
+# The policies' knobs (budget, window, sinks, pooling, kernel, rkv_lambda, rkv_threshold) are fields of the one
+# KV schema, `rollout.kv`: a `KVConfig` (or the `SparseKVSettings` vLLM carries) is what the policies take.
+# Built directly where no run config exists (tests, benchmarks): `PolicyParams(budget=16, window=8)`.
+PolicyParams = KVConfig
 
 
-def params_from_config(kv_cfg) -> PolicyParams:
-    """PolicyParams from a `megatron_sparse_rl.config.rollout.KVConfig`."""
-    return PolicyParams(budget=kv_cfg.budget, window=kv_cfg.window, sinks=kv_cfg.sinks, pooling=kv_cfg.pooling,
-                        kernel=kv_cfg.kernel, rkv_lambda=kv_cfg.rkv_lambda, rkv_threshold=kv_cfg.rkv_threshold)
+def params_from_config(kv_cfg: KVConfig) -> PolicyParams:
+    """The policy knobs of `rollout.kv`: the config itself (every KVConfig is a PolicyParams)."""
+    return kv_cfg
 
 
 def _group(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -10,12 +10,13 @@ Used by the sparse-KV tests and `msrl bench kv`.
 """
 from __future__ import annotations
 
+from megatron_sparse_rl.rollout import vllm_access
+
 
 class BlockUsageProbe:
     def __init__(self, engine):
-        core = engine._llm.llm_engine.engine_core
-        self.scheduler = getattr(core, "engine_core", core).scheduler
-        self.pool = self.scheduler.kv_cache_manager.block_pool
+        self.scheduler = engine._scheduler()
+        self.pool = vllm_access.block_pool(self.scheduler)
         self.blocks: list[int] = []
         self.running: list[int] = []
         self.preemptions = 0
@@ -23,7 +24,7 @@ class BlockUsageProbe:
     @property
     def pool_blocks(self) -> int:
         """Usable blocks of the pool (vLLM's null block excluded)."""
-        return self.pool.num_gpu_blocks - 1
+        return vllm_access.pool_usage(self.pool)[1]
 
     @property
     def peak_blocks(self) -> int:
@@ -43,17 +44,13 @@ class BlockUsageProbe:
         return len(self.blocks)
 
     def __enter__(self) -> "BlockUsageProbe":
-        schedule = self.scheduler.schedule
-
-        def probed(*args, **kwargs):
-            out = schedule(*args, **kwargs)
-            self.blocks.append(self.pool_blocks - self.pool.get_num_free_blocks())
-            self.running.append(len(self.scheduler.running))
-            self.preemptions += len(getattr(out, "preempted_req_ids", ()) or ())
-            return out
-
-        self.scheduler.schedule = probed
+        vllm_access.wrap_schedule(self.scheduler, self._after_step)
         return self
 
+    def _after_step(self, out) -> None:
+        self.blocks.append(vllm_access.pool_usage(self.pool)[0])
+        self.running.append(vllm_access.num_running(self.scheduler))
+        self.preemptions += len(vllm_access.preempted_requests(out))
+
     def __exit__(self, *exc) -> None:
-        del self.scheduler.schedule  # back to the class method
+        vllm_access.unwrap_schedule(self.scheduler)

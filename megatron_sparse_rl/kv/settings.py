@@ -1,35 +1,26 @@
 """The sparse-KV settings as they travel inside vLLM: `additional_config[CONFIG_KEY]` of the VllmConfig.
 
 vLLM hands its config to the engine core (scheduler) and to every worker, in this process or in others,
-so both sides read the same `SparseKVSettings` from there; no globals or environment switches.
+so both sides read the same `SparseKVSettings` from there; no globals or environment switches. The fields,
+defaults and checks are `KVConfig`'s (`rollout.kv`), the one KV schema: nothing is restated here.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from megatron_sparse_rl.config.rollout import KVConfig
+
 CONFIG_KEY = "msrl_sparse_kv"
 
 
-@dataclass(frozen=True, slots=True)
-class SparseKVSettings:
-    """A plain-data copy of `KVConfig` (policy != "none")."""
-
-    policy: str
-    budget: int
-    window: int
-    interval: int
-    sinks: int
-    pooling: str
-    kernel: int
-    rkv_lambda: float
-    rkv_threshold: float
-    record_keep: bool
-    admission_control: bool
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SparseKVSettings(KVConfig):
+    """`KVConfig` (policy != "none") as plain data in vLLM's config, rebuilt and re-checked on each side."""
 
     @classmethod
-    def from_kv_config(cls, kv_cfg) -> "SparseKVSettings":
-        return cls(**{f.name: getattr(kv_cfg, f.name) for f in dataclasses.fields(cls)})
+    def from_kv_config(cls, kv_cfg: KVConfig) -> "SparseKVSettings":
+        return cls(**{f.name: getattr(kv_cfg, f.name) for f in dataclasses.fields(KVConfig)})
 
     def to_additional_config(self) -> dict:
         return {CONFIG_KEY: dataclasses.asdict(self)}

@@ -14,21 +14,27 @@ the async or the sync variant to match `scheduler_config.async_scheduling` (CPU 
 - with admission control, a waiting request is admitted only if the worst-case blocks of the running
   requests and its own still fit the pool, so compressed requests are never preempted; a compressed
   request that is preempted anyway (admission control off) is recomputed densely by vLLM and flagged.
-Prefix caching must be off (compaction rewrites blocks in place).
+Prefix caching must be off (compaction rewrites blocks in place). Outside its own inherited state (running and
+waiting queues, admission limit, requests), vLLM's objects are reached through `rollout/vllm_access.py`, which
+lists and checks every attribute used here; the scheduler checks its live instance at construction.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinatorNoPrefixCache
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from megatron_sparse_rl.kv.settings import CONFIG_KEY, SparseKVSettings
+from megatron_sparse_rl.rollout import vllm_access
 
 logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
 
 
 class _OffsetCoordinator(KVCacheCoordinatorNoPrefixCache):
@@ -65,20 +71,22 @@ class _SparseKVMixin:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        vllm_access.check_instance(self, ("sparse_kv",))
         self.msrl = SparseKVSettings.from_vllm_config(self.vllm_config)
         if self.msrl is None:
             raise RuntimeError(f"SparseKVScheduler needs additional_config[{CONFIG_KEY!r}] (RolloutEngine sets it)")
-        coord = self.kv_cache_manager.coordinator
+        coord, managers = vllm_access.kv_coordinator(self)
         if type(coord) is not KVCacheCoordinatorNoPrefixCache:
             raise RuntimeError(f"sparse KV needs prefix caching off and one KV cache group (got {type(coord).__name__})")
         groups = self.kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or len(coord.single_type_managers) != 1:
+        if len(groups) != 1 or len(managers) != 1:
             raise RuntimeError(f"sparse KV supports one full-attention KV cache group (got {len(groups)})")
         if self.defer_block_free:
             raise RuntimeError("sparse KV does not support KV connectors that defer block frees")
-        coord.__class__ = _OffsetCoordinator
+        vllm_access.swap_coordinator(coord, _OffsetCoordinator)
         coord.msrl_dropped = self.msrl_dropped = {}
-        self.msrl_manager = coord.single_type_managers[0]
+        self.msrl_manager = managers[0]
+        self.msrl_pool = vllm_access.block_pool(self)
         self.msrl_block_size = self.msrl_manager.block_size
         self.msrl_preempted_compressed: set[str] = set()
         self.msrl_stats = {"compactions": 0, "blocks_freed": 0, "peak_blocks_in_use": 0, "peak_running": 0,
@@ -102,7 +110,7 @@ class _SparseKVMixin:
                 raise RuntimeError(f"sparse KV: request {rid} holds {len(blocks)} blocks for {stored} stored tokens")
             tail = blocks[keep_blocks:]
             del blocks[keep_blocks:]
-            self.kv_cache_manager.block_pool.free_blocks(reversed(tail))
+            self.msrl_pool.free_blocks(reversed(tail))
             self.msrl_dropped[rid] = d + stored - budget
             commands[rid] = (stored, budget)
             self.msrl_stats["compactions"] += 1
@@ -124,7 +132,7 @@ class _SparseKVMixin:
             return None
         held = {r.request_id: len(self.msrl_manager.req_to_blocks.get(r.request_id, ())) for r in self.running}
         need = sum(max(0, self._msrl_worst_blocks(r) - held[r.request_id]) for r in self.running)
-        room = self.kv_cache_manager.block_pool.get_num_free_blocks() - need
+        room = self.msrl_pool.get_num_free_blocks() - need
         admitted = 0
         for req in list(self.waiting):
             w = self._msrl_worst_blocks(req)
@@ -145,13 +153,13 @@ class _SparseKVMixin:
             out = super().schedule(*args, **kwargs)
         finally:
             self.max_num_active_reqs = active
-        out.msrl_sparse_kv = {
+        scheduled, _, _ = vllm_access.step_requests(out)
+        vllm_access.set_rider(out, {
             "compact": commands,
-            "dropped": {rid: self.msrl_dropped[rid] for rid in out.num_scheduled_tokens if self.msrl_dropped.get(rid)},
-        }
-        pool = self.kv_cache_manager.block_pool
+            "dropped": {rid: self.msrl_dropped[rid] for rid in scheduled if self.msrl_dropped.get(rid)},
+        })
         stats = self.msrl_stats
-        stats["peak_blocks_in_use"] = max(stats["peak_blocks_in_use"], pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+        stats["peak_blocks_in_use"] = max(stats["peak_blocks_in_use"], vllm_access.pool_usage(self.msrl_pool)[0])
         stats["peak_running"] = max(stats["peak_running"], len(self.running))
         return out
 

@@ -1,7 +1,8 @@
 """Worker side of the sparse-KV integration (vLLM 0.32.0 V1 model runner, used by the CPU runner too).
 
-`SparseKVWorkerState` is owned by one model runner (`runner._msrl_sparse_kv`, created by the runner
-patch in megatron_sparse_rl.patches.vllm_sparse_kv on the first step). Per step:
+`SparseKVWorkerState` is owned by one model runner (`vllm_access.runner_state`, created by the runner
+patch in megatron_sparse_rl.patches.vllm_sparse_kv on the first step); it reaches the runner only through
+`vllm_access.RunnerKV` and the accessor's layer functions. Per step:
 - `before_update_states` (before vLLM's `_update_states`, which zeroes newly allocated blocks that may
   be the tail blocks just freed): for each compaction command, score the cached keys with the policy,
   copy the kept tokens' K/V to the front slots of the request's blocks (per layer, per KV head), cut
@@ -26,15 +27,16 @@ import torch
 from megatron_sparse_rl.kv import policies as P
 from megatron_sparse_rl.kv.record import KVKeepRecord
 from megatron_sparse_rl.kv.settings import SparseKVSettings
+from megatron_sparse_rl.rollout import vllm_access
 
 logger = logging.getLogger(__name__)
 
 
-def discover_slot_layout(layer, impl, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def discover_slot_layout(layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_index, v_index), int64 [kv_heads, block_size, head_dim] each: where, in one block of `kv_cache`
     flattened, the backend stores element d of head h's K (V) of the token in block slot s.
 
-    Writes codes through `impl.do_kv_cache_update` into a 2-block scratch cache, in passes of base-64
+    Writes codes through the backend's own KV writer (`vllm_access.write_kv`) into a 2-block scratch cache, in passes of base-64
     digits (exact in bf16/fp16/fp32), and checks every element lands exactly once inside block 0.
     """
     if not kv_cache.is_contiguous():
@@ -52,7 +54,7 @@ def discover_slot_layout(layer, impl, kv_cache: torch.Tensor) -> tuple[torch.Ten
     for p in range(passes):
         digit = (code // base**p) % base + 1
         scratch.zero_()
-        impl.do_kv_cache_update(layer, digit.to(kv_cache.dtype), (-digit).to(kv_cache.dtype), scratch, slots)
+        vllm_access.write_kv(layer, digit.to(kv_cache.dtype), (-digit).to(kv_cache.dtype), scratch, slots)
         if scratch[1].abs().sum() != 0:
             raise RuntimeError("sparse KV layout discovery: slots 0..block_size-1 wrote outside block 0")
         flat = scratch[0].reshape(-1).double()
@@ -72,6 +74,13 @@ def discover_slot_layout(layer, impl, kv_cache: torch.Tensor) -> tuple[torch.Ten
     if (k_index < 0).any() or (v_index < 0).any():
         raise RuntimeError("sparse KV layout discovery: some K/V elements were not found (codes collide)")
     return k_index.view(heads, bs, d), v_index.view(heads, bs, d)
+
+
+def _kv_cache(layer) -> torch.Tensor:
+    name, cache, _ = vllm_access.layer_kv(layer)
+    if cache is None:
+        raise RuntimeError(f"sparse KV: layer {name} has no KV cache tensor")
+    return cache
 
 
 @dataclass
@@ -96,22 +105,21 @@ class SparseKVWorkerState:
     """Sparse-KV state of one vLLM model runner (see the module docstring)."""
 
     def __init__(self, runner, settings: SparseKVSettings):
-        self.runner, self.s = runner, settings
-        self.params = P.params_from_config(settings)
-        groups = runner.kv_cache_config.kv_cache_groups
+        vllm_access.check_instance(runner, ("sparse_kv",))
+        self.runner, self.s = vllm_access.RunnerKV(runner), settings
+        groups = self.runner.groups
         if len(groups) != 1:
             raise RuntimeError(f"sparse KV supports one KV cache group (got {len(groups)})")
-        self.block_size = groups[0].kv_cache_spec.block_size
-        self.table = runner.input_batch.block_table[0]
-        if self.table.block_size != self.block_size:
-            raise RuntimeError(f"sparse KV: kernel block size {self.table.block_size} != KV manager block size "
-                               f"{self.block_size} (hybrid block tables are not supported)")
-        ctx = runner.compilation_config.static_forward_context
-        self.layers = self._attention_layers(groups[0].layer_names, ctx)
-        first = self.layers[0]
-        self.kidx, self.vidx = discover_slot_layout(first, first.impl, first.kv_cache)
+        self.block_size, names = groups[0]
+        if self.runner.table_block_size != self.block_size:
+            raise RuntimeError(f"sparse KV: kernel block size {self.runner.table_block_size} != KV manager block "
+                               f"size {self.block_size} (hybrid block tables are not supported)")
+        self.layers = self.runner.attention_layers(names)
+        for layer in self.layers:
+            _kv_cache(layer)
+        self.kidx, self.vidx = discover_slot_layout(self.layers[0], _kv_cache(self.layers[0]))
         self.kv_heads, _, self.head_dim = self.kidx.shape
-        self.q_heads = first.impl.num_heads
+        self.q_heads = vllm_access.layer_kv(self.layers[0])[2]
         self.reqs: dict[str, _Request] = {}
         self.records: dict[str, dict] = {}
         self.dropped: dict[str, int] = {}
@@ -122,26 +130,12 @@ class SparseKVWorkerState:
         logger.info("sparse KV worker: policy=%s budget=%d interval=%d, %d layers, block size %d",
                     settings.policy, settings.budget, settings.interval, len(self.layers), self.block_size)
 
-    @staticmethod
-    def _attention_layers(names, ctx) -> list:
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        layers = sorted((ctx[n] for n in names), key=lambda m: extract_layer_index(m.layer_name))
-        for layer in layers:
-            if not isinstance(getattr(layer, "kv_cache", None), torch.Tensor):
-                raise RuntimeError(f"sparse KV: layer {layer.layer_name} has no KV cache tensor")
-        return layers
-
     def _wrap_forward(self, li: int, layer) -> None:
-        impl, original = layer.impl, layer.impl.forward
-        state = self
+        def on_query(query):
+            if self.step is not None:
+                self.capture(li, query)
 
-        def forward(attn_layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-            if attn_metadata is not None and state.step is not None:
-                state.capture(li, query)
-            return original(attn_layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-
-        impl.forward = forward
+        vllm_access.on_attention_query(layer, on_query)
 
     # ---- query capture ------------------------------------------------------------------------------
     def capture(self, li: int, query: torch.Tensor) -> None:
@@ -173,23 +167,22 @@ class SparseKVWorkerState:
 
     def _keep(self, li: int, r: _Request, flat: torch.Tensor, blocks: torch.Tensor, stored: int) -> torch.Tensor:
         if self.s.policy == "streamingllm":
-            return P.streamingllm_keep(self.kv_heads, stored, self.params, blocks.device)
+            return P.streamingllm_keep(self.kv_heads, stored, self.s, blocks.device)
         slots = torch.arange(stored, device=blocks.device).expand(self.kv_heads, stored)
         keys = flat[self._gather(flat, self.kidx, blocks, slots)]  # [H, stored, D]
         if self.s.policy == "h2o":
             queries = torch.cat(r.queries[li], dim=1)
             prev = r.acc[li] if li < len(r.acc) else None
             acc = P.h2o_scores(keys, queries, torch.cat(r.query_index), previous=prev)
-            keep = P.select_keep("h2o", keys, None, self.params, h2o_acc=acc)
+            keep = P.select_keep("h2o", keys, None, self.s, h2o_acc=acc)
             while len(r.acc) <= li:
                 r.acc.append(None)
             r.acc[li] = acc.gather(1, keep)
             return keep
-        return P.select_keep(self.s.policy, keys, r.queries[li], self.params)
+        return P.select_keep(self.s.policy, keys, r.queries[li], self.s)
 
     def _compact(self, rid: str, stored: int, budget: int) -> None:
-        req_state = self.runner.requests[rid]
-        block_ids = req_state.block_ids[0]
+        block_ids = self.runner.block_ids(rid)
         if len(block_ids) != -(-stored // self.block_size):
             raise RuntimeError(f"sparse KV: worker holds {len(block_ids)} blocks for {stored} stored tokens of {rid}")
         r = self.reqs.setdefault(rid, _Request())
@@ -197,7 +190,8 @@ class SparseKVWorkerState:
         dst = torch.arange(budget, device=blocks.device).expand(self.kv_heads, budget)
         kept_pos = []
         for li, layer in enumerate(self.layers):
-            flat = layer.kv_cache.view(layer.kv_cache.shape[0], -1)
+            cache = _kv_cache(layer)
+            flat = cache.view(cache.shape[0], -1)
             keep = self._keep(li, r, flat, blocks, stored)  # [H, budget] stored indices
             for index in (self.kidx, self.vidx):
                 flat[self._gather(flat, index, blocks, dst)] = flat[self._gather(flat, index, blocks, keep)]
@@ -213,10 +207,7 @@ class SparseKVWorkerState:
         if self.s.policy == "h2o":
             r.queries, r.query_index = [[] for _ in self.layers], []
         del block_ids[-(-budget // self.block_size):]
-        row = self.runner.input_batch.req_id_to_index.get(rid)
-        if row is not None:
-            self.table.clear_row(row)
-            self.table.add_row(block_ids, row)
+        self.runner.set_table_row(rid, block_ids)
 
     @staticmethod
     def _old_pos(r: _Request, li: int, keep: torch.Tensor) -> torch.Tensor:
@@ -227,13 +218,14 @@ class SparseKVWorkerState:
 
     # ---- vLLM hooks ------------------------------------------------------------------------------------
     def before_update_states(self, scheduler_output) -> None:
-        msg = getattr(scheduler_output, "msrl_sparse_kv", None)
+        msg = vllm_access.rider(scheduler_output)
         if msg is None:
             raise RuntimeError("sparse KV: the SchedulerOutput carries no sparse-KV message (scheduler_cls not "
                                "SparseKVScheduler?)")
-        for rid in scheduler_output.finished_req_ids:
+        _, finished, resumed = vllm_access.step_requests(scheduler_output)
+        for rid in finished:
             self.reqs.pop(rid, None)
-        for rid in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+        for rid in resumed:
             old = self.reqs.pop(rid, None)
             if old is not None and old.dropped and rid in self.records:
                 self.records[rid]["preempted"] = True
@@ -245,23 +237,18 @@ class SparseKVWorkerState:
                 raise RuntimeError(f"sparse KV: worker dropped {self.reqs[rid].dropped} != scheduler {d} for {rid}")
 
     def after_prepare_inputs(self, num_scheduled_tokens: np.ndarray) -> None:
-        runner, ib = self.runner, self.runner.input_batch
-        n = ib.num_reqs
-        req_ids = list(ib.req_ids[:n])
+        req_ids, computed = self.runner.batch()
+        n = len(req_ids)
         qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(num_scheduled_tokens[:n], out=qsl[1:])
         dropped = np.array([self.dropped.get(r, 0) for r in req_ids], dtype=np.int64)
-        start = ib.num_computed_tokens_cpu[:n].astype(np.int64)
+        start = computed.astype(np.int64)
         self.step = _Step(req_ids, qsl, start - dropped)
         if not dropped.any():
             return
         rows = np.nonzero(dropped)[0]
-        d = torch.from_numpy(dropped[rows])
-        idx = torch.from_numpy(rows)
-        runner.optimistic_seq_lens_cpu[idx] -= d.to(runner.optimistic_seq_lens_cpu.dtype)
-        runner.seq_lens[idx.to(runner.seq_lens.device)] -= d.to(runner.seq_lens.device, runner.seq_lens.dtype)
-        table_np = self.table.block_table.np
-        slot_mapping = self.table.slot_mapping.gpu
+        self.runner.shorten_seq_lens(torch.from_numpy(rows), torch.from_numpy(dropped[rows]))
+        table_np, slot_mapping = self.runner.slot_tables()
         for row in rows.tolist():
             a, b = int(qsl[row]), int(qsl[row + 1])
             pos = start[row] - dropped[row] + np.arange(b - a)
@@ -271,22 +258,16 @@ class SparseKVWorkerState:
     def end_step(self) -> None:
         self.step = None
 
-    def take_records(self, req_ids) -> dict[str, KVKeepRecord]:
-        """Pop the records of `req_ids` (requests without a compaction get an empty record).
-
-        Ids are the caller's: vLLM's engine appends "-<8 random chars>" to each request id (children of
-        n > 1 are "<index>_<parent internal id>"), so a stored id matches with that suffix removed."""
-        internal = {_external_id(k): k for k in self.records}
+    def take_records(self, samples) -> dict[tuple[str, int], KVKeepRecord]:
+        """Pop the records of `samples`, (output request id, sample index) each, as vLLM's outputs name them
+        (the records are kept under vLLM's internal ids); samples without a compaction get an empty record."""
+        internal = {vllm_access.request_key(k): k for k in self.records}
         out = {}
-        for rid in req_ids:
-            rec = self.records.pop(internal.get(rid, rid), None) or {"lengths": [], "kept": [], "preempted": False}
-            out[rid] = KVKeepRecord(lengths=tuple(rec["lengths"]),
+        for key in samples:
+            rid = internal.get(tuple(key))
+            rec = (self.records.pop(rid, None) if rid is not None else None) or \
+                {"lengths": [], "kept": [], "preempted": False}
+            out[key] = KVKeepRecord(lengths=tuple(rec["lengths"]),
                                     kept=tuple(rec["kept"]) if self.s.record_keep else None,
                                     preempted=rec["preempted"])
         return out
-
-
-def _external_id(internal: str) -> str:
-    """vLLM's internal request id without the random suffix its input processor appends."""
-    head, sep, tail = internal.rpartition("-")
-    return head if sep and len(tail) == 8 else internal

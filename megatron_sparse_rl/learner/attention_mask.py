@@ -1,13 +1,14 @@
 """`LayerAttentionMasks`: a different attention mask per layer and per KV head inside Megatron's forward.
 
 Megatron passes one attention mask to every layer. Replaying what a sparse (fixed-budget) KV cache kept
-needs one per layer and KV head (`KVKeepRecord.attention_mask`), so this object puts a forward pre-hook
-on each local core-attention module that swaps in its layer's slice for the current micro-batch:
+needs one per layer and KV head (`KVKeepRecord.attention_mask`), so the Learner passes the micro-batch's
+whole per-layer mask as the `attention_mask` argument of its forward (Megatron hands it unchanged to every
+layer's core attention), and a forward pre-hook on each local core-attention module replaces it with that
+layer's slice. The mask travels with the call; the hooks hold no state:
 
-    masks = LayerAttentionMasks(model, tp_rank)       # owned by the Learner, hooks live with the model
-    masks.current = allowed[index]                    # bool [b, layers, kv_heads, s, s], True = may attend
-    ...forward...
-    masks.current = None                              # back to Megatron's own causal mask
+    LayerAttentionMasks(model, tp_rank)               # once, by the Learner: hooks live with the model
+    model(inputs, positions, blocked)                 # bool [b, layers, kv_heads, s, s], True = masked out
+    model(inputs, positions, None)                    # Megatron's own causal mask (the hooks pass it through)
 
 Heads: query head h of KV group g = h // (heads / kv_heads) (Megatron's GQA expansion); under tensor
 parallelism this rank holds KV groups [tp_rank * g_local, (tp_rank + 1) * g_local). Layers: the global
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import torch
 
+_PER_LAYER = 5  # [b, layers, kv_heads, s, s]; Megatron's own masks have 4 dimensions
+
 
 class LayerAttentionMasks:
     def __init__(self, model: torch.nn.Module, tp_rank: int):
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-        self.current: torch.Tensor | None = None
         self._tp_rank = tp_rank
         self._handles = []
         for module in model.modules():
@@ -36,32 +38,34 @@ class LayerAttentionMasks:
             raise ValueError("no DotProductAttention module found in the model")
 
     def _hook(self, module, args, kwargs):
-        if self.current is None:
+        positional = len(args) > 3
+        mask = args[3] if positional else kwargs.get("attention_mask")
+        if mask is None or mask.dim() != _PER_LAYER:
             return None
         query = args[0]
-        local = self._local(self.current, module)  # [b, np_local, s, s], True = may attend
+        local = self._local(mask, module)  # [b, np_local, s, s], True = masked out
         if local.shape[-1] != query.shape[0]:
             raise ValueError(f"attention mask covers {local.shape[-1]} positions, the forward has {query.shape[0]}")
-        blocked = ~local.to(query.device)  # Megatron's convention: True = masked out
-        if len(args) > 3:
-            args = (*args[:3], blocked, *args[4:])
+        local = local.to(query.device)
+        if positional:
+            args = (*args[:3], local, *args[4:])
         else:
-            kwargs = {**kwargs, "attention_mask": blocked}
+            kwargs = {**kwargs, "attention_mask": local}
         return args, kwargs
 
-    def _local(self, allowed: torch.Tensor, module) -> torch.Tensor:
+    def _local(self, mask: torch.Tensor, module) -> torch.Tensor:
         """[b, layers, kv_heads, s, s] -> this layer's and this TP rank's query heads [b, np_local, s, s]."""
         layer = module.layer_number - 1
-        if allowed.dim() != 5 or layer >= allowed.shape[1]:
+        if layer >= mask.shape[1]:
             raise ValueError(f"attention mask must be [batch, layers, kv_heads, seq, seq] covering layer {layer} "
-                             f"(got shape {tuple(allowed.shape)})")
+                             f"(got shape {tuple(mask.shape)})")
         groups = module.num_query_groups_per_partition
         first = self._tp_rank * groups
-        if allowed.shape[2] < first + groups:
-            raise ValueError(f"attention mask has {allowed.shape[2]} KV heads; this rank needs KV heads "
+        if mask.shape[2] < first + groups:
+            raise ValueError(f"attention mask has {mask.shape[2]} KV heads; this rank needs KV heads "
                              f"{first}..{first + groups - 1}")
         per_group = module.num_attention_heads_per_partition // groups
-        return allowed[:, layer, first:first + groups].repeat_interleave(per_group, dim=1)
+        return mask[:, layer, first:first + groups].repeat_interleave(per_group, dim=1)
 
     def remove(self) -> None:
         for handle in self._handles:

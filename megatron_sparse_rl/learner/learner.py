@@ -1,16 +1,19 @@
 """`Learner`: one rank's Megatron-Core model shard with DDP, optimizer and LR schedule.
 
-    learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=100)
+    learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=100,
+                      routing=run.routing)            # MoE: owns its routing replay state (learner/routing.py)
     learner.load_hf(model_dir)                        # HF safetensors -> local shards
     out = learner.forward_logprobs(tokens)            # {"logprobs": [B, S-1], "entropy": [B, S-1]}
-    out = learner.forward_logprobs(tokens, attention_mask=allowed)  # per layer/KV-head visibility (sparse KV)
-    out = learner.forward_logprobs(tokens, keep=batch.sampling_mask)  # renormalised over the sampler's support
+    out = learner.forward_logprobs(tokens, extras=ForwardExtras(sampling_support=batch.sampling_mask,
+                                                                attention_mask=allowed, routes=request))
     metrics = learner.train_step(tokens, loss_fn)     # micro-batched forward/backward + optimizer step
 
 `tokens` is this data-parallel rank's [B, S] right-padded batch; position t of the outputs scores token
 t + 1. `loss_fn(logprobs, entropy, index) -> (loss, metrics)` receives one micro-batch (rows `index` of the
 rank's batch) and returns a loss that is already normalised by the GLOBAL token/sequence count, so
-micro-batch and data-parallel contributions are summed, never averaged.
+micro-batch and data-parallel contributions are summed, never averaged. `extras` (learner/extras.py
+`ForwardExtras`: sampling support, per-layer attention mask, routes to replay or record) are the call's own
+inputs, applied for that call only.
 """
 from __future__ import annotations
 
@@ -22,11 +25,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
 from megatron_sparse_rl.learner.attention_mask import LayerAttentionMasks, pad_causal
+from megatron_sparse_rl.learner.extras import NO_EXTRAS, ForwardExtras
 from megatron_sparse_rl.learner.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_sparse_rl.learner.model import build_gpt_model
 from megatron_sparse_rl.learner.params import load_full_tensors, local_params
+from megatron_sparse_rl.learner.routing import LearnerRouting
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
 from megatron_sparse_rl.parallel.layout import ParallelGroups, ParallelLayout
@@ -39,7 +45,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor
 class Learner:
     def __init__(self, adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout, groups: ParallelGroups, *,
                  model_cfg: ModelConfig, cfg: LearnerConfig, total_steps: int = 1, temperature: float = 1.0,
-                 routing_replay: bool = False):
+                 routing: RoutingConfig | None = None):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
@@ -49,13 +55,10 @@ class Learner:
             adapter, spec, layout, groups, dtype=model_cfg.dtype, seed=cfg.seed,
             recompute=model_cfg.recompute_activations, aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
             calculate_per_token_loss=True,
-            **({"moe_enable_routing_replay": True} if routing_replay else {}),
+            **({"moe_enable_routing_replay": True} if routing is not None else {}),
         )
         self.config = config
-        # Optional routing hook (learner/routing.py: LearnerRouting attaches itself here); called with each
-        # micro-batch's row index and inputs before its forward, so routes can be recorded or replayed.
-        self.routing = None
-        self._layer_masks = None  # LayerAttentionMasks, made on the first masked forward
+        self._layer_masks = None  # LayerAttentionMasks: hooks made on the first call with an attention mask
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=False)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
@@ -64,6 +67,8 @@ class Learner:
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = self.model.no_sync
         config.grad_sync_func = None
+        # This model's routing replay/recording state (learner/routing.py); calls use it through extras.routes.
+        self.routing = LearnerRouting(self.model, layout, groups, routing) if routing is not None else None
         self.optimizer, self.scheduler = self._build_optimizer(cfg, model_cfg, total_steps)
         self.step = 0
 
@@ -140,26 +145,26 @@ class Learner:
             tokens = torch.nn.functional.pad(tokens, (0, self.layout.tp - length % self.layout.tp))
         return tokens
 
-    def _scores(self, logits: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor, keep=None):
-        """Last-stage logits [b, s, V/tp] of right-padded `tokens` -> (logprobs, entropy) [b, S-1]. With `keep`
-        (see forward_logprobs) the logprobs are renormalised over each position's kept ids; the entropy is
-        the unrestricted policy's."""
+    def _scores(self, logits: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor, support=None):
+        """Last-stage logits [b, s, V/tp] of right-padded `tokens` -> (logprobs, entropy) [b, S-1]. With the
+        call's sampling `support` (ForwardExtras.sampling_support) the logprobs are renormalised over each
+        position's kept ids; the entropy is the unrestricted policy's."""
         length = tokens.shape[1] - 1
         logits = logits[:, :length]
         entropy = vocab_parallel_entropy(logits, self.groups.tp)
         targets = self._padded(tokens)[:, 1:length + 1].to(logits.device).contiguous()
         allowed = None
-        if keep is not None:
+        if support is not None:
             start = self.groups.tp_rank * logits.shape[-1]
-            allowed = keep.local_mask(index, length, start, start + logits.shape[-1]).to(logits.device)
+            allowed = support.local_mask(index, length, start, start + logits.shape[-1]).to(logits.device)
         return vocab_parallel_logprobs(logits, targets, self.temperature, allowed), entropy
 
     def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool,
-                      attention_mask: torch.Tensor | None = None, keep=None, lengths: torch.Tensor | None = None):
+                      extras: ForwardExtras, lengths: torch.Tensor | None = None):
         """Megatron's forward/backward schedule (pipelined when pp > 1) over micro-batches of `tokens`; the
-        loss (or logprob collection) runs on the last pipeline stage only. `attention_mask`: optional
-        per-layer visibility; `keep`: optional sampling support; `lengths`: real tokens per row, so each
-        micro-batch runs only up to its longest row (see forward_logprobs)."""
+        loss (or logprob collection) runs on the last pipeline stage only. `extras`: the call's (checked;
+        routes already begun); `lengths`: real tokens per row, so each micro-batch runs only up to its longest
+        row (see forward_logprobs)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batches = self._micro_batches(tokens, lengths)
@@ -170,21 +175,24 @@ class Learner:
                              f"equal micro-batches of learner.micro_batch_size={self.cfg.micro_batch_size}")
         padded = self._padded(tokens)
         device = next(self.model.parameters()).device
-        if attention_mask is not None:
-            attention_mask = pad_causal(attention_mask, padded.shape[1] - 1)
+        blocked = None  # Megatron's convention: True = masked out
+        if extras.attention_mask is not None:
+            blocked = ~pad_causal(extras.attention_mask, padded.shape[1] - 1)
 
         def forward_step(data_iterator, model):
             index = next(data_iterator)
             mb_tokens = tokens[index, :self._width(tokens, lengths, index)]
             inputs = self._padded(mb_tokens)[:, :-1].to(device).contiguous()
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
-            if self.routing is not None:
+            if extras.routes is not None:
                 self.routing.before_micro_batch(index, inputs)
-            if attention_mask is not None:
+            mask = None  # None: Megatron's causal mask; else the per-layer mask its core-attention hooks slice
+            if blocked is not None:
                 width = inputs.shape[1]
-                self._layer_masks.current = attention_mask[index][..., :width, :width]
-            output = model(inputs, positions, None)
-            return output, partial(self._loss_wrapper, loss_fn, mb_tokens, index, keep, tokens.shape[1] - 1)
+                mask = blocked[index][..., :width, :width]
+            output = model(inputs, positions, mask)
+            return output, partial(self._loss_wrapper, loss_fn, mb_tokens, index, extras.sampling_support,
+                                   tokens.shape[1] - 1)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
@@ -192,8 +200,8 @@ class Learner:
             forward_only=forward_only,
         )
 
-    def _loss_wrapper(self, loss_fn, tokens, index, keep, full, logits):
-        logprobs, entropy = self._scores(logits, tokens, index, keep)
+    def _loss_wrapper(self, loss_fn, tokens, index, support, full, logits):
+        logprobs, entropy = self._scores(logits, tokens, index, support)
         if logprobs.shape[1] < full:  # a trimmed micro-batch: zeros after its longest row, as the caller's layout
             logprobs = torch.nn.functional.pad(logprobs, (0, full - logprobs.shape[1]))
             entropy = torch.nn.functional.pad(entropy, (0, full - entropy.shape[1]))
@@ -203,56 +211,73 @@ class Learner:
         loss, metrics = loss_fn(logprobs, entropy, index)
         return loss, zero, {"loss": loss.detach(), **metrics}
 
-    @torch.no_grad()
-    def forward_logprobs(self, tokens: torch.Tensor, *, lengths=None, attention_mask: torch.Tensor | None = None,
-                         keep=None) -> dict[str, torch.Tensor]:
-        """Log-probabilities and entropy of every next token: {"logprobs", "entropy"}: [B, S-1] fp32.
+    # ---- the call's extras ---------------------------------------------------------------------
+    def _check_extras(self, tokens: torch.Tensor, extras: ForwardExtras) -> None:
+        """Shapes of the call's extras, before any work; installs the attention hooks on first need."""
+        support, mask = extras.sampling_support, extras.attention_mask
+        if support is not None and len(support) != tokens.shape[0]:
+            raise ValueError(f"extras.sampling_support has {len(support)} rows, the batch has {tokens.shape[0]}")
+        if mask is not None:
+            want = (tokens.shape[0], self.config.num_layers, self.config.num_query_groups,
+                    tokens.shape[1] - 1, tokens.shape[1] - 1)
+            if mask.dtype != torch.bool or tuple(mask.shape) != want:
+                raise ValueError(f"extras.attention_mask must be bool [batch, layers, kv_heads, seq-1, seq-1] = "
+                                 f"{list(want)} (got {mask.dtype} {list(mask.shape)})")
+            if self._layer_masks is None:
+                self._layer_masks = LayerAttentionMasks(self.model, self.groups.tp_rank)
+        if extras.routes is not None and self.routing is None:
+            raise ValueError("extras.routes: this learner was built without routing (Learner(..., routing=...))")
 
-        `attention_mask`: optional bool [B, layers, kv_heads, S-1, S-1], True where query t may attend key s,
-        per layer and KV head (e.g. what a sparse KV cache kept: kv.record.batch_attention_mask); None =
-        causal. Needs Megatron's local attention (learner/attention_mask.py).
-        `keep`: optional sampling support with `local_mask(rows, length, vocab_start, vocab_end)` (e.g. a
-        rollout.sampling_mask.SamplingSupport of these rows): logprobs renormalised over the ids the sampler
-        could draw at each position (keep-sampling-mask).
+    @contextlib.contextmanager
+    def _routes_applied(self, tokens: torch.Tensor, lengths: torch.Tensor | None, extras: ForwardExtras):
+        """`extras.routes` in force for the block (one call): yields a dict that holds "routing" (the
+        RoutingResult) once the block has run; the routers route themselves again after it, also on error."""
+        done: dict = {}
+        if extras.routes is None:
+            yield done
+            return
+        self.routing.begin(tokens, lengths, extras.routes)
+        try:
+            yield done
+            done["routing"] = self.routing.finish()
+        finally:
+            self.routing.stop()
+
+    @torch.no_grad()
+    def forward_logprobs(self, tokens: torch.Tensor, *, lengths=None,
+                         extras: ForwardExtras = NO_EXTRAS) -> dict:
+        """Log-probabilities and entropy of every next token: {"logprobs", "entropy"}: [B, S-1] fp32; with
+        `extras.routes` also "routing": the RoutingResult (learner/routing.py: recorded routes, metrics).
+
+        `extras` (learner/extras.py `ForwardExtras`, rows = `tokens`' rows): `sampling_support` renormalises the
+        logprobs over the ids the sampler could draw (keep-sampling-mask); `attention_mask` gives every layer
+        and KV head its own visibility (sparse KV); `routes` replays or records MoE routes.
         `lengths`: optional int [B], the real (unpadded) tokens of each row: micro-batches then run only up to
         their longest row (rows grouped by length with learner.group_by_length), and the outputs of a row's
         padding positions (column >= length - 1) are 0. Without it every micro-batch runs the full width S.
         """
-        self._check_keep(tokens, keep)
         lengths = self._check_lengths(tokens, lengths)
-        if attention_mask is not None:
-            self._check_mask(tokens, attention_mask)
-            if self._layer_masks is None:
-                self._layer_masks = LayerAttentionMasks(self.model, self.groups.tp_rank)
-        self.model.eval()
-        try:
-            out = self._run_schedule(tokens, None, forward_only=True, attention_mask=attention_mask, keep=keep,
-                                     lengths=lengths)
-        finally:
-            self.model.train()
-            if self._layer_masks is not None:
-                self._layer_masks.current = None
-        shape = (tokens.shape[0], tokens.shape[1] - 1)
-        result = {k: torch.zeros(shape, dtype=torch.float32) for k in ("logprobs", "entropy")}
-        for item in out:  # empty on all but the last pipeline stage
-            for k in result:
-                result[k][item["index"]] = item[k].float().cpu()
-        if self.layout.pp > 1:
-            last = dist.get_process_group_ranks(self.groups.pp)[-1]
-            for k in result:
-                dist.broadcast(result[k], src=last, group=self.groups.pp)
+        self._check_extras(tokens, extras)
+        with self._routes_applied(tokens, lengths, extras) as routed:
+            self.model.eval()
+            try:
+                out = self._run_schedule(tokens, None, forward_only=True, extras=extras, lengths=lengths)
+            finally:
+                self.model.train()
+            shape = (tokens.shape[0], tokens.shape[1] - 1)
+            result = {k: torch.zeros(shape, dtype=torch.float32) for k in ("logprobs", "entropy")}
+            for item in out:  # empty on all but the last pipeline stage
+                for k in result:
+                    result[k][item["index"]] = item[k].float().cpu()
+            if self.layout.pp > 1:
+                last = dist.get_process_group_ranks(self.groups.pp)[-1]
+                for k in result:
+                    dist.broadcast(result[k], src=last, group=self.groups.pp)
         if lengths is not None:  # padding positions: 0, whatever micro-batch a row ran in
             beyond = torch.arange(shape[1])[None, :] >= (lengths - 1)[:, None]
             for k in result:
                 result[k][beyond] = 0.0
-        return result
-
-    def _check_mask(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
-        want = (tokens.shape[0], self.config.num_layers, self.config.num_query_groups,
-                tokens.shape[1] - 1, tokens.shape[1] - 1)
-        if mask.dtype != torch.bool or tuple(mask.shape) != want:
-            raise ValueError(f"attention_mask must be bool [batch, layers, kv_heads, seq-1, seq-1] = {list(want)} "
-                             f"(got {mask.dtype} {list(mask.shape)})")
+        return {**result, **routed}
 
     @contextlib.contextmanager
     def scoring_temperature(self, temperature: float):
@@ -265,44 +290,46 @@ class Learner:
         finally:
             self.temperature = saved
 
-    @staticmethod
-    def _check_keep(tokens: torch.Tensor, keep) -> None:
-        if keep is not None and len(keep) != tokens.shape[0]:
-            raise ValueError(f"keep (sampling support) has {len(keep)} rows, the batch has {tokens.shape[0]}")
-
     # ---- training ------------------------------------------------------------------------------
     def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, lengths=None, lr: float | None = None,
-                   keep=None) -> dict[str, float]:
+                   extras: ForwardExtras = NO_EXTRAS) -> dict[str, float]:
         """One optimizer step over this rank's batch; returns loss, grad norm, lr and the loss_fn metrics summed
-        over micro-batches (rank-local; reduce across ranks in the caller). `lengths`, `keep`: as in
-        forward_logprobs (the loss_fn sees [b, S-1] logprobs either way).
+        over micro-batches (rank-local; reduce across ranks in the caller), and with `extras.routes` the
+        routing metrics (routing/replay_applied_fraction). `lengths`, `extras`: as in forward_logprobs (the
+        loss_fn sees [b, S-1] logprobs either way; routes are replayed in the forward and in any
+        activation-recompute backward, and cannot be recorded here).
 
         `lr` runs this step at a fixed learning rate outside the schedule (e.g. an SFT warm-start): the
         schedule and `self.step` do not advance.
         """
-        self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-        self._check_keep(tokens, keep)
+        if extras.routes is not None and extras.routes.record:
+            raise ValueError("extras.routes.record: routes are recorded by forward_logprobs, not train_step")
         lengths = self._check_lengths(tokens, lengths)
-        out = self._run_schedule(tokens, loss_fn, forward_only=False, keep=keep, lengths=lengths)
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: gradients were not finite")
-        if lr is None:
-            self.scheduler.step(increment=1)
-            self.step += 1
-        else:  # back to the schedule's rate for the next scheduled step
-            self.scheduler.step(increment=0)
+        self._check_extras(tokens, extras)
+        with self._routes_applied(tokens, lengths, extras) as routed:
+            self.model.train()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            if lr is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+            out = self._run_schedule(tokens, loss_fn, forward_only=False, extras=extras, lengths=lengths)
+            ok, grad_norm, _ = self.optimizer.step()
+            if not ok:
+                raise FloatingPointError("optimizer step skipped: gradients were not finite")
+            if lr is None:
+                self.scheduler.step(increment=1)
+                self.step += 1
+            else:  # back to the schedule's rate for the next scheduled step
+                self.scheduler.step(increment=0)
         metrics: dict[str, float] = {}
         for item in out:
             for k, v in item.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if "routing" in routed:
+            metrics.update(routed["routing"].metrics)
         return metrics
 
     def named_full_parameters(self):

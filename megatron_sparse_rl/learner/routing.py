@@ -1,39 +1,45 @@
-"""`LearnerRouting`: glue between a `Learner` and `moe/` (R2/R3 routing replay, route recording, statistics).
+"""`LearnerRouting`: a Learner's MoE routing state, between the Learner and `moe/` (R2/R3 routing replay,
+route recording, statistics).
 
-The learner must be built with `routing_replay=True` (TransformerConfig.moe_enable_routing_replay). Routes
-are kept per SEQUENCE in layout-independent form (`moe.RouteStore`: all MoE layers, full sequence); this
-module translates them to what each rank's routers see: the micro-batch's rows, the rank's sequence-parallel
-chunk of positions (TP + SP), the rank's pipeline stage's layers, flattened [positions, rows] as Megatron does.
-Recording does the reverse (all-gather over TP under SP, over PP for the layers).
+The Learner builds it when constructed with `routing=RoutingConfig(...)` (its model then carries Megatron's
+RouterReplay) and owns it; a call asks for replay or recording through `ForwardExtras.routes`
+(learner/extras.py `RouteRequest`), and the learner starts the request before its forward, feeds every
+micro-batch's routes to the routers, and ends it after, returning a `RoutingResult`. Routes are kept per
+SEQUENCE in layout-independent form (`moe.RouteStore`: all MoE layers, full sequence); this module translates
+them to what each rank's routers see: the micro-batch's rows, the rank's sequence-parallel chunk of positions
+(TP + SP), the rank's pipeline stage's layers, flattened [positions, rows] as Megatron does. Recording does
+the reverse (all-gather over TP under SP, over PP for the layers).
 
-    routing = LearnerRouting(learner, cfg.routing)            # attaches itself as learner.routing
-    with routing.old_forward(tokens, lengths, rollout_routes) as ph:   # R2: record; R3: replay engine routes
-        old = learner.forward_logprobs(tokens)
-    routes = ph.routes                                        # what the updates replay
-    with routing.update(tokens, lengths, routes) as ph:       # R2/R3: replay (forward + recompute backward)
-        learner.train_step(tokens, loss_fn)
-    metrics = {**old_ph.metrics, **ph.metrics}                # routing/replay_applied_fraction == 1, agreement...
+What the RL step's forwards ask for follows `routing.mode` (`old_forward`, `after_old_forward`, `update`):
 
-`tokens` are this rank's rows [B, S] (right-padded), `lengths` int [B] their real token counts (None: no
-padding). A sequence of n tokens has routes for its n - 1 input positions.
+    routing = learner.routing                                    # None without routing replay
+    request = routing.old_forward(batch.routed_experts)          # R2: record; R3: replay the engine's routes
+    out = learner.forward_logprobs(tokens, lengths=lengths, extras=ForwardExtras(routes=request))
+    old = routing.after_old_forward(out.get("routing"), batch.routed_experts)   # old.routes: what updates replay
+    metrics = learner.train_step(tokens, loss_fn, lengths=lengths,
+                                 extras=ForwardExtras(routes=routing.update(old.routes)))
+    # metrics["routing/replay_applied_fraction"] == 1; old.metrics: agreement, flipped tokens, entropy...
+
+A sequence of n tokens has routes for its n - 1 input positions.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.routing import RoutingConfig
+from megatron_sparse_rl.learner.extras import RouteRequest
 from moe.replay import ModelRouting
 from moe.stats import routing_metrics
 from moe.storage import RouteStore, RoutingError, token_hash
 
 
-@dataclass
-class RoutingPhase:
-    """What one phase produced: `routes` (recorded, or the replayed ones) and its `metrics`."""
+@dataclass(frozen=True)
+class RoutingResult:
+    """What one call's routing produced: `routes` (the replayed ones, or the recorded ones), the learner's own
+    `learner_routes` (when recorded) and `metrics` (routing/replay_applied_fraction, statistics)."""
 
     routes: RouteStore | None = None
     learner_routes: RouteStore | None = None
@@ -41,16 +47,17 @@ class RoutingPhase:
 
 
 class LearnerRouting:
-    def __init__(self, learner, cfg: RoutingConfig):
-        self.learner, self.cfg = learner, cfg
-        self.layout, self.groups = learner.layout, learner.groups
-        self.model = ModelRouting(learner.model, aux_loss=cfg.aux_loss)
+    def __init__(self, model: torch.nn.Module, layout, groups, cfg: RoutingConfig):
+        self.cfg, self.layout, self.groups = cfg, layout, groups
+        self.model = ModelRouting(model, aux_loss=cfg.aux_loss)
         self.all_layers = self._all_layers()
-        self._rows: torch.Tensor | None = None  # this phase's per-row full routes [B, L, layers, k]
+        # the request in progress (set by begin, cleared by stop: one learner call)
+        self._request: RouteRequest | None = None
+        self._tokens: torch.Tensor | None = None
+        self._lengths: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # replay: per-row full routes [B, L, layers, k]
         self._mb_rows: list[torch.Tensor] = []
-        self._mb_widths: list[int] = []
-        self._width = 0
-        learner.routing = self
+        self._mb_widths: list[int] = []  # what each micro-batch of the last call ran
 
     def _all_layers(self) -> tuple[int, ...]:
         local = list(self.model.layers)
@@ -60,23 +67,105 @@ class LearnerRouting:
         dist.all_gather_object(parts, local, group=self.groups.pp)
         return tuple(sorted(x for p in parts for x in p))
 
-    # ---- the learner hook --------------------------------------------------------------------------
+    # ---- what the RL step's forwards ask for (routing.mode) ---------------------------------------
+    def old_forward(self, rollout_routes: RouteStore | None) -> RouteRequest | None:
+        """The old-logprob forward's request. R3: replay `rollout_routes` (the engine's, required), recording
+        the learner's own beside them for statistics (routing.record_stats); R2: record the learner's routes
+        (the updates replay them); off: record them for statistics only (routing.record_stats), else None."""
+        mode = self.cfg.mode
+        if mode == "R3":
+            if rollout_routes is None:
+                raise RoutingError("routing.mode=R3 but the rollout batch has no routes (routed_experts missing)")
+            return RouteRequest(replay=rollout_routes, record=self.cfg.record_stats)
+        if mode == "off" and not self.cfg.record_stats:
+            return None
+        return RouteRequest(record=True)
+
+    def after_old_forward(self, result: RoutingResult | None, rollout_routes: RouteStore | None) -> RoutingResult:
+        """The old forward's outcome for the step: `routes` the updates replay (None when mode is off) and the
+        metrics, with the learner's routes compared to the engine's when both exist (routing.record_stats)."""
+        if result is None:
+            return RoutingResult()
+        if self.cfg.mode == "R3":
+            return result
+        metrics = dict(result.metrics)
+        if rollout_routes is not None and self.cfg.record_stats:
+            metrics.update(routing_metrics(result.learner_routes, rollout_routes))
+        return RoutingResult(routes=result.routes if self.cfg.mode == "R2" else None,
+                             learner_routes=result.learner_routes, metrics=metrics)
+
+    def update(self, routes: RouteStore | None) -> RouteRequest | None:
+        """An update's request: replay `routes` (R2/R3; required); None when mode is off."""
+        if self.cfg.mode == "off":
+            return None
+        if routes is None:
+            raise RoutingError(f"routing.mode={self.cfg.mode}: no routes to replay in the update")
+        return RouteRequest(replay=routes)
+
+    # ---- one learner call (driven by the Learner) ---------------------------------------------------
+    def begin(self, tokens: torch.Tensor, lengths: torch.Tensor | None, request: RouteRequest) -> None:
+        """Start `request` for a call over `tokens` ([B, S] this rank's rows; `lengths` the call's, used when
+        the request has none). Raises RoutingError before any forward when replay routes are missing,
+        misshapen or for other tokens."""
+        lengths = self._check_lengths(tokens, request.lengths if request.lengths is not None else lengths)
+        if request.replay is not None:
+            self._rows = self._check_and_expand(request.replay, tokens, lengths)
+            self.model.observing = request.record
+        self._request, self._tokens, self._lengths = request, tokens, lengths
+        self._mb_rows, self._mb_widths = [], []
+        self.model.start("replay" if request.replay is not None else "record")
+
     def before_micro_batch(self, index: torch.Tensor, inputs: torch.Tensor) -> None:
+        """Called by the learner before each micro-batch forward of a routed call."""
         self._mb_rows.append(index.clone())
-        self._width = inputs.shape[1]  # a micro-batch may run fewer positions than the batch (learner trims it)
-        self._mb_widths.append(self._width)
+        width = inputs.shape[1]  # a micro-batch may run fewer positions than the batch (learner trims it)
+        self._mb_widths.append(width)
         targets = None
         if self.model.phase == "replay":
-            full = self._rows[index][:, :self._width]  # [b, L, all layers, k]
-            if full.shape[1] < self._width:  # sequence-parallel padding positions: any valid experts
-                pad = self._pad_routes(full.shape[0], self._width - full.shape[1])
+            full = self._rows[index][:, :width]  # [b, L, all layers, k]
+            if full.shape[1] < width:  # sequence-parallel padding positions: any valid experts
+                pad = self._pad_routes(full.shape[0], width - full.shape[1])
                 full = torch.cat([full, pad], dim=1)
             cols = [self.all_layers.index(layer) for layer in self.model.layers]
-            local = full[:, :, cols][:, self._positions(self._width)]  # [b, L_local, local layers, k]
+            local = full[:, :, cols][:, self._positions(width)]  # [b, L_local, local layers, k]
             local = local.permute(1, 0, 2, 3).reshape(-1, len(cols), self.model.topk)
             targets = [local[:, j].contiguous().to(inputs.device) for j in range(len(cols))]
         self.model.set_micro_batch(targets)
 
+    def finish(self) -> RoutingResult:
+        """End the call's request after its forward (and backward): the recorded routes, the replay
+        verification (RoutingError when any router token did not run the replayed experts)."""
+        request, tokens, lengths = self._request, self._tokens, self._lengths
+        try:
+            if request.replay is None:
+                recorded = self._assemble(self.model.recorded)
+            else:
+                observed = self._assemble(self.model.observed) if request.record else None
+                applied = self.model.applied_fraction
+        finally:
+            self.stop()
+        if request.replay is None:
+            routes = self._store(recorded, tokens, lengths, "learner")
+            metrics = routing_metrics(routes, prefix="routing/learner") if self.cfg.record_stats else {}
+            return RoutingResult(routes=routes, learner_routes=routes, metrics=metrics)
+        metrics = {"routing/replay_applied_fraction": applied}
+        if applied != 1.0:
+            raise RoutingError(f"routing replay applied to only {applied:.4f} of router tokens (must be 1)")
+        learner_routes = None
+        if observed is not None:
+            learner_routes = self._store(observed, tokens, lengths, "learner")
+            metrics.update(routing_metrics(learner_routes, request.replay))
+        return RoutingResult(routes=request.replay, learner_routes=learner_routes, metrics=metrics)
+
+    def stop(self) -> None:
+        """The routers route themselves again (also when a call fails half-way); a no-op between calls."""
+        if self._request is None:
+            return
+        self.model.observing = False
+        self.model.stop()
+        self._request = self._tokens = self._lengths = self._rows = None
+
+    # ---- checks and layout -------------------------------------------------------------------------
     def _positions(self, width: int) -> slice:
         if not self.layout.sequence_parallel or self.layout.tp == 1:
             return slice(0, width)
@@ -87,90 +176,8 @@ class LearnerRouting:
         k = self.model.topk
         return torch.arange(k).expand(rows, width, len(self.all_layers), k).clone()
 
-    # ---- phases ------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def old_forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
-                    rollout_routes: RouteStore | None = None):
-        """Around the old-logprob forward. off: natural routes recorded only for statistics (if
-        cfg.record_stats); R2: record the learner's routes; R3: replay `rollout_routes` (required)."""
-        mode = self.cfg.mode
-        if mode == "R3":
-            if rollout_routes is None:
-                raise RoutingError("routing.mode=R3 but the rollout batch has no routes (routed_experts missing)")
-            with self.replaying(rollout_routes, tokens, lengths, observe=self.cfg.record_stats) as ph:
-                yield ph
-            return
-        if mode == "off" and not self.cfg.record_stats:
-            yield RoutingPhase()
-            return
-        with self.recording(tokens, lengths) as ph:
-            yield ph
-        if rollout_routes is not None and self.cfg.record_stats:
-            ph.metrics.update(routing_metrics(ph.learner_routes, rollout_routes))
-        if mode == "off":
-            ph.routes = None
-
-    @contextlib.contextmanager
-    def update(self, tokens: torch.Tensor, lengths: torch.Tensor | None, routes: RouteStore | None):
-        """Around an update's train_step: replay `routes` (R2/R3); a no-op when mode is off."""
-        if self.cfg.mode == "off":
-            yield RoutingPhase()
-            return
-        if routes is None:
-            raise RoutingError(f"routing.mode={self.cfg.mode}: no routes to replay in the update")
-        with self.replaying(routes, tokens, lengths, observe=False) as ph:
-            yield ph
-
-    @contextlib.contextmanager
-    def recording(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None):
-        """Record the learner's own routes of `tokens` (ph.routes / ph.learner_routes after the block)."""
-        lengths = self._lengths(tokens, lengths)
-        ph = RoutingPhase()
-        self._begin("record")
-        try:
-            yield ph
-            per_row = self._assemble(self.model.recorded)
-        finally:
-            self._end()
-        ph.routes = ph.learner_routes = self._store(per_row, tokens, lengths, "learner")
-        if self.cfg.record_stats:
-            ph.metrics.update(routing_metrics(ph.routes, prefix="routing/learner"))
-
-    @contextlib.contextmanager
-    def replaying(self, routes: RouteStore, tokens: torch.Tensor, lengths: torch.Tensor | None = None, *,
-                  observe: bool = False):
-        """Replay `routes` (one sequence per row of `tokens`) in every forward (and recompute) of the block.
-        Raises RoutingError before any work when routes are missing, misshapen or for other tokens, and
-        after the block when any router token was not routed as replayed."""
-        lengths = self._lengths(tokens, lengths)
-        self._rows = self._check_and_expand(routes, tokens, lengths)
-        ph = RoutingPhase(routes=routes)
-        self.model.observing = observe
-        self._begin("replay")
-        try:
-            yield ph
-            observed = self._assemble(self.model.observed) if observe else None
-            applied = self.model.applied_fraction
-        finally:
-            self.model.observing = False
-            self._end()
-        ph.metrics["routing/replay_applied_fraction"] = applied
-        if applied != 1.0:
-            raise RoutingError(f"routing replay applied to only {applied:.4f} of router tokens (must be 1)")
-        if observed is not None:
-            ph.learner_routes = self._store(observed, tokens, lengths, "learner")
-            ph.metrics.update(routing_metrics(ph.learner_routes, routes))
-
-    def _begin(self, phase: str) -> None:
-        self._mb_rows, self._mb_widths = [], []
-        self.model.start(phase)
-
-    def _end(self) -> None:
-        self.model.stop()
-        self._rows = None
-
-    # ---- checks and layout -------------------------------------------------------------------------
-    def _lengths(self, tokens: torch.Tensor, lengths) -> torch.Tensor:
+    @staticmethod
+    def _check_lengths(tokens: torch.Tensor, lengths) -> torch.Tensor:
         if lengths is None:
             return torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long)
         lengths = torch.as_tensor(lengths, dtype=torch.long).reshape(-1)
@@ -180,8 +187,6 @@ class LearnerRouting:
         return lengths
 
     def _check_and_expand(self, routes: RouteStore, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        if routes is None:
-            raise RoutingError("routing replay: no routes given")
         if len(routes) != tokens.shape[0]:
             raise RoutingError(f"routing replay: {len(routes)} route sequences for a batch of {tokens.shape[0]} rows")
         for layer in self.all_layers:
@@ -232,6 +237,5 @@ class LearnerRouting:
                                          source=source)
 
     def close(self) -> None:
+        """Remove the router hooks (the model keeps working with its own routing)."""
         self.model.close()
-        if getattr(self.learner, "routing", None) is self:
-            self.learner.routing = None

@@ -23,6 +23,11 @@ def get_adapter(hf_config: dict) -> GPTAdapter:
     return ADAPTERS[archs[0]]()
 
 
+def adapter_for(spec: ModelSpec) -> GPTAdapter:
+    """The adapter of `spec`'s architecture (the one that made it)."""
+    return get_adapter({"architectures": [spec.architecture]})
+
+
 def load_spec(model_dir) -> tuple[GPTAdapter, ModelSpec]:
     """Read config.json at `model_dir` and return (adapter, spec)."""
     cfg = read_hf_config(model_dir)
@@ -30,4 +35,4 @@ def load_spec(model_dir) -> tuple[GPTAdapter, ModelSpec]:
     return adapter, adapter.spec_from_hf(cfg)
 
 
-__all__ = ["ADAPTERS", "GPTAdapter", "ModelSpec", "get_adapter", "load_spec"]
+__all__ = ["ADAPTERS", "GPTAdapter", "ModelSpec", "adapter_for", "get_adapter", "load_spec"]

@@ -11,7 +11,10 @@ from typing import Any
 import torch
 
 from megatron_sparse_rl.models.spec import ModelSpec
-from megatron_sparse_rl.models.tensor_map import TensorMap
+from megatron_sparse_rl.models.tensor_map import EngineSplit, TensorMap
+
+QKV_SPLITS: tuple[EngineSplit, ...] = ("column", "kv_heads", "kv_heads")
+"""q, k, v projections in an engine: vLLM's QKVParallelLinear splits q by rows, k and v by KV head."""
 
 
 class GPTAdapter:
@@ -76,12 +79,13 @@ class GPTAdapter:
         """Every Megatron parameter of the full model with its HF sources and their shapes, in HF checkpoint
         order."""
         h, vocab = spec.hidden_size, spec.vocab_size
-        maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), shapes=((vocab, h),))]
+        maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), shapes=((vocab, h),),
+                          engine=("vocab",))]
         for i in range(spec.num_layers):
             maps += self._layer_maps(spec, i)
         maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), shapes=((h,),)))
         if not spec.tie_embeddings:
-            maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), shapes=((vocab, h),)))
+            maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), shapes=((vocab, h),), engine=("vocab",)))
         return maps
 
     def hf_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -93,6 +97,11 @@ class GPTAdapter:
             out.update(zip(tm.hf, tm.shapes))
         return out
 
+    def engine_splits(self, spec: ModelSpec) -> dict[str, EngineSplit]:
+        """Every HF tensor name of the full model -> how a tensor-parallel vLLM engine rank slices it (from
+        `tensor_maps`)."""
+        return {name: split for tm in self.tensor_maps(spec) for name, split in zip(tm.hf, tm.engine_splits)}
+
     def _layer_maps(self, spec: ModelSpec, i: int) -> list[TensorMap]:
         hf = self.hf_layer.format(i=i)
         mc = f"decoder.layers.{i}"
@@ -103,14 +112,15 @@ class GPTAdapter:
             TensorMap(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",), shapes=((h,),)),
             TensorMap(f"{mc}.self_attention.linear_qkv.weight",
                       (f"{att}.q_proj.weight", f"{att}.k_proj.weight", f"{att}.v_proj.weight"), "qkv",
-                      shapes=((q, h), (kv, h), (kv, h))),
-            TensorMap(f"{mc}.self_attention.linear_proj.weight", (f"{att}.o_proj.weight",), shapes=((h, q),)),
+                      shapes=((q, h), (kv, h), (kv, h)), engine=QKV_SPLITS),
+            TensorMap(f"{mc}.self_attention.linear_proj.weight", (f"{att}.o_proj.weight",), shapes=((h, q),),
+                      engine=("row",)),
             TensorMap(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",), shapes=((h,),)),
         ]
         if spec.qkv_bias:
             maps.append(TensorMap(f"{mc}.self_attention.linear_qkv.bias",
                                   (f"{att}.q_proj.bias", f"{att}.k_proj.bias", f"{att}.v_proj.bias"), "qkv",
-                                  shapes=((q,), (kv,), (kv,))))
+                                  shapes=((q,), (kv,), (kv,)), engine=QKV_SPLITS))
         if spec.qk_norm:
             maps += [TensorMap(f"{mc}.self_attention.q_layernorm.weight", (f"{att}.q_norm.weight",), shapes=((hd,),)),
                      TensorMap(f"{mc}.self_attention.k_layernorm.weight", (f"{att}.k_norm.weight",), shapes=((hd,),))]
@@ -127,8 +137,9 @@ class GPTAdapter:
 
 def mlp_maps(mcore: str, hf: str, names: tuple[str, str, str], hidden: int, ffn: int) -> list[TensorMap]:
     """The two maps of a SwiGLU MLP: fc1 = [gate; up] ((ffn, hidden) each), fc2 = down ((hidden, ffn)); `names`
-    are the HF (gate, up, down) projection names under prefix `hf`."""
+    are the HF (gate, up, down) projection names under prefix `hf`. In an engine (dense MLP, routed or shared
+    experts) gate and up split by rows, down by columns."""
     gate, up, down = names
     return [TensorMap(f"{mcore}.linear_fc1.weight", (f"{hf}.{gate}.weight", f"{hf}.{up}.weight"), "glu",
-                      shapes=((ffn, hidden), (ffn, hidden))),
-            TensorMap(f"{mcore}.linear_fc2.weight", (f"{hf}.{down}.weight",), shapes=((hidden, ffn),))]
+                      shapes=((ffn, hidden), (ffn, hidden)), engine=("column", "column")),
+            TensorMap(f"{mcore}.linear_fc2.weight", (f"{hf}.{down}.weight",), shapes=((hidden, ffn),), engine=("row",))]

@@ -101,11 +101,14 @@ class DeepseekV3Adapter(GPTAdapter):
 
     # ---- name map ------------------------------------------------------------------------------
     def _attention_maps(self, spec: DeepseekSpec, hf: str, mc: str) -> list[TensorMap]:
+        # engine slices: q_proj by rows, o_proj by columns; the low-rank MLA projections go whole (vLLM narrows
+        # them itself; MLA is unverified here)
         att, sa = f"{hf}.self_attn", f"{mc}.self_attention"
         h, heads, lora = spec.hidden_size, spec.num_heads, spec.kv_lora_rank
         q = heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
         if spec.q_lora_rank is None:
-            maps = [TensorMap(f"{sa}.linear_q_proj.weight", (f"{att}.q_proj.weight",), shapes=((q, h),))]
+            maps = [TensorMap(f"{sa}.linear_q_proj.weight", (f"{att}.q_proj.weight",), shapes=((q, h),),
+                              engine=("column",))]
         else:
             r = spec.q_lora_rank
             maps = [TensorMap(f"{sa}.linear_q_down_proj.weight", (f"{att}.q_a_proj.weight",), shapes=((r, h),)),
@@ -117,7 +120,8 @@ class DeepseekV3Adapter(GPTAdapter):
                       shapes=((lora + spec.qk_rope_head_dim, h),)),
             TensorMap(f"{sa}.kv_layernorm.weight", (f"{att}.kv_a_layernorm.weight",), shapes=((lora,),)),
             TensorMap(f"{sa}.linear_kv_up_proj.weight", (f"{att}.kv_b_proj.weight",), shapes=((kv_up, lora),)),
-            TensorMap(f"{sa}.linear_proj.weight", (f"{att}.o_proj.weight",), shapes=((h, heads * spec.v_head_dim),)),
+            TensorMap(f"{sa}.linear_proj.weight", (f"{att}.o_proj.weight",), shapes=((h, heads * spec.v_head_dim),),
+                      engine=("row",)),
         ]
 
     def _layer_maps(self, spec: DeepseekSpec, i: int) -> list[TensorMap]:

@@ -6,7 +6,9 @@ A `TensorMap` says which HF tensors one Megatron parameter is made of and how th
 - glu: gate and up projections stacked into one fc1 weight ([gate; up]).
 "Full" Megatron names use the GLOBAL layer number (0-based) and GLOBAL expert index; `learner/params.py`
 maps them to a rank's local shards. Each map also carries the shape of each HF tensor, derived from the config by
-the adapter (`GPTAdapter.hf_shapes`): conversion checks checkpoint headers against it.
+the adapter (`GPTAdapter.hf_shapes`): conversion checks checkpoint headers against it; and how a rank of a
+tensor-parallel vLLM engine slices each HF tensor (`EngineSplit`, `GPTAdapter.engine_splits`): the sliced
+disaggregated weight sync cuts by it (weight_sync/engine_shards.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,18 @@ from megatron_sparse_rl.models.spec import ModelSpec
 
 Kind = Literal["copy", "qkv", "glu"]
 
+EngineSplit = Literal["replicated", "column", "kv_heads", "row", "vocab"]
+"""How one rank of a tensor-parallel vLLM engine (t ranks) slices an HF tensor, named after the vLLM 0.32 layer
+whose weight loader reads it (engine_shards.py cuts the slices; a split dimension that does not divide goes whole):
+- "column": ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear's q, FusedMoE's w1/w3: dim 0
+  (the output features; weight or bias) in t equal parts;
+- "kv_heads": QKVParallelLinear's k and v: dim 0 by KV head, each head on t / kv_heads consecutive ranks when t
+  exceeds the KV heads;
+- "row": RowParallelLinear, FusedMoE's w2: dim 1 (the input features) of a 2-D weight in t equal parts;
+- "vocab": VocabParallelEmbedding, ParallelLMHead: dim 0, the vocab padded to a multiple of 64 and cut in t,
+  clipped to the real vocab;
+- "replicated": whole (norms, routers, and what vLLM loads whole or narrows itself)."""
+
 
 @dataclass(frozen=True)
 class TensorMap:
@@ -27,6 +41,17 @@ class TensorMap:
     kind: Kind = "copy"
     shapes: tuple[tuple[int, ...], ...] = ()
     """The shape of each tensor of `hf` (same order), derived from the model config by the adapter."""
+    engine: tuple[EngineSplit, ...] = ()
+    """How an engine tensor-parallel rank slices each tensor of `hf` (same order); empty: all "replicated"."""
+
+    def __post_init__(self):
+        if self.engine and len(self.engine) != len(self.hf):
+            raise ValueError(f"tensor map {self.mcore}: {len(self.engine)} engine splits for {len(self.hf)} HF tensors")
+
+    @property
+    def engine_splits(self) -> tuple[EngineSplit, ...]:
+        """`engine`, one per tensor of `hf`."""
+        return self.engine or ("replicated",) * len(self.hf)
 
 
 def to_mcore(tm: TensorMap, tensors: list[torch.Tensor], spec: ModelSpec) -> torch.Tensor:

@@ -6,30 +6,27 @@
 
 Everything else receives the `ParallelGroups` it needs instead of reaching into `parallel_state`.
 
-Disaggregated placement (DESIGN.md "Process model"): learner ranks [0, L), rollout ranks [L, L + R) in one
-torch.distributed world of L + R ranks:
+Disaggregated placement (DESIGN.md "Process model"): the launcher starts one world of L + R ranks, learner
+ranks [0, L) and rollout ranks [L, L + R):
 
     layout = ParallelLayout.from_config(run.parallel, world_size=L, rollout_ranks=R)
     groups = layout.initialize()             # EVERY rank; None on rollout ranks (they hold no model)
-    sync = layout.weight_sync_group(src=0)   # EVERY rank; src + the rollout ranks (weight_sync/disaggregated)
+    sync = layout.weight_sync_group(src=0)   # EVERY rank; a Bridge on src + the rollout ranks, None elsewhere
     if groups is not None:
-        with layout.learner_world(groups):   # while Megatron's model and optimizer are built
-            learner = Learner(adapter, spec, layout, groups, ...)
+        learner = Learner(adapter, spec, layout, groups, ...)
 
-Megatron sizes its groups from the DEFAULT world (`torch.distributed.get_world_size()`), and torch's
-`new_group` must be entered by every rank of the world, members or not, in the same order (group names
-come from a per-process counter). So every rank runs Megatron's group construction while the default world
-reads as L ranks: the groups it builds cover [0, L) only, rollout ranks are members of none and keep no
-Megatron state. Megatron's optimizer also aligns its param groups with an `all_gather_object` over the
-default world; `learner_world()` sends that (and `barrier`) to the learner group instead, so building a
-learner needs no rollout rank. Create every group that spans learner and rollout ranks (this one, vLLM's)
-on all ranks in the same order.
+`initialize()` first splits the launcher's world (parallel/bridge.py `SplitWorld`): afterwards the DEFAULT
+world of a learner rank is the L learner ranks (same ranks as before) and that of a rollout rank the R rollout
+ranks (rollout rank L + i is rank i there). Megatron-Core then builds its groups, aligns its optimizer's param
+groups and runs `dist_checkpointing` on a default world that is exactly the learners, and vLLM builds its groups
+on one that is exactly the engines; neither library's collectives involve the other's ranks. What joins the two
+is a `Bridge` (a gloo group made from the split's store, outside both default worlds): the weight-sync group and
+the engine shard groups below.
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -55,7 +52,7 @@ class ParallelGroups:
     ep_rank: int
     etp_rank: int
     learner: Any = None
-    """All learner ranks [0, L): the world without the rollout ranks (the default group when there are none)."""
+    """All learner ranks [0, L): the default world (in a disaggregated run, the learner ranks' own world)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +68,8 @@ class ParallelLayout:
     rollout_ranks: int = 0
     """Disaggregated placement: ranks [world_size, world_size + rollout_ranks) own engines, not the model
     (`world_size` counts the learner ranks only). 0: every rank is a learner rank."""
+    _split: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """This process's side of the split world once `initialize()` ran (disaggregated only): {"world": SplitWorld}."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int, rollout_ranks: int = 0, *,
@@ -130,13 +129,19 @@ class ParallelLayout:
             raise ValueError("parallel layout does not fit the model: " + "; ".join(problems))
 
     def is_learner_rank(self, rank: int | None = None) -> bool:
-        """Whether global `rank` (default: this process) holds the model: ranks [0, world_size)."""
-        return (dist.get_rank() if rank is None else rank) < self.world_size
+        """Whether global `rank` (default: this process) holds the model: ranks [0, world_size) of the launcher's
+        world (after a split, this process's rank in it, not in its own role's world)."""
+        if rank is None:
+            split = self._split.get("world")
+            rank = split.global_rank if split is not None else dist.get_rank()
+        return rank < self.world_size
 
     def initialize(self, timeout_minutes: int = 30) -> ParallelGroups | None:
         """Initialise torch.distributed (if needed) and Megatron's model-parallel groups over the learner ranks.
 
-        Every rank of the world calls it (group creation is collective); returns None on rollout ranks."""
+        Every rank of the launcher's world calls it. With rollout ranks it first splits that world (module
+        docstring) and returns None on rollout ranks, which get a default world of their own and no Megatron
+        state."""
         from megatron.core import parallel_state as ps
 
         if not dist.is_initialized():
@@ -148,18 +153,20 @@ class ParallelLayout:
                              f"but torch.distributed has {dist.get_world_size()} ranks")
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        learner = None
         if self.rollout_ranks:
-            learner = dist.new_group(list(range(self.world_size)))
-        with self._megatron_world(learner):
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
-                distributed_timeout_minutes=timeout_minutes, create_gloo_process_groups=self.backend == "gloo",
-            )
-        if not self.is_learner_rank():
-            ps.destroy_model_parallel()  # a member of no group: keep no half-set Megatron state
-            return None
+            from datetime import timedelta
+
+            from megatron_sparse_rl.parallel.bridge import SplitWorld
+
+            self._split["world"] = SplitWorld.split(self.world_size, self.backend,
+                                                    timeout=timedelta(minutes=timeout_minutes))
+            if not self.is_learner_rank():
+                return None
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+            distributed_timeout_minutes=timeout_minutes, create_gloo_process_groups=self.backend == "gloo",
+        )
         return ParallelGroups(
             tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
             dp=ps.get_data_parallel_group(), ep=ps.get_expert_model_parallel_group(),
@@ -167,25 +174,34 @@ class ParallelLayout:
             model_parallel=ps.get_model_parallel_group(),
             tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(), ep_rank=ps.get_expert_model_parallel_rank(),
-            etp_rank=ps.get_expert_tensor_parallel_rank(), learner=learner if learner is not None else dist.group.WORLD,
+            etp_rank=ps.get_expert_tensor_parallel_rank(), learner=dist.group.WORLD,
         )
 
-    def weight_sync_group(self, src: int = 0):
-        """The process group of learner rank `src` and every rollout rank (disaggregated weight sync).
+    def _bridge(self, members: list[int]):
+        split = self._split.get("world")
+        if split is None:
+            raise RuntimeError("call initialize() first: the groups between learner and rollout ranks are made from "
+                               "its split of the world")
+        return split.bridge(members)
 
-        Collective: every rank of the world calls it, in the same order relative to other group creations.
-        Ranks outside the group get torch's non-member placeholder."""
+    def weight_sync_group(self, src: int = 0):
+        """The `Bridge` (parallel/bridge.py) of learner rank `src` and every rollout rank (disaggregated weight
+        sync and the trainer's command loop), after `initialize()`.
+
+        Every rank of the launcher's world calls it, in the same order relative to `engine_shard_groups`; ranks
+        outside it get None."""
         if not self.rollout_ranks:
             raise ValueError("weight_sync_group needs rollout ranks (a disaggregated layout, rollout_ranks > 0)")
         if not 0 <= src < self.world_size:
             raise ValueError(f"weight sync source must be a learner rank in [0, {self.world_size}) (got {src})")
-        return dist.new_group([src, *range(self.world_size, self.world_size + self.rollout_ranks)])
+        return self._bridge([src, *range(self.world_size, self.world_size + self.rollout_ranks)])
 
     def engine_shard_groups(self, src: int, engine_tp: int) -> list:
         """For engines of `engine_tp` consecutive rollout ranks: group r = learner rank `src` + every rollout rank
-        of engine TP rank r (the sliced weight sync sends group r the slices those ranks keep).
+        of engine TP rank r (the sliced weight sync sends group r the slices those ranks keep); `Bridge`s, None
+        on ranks outside a group.
 
-        Collective like `weight_sync_group`: every rank of the world calls it, in the same order."""
+        Called like `weight_sync_group`: every rank, in the same order."""
         if not self.rollout_ranks:
             raise ValueError("engine_shard_groups needs rollout ranks (a disaggregated layout, rollout_ranks > 0)")
         if engine_tp < 1 or self.rollout_ranks % engine_tp:
@@ -193,32 +209,8 @@ class ParallelLayout:
         if not 0 <= src < self.world_size:
             raise ValueError(f"weight sync source must be a learner rank in [0, {self.world_size}) (got {src})")
         first = self.world_size
-        return [dist.new_group([src, *range(first + r, first + self.rollout_ranks, engine_tp)])
+        return [self._bridge([src, *range(first + r, first + self.rollout_ranks, engine_tp)])
                 for r in range(engine_tp)]
-
-    @contextlib.contextmanager
-    def learner_world(self, groups: ParallelGroups) -> Iterator[None]:
-        """On learner ranks, while Megatron's model and optimizer are built: the default world reads as the
-        learner ranks (`groups.learner`; see the module docstring). A no-op without rollout ranks."""
-        if not self.rollout_ranks:
-            yield
-            return
-        if groups is None or groups.learner is None or not self.is_learner_rank():
-            raise RuntimeError("learner_world() is for learner ranks, with the groups initialize() returned")
-        with self._megatron_world(groups.learner):
-            yield
-
-    @contextlib.contextmanager
-    def _megatron_world(self, learner) -> Iterator[None]:
-        """Megatron reads the learner ranks as its default world (patches/megatron_world.py); a no-op without
-        rollout ranks."""
-        if not self.rollout_ranks:
-            yield
-            return
-        from megatron_sparse_rl.patches.megatron_world import learner_world_view
-
-        with learner_world_view(self.world_size, learner, self.is_learner_rank()):
-            yield
 
     @staticmethod
     def destroy() -> None:

@@ -52,8 +52,9 @@ def _target():
         UnquantizedFusedMoEMethod,
     )
 
-    if not callable(getattr(UnquantizedFusedMoEMethod, "_setup_kernel", None)):
-        raise RuntimeError("vllm UnquantizedFusedMoEMethod._setup_kernel not found: this patch no longer applies")
+    from megatron_sparse_rl.rollout import vllm_access
+
+    vllm_access.check(features=("cpu_moe_reload",))  # _setup_kernel(self, layer, w13, w2) and moe_kernel
     return UnquantizedFusedMoEMethod
 
 

@@ -13,81 +13,40 @@ needed); the worker half needs three hooks in `GPUModelRunner` (which `CPUModelR
 The hooks are no-ops for an engine whose VllmConfig has no `additional_config["msrl_sparse_kv"]`, so
 dense engines in the same process are untouched.
 
-`apply()` checks the vLLM version and the signature of every method it patches or overrides
-(scheduler, coordinator, block table, attention backend), fails loudly on any difference, and is
-idempotent. Requires the V1 model runner (on GPU set VLLM_USE_V2_MODEL_RUNNER=0; the CPU runner is V1).
+`apply()` checks the vLLM version and, through megatron_sparse_rl.rollout.vllm_access, every class, attribute
+and method signature the integration patches, overrides or reads (runner, scheduler, coordinator, block table,
+attention backend), fails loudly on any difference, and is idempotent. Requires the V1 model runner (on GPU
+set VLLM_USE_V2_MODEL_RUNNER=0; the CPU runner is V1).
 In a multi-process vLLM the workers apply it through the `vllm.general_plugins` entry point
 `msrl_sparse_kv` (setup.py), which vLLM calls in every process it starts; `VLLM_PLUGINS` selects plugins.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
+
+from megatron_sparse_rl.rollout import vllm_access
 
 logger = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.32.0"
 _MARK = "_msrl_sparse_kv_patched"
 
-# (import path, attribute, expected parameter names) of everything the integration relies on.
-_SIGNATURES = [
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_update_states", ["self", "scheduler_output"]),
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_prepare_inputs",
-     ["self", "scheduler_output", "num_scheduled_tokens"]),
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "execute_model",
-     ["self", "scheduler_output", "intermediate_tensors"]),
-    ("vllm.v1.core.sched.scheduler:Scheduler", "schedule", ["self", "throttle_prefills"]),
-    ("vllm.v1.core.sched.scheduler:Scheduler", "_preempt_request",
-     ["self", "request", "timestamp", "drop_stale_output"]),
-    ("vllm.v1.core.sched.scheduler:Scheduler", "_free_request_blocks", ["self", "request"]),
-    ("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinatorNoPrefixCache", "get_num_blocks_to_allocate",
-     ["self", "request_id", "num_tokens", "new_computed_blocks", "num_encoder_tokens", "total_computed_tokens",
-      "num_local_computed_tokens", "num_tokens_main_model", "apply_admission_cap", "prefill_end"]),
-    ("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinatorNoPrefixCache", "allocate_new_blocks",
-     ["self", "request_id", "num_tokens", "num_tokens_main_model", "num_encoder_tokens"]),
-    ("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinatorNoPrefixCache", "remove_skipped_blocks",
-     ["self", "request_id", "processed_computed_tokens", "num_prompt_tokens"]),
-    ("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinatorNoPrefixCache", "cache_blocks",
-     ["self", "request", "num_computed_tokens"]),
-    ("vllm.v1.core.block_pool:BlockPool", "free_blocks", ["self", "ordered_blocks"]),
-    ("vllm.v1.worker.block_table:BlockTable", "add_row", ["self", "block_ids", "row_idx"]),
-    ("vllm.v1.worker.block_table:BlockTable", "clear_row", ["self", "row_idx"]),
-    ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", "forward",
-     ["self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
-      "output_block_scale"]),
-    ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", "do_kv_cache_update",
-     ["self", "layer", "key", "value", "kv_cache", "slot_mapping"]),
-]
-
-
-def _resolve(path: str):
-    import importlib
-
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
-
 
 def check_upstream() -> None:
-    """Raise RuntimeError unless vLLM is 0.32.0 and every relied-on method has the expected parameters."""
+    """Raise RuntimeError unless vLLM is 0.32.0 and every piece the integration relies on exists with the
+    expected parameters (the "sparse_kv" entries of megatron_sparse_rl.rollout.vllm_access.NEEDS)."""
     import vllm
 
     if vllm.__version__ != VLLM_VERSION:
         raise RuntimeError(f"patches.vllm_sparse_kv was written for vllm {VLLM_VERSION} (found {vllm.__version__}): "
-                           "re-check the hooks listed in megatron_sparse_rl/patches/vllm_sparse_kv.py")
-    for path, attr, expected in _SIGNATURES:
-        fn = getattr(_resolve(path), attr, None)
-        if fn is None:
-            raise RuntimeError(f"sparse KV: {path}.{attr} no longer exists in vllm {vllm.__version__}")
-        fn = getattr(fn, "_msrl_original", fn)
-        got = list(inspect.signature(fn).parameters)
-        if got[: len(expected)] != expected:
-            raise RuntimeError(f"sparse KV: {path}.{attr} has parameters {got}, expected {expected}")
+                           "re-check its hooks and the sparse_kv entries of megatron_sparse_rl/rollout/vllm_access.py")
+    vllm_access.check(features=("sparse_kv",))
 
 
 def _state(runner):
     """The runner's SparseKVWorkerState, created on first use; None for a dense engine."""
-    state = runner.__dict__.get("_msrl_sparse_kv", False)
+    state = vllm_access.runner_state(runner, default=False)
     if state is False:
         from megatron_sparse_rl.kv.settings import SparseKVSettings
 
@@ -97,7 +56,7 @@ def _state(runner):
             from megatron_sparse_rl.kv.vllm_worker import SparseKVWorkerState
 
             state = SparseKVWorkerState(runner, settings)
-        runner._msrl_sparse_kv = state
+        vllm_access.set_runner_state(runner, state)
     return state
 
 
@@ -126,7 +85,7 @@ def apply() -> bool:
     @functools.wraps(prepare)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = prepare(self, scheduler_output, num_scheduled_tokens)
-        state = self.__dict__.get("_msrl_sparse_kv")
+        state = vllm_access.runner_state(self)
         if state is not None:
             state.after_prepare_inputs(num_scheduled_tokens)
         return out
@@ -136,7 +95,7 @@ def apply() -> bool:
         try:
             return execute(self, *args, **kwargs)
         finally:
-            state = self.__dict__.get("_msrl_sparse_kv")
+            state = vllm_access.runner_state(self)
             if state is not None:
                 state.end_step()
 

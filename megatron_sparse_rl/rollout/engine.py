@@ -31,6 +31,7 @@ import torch
 
 from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
+from megatron_sparse_rl.rollout import vllm_access
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,9 @@ class RolloutEngine:
 
         from vllm import LLM
 
+        self.sparse_kv = cfg.kv.policy != "none"
+        features = ("engine", "sparse_kv") if self.sparse_kv else ("engine",)
+        vllm_access.check(features=features)  # before the model loads: vLLM's classes and signatures
         if not self.on_gpu:
             from megatron_sparse_rl.patches import vllm_cpu_moe_reload
 
@@ -150,7 +154,6 @@ class RolloutEngine:
         self.vllm_routes = vllm_routes
         if vllm_routes:
             kwargs["enable_return_routed_experts"] = True
-        self.sparse_kv = cfg.kv.policy != "none"
         if cfg.kv.block_size is not None:
             kwargs["block_size"] = cfg.kv.block_size
         if cfg.kv.pool_blocks is not None:
@@ -159,6 +162,7 @@ class RolloutEngine:
             kwargs.update(_sparse_kv_engine_args(cfg))
         with _keep_torch_threading():
             self._llm = LLM(**kwargs)
+        vllm_access.check(self._llm, features=features)  # the live engine core, scheduler and model runner
         # vLLM initialised torch.distributed (a world of 1) if nobody had: tear it down on shutdown.
         self._owns_dist = owns_dist
         tok = self._llm.get_tokenizer()
@@ -201,10 +205,10 @@ class RolloutEngine:
         outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
                                      use_tqdm=False)
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
-        prompts, responses, logprobs, reasons, groups, engine_ids = [], [], [], [], [], []
+        prompts, responses, logprobs, reasons, groups, samples = [], [], [], [], [], []
         for out, prompt, gid in zip(outputs, prompt_token_ids, gids):
             for c in sorted(out.outputs, key=lambda c: c.index):
-                engine_ids.append(out.request_id if sampling.n == 1 else f"{c.index}_{out.request_id}")
+                samples.append((out.request_id, c.index))
                 prompts.append(list(prompt))
                 responses.append(list(c.token_ids))
                 logprobs.append(_sampled_logprobs(c.token_ids, c.logprobs))
@@ -224,13 +228,14 @@ class RolloutEngine:
             group_ids=torch.tensor(groups, dtype=torch.long),
             routed_experts=routes,
             sampling_mask=support,
-            kv_keep=self._take_kv_keep(engine_ids) if self.sparse_kv else None,
+            kv_keep=self._take_kv_keep(samples) if self.sparse_kv else None,
         )
 
-    def _take_kv_keep(self, engine_ids: list[str]) -> tuple:
-        """One `KVKeepRecord` per row (sparse KV), popped from the worker."""
-        records = self._llm.collective_rpc(_take_kv_records, args=(engine_ids,))[0]
-        return tuple(records[rid] for rid in engine_ids)
+    def _take_kv_keep(self, samples: list[tuple[str, int]]) -> tuple:
+        """One `KVKeepRecord` per row (sparse KV; rows as (output request id, sample index)), popped from the
+        worker."""
+        records = self._llm.collective_rpc(_take_kv_records, args=(samples,))[0]
+        return tuple(records[key] for key in samples)
 
     def sparse_kv_stats(self) -> dict[str, int]:
         """The sparse-KV scheduler's counters (compactions, blocks freed, peak blocks in use, peak running,
@@ -238,8 +243,7 @@ class RolloutEngine:
         return dict(self._scheduler().msrl_stats)
 
     def _scheduler(self):
-        core = self._llm.llm_engine.engine_core
-        return getattr(core, "engine_core", core).scheduler
+        return vllm_access.scheduler(self._llm)
 
     def prompt_logprobs(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
         """float32 [len(seq) - 1] per sequence: log p(seq[t] | seq[:t]) for t >= 1 (raw logits, temperature 1)."""
@@ -296,7 +300,7 @@ class RolloutEngine:
             return
         guard = contextlib.nullcontext() if self._owns_dist else _keep_default_process_group()
         with guard:
-            llm.llm_engine.engine_core.shutdown()
+            vllm_access.shutdown(llm)
         del llm
         gc.collect()
 
@@ -330,29 +334,28 @@ def _sparse_kv_engine_args(cfg: RolloutConfig) -> dict[str, Any]:
                 additional_config=SparseKVSettings.from_kv_config(cfg.kv).to_additional_config())
 
 
-def _take_kv_records(worker, req_ids):
-    """This engine's keep records of `req_ids`. In a tensor-parallel engine each rank's worker holds its own
-    KV heads: the records are gathered over the engine's TP group and joined in head order."""
-    from vllm.distributed.parallel_state import get_tp_group
-
+def _take_kv_records(worker, samples):
+    """This engine's keep records of `samples` ((output request id, sample index) each). In a tensor-parallel
+    engine each rank's worker holds its own KV heads: the records are gathered over the engine's TP group and
+    joined in head order."""
     from megatron_sparse_rl.kv.record import KVKeepRecord
 
-    state = worker.model_runner.__dict__.get("_msrl_sparse_kv")
+    state = vllm_access.runner_state(vllm_access.model_runner(worker))
     if state is None:  # no step ran with sparse KV yet
-        records = {rid: KVKeepRecord(lengths=()) for rid in req_ids}
+        records = {key: KVKeepRecord(lengths=()) for key in samples}
     else:
-        records = state.take_records(req_ids)
-    tp = get_tp_group()
-    if tp.world_size == 1:
+        records = state.take_records(samples)
+    tp_size, tp_group = vllm_access.tensor_parallel_group()
+    if tp_size == 1:
         return records
-    parts: list = [None] * tp.world_size
-    torch.distributed.all_gather_object(parts, records, group=tp.cpu_group)
-    return {rid: KVKeepRecord.join_heads([p[rid] for p in parts]) for rid in req_ids}
+    parts: list = [None] * tp_size
+    torch.distributed.all_gather_object(parts, records, group=tp_group)
+    return {key: KVKeepRecord.join_heads([p[key] for p in parts]) for key in samples}
 
 
 def _call_on_model(worker, fn):
-    return fn(worker.model_runner.get_model())
+    return fn(vllm_access.model(vllm_access.model_runner(worker)))
 
 
 def _reload_on_worker(worker, weights):
-    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    vllm_access.reload_weights(worker, weights)

@@ -22,15 +22,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron_sparse_rl.rollout import vllm_access
+from megatron_sparse_rl.rollout.routes import moe_layout
 from moe.storage import RouteStore, RoutingError
-
-
-def _moe_layers(model) -> tuple[tuple[int, ...], int]:
-    """(layer ids of the model's MoE layers, routed expert count), from vLLM's MoE runners."""
-    from megatron_sparse_rl.rollout.routes import moe_runners
-
-    moe = moe_runners(model)
-    return tuple(int(m.layer_id) for m in moe), int(moe[0].router.global_num_experts)
 
 
 class VLLMRouteOutput:
@@ -47,7 +41,8 @@ class VLLMRouteOutput:
         if not getattr(engine, "vllm_routes", False):
             raise RoutingError("vLLM route output needs an engine built with vllm_routes=True "
                                "(vLLM's enable_return_routed_experts)")
-        reader = cls(*engine.apply_model(_moe_layers))
+        vllm_access.check(features=("moe",))
+        reader = cls(*engine.apply_model(moe_layout))
         engine.route_capture = reader
         reader._engine = engine
         return reader

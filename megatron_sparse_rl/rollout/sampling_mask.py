@@ -12,16 +12,16 @@ mismatch raises naming the sequence and position.
 
     capture = SamplingMaskCapture.attach(engine)   # RolloutEngine does this when rollout.record_sampling_mask
     batch = engine.generate(prompts, sampling)     # batch.sampling_mask: SamplingSupport
-    learner.forward_logprobs(tokens, keep=batch.sampling_mask)
+    learner.forward_logprobs(tokens, extras=ForwardExtras(sampling_support=batch.sampling_mask))
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
-from megatron_sparse_rl.rollout.routes import requests_by_sample
+from megatron_sparse_rl.rollout import vllm_access
+from megatron_sparse_rl.rollout.step_capture import StepCapture
 
 
 class SamplingMaskError(RuntimeError):
@@ -89,69 +89,43 @@ class SamplingSupport:
         return mask
 
 
-class SamplingMaskCapture:
+class SamplingMaskCapture(StepCapture):
     """Sampling-support capture bound to one RolloutEngine's in-process worker (see module docstring)."""
 
+    slot = "sampling_capture"
+    features = ("step", "sampling_mask")
+    error = SamplingMaskError
+
     def __init__(self):
-        self.active = False
-        self._runner = None
+        super().__init__()
         self._sampler = None
-        self._handle = None
-        self._step = None
-        # internal request id -> position -> (sampled token id, int32 kept ids or None for the full vocabulary)
-        self._seen: dict[str, dict[int, tuple[int, torch.Tensor | None]]] = defaultdict(dict)
-
-    @classmethod
-    def attach(cls, engine) -> "SamplingMaskCapture":
-        capture = cls()
-        engine.apply_worker(capture._install)
-        engine.sampling_capture = capture
-        capture._engine = engine
-        return capture
-
-    def detach(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-        if self._sampler is not None:
-            self._sampler.__dict__.pop("sample", None)
-            self._sampler = None
-        if getattr(self._engine, "sampling_capture", None) is self:
-            self._engine.sampling_capture = None
+        # self._seen: internal request id -> position -> (sampled token id, int32 kept ids or None for the full
+        # vocabulary)
 
     # ---- worker side (runs in the engine's process) -------------------------------------------------
-    def _install(self, worker) -> None:
-        runner = worker.model_runner
-        sampler = getattr(runner, "sampler", None)
-        if sampler is None or not hasattr(sampler, "sample"):
+    def _install_hooks(self, runner) -> None:
+        sampler, logprobs_mode = vllm_access.sampler(runner)
+        if sampler is None:
             raise SamplingMaskError("sampling-mask capture: the engine's model runner has no vLLM Sampler")
-        if sampler.logprobs_mode != "processed_logprobs":
+        if logprobs_mode != "processed_logprobs":
             raise SamplingMaskError(f"sampling-mask capture needs processed logprobs (rollout.logprobs_mode="
-                                    f"processed); the engine's sampler uses {sampler.logprobs_mode!r}")
-        self._runner, self._sampler = runner, sampler
-        original = sampler.sample
+                                    f"processed); the engine's sampler uses {logprobs_mode!r}")
+        self._sampler = sampler
+        vllm_access.wrap_sample(sampler, self._on_sample)
 
-        def sample(logits, sampling_metadata, *args, **kwargs):
-            sampled, processed = original(logits, sampling_metadata, *args, **kwargs)
-            if self.active:
-                self._on_sample(sampled, processed)
-            return sampled, processed
+    def _remove_hooks(self) -> None:
+        if self._sampler is not None:
+            vllm_access.unwrap_sample(self._sampler)
+            self._sampler = None
 
-        sampler.sample = sample
-        self._handle = runner.get_model().register_forward_pre_hook(self._on_forward, with_kwargs=True)
-
-    def _on_forward(self, module, args, kwargs) -> None:
-        if not self.active:
-            return
-        runner = self._runner
-        num_reqs = runner.input_batch.num_reqs
-        ends = runner.query_start_loc.cpu[1:num_reqs + 1].tolist()
-        positions = kwargs["positions"]
+    def _on_step(self, step: vllm_access.StepContext) -> None:
         # each request's next token is sampled at (its last scheduled position) + 1
-        self._step = dict(req_ids=list(runner.input_batch.req_ids[:num_reqs]),
-                          next_pos=[int(p) + 1 for p in positions[torch.tensor(ends) - 1].cpu()])
+        last = torch.tensor(step.starts[1:]) - 1
+        self._step = dict(req_ids=step.req_ids, next_pos=[int(p) + 1 for p in step.positions[last].cpu()])
 
     def _on_sample(self, sampled: torch.Tensor, processed: torch.Tensor | None) -> None:
+        if not self.active:
+            return
         step, self._step = self._step, None
         if step is None:
             raise SamplingMaskError("sampling-mask capture: the sampler ran without a model forward before it")
@@ -166,16 +140,10 @@ class SamplingMaskCapture:
             self._seen[req][pos] = (int(tokens[r]), kept)
 
     # ---- driver side -------------------------------------------------------------------------------
-    def begin(self) -> None:
-        """Start capturing (RolloutEngine.generate calls this)."""
-        self._seen.clear()
-        self._step = None
-        self.active = True
-
     def collect(self, outputs, prompts: list[list[int]]) -> SamplingSupport:
         """Stop capturing; the support at every response token of vLLM's `outputs`, in RolloutBatch order."""
         self.active = False
-        by_key = requests_by_sample(self._seen, SamplingMaskError)
+        by_key = self._by_sample()
         prompt_lens, counts, ids = [], [], []
         for out, prompt in zip(outputs, prompts):
             for c in sorted(out.outputs, key=lambda c: c.index):

@@ -1,9 +1,11 @@
-"""Set-up of one training process: the distributed world, the model directory, the learner, this rank's
-rollout engine, the tokenizer, the task data and the metrics sinks, gathered in a `RunContext`.
+"""Set-up of one training process: the distributed world, the model directory, the learner, where the rollout
+engines are (a `Placement`, training/placement.py), the tokenizer, the task data and the metrics sinks, gathered
+in a `RunContext`.
 
-Colocated: every rank is a learner with its own engine. Disaggregated (`launch.rollout_ranks` /
-`launch.rollout_nodes`): learner ranks get a `RemoteEngine` (training/disaggregated.py) in place of an
-engine, and rollout ranks get a `RolloutRank` (an engine to serve with) instead of a `RunContext`."""
+Colocated: every rank is a learner with its own engine (or a share of one spanning several ranks).
+Disaggregated (`launch.rollout_ranks` / `launch.rollout_nodes`): learner ranks drive the engines of the
+rollout ranks through a `RemoteEngine` (training/disaggregated.py), and rollout ranks get a `RolloutRank` (an
+engine to serve with) instead of a `RunContext`. The placement is chosen here, once."""
 from __future__ import annotations
 
 import logging
@@ -29,18 +31,14 @@ class RunContext:
     layout: Any
     groups: Any
     learner: Any
-    engine: Any
+    placement: Any
+    """Where the engines are (training/placement.py): the steps generate, sync and verify through it."""
     tokenizer: Any
     task: Any
     writer: Any
     spec: Any
-    routing: Any = None
-    """LearnerRouting when the model is MoE and routing replay or statistics are on."""
     reference: Any = None
     """A frozen copy of the initial model (a Learner never stepped) when algorithm.kl.coef > 0."""
-    engine_shares: tuple[int, ...] | None = None
-    """Colocated engine TP > 1: the data-parallel ranks of the ranks this rank's engine spans, in order
-    (the engine samples for all of them); None when every rank owns a whole engine."""
     owner: Any = None
     """The run directory and this run's identity (training/run_dir.py `RunDir`)."""
 
@@ -72,13 +70,12 @@ def ensure_model(run: RunConfig, rank: int) -> Path:
     if rank == 0 and not (path / "config.json").is_file():
         if run.model.tiny is None:
             raise FileNotFoundError(f"model.path {str(path)!r} has no config.json (and model.tiny is not set)")
+        from megatron_sparse_rl.config.validate import tiny_fields
         from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
         t = run.model.tiny
         log.info("building tiny %s model at %s", t.arch, path)
-        build_tiny_hf_model(path, arch=t.arch, hidden=t.hidden, layers=t.layers, heads=t.heads,
-                            kv_heads=t.kv_heads, head_dim=t.head_dim, experts=t.experts, topk=t.topk,
-                            moe_ffn=t.moe_ffn, ffn=t.ffn, seed=t.seed)
+        build_tiny_hf_model(path, arch=t.arch, **tiny_fields(t))
     dist.barrier()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path {str(path)!r} has no config.json (and model.tiny is not set)")
@@ -99,10 +96,10 @@ def _warn_truncated_support(run: RunConfig) -> None:
 def build_context(run: RunConfig, total_steps: int):
     """This rank's `RunContext`; on a rollout rank of a disaggregated run, its `RolloutRank` instead.
 
-    Every rank creates the same process groups in the same order: Megatron's (over the learner ranks), the
-    weight-sync group (learner rank 0 + the rollout ranks), with engine TP > 1 one sliced-sync group per engine
-    TP rank, and vLLM's (each engine's start-up, mirrored by
-    `join_vllm_groups` on learner ranks)."""
+    Disaggregated, `layout.initialize()` gives the learner ranks and the rollout ranks a default world each
+    (parallel/bridge.py): Megatron's groups are made in the learners', vLLM's in the rollout ranks' (each
+    engine's start-up), and the bridges between them (the weight-sync group: learner rank 0 + the rollout ranks;
+    with engine TP > 1 one sliced-sync group per engine TP rank) by every rank in the same order."""
     from transformers import AutoTokenizer
 
     from megatron_sparse_rl.config import validate
@@ -112,6 +109,7 @@ def build_context(run: RunConfig, total_steps: int):
     from megatron_sparse_rl.parallel import ParallelLayout
     from megatron_sparse_rl.patches import megatron_cpu
     from megatron_sparse_rl.training import disaggregated as D
+    from megatron_sparse_rl.training import placement as P
     from megatron_sparse_rl.weight_sync.engine_shards import EngineShards
 
     rank, world = init_world(run.parallel)
@@ -120,7 +118,7 @@ def build_context(run: RunConfig, total_steps: int):
     check_data(run.data)  # every record, before Megatron and vLLM start: a bad line is named in seconds
     _warn_truncated_support(run)
     megatron_cpu.apply()
-    owner = _claim_run_dir(run, rank)
+    owner = _claim_run_dir(run)
     run_dir = owner.path
     attach_log_file(run_dir / "logs" / f"rank{rank}.log")
     model_dir = ensure_model(run, rank)
@@ -141,46 +139,36 @@ def build_context(run: RunConfig, total_steps: int):
         return D.RolloutRank(_engine(run, run_dir, model_dir, spec), sync, rank, index, engine_tp=engine_tp,
                              weights_group=shard_groups[index % engine_tp] if sliced else None)
     if n_rollout:
-        D.join_vllm_groups(engine_tp)
-        engine = D.RemoteEngine(sync, list(range(layout.world_size, world)), pad_id=_pad_id(tokenizer),
+        remote = D.RemoteEngine(sync, list(range(layout.world_size, world)), pad_id=_pad_id(tokenizer),
                                 engine_tp=engine_tp, shards=EngineShards(spec, engine_tp) if sliced else None,
                                 shard_groups=shard_groups)
-    with layout.learner_world(groups):
-        learner, reference, routing = _learners(run, adapter, spec, layout, groups, model_dir, total_steps)
-    shares = None
-    if not n_rollout:
-        engine = _engine(run, run_dir, model_dir, spec)
-        shares = _engine_shares(groups.dp_rank, run.rollout.tensor_parallel_size)
-    return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, engine, tokenizer, task,
-                      None, spec, routing, reference, shares, owner)
+    learner, reference = _learners(run, adapter, spec, layout, groups, model_dir, total_steps)
+    placement = (P.Disaggregated(remote, groups, layout.dp, layout.world_size) if n_rollout
+                 else _colocated(run, run_dir, model_dir, spec, layout, groups))
+    return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, placement, tokenizer, task,
+                      None, spec, reference, owner)
 
 
-def _claim_run_dir(run: RunConfig, rank: int):
+def _claim_run_dir(run: RunConfig):
     """Rank 0 decides whether this run starts fresh or continues in `logging.dir` (training/run_dir.py); every
     rank gets the same answer, or the same error, before anything expensive starts."""
-    from megatron_sparse_rl.training.run_dir import RunDirError, claim
+    from megatron_sparse_rl.parallel.world import on_rank0
+    from megatron_sparse_rl.training.run_dir import claim
 
-    box: list = [None]
-    if rank == 0:
-        try:
-            box[0] = claim(run)
-        except RunDirError as err:
-            box[0] = str(err)
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], str):
-        raise RunDirError(box[0])
-    return box[0]
+    return on_rank0(lambda: claim(run))
 
 
-def _engine_shares(dp_rank: int, engine_tp: int) -> tuple[int, ...] | None:
-    """Colocated: the data-parallel ranks of the `engine_tp` consecutive ranks that form this rank's engine
-    (vLLM's external_launcher layout), sorted; None for engine TP 1. Collective over the world."""
+def _colocated(run: RunConfig, run_dir: Path, model_dir: Path, spec, layout, groups):
+    """This rank's engine as a colocated placement: a whole engine per rank, or (rollout.tensor_parallel_size
+    t > 1) one engine over t consecutive ranks sampling for all of their data-parallel shares."""
+    from megatron_sparse_rl.training import placement as P
+
+    engine = _engine(run, run_dir, model_dir, spec)
+    engine_tp, model_parallel = run.rollout.tensor_parallel_size, layout.tp * layout.pp
     if engine_tp == 1:
-        return None
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, dp_rank)
-    first = dist.get_rank() // engine_tp * engine_tp
-    return tuple(sorted(set(every[first:first + engine_tp])))
+        return P.Colocated(engine, groups, model_parallel)
+    shares = P.ColocatedSharedEngine.shares_of(groups.dp_rank, engine_tp)
+    return P.ColocatedSharedEngine(engine, groups, model_parallel, shares)
 
 
 def _pad_id(tokenizer) -> int:
@@ -189,26 +177,22 @@ def _pad_id(tokenizer) -> int:
 
 
 def _learners(run: RunConfig, adapter, spec, layout, groups, model_dir: Path, total_steps: int):
-    """(learner, frozen reference or None, LearnerRouting or None), loaded from the HF model."""
+    """(learner, frozen reference or None), loaded from the HF model; the learner owns its routing replay
+    state when the model is MoE and routing replay or statistics are on."""
     from megatron_sparse_rl.learner.learner import Learner
 
     use_routing = spec.is_moe and run.routing.replay
     # The policy being optimised is the one that samples: logits / sampling temperature (1 for greedy).
     temperature = run.rollout.sampling.temperature or 1.0
     learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=total_steps,
-                      temperature=temperature, routing_replay=use_routing)
+                      temperature=temperature, routing=run.routing if use_routing else None)
     learner.load_hf(model_dir)
     reference = None
     if run.algorithm.kl.coef > 0:  # KL to the initial policy needs its logprobs: a frozen copy of the model
         reference = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=1,
                             temperature=temperature)
         reference.load_hf(model_dir)
-    routing = None
-    if use_routing:
-        from megatron_sparse_rl.learner.routing import LearnerRouting
-
-        routing = LearnerRouting(learner, run.routing)
-    return learner, reference, routing
+    return learner, reference
 
 
 def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
@@ -216,8 +200,8 @@ def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
     from megatron_sparse_rl.rollout import RolloutEngine
 
     if run.launch.rollout_world_size and torch.cuda.is_available():
-        raise NotImplementedError("disaggregated placement runs its engines on CPU only so far (on GPU the engine "
-                                  "would join the whole world through vLLM's external_launcher); set "
+        raise NotImplementedError("disaggregated placement runs its engines on CPU only so far (its weight-sync "
+                                  "bridge is gloo over CPU buffers, and the path was never run on a GPU); set "
                                   "launch.rollout_ranks=0 and launch.rollout_nodes=0 for a colocated run")
     capture = spec.is_moe and run.routing.capture
     native = capture and run.routing.vllm_routes(torch.cuda.is_available())

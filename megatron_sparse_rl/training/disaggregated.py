@@ -2,37 +2,37 @@
 run R / t vLLM engines of t = rollout.tensor_parallel_size consecutive ranks each and serve commands from
 learner rank 0 (t > 1: vLLM's external_launcher; every rank of an engine runs every command).
 
-Learner rank 0 drives the rollout ranks over the weight-sync group (rank 0 + every rollout rank):
+Each side has its own default torch.distributed world (parallel/bridge.py `SplitWorld`, made by
+`ParallelLayout.initialize`): Megatron's collectives and checkpoints stay among the learner ranks, vLLM's among
+the rollout ranks. Learner rank 0 drives the rollout ranks over the weight-sync `Bridge` (rank 0 + every
+rollout rank):
 
     ("generate", parts)            engine e (rollout ranks [e t, (e + 1) t)) samples parts[e] (a slice of the
                                    prompts); its first rank's part comes back to rank 0 by gather_object, and
                                    the parts are joined in prompt order
     ("sync",)                      every learner rank runs `send_weights`, every rollout rank `receive_weights`
                                    (checksummed buckets; with t > 1 and trainer.sync_engine_slices each engine
-                                   rank receives only its slices, over its engine TP rank's group); each
+                                   rank receives only its slices, over its engine TP rank's bridge); each
                                    rollout rank then reports its status
     ("probe", rows)                each engine's prompt logprobs of the probe rows, for rank 0 to compare
-                                   with the learner's own forward (`verify_engines`)
-    ("stop",)                      the rollout ranks leave `serve` and shut their engines down
+                                   with the learner's own forward (weight_sync/verify.py `compare_engines`)
+    ("stop",)                      the rollout ranks leave `serve`, shut their engines down and confirm
 
 On learner ranks `RemoteEngine` stands where the colocated RolloutEngine stands (`generate`, `pad_id`,
-`shutdown`), so steps.py and rollout.py run unchanged on rank 0. A rollout rank that fails a command sends
-the error back instead of its result; rank 0 raises it naming the rank, and its `shutdown` (run on every
-exit path of `trainer.train`) sends "stop", so no rollout rank waits forever. The rollout ranks hold no
-state worth saving: checkpoints, metrics and the HF export are the learner's.
-
-While the learner loop runs, `learner_default_group` makes the learner group the default process group on
-learner ranks: the checkpoint code (Megatron dist_checkpointing, barriers) runs default-group collectives
-that rollout ranks, busy in `serve`, must not be part of.
+`shutdown`), so rollout.py runs unchanged on rank 0; the `Disaggregated` placement (training/placement.py)
+wraps it for the steps. A rollout rank that fails a command sends the error back instead of its result; rank 0
+raises it naming the rank, and its `shutdown` (run on every exit path of `trainer.train`) sends "stop", so no
+rollout rank waits forever; it waits for their confirmation, since rank 0 serves the store their groups were
+made from. The rollout ranks hold no state worth saving: checkpoints, metrics and the HF export are the
+learner's.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import traceback
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ SRC = 0
 
 @dataclass
 class RolloutRank:
-    """What a rollout rank holds: its engine and the group it is driven through."""
+    """What a rollout rank holds: its engine and the bridge it is driven through."""
 
     engine: Any
     sync_group: Any
@@ -60,57 +60,7 @@ class RolloutRank:
     engine_tp: int = 1
     """Ranks per engine (rollout.tensor_parallel_size): this rank serves engine index // engine_tp."""
     weights_group: Any = None
-    """Where its weights arrive: its engine TP rank's sliced-sync group (None: `sync_group`, whole tensors)."""
-
-
-def join_vllm_groups(engine_tp: int = 1) -> None:
-    """On a learner rank: the collective part of the rollout engines' start-up, so that they do not wait.
-
-    vLLM makes its world and TP/PP groups with `new_group` over the whole world (every rank must enter);
-    with engine TP > 1 (external_launcher) it also takes the MIN of the free KV memory over its world
-    group (`ExecutorWithExternalLauncher.determine_available_memory`), which learner ranks join with +inf.
-    vLLM cuts the world into TP groups of `engine_tp` consecutive ranks, so the learner ranks' groups are
-    their own (the layout checks that `engine_tp` divides the learner and rollout rank counts)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as vps
-
-    with set_current_vllm_config(VllmConfig()):
-        vps.init_distributed_environment(engine_tp, dist.get_rank(), "env://", 0, "gloo")
-        vps.ensure_model_parallel_initialized(engine_tp, 1)
-    if engine_tp > 1:
-        unbounded = torch.tensor([torch.iinfo(torch.int64).max], dtype=torch.int64)
-        dist.all_reduce(unbounded, group=vps.get_world_group().cpu_group, op=dist.ReduceOp.MIN)
-
-
-@contextlib.contextmanager
-def learner_default_group(groups) -> Iterator[None]:
-    """Learner ranks of a disaggregated run: `groups.learner` is the default process group meanwhile.
-
-    Learner ranks are [0, L), so their global and learner-group ranks coincide and default-group calls
-    (barrier, dist_checkpointing's gathers) run among the learners only. Groups made before stay valid;
-    make no group spanning rollout ranks inside."""
-    from torch.distributed import distributed_c10d as c10d
-
-    if not hasattr(c10d, "_update_default_pg"):
-        raise RuntimeError(f"torch {torch.__version__} has no distributed_c10d._update_default_pg, which the "
-                           "disaggregated trainer needs to keep checkpoint collectives among the learner ranks")
-    world = c10d._get_default_group()
-    c10d._update_default_pg(groups.learner)
-    try:
-        yield
-    finally:
-        c10d._update_default_pg(world)
-
-
-@contextlib.contextmanager
-def learner_scope(ctx) -> Iterator[None]:
-    """Around a learner rank's loop: the learner group is the default group when there are rollout ranks,
-    and the engine (local, or the rollout ranks) is shut down on every way out, errors included."""
-    try:
-        with learner_default_group(ctx.groups) if ctx.layout.rollout_ranks else contextlib.nullcontext():
-            yield
-    finally:
-        ctx.engine.shutdown()
+    """Where its weights arrive: its engine TP rank's sliced-sync bridge (None: `sync_group`, whole tensors)."""
 
 
 def split_prompts(n: int, parts: int) -> list[range]:
@@ -173,7 +123,7 @@ class RemoteEngine:
             raise ValueError(f"{len(rollout_ranks)} rollout ranks do not split into engines of {engine_tp} ranks")
         self.group, self.ranks, self.pad_id, self.engine_tp = sync_group, rollout_ranks, pad_id, engine_tp
         self.shards, self.shard_groups = shards, shard_groups
-        self.driver = dist.get_rank() == SRC
+        self.driver = dist.get_rank() == SRC  # learner ranks keep their global ranks in the learner world
         self.stopped = False
 
     def _command(self, *command) -> list:
@@ -182,12 +132,11 @@ class RemoteEngine:
             raise RuntimeError(f"only learner rank {SRC} drives the rollout ranks (this is rank {dist.get_rank()})")
         if self.stopped:
             raise RuntimeError("the rollout ranks were stopped")
-        dist.broadcast_object_list([command], src=SRC, group=self.group)
+        self.group.broadcast_object(command, src=SRC)
         return self._gather()
 
     def _gather(self) -> list:
-        answers = [None] * (len(self.ranks) + 1)
-        dist.gather_object(None, answers, dst=SRC, group=self.group)
+        answers = self.group.gather_object(None, dst=SRC)
         for rank, answer in zip(self.ranks, answers[1:]):
             if isinstance(answer, _Failure):
                 raise (WeightSyncError if answer.sync else RuntimeError)(
@@ -211,22 +160,27 @@ class RemoteEngine:
 
         start = time.perf_counter()
         if self.driver:
-            dist.broadcast_object_list([("sync",)], src=SRC, group=self.group)
+            self.group.broadcast_object(("sync",), src=SRC)
         stats = send_weights(learner, self.group, src=SRC, bucket_mb=bucket_mb, shards=self.shards,
                              shard_groups=self.shard_groups)
         if self.driver:
             self._gather()  # every engine verified its buckets and loaded them
         return replace(stats, seconds=time.perf_counter() - start)
 
-    def probe_logprobs(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        """Each rollout rank's engine prompt logprobs of `rows`: one float32 [B, S-1] tensor per rank."""
-        return self._command("probe", rows)
+    def probe_logprobs(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Each rollout rank's engine prompt logprobs of `rows`: {"rollout rank r": float32 [B, S-1]}."""
+        return {f"rollout rank {rank}": t for rank, t in zip(self.ranks, self._command("probe", rows))}
 
     def shutdown(self) -> None:
-        """Send "stop" once (rank `SRC`); the rollout ranks shut their engines down and return."""
+        """Send "stop" once (rank `SRC`) and wait until every rollout rank has shut its engine down. A rollout
+        rank that cannot confirm (it is gone) is logged, not raised: this runs on every way out, errors included."""
         if self.driver and not self.stopped:
             self.stopped = True
-            dist.broadcast_object_list([("stop",)], src=SRC, group=self.group)
+            try:
+                self.group.broadcast_object(("stop",), src=SRC)
+                self.group.gather_object(None, dst=SRC)
+            except Exception as e:  # noqa: BLE001 - never hide the error that brought us here
+                log.warning("the rollout ranks did not confirm stop: %s", e)
 
 
 @dataclass
@@ -257,9 +211,7 @@ def serve(rr: RolloutRank) -> dict:
     served = 0
     try:
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=SRC, group=rr.sync_group)
-            command = box[0]
+            command = rr.sync_group.broadcast_object(None, src=SRC)
             if command[0] == "stop":
                 break
             try:
@@ -267,28 +219,10 @@ def serve(rr: RolloutRank) -> dict:
             except Exception as e:  # report it to the driver, which raises it; keep serving until "stop"
                 log.error("rollout rank %d: %s failed:\n%s", rr.rank, command[0], traceback.format_exc())
                 answer = _Failure(f"{type(e).__name__}: {e}", sync=isinstance(e, WeightSyncError))
-            dist.gather_object(answer, None, dst=SRC, group=rr.sync_group)
+            rr.sync_group.gather_object(answer, dst=SRC)
             served += 1
     finally:
         rr.engine.shutdown()
+    rr.sync_group.gather_object(None, dst=SRC)  # stopped: rank 0 (which serves the store) may exit now
     log.info("rollout rank %d: stopped after %d commands", rr.rank, served)
     return {"rank": rr.rank, "role": "rollout", "commands": served}
-
-
-def verify_engines(learner, remote: RemoteEngine, tokens: torch.Tensor, tol: float) -> float | None:
-    """Max |engine prompt logprob - learner logprob| on the probe over every rollout rank's engine.
-
-    Every learner rank calls it (the learner forward is collective); rank `SRC` asks the engines and
-    compares, the others return None. Raises WeightSyncError naming the rollout rank above `tol`."""
-    with learner.scoring_temperature(1.0):  # the engine's prompt logprobs are of the raw logits
-        ours = learner.forward_logprobs(tokens)["logprobs"].float()
-    if not remote.driver:
-        return None
-    worst = 0.0
-    for rank, theirs in zip(remote.ranks, remote.probe_logprobs(tokens.tolist())):
-        diff = (theirs.float() - ours).abs().max().item()
-        if not diff <= tol:
-            raise WeightSyncError(f"rollout rank {rank}: engine logprobs differ from the learner's by {diff:.3e} on "
-                                  f"the probe (tolerance {tol:.1e}): the weight sync moved wrong weights")
-        worst = max(worst, diff)
-    return worst

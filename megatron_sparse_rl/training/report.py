@@ -87,5 +87,5 @@ class Reporter:
             plot = plot_metrics(ctx.run_dir / "metrics.jsonl", ctx.run_dir / "metrics.png")
             summary.update(metrics=str(ctx.run_dir / "metrics.jsonl"), plot=str(plot), hf_checkpoint=str(hf_dir),
                            checkpoint=str(ckpt) if ckpt else None)
-        ctx.engine.shutdown()
+        ctx.placement.shutdown()
         return summary

@@ -17,17 +17,20 @@ import torch
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 
 
-def sparse_logprobs(learner, batch: RolloutBatch, tokens: torch.Tensor, keep=None) -> torch.Tensor | None:
+def sparse_logprobs(learner, batch: RolloutBatch, tokens: torch.Tensor,
+                    sampling_support=None) -> torch.Tensor | None:
     """pi_sparse [B, T-1]: the learner's logprobs under what the engine's sparse cache kept (None when no
-    sample was compacted), renormalised over `keep` (the sampling support) when given, like pi_old. Needs
-    the full records (`rollout.kv.record_keep`)."""
+    sample was compacted), renormalised over `sampling_support` when given, like pi_old. Needs the full
+    records (`rollout.kv.record_keep`)."""
     from megatron_sparse_rl.kv.record import batch_attention_mask
+    from megatron_sparse_rl.learner.extras import ForwardExtras
 
     allowed = batch_attention_mask(batch.kv_keep, tokens.shape[1] - 1)
     if allowed is None:
         return None
     lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
-    return learner.forward_logprobs(tokens, lengths=lengths, attention_mask=allowed, keep=keep)["logprobs"]
+    extras = ForwardExtras(sampling_support=sampling_support, attention_mask=allowed)
+    return learner.forward_logprobs(tokens, lengths=lengths, extras=extras)["logprobs"]
 
 
 def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

@@ -1,10 +1,8 @@
 """The named steps of the RL loop, each one function over the `RunContext`.
 
-Colocated, each data-parallel leader samples its share with its own engine; an engine spanning several
-ranks (rollout.tensor_parallel_size > 1) samples the shares of all its ranks, every rank of it taking part.
-Disaggregated, learner rank 0
-samples every share through the rollout ranks (`ctx.engine` is a `RemoteEngine`) and hands each learner
-rank its own, seeded as the colocated leaders would be."""
+Where the engines are is `ctx.placement`'s business (training/placement.py): a step hands it the work for one
+data-parallel share (`work(engine, dp_rank)`) and gets this rank's share back, and asks it to sync and verify
+the engines; no step knows whether they are colocated, spread over several ranks or on rollout ranks."""
 from __future__ import annotations
 
 import logging
@@ -25,39 +23,6 @@ def _dp_share(ctx: RunContext, items: list) -> list:
     return items[ctx.groups.dp_rank::ctx.layout.dp]
 
 
-def _is_leader(ctx: RunContext) -> bool:
-    """The rank that generates for its model-parallel group (its TP/PP peers must train on the same rows)."""
-    return ctx.groups.tp_rank == 0 and ctx.groups.pp_rank == 0
-
-
-def _share_from_leader(ctx: RunContext, obj):
-    if ctx.layout.tp * ctx.layout.pp == 1:
-        return obj
-    holder = [obj]
-    src = dist.get_process_group_ranks(ctx.groups.model_parallel)[0]
-    dist.broadcast_object_list(holder, src=src, group=ctx.groups.model_parallel)
-    return holder[0]
-
-
-def _from_main(ctx: RunContext, per_dp_rank):
-    """Disaggregated: learner rank 0 runs `per_dp_rank(d)` for every data-parallel rank d (it alone drives the
-    rollout ranks) and each learner rank gets the result for its own d."""
-    out = [per_dp_rank(d) for d in range(ctx.layout.dp)] if ctx.is_main else None
-    if ctx.layout.world_size > 1:
-        holder = [out]
-        dist.broadcast_object_list(holder, src=0, group=ctx.groups.learner)
-        out = holder[0]
-    return out[ctx.groups.dp_rank]
-
-
-def _from_engine(ctx: RunContext, per_dp_rank):
-    """Colocated engine TP > 1: the ranks of one engine run `per_dp_rank(d)` for every data-parallel rank d
-    among them, the same calls in the same order (vLLM's external_launcher needs every rank of an engine in
-    each call), and each keeps the result for its own d; seeds depend on d only, as with TP-1 engines."""
-    out = {d: per_dp_rank(d) for d in ctx.engine_shares}
-    return out[ctx.groups.dp_rank]
-
-
 def _global_sum(ctx: RunContext, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if ctx.layout.dp > 1:
@@ -70,17 +35,12 @@ def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
     t0 = time.perf_counter()
     examples = ctx.task.next_train(ctx.run.trainer.prompts_per_step)
 
-    def collect(dp_rank: int):
+    def collect(engine, dp_rank: int):
         seed = ctx.run.rollout.seed + 1_000_003 * step + 10_007 * dp_rank
-        return R.collect(ctx.engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp], ctx.run.rollout.sampling,
+        return R.collect(engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp], ctx.run.rollout.sampling,
                          seed=seed, score=score, correct=correct)
 
-    if ctx.layout.rollout_ranks:
-        batch, is_correct = _from_main(ctx, collect)
-    elif ctx.engine_shares is not None:
-        batch, is_correct = _share_from_leader(ctx, _from_engine(ctx, collect))
-    else:
-        batch, is_correct = _share_from_leader(ctx, collect(ctx.groups.dp_rank) if _is_leader(ctx) else None)
+    batch, is_correct = ctx.placement.generate(collect)
     seconds = time.perf_counter() - t0
     n_tok = float(batch.response_mask.sum())
     reward, right, count, length = _global_sum(ctx, [float(batch.reward.sum()), float(is_correct.sum()),
@@ -96,21 +56,21 @@ def train_step(ctx: RunContext, batch) -> dict[str, float]:
     """Dense old-logprob recompute, advantages, corrections and the policy updates."""
     t0 = time.perf_counter()
     algo = ctx.run.algorithm
-    prep = U.prepare(ctx.learner, batch, algo, pad_id=ctx.engine.pad_id, dp_group=ctx.dp_group,
-                     routing=ctx.routing, reference=ctx.reference)
+    prep = U.prepare(ctx.learner, batch, algo, pad_id=ctx.placement.pad_id, dp_group=ctx.dp_group,
+                     reference=ctx.reference)
     metrics = dict(prep.metrics)
     if ctx.run.rollout.kv.policy != "none":
         from megatron_sparse_rl.training.sparse_kv import kv_metrics, sparse_logprobs
 
         kv = ctx.run.rollout.kv
-        sparse = sparse_logprobs(ctx.learner, batch, prep.tokens, keep=prep.keep) if kv.record_keep else None
+        sparse = sparse_logprobs(ctx.learner, batch, prep.tokens, prep.sampling_support) if kv.record_keep else None
         metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.response_mask, kv.budget,
                                   sparse=sparse))
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
         log.warning("skipping the update: the batch's k1 mismatch is over algorithm.corrections.batch_skip.max_k1")
     else:
         metrics.update(U.update(ctx.learner, prep, algo, updates=ctx.run.trainer.updates_per_rollout,
-                                dp_group=ctx.dp_group, routing=ctx.routing))
+                                dp_group=ctx.dp_group))
     seconds = time.perf_counter() - t0
     metrics["time/train_s"] = seconds
     metrics["train/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(seconds, 1e-9)
@@ -119,20 +79,12 @@ def train_step(ctx: RunContext, batch) -> dict[str, float]:
 
 def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None) -> dict[str, float]:
     """Learner -> engine weights, checksummed; logprob parity on a probe after the first sync and every N."""
-    from megatron_sparse_rl.training.disaggregated import verify_engines
-    from megatron_sparse_rl.weight_sync import sync_to_engine, verify_logprobs
-
     cfg = ctx.run.trainer
-    remote = bool(ctx.layout.rollout_ranks)  # disaggregated: the engines are on the rollout ranks
-    if remote:
-        stats = ctx.engine.sync_weights(ctx.learner, bucket_mb=cfg.sync_bucket_mb)
-    else:
-        stats = sync_to_engine(ctx.learner, ctx.engine, bucket_mb=cfg.sync_bucket_mb)
+    stats = ctx.placement.sync(ctx.learner, bucket_mb=cfg.sync_bucket_mb)
     metrics = {"time/sync_s": stats.seconds, "sync/bytes_per_s": stats.bytes_per_s}
     every = cfg.verify_sync_every
     if probe is not None and every and (n_syncs == 0 or (n_syncs + 1) % every == 0):
-        verify = verify_engines if remote else verify_logprobs
-        diff = verify(ctx.learner, ctx.engine, probe, cfg.verify_sync_tol)
+        diff = ctx.placement.verify(ctx.learner, probe, cfg.verify_sync_tol)
         if diff is not None:  # None on learner ranks that compare nothing (disaggregated, rank > 0)
             metrics["sync/probe_max_abs_diff"] = diff
     return metrics
@@ -144,20 +96,13 @@ def evaluate(ctx: RunContext, correct, n: int) -> float:
     cfg = ctx.run.trainer
     examples = ctx.task.eval_examples(n)
 
-    def score(dp_rank: int) -> tuple[float, int]:
-        return R.accuracy(ctx.engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp],
+    def score(engine, dp_rank: int) -> tuple[float, int]:
+        return R.accuracy(engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp],
                           max_tokens=ctx.run.rollout.sampling.max_tokens, score=correct,
                           temperature=cfg.eval_temperature, samples=cfg.eval_samples,
                           seed=ctx.run.rollout.seed + 7919 * dp_rank)
 
-    if ctx.layout.rollout_ranks:
-        total, count = _from_main(ctx, score)
-    elif ctx.engine_shares is not None:
-        total, count = _share_from_leader(ctx, _from_engine(ctx, score))
-    else:
-        total, count = score(ctx.groups.dp_rank) if _is_leader(ctx) else (0.0, 0)
-        if ctx.layout.tp * ctx.layout.pp > 1:
-            total, count = _share_from_leader(ctx, (total, count))
+    total, count = ctx.placement.generate(score)
     total, count = _global_sum(ctx, [total, count])
     return total / max(count, 1.0)
 
@@ -169,7 +114,7 @@ def sft_step(ctx: RunContext) -> dict[str, float]:
     cfg = ctx.run.trainer.sft
     rows = [encode_sft(ctx.tokenizer, e) for e in _dp_share(ctx, ctx.task.next_sft(cfg.batch_size))]
     width = max(len(r.input_ids) for r in rows)
-    tokens = torch.full((len(rows), width), ctx.engine.pad_id, dtype=torch.long)
+    tokens = torch.full((len(rows), width), ctx.placement.pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), width)
     for i, r in enumerate(rows):
         tokens[i, :len(r.input_ids)] = torch.tensor(r.input_ids)

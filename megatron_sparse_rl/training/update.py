@@ -6,7 +6,6 @@ token t + 1; `mask` [B, T-1] marks the scored response tokens.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from megatron_sparse_rl.algorithms import (
     apply_corrections, compute_advantages, kl_loss, loss_normalizer, mismatch_metrics, policy_loss,
 )
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
+from megatron_sparse_rl.learner.extras import ForwardExtras
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 
 
@@ -40,7 +40,7 @@ class PreparedBatch:
     """[B, T-1] logprobs of the reference (initial) model, for the KL term."""
     response_mask: torch.Tensor | None = None
     """bool [B, T-1]: every response token, before corrections."""
-    keep: Any = None
+    sampling_support: Any = None
     """rollout.sampling_mask.SamplingSupport the learner renormalises over (algorithm.keep_sampling_mask)."""
 
 
@@ -76,26 +76,29 @@ def _support_metrics(keep) -> dict[str, float]:
 
 
 def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, dp_group,
-            routing=None, reference=None) -> PreparedBatch:
-    """Old logprobs (dense recompute), advantages and corrections for this rank's rollout batch. With
-    `routing` (LearnerRouting) the old forward records (R2) or replays the engine's (R3) routes; with
+            reference=None) -> PreparedBatch:
+    """Old logprobs (dense recompute), advantages and corrections for this rank's rollout batch. With the
+    learner's routing (`learner.routing`) the old forward records (R2) or replays the engine's (R3) routes; with
     algorithm.keep_sampling_mask, pi_old (and later pi_theta) is renormalised over the sampler's support."""
     if batch.reward is None:
         raise ValueError("the rollout batch has no rewards; score it before the update")
     tokens, mask, rollout_lp = align_rollout(batch, pad_id)
     lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
-    keep = sampling_keep(batch, cfg)
-    phase = routing.old_forward(tokens, lengths, batch.routed_experts) if routing else contextlib.nullcontext()
-    with phase as old:
-        old_lp = learner.forward_logprobs(tokens, lengths=lengths, keep=keep)["logprobs"]
+    support = sampling_keep(batch, cfg)
+    routing = learner.routing
+    request = routing.old_forward(batch.routed_experts) if routing else None
+    out = learner.forward_logprobs(tokens, lengths=lengths,
+                                   extras=ForwardExtras(sampling_support=support, routes=request))
+    old_lp = out["logprobs"]
+    old = routing.after_old_forward(out.get("routing"), batch.routed_experts) if routing else None
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
     corr = apply_corrections(cfg.corrections, old_lp, rollout_lp, mask, advantages=advantages, group=dp_group)
     metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask))
     metrics.update(_scalar_metrics(corr.metrics))
     if old:
         metrics.update(_scalar_metrics(old.metrics))
-    if keep is not None:
-        metrics.update(_support_metrics(keep))
+    if support is not None:
+        metrics.update(_support_metrics(support))
     ref_lp = None
     if cfg.kl.coef > 0:
         if reference is None:
@@ -103,14 +106,13 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
         ref_lp = reference.forward_logprobs(tokens, lengths=lengths)["logprobs"]
     return PreparedBatch(tokens, mask & corr.keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
-                         response_mask=mask, keep=keep)
+                         response_mask=mask, sampling_support=support)
 
 
-def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group,
-           routing=None) -> dict[str, float]:
+def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group) -> dict[str, float]:
     """`updates` optimizer steps over equal row slices of the batch; losses are normalised by the global
-    (all data-parallel ranks) token or sequence count of each mini-batch. Returns mean metrics. With
-    `routing`, every update forward (and recompute backward) replays `prep.routes`."""
+    (all data-parallel ranks) token or sequence count of each mini-batch. Returns mean metrics. With the
+    learner's routing, every update forward (and recompute backward) replays `prep.routes`."""
     totals: dict[str, float] = {}
     routing_out: dict[str, float] = {}
     rows = torch.arange(prep.tokens.shape[0])
@@ -118,14 +120,15 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
         norm = loss_normalizer(prep.mask[chunk], cfg.loss.aggregation, group=dp_group)
         loss_fn = _loss_fn(prep, chunk, cfg, norm)
         routes = prep.routes.select(chunk) if prep.routes is not None else None
-        phase = routing.update(prep.tokens[chunk], prep.lengths[chunk], routes) if routing else contextlib.nullcontext()
-        keep = prep.keep.select(chunk) if prep.keep is not None else None
-        with phase as up:
-            out = learner.train_step(prep.tokens[chunk], loss_fn, lengths=prep.lengths[chunk], keep=keep)
-        if up:
-            routing_out.update({k: float(v) for k, v in up.metrics.items()})
+        request = learner.routing.update(routes) if learner.routing else None
+        support = prep.sampling_support.select(chunk) if prep.sampling_support is not None else None
+        out = learner.train_step(prep.tokens[chunk], loss_fn, lengths=prep.lengths[chunk],
+                                 extras=ForwardExtras(sampling_support=support, routes=request))
         for k, v in out.items():
-            totals[k] = totals.get(k, 0.0) + v
+            if k.startswith("routing/"):
+                routing_out[k] = float(v)
+            else:
+                totals[k] = totals.get(k, 0.0) + v
     return {**_reduce(totals, updates, dp_group), **routing_out}
 
 

@@ -1,12 +1,14 @@
 """weight_sync: learner shards -> HF-named tensor stream -> checksummed buckets -> engine, verified.
 
 See docs/weight_sync.md. `export.iter_hf_tensors`, `buckets.pack_buckets`/`verify_bucket`,
-`colocated.sync_to_engine`/`verify_logprobs`, `disaggregated.send_weights`/`receive_weights`.
+`colocated.sync_to_engine`, `disaggregated.send_weights`/`receive_weights`, `verify.verify_logprobs`/
+`compare_engines` (the one engine-vs-learner check).
 """
-from megatron_sparse_rl.weight_sync.buckets import Bucket, pack_buckets, verify_bucket
-from megatron_sparse_rl.weight_sync.colocated import SyncStats, sync_to_engine, verify_logprobs
+from megatron_sparse_rl.weight_sync.buckets import Bucket, SyncStats, pack_buckets, verify_bucket
+from megatron_sparse_rl.weight_sync.colocated import sync_to_engine
 from megatron_sparse_rl.weight_sync.disaggregated import receive_weights, send_weights
 from megatron_sparse_rl.weight_sync.export import WeightSyncError, iter_hf_tensors
+from megatron_sparse_rl.weight_sync.verify import compare_engines, verify_logprobs
 
-__all__ = ["Bucket", "SyncStats", "WeightSyncError", "iter_hf_tensors", "pack_buckets", "receive_weights",
-           "send_weights", "sync_to_engine", "verify_bucket", "verify_logprobs"]
+__all__ = ["Bucket", "SyncStats", "WeightSyncError", "compare_engines", "iter_hf_tensors", "pack_buckets",
+           "receive_weights", "send_weights", "sync_to_engine", "verify_bucket", "verify_logprobs"]

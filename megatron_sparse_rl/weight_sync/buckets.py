@@ -1,24 +1,31 @@
-"""Pack a (name, tensor) stream into fixed-size, checksummed buckets and verify them on arrival.
+"""Pack a (name, tensor) stream into fixed-size, checksummed buckets, and feed them to an engine verified.
 
     for bucket in pack_buckets(iter_hf_tensors(learner), bucket_mb=256):
         verify_bucket(bucket)                  # receiver side: raises WeightSyncError on corruption
         engine_weights.extend(bucket.tensors())
+
+    feed = Feed(buckets)                       # what colocated and disaggregated sync both do with the buckets
+    feed.load_into(engine)                     # one engine.load_weights call, fed lazily, bucket by bucket
+    stats = feed.stats(seconds)
 
 A `Bucket` is one flat uint8 buffer (what a transport sends in one message) plus the metadata to cut it
 back into tensors. Tensors are packed whole and in stream order; one larger than the bucket size gets a
 bucket of its own. Each tensor's bytes get a BLAKE2b digest (exact: any flipped bit changes it) when
 packed; `verify_bucket` recomputes them and names the bucket and the tensors that differ. The digest
 covers the bytes only; names, dtypes, shapes and offsets travel as metadata and are checked for
-consistency with the buffer.
+consistency with the buffer. A bucket of a sliced sync (engine_shards.py) also says where each sliced tensor
+sits in its full tensor (`cuts`); `Feed` rebuilds those full-shape before the engine sees them.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
 
 import torch
 
+from megatron_sparse_rl.weight_sync.engine_shards import Cut, expand
 from megatron_sparse_rl.weight_sync.export import WeightSyncError
 
 _DIGEST_BYTES = 16
@@ -27,6 +34,21 @@ _ALIGN = 16  # bytes: every tensor starts aligned, so views of any dtype are val
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one sync moved: colocated, sent (`send_weights`) or received (`receive_weights`)."""
+
+    bytes: int
+    """Tensor bytes moved (bucket payload, padding excluded)."""
+    seconds: float
+    buckets: int
+    tensors: int
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
 
 
 @dataclass(frozen=True)
@@ -45,10 +67,22 @@ class Bucket:
     buffer: torch.Tensor
     """Flat uint8; tensor i occupies [metas[i].offset, + metas[i].nbytes), offsets aligned to 16 bytes."""
     metas: list[TensorMeta]
+    cuts: dict[str, Cut] = field(default_factory=dict)
+    """Sliced sync: name -> where that tensor's slice sits in the full tensor (tensors not named are whole)."""
+
+    @classmethod
+    def receiving(cls, index: int, metas: list[TensorMeta], cuts: dict[str, Cut]) -> Bucket:
+        """An empty bucket of the buffer size `metas` describe, for a transport to receive the buffer into."""
+        return cls(index, torch.empty(_extent(metas), dtype=torch.uint8), list(metas), cuts)
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
+
+    @property
+    def payload(self) -> int:
+        """Tensor bytes (padding excluded)."""
+        return sum(m.nbytes for m in self.metas)
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) views into the buffer (no copy)."""
@@ -64,7 +98,17 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def _seal(index: int, items: list[tuple[str, torch.Tensor]], total: int) -> Bucket:
+def _packed_size(tensor: torch.Tensor) -> int:
+    return _aligned(tensor.numel() * tensor.element_size())
+
+
+def _extent(metas: list[TensorMeta]) -> int:
+    return _aligned(metas[-1].offset + metas[-1].nbytes) if metas else 0
+
+
+def seal(index: int, items: list[tuple[str, torch.Tensor]], cuts: dict[str, Cut] | None = None) -> Bucket:
+    """One bucket holding `items` in order (copied, digested), whatever their size."""
+    total = sum(_packed_size(tensor) for _, tensor in items)
     buffer = torch.empty(total, dtype=torch.uint8)  # padding bytes are never read or digested
     metas, offset = [], 0
     for name, tensor in items:
@@ -74,31 +118,38 @@ def _seal(index: int, items: list[tuple[str, torch.Tensor]], total: int) -> Buck
         # digest the packed copy: what the receiver will check is exactly what was sent
         metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), offset, raw.numel(), _digest(piece)))
         offset = _aligned(offset + raw.numel())
-    return Bucket(index, buffer, metas)
+    return Bucket(index, buffer, metas, dict(cuts or {}))
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_mb: float = 256.0) -> Iterator[Bucket]:
-    """Group the stream into buckets of at most `bucket_mb` MiB (a larger tensor gets its own bucket)."""
+def group_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                  bucket_mb: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The stream in lists that pack into at most `bucket_mb` MiB each (a larger tensor alone), in order."""
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be > 0 (got {bucket_mb})")
     limit = int(bucket_mb * 2**20)
     pending: list[tuple[str, torch.Tensor]] = []
-    size, index = 0, 0
+    size = 0
     for name, tensor in named_tensors:
-        nbytes = _aligned(tensor.numel() * tensor.element_size())
+        nbytes = _packed_size(tensor)
         if pending and size + nbytes > limit:
-            yield _seal(index, pending, size)
-            index, pending, size = index + 1, [], 0
+            yield pending
+            pending, size = [], 0
         pending.append((name, tensor))
         size += nbytes
     if pending:
-        yield _seal(index, pending, size)
+        yield pending
+
+
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_mb: float = 256.0) -> Iterator[Bucket]:
+    """Group the stream into buckets of at most `bucket_mb` MiB (a larger tensor gets its own bucket)."""
+    for index, items in enumerate(group_tensors(named_tensors, bucket_mb=bucket_mb)):
+        yield seal(index, items)
 
 
 def verify_bucket(bucket: Bucket) -> None:
     """Recompute every tensor digest of `bucket`; raise WeightSyncError naming the bucket and its tensors."""
     names = [m.name for m in bucket.metas]
-    end = _aligned(bucket.metas[-1].offset + bucket.metas[-1].nbytes) if bucket.metas else 0
+    end = _extent(bucket.metas)
     if bucket.buffer.dtype != torch.uint8 or bucket.buffer.numel() != end:
         raise WeightSyncError(f"bucket {bucket.index}: buffer of {bucket.buffer.numel()} {bucket.buffer.dtype} "
                               f"elements does not match its metadata ({end} bytes); tensors: {names}")
@@ -106,3 +157,65 @@ def verify_bucket(bucket: Bucket) -> None:
     if bad:
         raise WeightSyncError(f"bucket {bucket.index}: checksum mismatch in {len(bad)} of {len(names)} tensors "
                               f"{bad}; the bucket holds {names}")
+
+
+class Feed:
+    """Buckets as ONE (name, tensor) stream for `engine.load_weights`, each bucket checksum-verified before its
+    tensors are handed over, sliced tensors rebuilt full-shape; counts what passed. Both placements feed engines
+    with it: colocated (the buckets packed here) and disaggregated (the buckets received).
+
+    Pulling a bucket runs what the other ranks wait on (the learners' gathers, the sender's broadcasts), so the
+    stream is always pulled to its end: a failed checksum or an engine error drains the rest, then raises (the
+    engine then holds partly updated weights: sync again).
+    `keep(name)`: the tensors to hand over (default all). `rebuild(name, piece, cut)`: the full-shape tensor of a
+    slice (default `expand`). `corrupt(bucket)`: a test hook called on each bucket before verification.
+    """
+
+    def __init__(self, buckets: Iterable[Bucket], *, verify: bool = True, keep: Callable[[str], bool] | None = None,
+                 rebuild: Callable[[str, torch.Tensor, Cut], torch.Tensor] | None = None, corrupt=None):
+        self.buckets, self.verify, self.keep, self.corrupt = iter(buckets), verify, keep, corrupt
+        self.rebuild = rebuild or (lambda name, piece, cut: expand(piece, cut))
+        self.bytes = self.count = self.tensors = self.handed = 0
+
+    def drain(self) -> int:
+        """Pull (and drop) the buckets still to come; returns how many."""
+        return sum(1 for _ in self.buckets)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.buckets:
+            if self.corrupt is not None:  # test hook: damage a bucket after its checksums were taken
+                self.corrupt(bucket)
+            if self.verify:
+                try:
+                    verify_bucket(bucket)
+                except WeightSyncError:
+                    self.drain()
+                    raise
+            self.count += 1
+            self.bytes += bucket.payload
+            self.tensors += len(bucket.metas)
+            for name, tensor in bucket.tensors():
+                if self.keep is None or self.keep(name):
+                    self.handed += 1
+                    cut = bucket.cuts.get(name)
+                    yield name, tensor if cut is None else self.rebuild(name, tensor, cut)
+
+    def load_into(self, engine, *, watch: AbstractContextManager | None = None) -> None:
+        """The whole stream through ONE `engine.load_weights` call (inside `watch`); engine None: drop it.
+
+        Raises what the engine raised, WeightSyncError on a failed checksum, or WeightSyncError if the engine
+        stopped reading before the stream ended."""
+        stream = iter(self)
+        if engine is not None:
+            try:
+                with watch or nullcontext():
+                    engine.load_weights(stream)
+            except BaseException:
+                self.drain()
+                raise
+        leftover = sum(1 for _ in stream)  # no engine, or one that stopped early: the stream must still end
+        if engine is not None and leftover:
+            raise WeightSyncError(f"the engine stopped reading after {self.handed - leftover} of {self.handed} tensors")
+
+    def stats(self, seconds: float) -> SyncStats:
+        return SyncStats(self.bytes, seconds, self.count, self.tensors)

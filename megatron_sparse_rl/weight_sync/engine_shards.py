@@ -5,39 +5,29 @@
     whole = expand(piece, cut)                                                       # receiver, before load_weights
 
 vLLM's weight loaders take full checkpoint tensors and narrow each to the rank's slice. To send each engine
-rank only its slice, the sender cuts the same slice here, by HF name (the adapters' names, models/base.py and
-models/mixtral.py), following vLLM 0.32's loaders:
-- rows (dim 0), t equal parts: `q_proj` (weight, bias), `gate_proj`/`up_proj` (dense MLP, routed and shared
-  experts; Mixtral `w1`/`w3`);
-- rows by KV head: `k_proj`/`v_proj` (weight, bias); with more ranks than KV heads each head is replicated
-  on t / kv_heads consecutive ranks (QKVParallelLinear's `num_kv_head_replicas`);
-- columns (dim 1), t equal parts: `o_proj`, `down_proj` (Mixtral `w2`);
-- vocab rows: `embed_tokens`, `lm_head`: the vocab padded to a multiple of 64, t equal parts of the padded
-  range, clipped to the real vocab (VocabParallelEmbedding; the last part may be short or empty);
-- everything else (norms, router, q/k norms): whole.
-A tensor whose split dimension does not divide evenly is sent whole (vLLM narrows it as before).
+rank only its slice, the sender cuts the same slice here. Which split each HF tensor takes is the model
+adapter's fact: every tensor map entry names its tensors' `EngineSplit` (models/tensor_map.py says what each
+split means in vLLM 0.32's loaders; models/base.py and the adapters assign them), and `EngineShards` reads them
+from the adapter of `spec` (`GPTAdapter.engine_splits`); a name the model does not have goes whole. A tensor
+whose split dimension does not divide evenly, and any non-floating-point tensor, is sent whole (vLLM narrows it
+as before).
 
 The receiver rebuilds a full-shape tensor filled with NaN around the slice (`expand`) and hands it to the
-engine's own `load_weights`, so the loaders run unchanged; if a rule here ever disagreed with a loader, the
-loader would read NaN and the engine's weights would show it (`receive_weights` scans for NaN after a sliced
-sync and raises). On the wire an engine rank receives 1/t of every split tensor.
+engine's own `load_weights`, so the loaders run unchanged; if a rule ever disagreed with a loader, the loader
+would read NaN (`receive_weights` watches the loaders' copies out of the rebuilt tensors and raises). On the
+wire an engine rank receives 1/t of every split tensor.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
+from megatron_sparse_rl.models import adapter_for
 from megatron_sparse_rl.models.spec import ModelSpec
 
 VOCAB_PADDING = 64
 """vLLM's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py), which the supported models use."""
-
-_ROWS = re.compile(r"\.(q_proj|gate_proj|up_proj|w1|w3)\.(weight|bias)$")
-_KV = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
-_COLS = re.compile(r"\.(o_proj|down_proj|w2)\.weight$")
-_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -57,6 +47,8 @@ class EngineShards:
         if tp < 1:
             raise ValueError(f"engine tensor-parallel size must be >= 1 (got {tp})")
         self.spec, self.tp = spec, tp
+        self.splits = adapter_for(spec).engine_splits(spec)
+        """HF name -> its `EngineSplit`, from the model adapter's tensor maps."""
 
     def slice_of(self, name: str, shape: tuple[int, ...], rank: int) -> Cut | None:
         """The part of the full tensor `name` (of `shape`) that engine rank `rank` keeps; None: all of it."""
@@ -65,13 +57,14 @@ class EngineShards:
         shape, t = tuple(shape), self.tp
         if t == 1 or not shape:
             return None
-        if _ROWS.search(name):
+        split = self.splits.get(name, "replicated")
+        if split == "column":
             return _even(shape, 0, rank, t)
-        if _KV.search(name):
+        if split == "kv_heads":
             return self._kv(shape, rank)
-        if _COLS.search(name) and len(shape) == 2:
+        if split == "row" and len(shape) == 2:
             return _even(shape, 1, rank, t)
-        if _VOCAB.search(name):
+        if split == "vocab":
             return self._vocab(shape, rank)
         return None
 

@@ -26,12 +26,11 @@ def _batch():
 
 
 def lengths_worker(rank, world_size, model_dir, tp, ep, routing):
-    from megatron_sparse_rl.config.routing import RoutingConfig
-    from megatron_sparse_rl.learner.routing import LearnerRouting
+    from megatron_sparse_rl.learner.extras import ForwardExtras
     from megatron_sparse_rl.learner.sft import make_sft_loss
     from tests.distributed.test_routing import _learner
 
-    learner = _learner(world_size, model_dir, tp=tp, ep=ep, lr=1e-12)  # micro-batches of 2, replay-capable
+    learner = _learner(world_size, model_dir, tp=tp, ep=ep, lr=1e-12)  # micro-batches of 2, routing.mode R2
     tokens, mask = _batch()
     out = {"full": learner.forward_logprobs(tokens)["logprobs"],
            "trimmed": learner.forward_logprobs(tokens, lengths=LENGTHS)["logprobs"]}
@@ -44,13 +43,14 @@ def lengths_worker(rank, world_size, model_dir, tp, ep, routing):
     out["grad_diff"] = (grads["full"] - grads["trimmed"]).abs().max().item()
     out["grad_scale"] = grads["full"].abs().max().item()
     if routing:
-        r = LearnerRouting(learner, RoutingConfig(mode="R2"))
-        with r.old_forward(tokens, LENGTHS) as ph:
-            out["recorded"] = learner.forward_logprobs(tokens, lengths=LENGTHS)["logprobs"]
+        r = learner.routing
+        old = learner.forward_logprobs(tokens, lengths=LENGTHS, extras=ForwardExtras(routes=r.old_forward(None)))
+        out["recorded"] = old["logprobs"]
         out["widths"] = list(r._mb_widths)  # what each micro-batch ran
-        with r.update(tokens, LENGTHS, ph.routes):
-            out["replayed_loss"] = learner.train_step(tokens, loss_fn, lengths=LENGTHS)["loss"]
-        out["route_lengths"] = ph.routes.lengths
+        routes = r.after_old_forward(old["routing"], None).routes
+        replay = ForwardExtras(routes=r.update(routes))
+        out["replayed_loss"] = learner.train_step(tokens, loss_fn, lengths=LENGTHS, extras=replay)["loss"]
+        out["route_lengths"] = routes.lengths
     return out
 
 

@@ -24,7 +24,8 @@ TOKENS = torch.tensor([[1, 5, 6, 14, 11, 18, 22, 20, 27, 21, 19, 5, 13],
 LENGTHS = torch.tensor([13, 13, 12, 10])
 
 
-def _learner(world_size, model_dir, tp=1, ep=1, lr=1e-2, recompute=False, aux_coeff=0.0):
+def _learner(world_size, model_dir, tp=1, ep=1, lr=1e-2, recompute=False, aux_coeff=0.0, routing=None):
+    from megatron_sparse_rl.config.routing import RoutingConfig
     from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_sparse_rl.learner.learner import Learner
     from megatron_sparse_rl.models import load_spec
@@ -39,7 +40,7 @@ def _learner(world_size, model_dir, tp=1, ep=1, lr=1e-2, recompute=False, aux_co
                       model_cfg=ModelConfig(path=str(model_dir), recompute_activations=recompute,
                                             moe_aux_loss_coeff=aux_coeff),
                       cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=lr, clip_grad=0.0)),
-                      total_steps=10, routing_replay=True)
+                      total_steps=10, routing=routing or RoutingConfig(mode="R2"))
     learner.load_hf(model_dir)
     return learner
 
@@ -82,29 +83,28 @@ def _expected_maps(routes, rows, width, layer_col, num_experts, mbs=2):
 def single_rank_worker(rank, world_size, model_dir):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megatron_sparse_rl.config.routing import RoutingConfig
-    from megatron_sparse_rl.learner.routing import LearnerRouting
+    from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
     from megatron_sparse_rl.learner.sft import make_sft_loss
     from moe.replay import find_routers
     from moe.stats import agreement
     from moe.storage import RoutingError
 
     out = {}
-    learner = _learner(world_size, model_dir)
-    routing = LearnerRouting(learner, RoutingConfig(mode="R2"))
-    with routing.old_forward(TOKENS, LENGTHS) as ph:
-        base = learner.forward_logprobs(TOKENS)["logprobs"]
-    routes = ph.routes
+    learner = _learner(world_size, model_dir)  # routing.mode R2
+    routing = learner.routing
+    record = ForwardExtras(routes=RouteRequest(record=True, lengths=LENGTHS))  # R2's old forward
+    first = learner.forward_logprobs(TOKENS, extras=record)
+    base, routes = first["logprobs"], first["routing"].routes
     out["routes"] = routes
     _perturb_routers(learner)
     # without replay: the perturbed routers route differently
-    with routing.recording(TOKENS, LENGTHS) as fresh:
-        learner.forward_logprobs(TOKENS)
+    fresh = learner.forward_logprobs(TOKENS, extras=record)["routing"]
     out["agreement_unreplayed"] = agreement(routes, fresh.routes)
     # with replay: the routers return exactly the recorded routes (observed by a test-side hook)
+    replay = ForwardExtras(routes=RouteRequest(replay=routes, lengths=LENGTHS))
     maps, handles = _router_maps(learner)
-    with routing.update(TOKENS, LENGTHS, routes) as up:
-        replayed = learner.forward_logprobs(TOKENS)["logprobs"]
+    up = learner.forward_logprobs(TOKENS, extras=replay)
+    replayed = up["logprobs"]
     for h in handles:
         h.remove()
     mism = 0
@@ -113,28 +113,30 @@ def single_rank_worker(rank, world_size, model_dir):
                                                                    col, 8)):
             mism += int((got[valid] != want[valid]).any(dim=1).sum())
     out["replay_mismatched_tokens"] = mism
-    out["applied"] = up.metrics["routing/replay_applied_fraction"]
+    out["applied"] = up["routing"].metrics["routing/replay_applied_fraction"]
     out["replayed_vs_base"] = float((replayed - base).abs().max())
     # router still learns under replay: a train step moves every router weight
     before = [r.weight.detach().clone() for r in find_routers(learner.model)]
     mask = torch.ones(TOKENS.shape[0], TOKENS.shape[1] - 1)
-    with routing.update(TOKENS, LENGTHS, routes) as up2:
-        learner.train_step(TOKENS, make_sft_loss(mask, mask.sum().item()))
+    up2 = learner.train_step(TOKENS, make_sft_loss(mask, mask.sum().item()), extras=replay)
     out["router_moved"] = [float((r.weight - b).abs().max()) for r, b in zip(find_routers(learner.model), before)]
-    out["applied_train"] = up2.metrics["routing/replay_applied_fraction"]
+    out["applied_train"] = up2["routing/replay_applied_fraction"]
     # loud failures
     errors = {}
+
+    def replaying(store, lengths=LENGTHS):
+        return ForwardExtras(routes=RouteRequest(replay=store, lengths=lengths))
+
     cases = {
-        "too_few": lambda: routing.replaying(routes.select([0, 1, 2]), TOKENS, LENGTHS),
-        "wrong_length": lambda: routing.replaying(routes, TOKENS, LENGTHS - torch.tensor([0, 1, 0, 0])),
-        "wrong_tokens": lambda: routing.replaying(routes.select([0, 0, 2, 3]), TOKENS, LENGTHS),
-        "missing_layer": lambda: routing.replaying(_drop_layer(routes), TOKENS, LENGTHS),
-        "R3_without_routes": lambda: routing.update(TOKENS, LENGTHS, None),
+        "too_few": lambda: replaying(routes.select([0, 1, 2])),
+        "wrong_length": lambda: replaying(routes, LENGTHS - torch.tensor([0, 1, 0, 0])),
+        "wrong_tokens": lambda: replaying(routes.select([0, 0, 2, 3])),
+        "missing_layer": lambda: replaying(_drop_layer(routes)),
+        "R3_without_routes": lambda: ForwardExtras(routes=routing.update(None)),
     }
     for name, make in cases.items():
         try:
-            with make():
-                learner.forward_logprobs(TOKENS)
+            learner.forward_logprobs(TOKENS, extras=make())
             errors[name] = None
         except RoutingError as e:
             errors[name] = str(e)
@@ -147,19 +149,17 @@ def single_rank_worker(rank, world_size, model_dir):
 
     parallel_state.destroy_model_parallel()
     learner2 = _learner(world_size, model_dir, recompute=True)
-    routing2 = LearnerRouting(learner2, RoutingConfig(mode="R2"))
     rr = [r.router_replay for r in find_routers(learner2.model)]
     out["global_list_is_new_model"] = RouterReplay.global_router_replay_instances == rr and \
         all(r.router_replay not in RouterReplay.global_router_replay_instances for r in first)
     _perturb_routers(learner2, seed=11)
-    with routing2.update(TOKENS, LENGTHS, routes) as up3:
-        replayed2 = learner2.forward_logprobs(TOKENS)["logprobs"]
-    out["rebuilt_applied"] = up3.metrics["routing/replay_applied_fraction"]
+    up3 = learner2.forward_logprobs(TOKENS, extras=replay)
+    replayed2 = up3["logprobs"]
+    out["rebuilt_applied"] = up3["routing"].metrics["routing/replay_applied_fraction"]
     # recompute backward replays too (REPLAY_BACKWARD): applied fraction counts the recomputed router calls
-    with routing2.update(TOKENS, LENGTHS, routes) as up4:
-        learner2.train_step(TOKENS, make_sft_loss(mask, mask.sum().item()))
-    out["recompute_applied"] = up4.metrics["routing/replay_applied_fraction"]
-    out["recompute_router_calls"] = routing2.model.expected_tokens
+    up4 = learner2.train_step(TOKENS, make_sft_loss(mask, mask.sum().item()), extras=replay)
+    out["recompute_applied"] = up4["routing/replay_applied_fraction"]
+    out["recompute_router_calls"] = learner2.routing.model.expected_tokens
     out["rebuilt_vs_first"] = float((replayed2 - replayed).abs().max())
     return out
 
@@ -201,21 +201,20 @@ def test_replay_single_rank(model_dir):
 
 def layout_worker(rank, world_size, model_dir, tp, ep, routes):
     """Record routes at this layout, then replay `routes` (TP1's) with perturbed routers."""
-    from megatron_sparse_rl.config.routing import RoutingConfig
-    from megatron_sparse_rl.learner.routing import LearnerRouting
+    from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
 
-    learner = _learner(world_size, model_dir, tp=tp, ep=ep)
-    routing = LearnerRouting(learner, RoutingConfig(mode="R2"))
+    learner = _learner(world_size, model_dir, tp=tp, ep=ep)  # routing.mode R2
     rows = torch.arange(TOKENS.shape[0]).chunk(learner.layout.dp)[learner.groups.dp_rank]
-    with routing.old_forward(TOKENS[rows], LENGTHS[rows]) as ph:
-        learner.forward_logprobs(TOKENS[rows])
+    record = ForwardExtras(routes=RouteRequest(record=True, lengths=LENGTHS[rows]))
+    recorded = learner.forward_logprobs(TOKENS[rows], extras=record)["routing"].routes
     _perturb_routers(learner)
     replayed = None
     if routes is not None:
-        with routing.update(TOKENS[rows], LENGTHS[rows], routes.select(rows)) as up:
-            replayed = learner.forward_logprobs(TOKENS[rows])["logprobs"]
-        assert up.metrics["routing/replay_applied_fraction"] == 1.0
-    return rows, ph.routes, replayed
+        replay = ForwardExtras(routes=RouteRequest(replay=routes.select(rows), lengths=LENGTHS[rows]))
+        up = learner.forward_logprobs(TOKENS[rows], extras=replay)
+        replayed = up["logprobs"]
+        assert up["routing"].metrics["routing/replay_applied_fraction"] == 1.0
+    return rows, recorded, replayed
 
 
 def test_tp2_sp_and_ep2_routes_equal_tp1(model_dir):

@@ -23,13 +23,13 @@ def aux_worker(rank, world_size, model_dir, mode):
     import megatron.core.transformer.moe.router as router_mod
 
     from megatron_sparse_rl.config.routing import RoutingConfig
-    from megatron_sparse_rl.learner.routing import LearnerRouting
+    from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
     from megatron_sparse_rl.learner.sft import make_sft_loss
 
-    learner = _learner(world_size, model_dir, aux_coeff=0.01)
-    routing = LearnerRouting(learner, RoutingConfig(mode="R2", aux_loss=mode, record_stats=False))
-    with routing.old_forward(TOKENS, LENGTHS) as ph:
-        learner.forward_logprobs(TOKENS)
+    learner = _learner(world_size, model_dir, aux_coeff=0.01,
+                       routing=RoutingConfig(mode="R2", aux_loss=mode, record_stats=False))
+    record = ForwardExtras(routes=RouteRequest(record=True, lengths=LENGTHS))  # R2's old forward
+    routes = learner.forward_logprobs(TOKENS, extras=record)["routing"].routes
     _perturb_routers(learner)
     calls, original = [], router_mod.switch_load_balancing_loss_func
 
@@ -41,8 +41,7 @@ def aux_worker(rank, world_size, model_dir, mode):
     mask = torch.ones(TOKENS.shape[0], TOKENS.shape[1] - 1)
     loss = make_sft_loss(mask, mask.sum().item())
     maps, handles = _router_maps(learner)
-    with routing.update(TOKENS, LENGTHS, ph.routes):
-        learner.train_step(TOKENS, loss)
+    learner.train_step(TOKENS, loss, extras=ForwardExtras(routes=RouteRequest(replay=routes, lengths=LENGTHS)))
     for h in handles:
         h.remove()
     replayed_calls = list(calls)

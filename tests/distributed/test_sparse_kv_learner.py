@@ -14,6 +14,7 @@ import torch
 
 from megatron_sparse_rl.config.rollout import KVConfig
 from megatron_sparse_rl.kv.record import KVKeepRecord, batch_attention_mask
+from megatron_sparse_rl.learner.extras import ForwardExtras
 from tests.e2e.test_sparse_kv import PROMPTS, engine, row_tokens, sampling
 from tests.learner_workers import make_learner
 from tests.spawn import run_distributed
@@ -25,7 +26,7 @@ ATOL = 1e-4  # fp32 engine vs Megatron learner on the same visible keys (dense p
 
 def masked_logprobs_worker(rank, world_size, model_dir, tokens, allowed, tp):
     learner = make_learner(world_size, model_dir, tp=tp)
-    masked = learner.forward_logprobs(tokens, attention_mask=allowed)["logprobs"]
+    masked = learner.forward_logprobs(tokens, extras=ForwardExtras(attention_mask=allowed))["logprobs"]
     dense = learner.forward_logprobs(tokens)["logprobs"]  # the hooks are a no-op without a mask
     return masked, dense
 

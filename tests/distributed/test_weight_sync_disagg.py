@@ -7,11 +7,9 @@
 - L = 2 (TP2, sequence parallel): both learner ranks join the TP gathers, rank 0 alone sends to rank 2;
   the engine's logprobs equal the learner's after a train step.
 
-`ParallelLayout(world_size=L, rollout_ranks=1)` builds Megatron's groups over [0, L) only: every rank runs
-`initialize()` and `weight_sync_group()` (group creation is collective over the world), the rollout rank gets
-no Megatron groups, and the learner is built inside `layout.learner_world(groups)`. vLLM's start-up is also
-collective on its world group (new_group, is_in_the_same_node), so learner ranks run the same vLLM group
-set-up without a model (`_join_vllm_groups`), after the layout's groups on every rank.
+`ParallelLayout(world_size=L, rollout_ranks=1)`: every rank runs `initialize()`, which gives the learner ranks
+[0, L) and the rollout ranks a default world each (Megatron's groups in the first, vLLM's in the second; the
+rollout rank gets no Megatron groups), then `weight_sync_group()` (a Bridge between the two worlds).
 Run: .venv/bin/python -m pytest -q tests/distributed/test_weight_sync_disagg.py
 """
 import pytest
@@ -24,17 +22,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 TOL = 1e-4
 PROBE = [[1, 5, 6, 14, 11, 18, 22, 20, 27, 21, 19, 5, 13], [1, 43, 21, 19, 9, 7, 15, 4, 4, 18, 22, 30, 31]]
 SRC = 0  # the learner rank that sends
-
-
-def _join_vllm_groups():
-    """On a rank without an engine: the collective part of a vLLM TP=1 engine's start-up (world + TP/PP
-    groups of 1), so that the engine's ranks do not wait on this one."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as vps
-
-    with set_current_vllm_config(VllmConfig()):
-        vps.init_distributed_environment(1, 0, "env://", 0, "gloo")
-        vps.ensure_model_parallel_initialized(1, 1)
 
 
 def _layout_groups(n_learners: int, tp: int, model_dir, rollout_ranks: int = 1):
@@ -58,10 +45,9 @@ def _build_learner(layout, groups, model_dir):
     from megatron_sparse_rl.models import load_spec
 
     adapter, spec = load_spec(model_dir)
-    with layout.learner_world(groups):
-        learner = Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir)),
-                          cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2)), total_steps=10)
-        learner.load_hf(model_dir)
+    learner = Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir)),
+                      cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2)), total_steps=10)
+    learner.load_hf(model_dir)
     return learner
 
 
@@ -75,7 +61,6 @@ def learner_rank(layout, groups, sync, model_dir, syncs):
     from megatron_sparse_rl.learner.sft import make_sft_loss
     from megatron_sparse_rl.weight_sync.disaggregated import send_weights
 
-    _join_vllm_groups()
     learner = _build_learner(layout, groups, model_dir)
     tokens = torch.tensor(PROBE)
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
@@ -83,7 +68,7 @@ def learner_rank(layout, groups, sync, model_dir, syncs):
         learner.train_step(tokens, make_sft_loss(mask, mask.sum().item()))
     ours = learner.forward_logprobs(tokens)["logprobs"]  # collective over the TP group
     if torch.distributed.get_rank() == SRC:
-        torch.distributed.broadcast_object_list([ours], src=SRC, group=sync)
+        sync.broadcast_object(ours, src=SRC)
     stats = [send_weights(learner, sync, src=SRC, bucket_mb=0.1) for _ in range(syncs)]
     return {"stats": stats, "learner": ours}
 
@@ -96,9 +81,8 @@ def rollout_rank(sync, model_dir, syncs):
 
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1))
     before = torch.stack(engine.prompt_logprobs(PROBE))
-    learner = [None]
-    torch.distributed.broadcast_object_list(learner, src=SRC, group=sync)
-    out = {"before": before, "learner": learner[0], "stats": receive_weights(engine, sync, src=SRC)}
+    learner = sync.broadcast_object(None, src=SRC)
+    out = {"before": before, "learner": learner, "stats": receive_weights(engine, sync, src=SRC)}
     out["after"] = torch.stack(engine.prompt_logprobs(PROBE))
     if syncs == 3:  # corrupted in transit, then clean again
         try:
@@ -178,7 +162,6 @@ def sliced_worker(rank, world_size, model_dir):
     """Ranks 0-1: learner TP2; ranks 2-3: ONE vLLM engine of TP2. Syncs: sliced, whole, wrong slices, sliced."""
     from megatron_sparse_rl.learner.sft import make_sft_loss
     from megatron_sparse_rl.models import load_spec
-    from megatron_sparse_rl.training.disaggregated import join_vllm_groups
     from megatron_sparse_rl.weight_sync import WeightSyncError
     from megatron_sparse_rl.weight_sync.disaggregated import receive_weights, send_weights
     from megatron_sparse_rl.weight_sync.engine_shards import EngineShards
@@ -193,9 +176,7 @@ def sliced_worker(rank, world_size, model_dir):
                                                         tensor_parallel_size=2))
         mine = slices[rank % 2]
         out = {"before": torch.stack(engine.prompt_logprobs(PROBE))}
-        box = [None]
-        torch.distributed.broadcast_object_list(box, src=SRC, group=sync)
-        out["learner"] = box[0]
+        out["learner"] = sync.broadcast_object(None, src=SRC)
         out["sliced_stats"] = receive_weights(engine, mine, src=SRC)
         out["sliced"] = torch.stack(engine.prompt_logprobs(PROBE))
         out["whole_stats"] = receive_weights(engine, sync, src=SRC)
@@ -209,7 +190,6 @@ def sliced_worker(rank, world_size, model_dir):
         out["recovered"] = torch.stack(engine.prompt_logprobs(PROBE))
         engine.shutdown()
         return out
-    join_vllm_groups(2)
     learner = _build_learner(layout, groups, model_dir)
     tokens = torch.tensor(PROBE)
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
@@ -217,7 +197,7 @@ def sliced_worker(rank, world_size, model_dir):
         learner.train_step(tokens, make_sft_loss(mask, mask.sum().item()))
     ours = learner.forward_logprobs(tokens)["logprobs"]
     if rank == SRC:
-        torch.distributed.broadcast_object_list([ours], src=SRC, group=sync)
+        sync.broadcast_object(ours, src=SRC)
     shards = EngineShards(load_spec(model_dir)[1], 2)
     sent = {"sliced": send_weights(learner, src=SRC, bucket_mb=0.1, shards=shards, shard_groups=slices),
             "whole": send_weights(learner, sync, src=SRC, bucket_mb=0.1)}

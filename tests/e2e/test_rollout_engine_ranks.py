@@ -6,7 +6,7 @@ import pytest
 
 from tests.spawn import run_distributed
 
-pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 
 def _rank_fn(rank, world_size, model_dir):

@@ -18,7 +18,7 @@ import torch
 
 from tests.spawn import run_distributed
 
-pytestmark = [pytest.mark.e2e, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 TOL = 1e-4  # fp32 engine vs learner / transformers, measured ~1e-6
 PROMPTS = [[1, 5, 6, 14, 11], [1, 43, 21, 19], [1, 7, 7, 30, 22, 9, 12]]

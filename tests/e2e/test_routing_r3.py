@@ -9,6 +9,8 @@ Megatron learner.
 - the rollout batch carries one packed uint8 route sequence per row, n - 1 positions long.
 Run: .venv/bin/python -m pytest -q tests/e2e/test_routing_r3.py -s
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -31,14 +33,14 @@ def _response_diff(learner_lp, batch, tokens):
 def r3_worker(rank, world_size, model_dir):
     from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
     from megatron_sparse_rl.config.routing import RoutingConfig
-    from megatron_sparse_rl.learner.routing import LearnerRouting
+    from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.rollout.routes import EngineRouteCapture
     from moe.replay import find_routers
     from moe.stats import agreement
     from tests.distributed.test_routing import _learner
 
-    learner = _learner(world_size, model_dir)
+    learner = _learner(world_size, model_dir, routing=RoutingConfig(mode="R3"))
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1))
     capture = EngineRouteCapture.attach(engine)
     batch = engine.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, temperature=1.0, seed=3))
@@ -47,23 +49,22 @@ def r3_worker(rank, world_size, model_dir):
     routes = batch.routed_experts
     tokens, mask, _ = batch.sequences(pad_id=0)
     lengths = mask.sum(dim=1)
-    routing = LearnerRouting(learner, RoutingConfig(mode="R3"))
+    routing = learner.routing
     out = {"dtype": routes.indices.dtype, "lengths": routes.lengths, "want_lengths": lengths - 1,
            "bytes_per_token": routes.bytes_per_token()}
-    with routing.recording(tokens, lengths) as own:
-        lp = learner.forward_logprobs(tokens)["logprobs"]
-    out["agree_unperturbed"] = agreement(routes, own.routes)
-    out["diff_own_unperturbed"] = _response_diff(lp, batch, tokens)
-    with routing.old_forward(tokens, lengths, routes) as ph:
-        lp = learner.forward_logprobs(tokens)["logprobs"]
+    own = learner.forward_logprobs(tokens, extras=ForwardExtras(routes=RouteRequest(record=True, lengths=lengths)))
+    out["agree_unperturbed"] = agreement(routes, own["routing"].routes)
+    out["diff_own_unperturbed"] = _response_diff(own["logprobs"], batch, tokens)
+    old_forward = ForwardExtras(routes=replace(routing.old_forward(routes), lengths=lengths))  # R3: the engine's
+    lp = learner.forward_logprobs(tokens, extras=old_forward)["logprobs"]
     out["diff_replay_unperturbed"] = _response_diff(lp, batch, tokens)
     g = torch.Generator().manual_seed(5)
     for r in find_routers(learner.model):
         r.weight.data += 0.15 * r.weight.data.std() * torch.randn(r.weight.shape, generator=g)
     lp_own = learner.forward_logprobs(tokens)["logprobs"]
-    with routing.old_forward(tokens, lengths, routes) as ph:
-        lp_replay = learner.forward_logprobs(tokens)["logprobs"]
-    out["metrics"] = ph.metrics
+    replayed = learner.forward_logprobs(tokens, extras=old_forward)
+    lp_replay = replayed["logprobs"]
+    out["metrics"] = routing.after_old_forward(replayed["routing"], routes).metrics
     out["diff_own"] = _response_diff(lp_own, batch, tokens)
     out["diff_replay"] = _response_diff(lp_replay, batch, tokens)
     return out

@@ -46,14 +46,15 @@ def _reference_support(logits: torch.Tensor, margin: float = 1e-4):
 
 
 def learner_worker(rank, world_size, model_dir, batch, tp):
+    from megatron_sparse_rl.learner.extras import ForwardExtras
     from megatron_sparse_rl.training.update import align_rollout
     from tests.learner_workers import make_learner
 
     learner = make_learner(world_size, model_dir, tp=tp, mbs=4)
     learner.temperature = TEMPERATURE
     tokens, mask, rollout_lp = align_rollout(batch, pad_id=0)
-    keep = batch.sampling_mask
-    with_keep = learner.forward_logprobs(tokens, keep=keep)["logprobs"]
+    keep = ForwardExtras(sampling_support=batch.sampling_mask)
+    with_keep = learner.forward_logprobs(tokens, extras=keep)["logprobs"]
     without = learner.forward_logprobs(tokens)["logprobs"]
     out = {"with": (with_keep - rollout_lp)[mask].abs().max().item(),
            "without": (without - rollout_lp)[mask].abs().max().item()}
@@ -64,7 +65,7 @@ def learner_worker(rank, world_size, model_dir, batch, tp):
         m = mask[index].to(logprobs.device)
         return -(logprobs * m).sum() / mask.sum(), {}
 
-    learner.train_step(tokens, loss_fn, keep=keep)
+    learner.train_step(tokens, loss_fn, extras=keep)
     grad = weight.main_grad if getattr(weight, "main_grad", None) is not None else weight.grad
     out["grad_rows"] = (grad.float().abs().sum(dim=1) > 0).nonzero().squeeze(1) + learner.groups.tp_rank * grad.shape[0]
     return out

@@ -24,7 +24,7 @@ import pytest
 
 from launch import local_slurm
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 # the real trainer, 2 ranks (data parallel, one colocated vLLM engine each), kept tiny

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING = ("time/", "tokens_per_s", "bytes_per_s", "sync/probe")
@@ -177,6 +177,7 @@ def test_two_rank_run_through_msrl_launch_local(tmp_path, model_dir):
     assert (run_dir / "hf_final" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_rl_raises_held_out_accuracy_above_the_warm_start(tmp_path):
     """The demo's recipe, shortened: after the SFT warm-start, 60 GRPO steps raise held-out accuracy (mean
     correctness of 4 samples per unseen prompt, 800 samples) by a margin well above its sampling noise

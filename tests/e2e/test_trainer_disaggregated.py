@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-4  # trainer.verify_sync_tol for these runs: the run itself fails above it

@@ -1,4 +1,4 @@
-"""Slice rules of the sliced disaggregated sync (weight_sync/engine_shards.py).
+"""Slice rules of the sliced disaggregated sync (weight_sync/engine_shards.py, from the adapters' tensor maps).
 
 References: vLLM's own vocab partition (`VocabParallelEmbedding._get_indices`), and for the linear layers the
 property every split must have: the ranks' slices, joined in rank order, are the whole tensor (KV heads:
@@ -12,18 +12,22 @@ from megatron_sparse_rl.models.spec import ModelSpec
 from megatron_sparse_rl.weight_sync.engine_shards import Cut, EngineShards, expand
 
 
-def _spec(kv_heads=2, vocab=300):
-    return ModelSpec(architecture="Qwen3MoeForCausalLM", vocab_size=vocab, hidden_size=64, num_layers=1, num_heads=4,
+def _spec(kv_heads=2, vocab=300, architecture="Qwen3MoeForCausalLM"):
+    """Layer 0 MoE, layer 1 dense, q/k/v biases: the model has every tensor named below (its adapter's names)."""
+    return ModelSpec(architecture=architecture, vocab_size=vocab, hidden_size=64, num_layers=2, num_heads=4,
                      num_kv_heads=kv_heads, head_dim=16, ffn_hidden_size=96, num_experts=4, moe_topk=2,
-                     moe_ffn_hidden_size=32, moe_layers=(True,), qk_norm=True)
+                     moe_ffn_hidden_size=32, moe_layers=(True, False), qk_norm=True, qkv_bias=True)
 
 
-ROWS = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
-        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
-        "model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight",
-        "model.layers.0.block_sparse_moe.experts.1.w1.weight", "model.layers.0.block_sparse_moe.experts.1.w3.weight"]
-COLS = ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight",
-        "model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.0.block_sparse_moe.experts.1.w2.weight"]
+ROWS = {"Qwen3MoeForCausalLM": ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
+                                "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                                "model.layers.0.mlp.experts.3.gate_proj.weight",
+                                "model.layers.0.mlp.experts.3.up_proj.weight"],
+        "MixtralForCausalLM": ["model.layers.0.block_sparse_moe.experts.1.w1.weight",
+                               "model.layers.0.block_sparse_moe.experts.1.w3.weight"]}
+COLS = {"Qwen3MoeForCausalLM": ["model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                                "model.layers.0.mlp.experts.3.down_proj.weight"],
+        "MixtralForCausalLM": ["model.layers.0.block_sparse_moe.experts.1.w2.weight"]}
 WHOLE = ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
          "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight",
          "model.layers.0.mlp.gate.weight", "model.layers.0.block_sparse_moe.gate.weight", "model.norm.weight"]
@@ -39,17 +43,18 @@ def _joined(shards, name, full):
     return torch.cat([p for _, p, _ in sorted(pieces, key=lambda x: x[0])], dim=pieces[0][2])
 
 
+@pytest.mark.parametrize("architecture", sorted(ROWS))
 @pytest.mark.parametrize("tp", [2, 4])
-def test_row_and_column_splits_partition_the_tensor(tp):
-    shards = EngineShards(_spec(), tp)
+def test_row_and_column_splits_partition_the_tensor(tp, architecture):
+    shards = EngineShards(_spec(architecture=architecture), tp)
     full2d = torch.randn(64, 32)
-    for name in ROWS + COLS:
+    for name in ROWS[architecture] + COLS[architecture]:
         full = full2d[:, 0].clone() if name.endswith(".bias") else full2d
         assert torch.equal(_joined(shards, name, full), full), name
-    for name in ROWS:
+    for name in ROWS[architecture]:
         if name.endswith(".weight"):
             assert shards.slice_of(name, (64, 32), 1) == Cut((64, 32), 0, 64 // tp, 64 // tp)
-    for name in COLS:
+    for name in COLS[architecture]:
         assert shards.slice_of(name, (64, 32), tp - 1) == Cut((64, 32), 1, 32 - 32 // tp, 32 // tp)
 
 
@@ -88,7 +93,9 @@ def test_whole_tensors_and_fallbacks():
         assert shards.slice_of(name, (64, 64), 1) is None, name
     # a split dimension that does not divide goes whole (vLLM narrows it itself)
     assert shards.slice_of("model.layers.0.self_attn.q_proj.weight", (63, 64), 0) is None
-    assert shards.slice_of("model.layers.0.mlp.down_proj.weight", (64, 33), 1) is None
+    assert shards.slice_of("model.layers.1.mlp.down_proj.weight", (64, 33), 1) is None
+    # the slices are the adapter's: a name the model does not have (a Mixtral expert in a Qwen3-MoE) goes whole
+    assert shards.slice_of("model.layers.0.block_sparse_moe.experts.1.w1.weight", (64, 64), 0) is None
     assert EngineShards(_spec(), 1).slice_of("model.layers.0.self_attn.q_proj.weight", (64, 64), 0) is None
     piece, where = shards.cut("model.layers.0.self_attn.q_proj.weight", torch.ones(4, 4, dtype=torch.int64), 0)
     assert where is None and piece.shape == (4, 4), "integer tensors travel whole"

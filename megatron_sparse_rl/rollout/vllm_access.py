@@ -1,0 +1,500 @@
+"""The one module that reaches vLLM 0.32.0's private engine internals, and the check that they still exist.
+
+What the project uses beyond vLLM's public API (`LLM.generate`, `collective_rpc`, the outputs) goes through a
+function here: the engine core and scheduler behind an `LLM`, the model runner and its per-step batch
+(`StepContext`), request ids, the `SchedulerOutput` rider, the KV coordinator class swap, the runner's block
+tables and attention layers (`RunnerKV`), the sampler, the MoE routers. The sparse-KV scheduler subclasses
+vLLM's `Scheduler` (its public `scheduler_cls` option) and uses what it inherits: listed here too.
+
+`NEEDS` holds every class, attribute and method (with its leading parameter names) relied on, per feature.
+`check(llm, features=...)` verifies them, and with an engine its live engine core, scheduler and model runner;
+a `VLLMInternalsError` names the installed vLLM version, the missing or changed piece and the feature. It runs
+at `RolloutEngine` start, in the sparse-KV plugin entry point of every vLLM process (patches/vllm_sparse_kv.py)
+and when a capture attaches (`check(features=("sparse_kv",))` needs no engine). An attribute counts as present
+when the class or a base defines or annotates it, or one of their methods assigns `self.<name>`.
+"""
+from __future__ import annotations
+
+import dis
+import functools
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+VLLM_VERSION = "0.32.0"
+RIDER = "msrl_sparse_kv"  # the attribute our message rides on a SchedulerOutput
+_STATE = "_msrl_sparse_kv"  # the attribute our sparse-KV state sits in on a model runner
+
+FEATURES = {
+    "engine": "every RolloutEngine (engine core, scheduler lookup, model access, weight reload)",
+    "step": "the per-step batch that the route and sampling-mask captures read",
+    "moe": "MoE layers: ids, expert counts, the routers' top-k callback (R3 route capture and output)",
+    "sampling_mask": "the keep-sampling-mask record (a wrapper around the sampler)",
+    "sparse_kv": "sparse KV (scheduler subclass, coordinator swap, model-runner hooks)",
+    "cpu_moe_reload": "the CPU fused-MoE reload patch",
+}
+
+
+class VLLMInternalsError(RuntimeError):
+    """A vLLM internal the project relies on is missing or changed."""
+
+
+@dataclass(frozen=True)
+class Need:
+    """One piece of vLLM relied on. kind: "attribute" (defined, annotated or assigned by the class), "method"
+    (callable; `params` are its leading parameter names) or "rider" (instances take an extra attribute `name`)."""
+
+    feature: str
+    owner: str  # "module:Class", or "module" for a module-level function
+    name: str
+    kind: str = "attribute"
+    params: tuple[str, ...] = ()
+
+
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"  # the V1 runner (the CPU runner subclasses it)
+
+# One owner per line: feature, owner, then its attributes, methods `name(leading,parameters)` and riders <name>;
+# an indented line continues the owner above.
+_TABLE = f"""
+engine vllm.entrypoints.llm:LLM llm_engine
+engine vllm.v1.engine.llm_engine:LLMEngine engine_core
+engine vllm.v1.engine.core_client:InprocClient engine_core shutdown
+engine vllm.v1.engine.core:EngineCore scheduler
+engine vllm.v1.worker.gpu_worker:Worker model_runner reload_weights
+engine {RUNNER} get_model(self) reload_weights(self,weights_iterator,weights_path,is_checkpoint_format)
+engine vllm.v1.core.sched.scheduler:Scheduler schedule running kv_cache_manager
+engine vllm.v1.core.kv_cache_manager:KVCacheManager block_pool
+engine vllm.v1.core.block_pool:BlockPool num_gpu_blocks get_num_free_blocks
+engine vllm.v1.core.sched.output:SchedulerOutput preempted_req_ids
+step {RUNNER} input_batch query_start_loc
+step vllm.v1.worker.gpu_input_batch:InputBatch num_reqs req_ids
+step vllm.v1.utils:CpuGpuBuffer cpu
+moe vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner layer_id router is_monolithic
+moe vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter global_num_experts
+    set_capture_fn(self,capture_fn)
+sampling_mask {RUNNER} sampler
+sampling_mask vllm.v1.sample.sampler:Sampler logprobs_mode sample(self,logits,sampling_metadata)
+sparse_kv {RUNNER} _update_states(self,scheduler_output) _prepare_inputs(self,scheduler_output,num_scheduled_tokens)
+    execute_model(self,scheduler_output,intermediate_tensors) vllm_config kv_cache_config input_batch
+    compilation_config requests seq_lens optimistic_seq_lens_cpu
+sparse_kv vllm.v1.worker.gpu_input_batch:InputBatch num_reqs req_ids block_table req_id_to_index num_computed_tokens_cpu
+sparse_kv vllm.v1.worker.gpu_input_batch:CachedRequestState block_ids
+sparse_kv vllm.v1.worker.block_table:MultiGroupBlockTable __getitem__
+sparse_kv vllm.v1.worker.block_table:BlockTable block_size block_table slot_mapping add_row(self,block_ids,row_idx)
+    clear_row(self,row_idx)
+sparse_kv vllm.v1.utils:CpuGpuBuffer np gpu
+sparse_kv vllm.v1.kv_cache_interface:KVCacheConfig kv_cache_groups
+sparse_kv vllm.v1.kv_cache_interface:KVCacheGroupSpec kv_cache_spec layer_names
+sparse_kv vllm.v1.kv_cache_interface:KVCacheSpec block_size
+sparse_kv vllm.config.compilation:CompilationConfig static_forward_context
+sparse_kv vllm.model_executor.layers.attention.attention:Attention kv_cache layer_name impl
+sparse_kv vllm.model_executor.models.utils extract_layer_index(layer_name)
+sparse_kv vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl num_heads
+    forward(self,layer,query,key,value,kv_cache,attn_metadata,output,output_scale,output_block_scale)
+    do_kv_cache_update(self,layer,key,value,kv_cache,slot_mapping)
+sparse_kv vllm.distributed.parallel_state get_tp_group()
+sparse_kv vllm.distributed.parallel_state:GroupCoordinator world_size cpu_group
+sparse_kv vllm.v1.core.sched.scheduler:Scheduler schedule(self,throttle_prefills)
+    _preempt_request(self,request,timestamp,drop_stale_output) _free_request_blocks(self,request) vllm_config
+    kv_cache_config kv_cache_manager defer_block_free running waiting max_num_active_reqs
+sparse_kv vllm.v1.core.sched.async_scheduler:AsyncScheduler schedule
+sparse_kv vllm.config:VllmConfig additional_config scheduler_config
+sparse_kv vllm.config.scheduler:SchedulerConfig async_scheduling
+sparse_kv vllm.v1.core.kv_cache_manager:KVCacheManager coordinator block_pool
+sparse_kv vllm.v1.core.kv_cache_coordinator:KVCacheCoordinatorNoPrefixCache single_type_managers
+    get_num_blocks_to_allocate(self,request_id,num_tokens,new_computed_blocks,num_encoder_tokens,total_computed_tokens,
+    num_local_computed_tokens,num_tokens_main_model,apply_admission_cap,prefill_end)
+    allocate_new_blocks(self,request_id,num_tokens,num_tokens_main_model,num_encoder_tokens)
+    remove_skipped_blocks(self,request_id,processed_computed_tokens,num_prompt_tokens)
+    cache_blocks(self,request,num_computed_tokens)
+sparse_kv vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager block_size req_to_blocks
+sparse_kv vllm.v1.core.block_pool:BlockPool free_blocks(self,ordered_blocks) num_gpu_blocks get_num_free_blocks
+sparse_kv vllm.v1.request:Request request_id num_computed_tokens num_prompt_tokens num_tokens sampling_params
+    is_finished
+sparse_kv vllm.v1.core.sched.output:SchedulerOutput <{RIDER}> num_scheduled_tokens finished_req_ids
+    scheduled_cached_reqs
+sparse_kv vllm.v1.core.sched.output:CachedRequestData resumed_req_ids
+cpu_moe_reload vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod moe_kernel
+    _setup_kernel(self,layer,w13,w2)
+"""
+
+
+def _parse(table: str) -> tuple[Need, ...]:
+    rows = re.sub(r"\n\s+", " ", table.strip())  # join continuation lines
+    needs = []
+    for row in re.sub(r",\s+", ",", rows).splitlines():
+        feature, owner, *items = row.split()
+        for item in items:
+            name, call, params = item.partition("(")
+            kind = "rider" if name.startswith("<") else "method" if call else "attribute"
+            needs.append(Need(feature, owner, name.strip("<>"), kind, tuple(filter(None, params[:-1].split(",")))))
+    return tuple(needs)
+
+
+NEEDS: tuple[Need, ...] = _parse(_TABLE)
+
+
+# ---- the check ---------------------------------------------------------------------------------------------
+def check(llm: Any = None, *, features: Iterable[str] = ("engine",)) -> None:
+    """Raise VLLMInternalsError unless every `NEEDS` entry of `features` holds. With `llm` (an in-process vLLM
+    `LLM`) also check the live engine core, scheduler and the worker's model runner."""
+    features = tuple(features)
+    unknown = sorted(set(features) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"vllm_access.check: unknown features {unknown} (known: {list(FEATURES)})")
+    for need in NEEDS:
+        if need.feature in features:
+            _check_need(need)
+    if llm is not None:
+        _walk(llm, "LLM", "llm_engine", "engine_core", "shutdown")
+        check_instance(scheduler(llm), features)
+        llm.collective_rpc(check_worker, args=(features,))
+
+
+def check_worker(worker, features: Iterable[str]) -> None:
+    """The live half of `check` on a worker (runs in the worker's process): its model runner's attributes."""
+    runner = _walk(worker, "Worker", "model_runner")
+    if "sparse_kv" in features and not isinstance(runner, _resolve(RUNNER)):
+        _fail(f"the model runner ({type(runner).__name__})", f"is not the V1 {RUNNER} that the sparse-KV hooks patch "
+              "(on GPU set VLLM_USE_V2_MODEL_RUNNER=0)", "sparse_kv")
+    check_instance(runner, features)
+
+
+def check_instance(obj, features: Iterable[str]) -> None:
+    """Every attribute and method of `features` listed for the class of live object `obj` (or a base) exists on it."""
+    for need in NEEDS:
+        if need.feature in features and need.kind != "rider" and ":" in need.owner:
+            if isinstance(obj, _resolve(need.owner)) and not hasattr(obj, need.name):
+                _fail(f"{need.owner}.{need.name} (on the live {type(obj).__name__})", "is missing", need.feature)
+
+
+def _check_need(need: Need) -> None:
+    piece = f"{need.owner}.{need.name}"
+    try:
+        owner = _resolve(need.owner)
+    except (ImportError, AttributeError) as e:
+        _fail(need.owner, f"cannot be imported ({e})", need.feature)
+    if need.kind == "rider":
+        if not any("__dict__" in vars(k) for k in owner.__mro__):
+            _fail(need.owner, f"instances take no extra attribute (the {need.name!r} rider)", need.feature)
+    elif need.kind == "method":
+        fn = getattr(owner, need.name, None)
+        if not callable(fn):
+            _fail(piece, "is missing", need.feature)
+        got = tuple(inspect.signature(fn).parameters)  # follows functools.wraps to a patched method's original
+        if got[:len(need.params)] != need.params:
+            _fail(piece, f"has parameters {list(got)}, expected {list(need.params)} first", need.feature)
+    elif not _defines(owner, need.name):
+        _fail(piece, "is missing", need.feature)
+
+
+def _fail(piece: str, problem: str, feature: str):
+    import vllm
+
+    raise VLLMInternalsError(f"vLLM {vllm.__version__}: {piece} {problem}; needed for {FEATURES[feature]} "
+                             f"(megatron_sparse_rl/rollout/vllm_access.py was written for vLLM {VLLM_VERSION})")
+
+
+def _walk(obj, label: str, *names: str):
+    for i, name in enumerate(names):
+        if not hasattr(obj, name):
+            _fail(".".join((label, *names[:i + 1])), "is missing", "engine")
+        obj = getattr(obj, name)
+    return obj
+
+
+def _resolve(path: str):
+    module, _, name = path.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, name) if name else obj
+
+
+def _defines(owner, name: str) -> bool:
+    if hasattr(owner, name):
+        return True
+    return isinstance(owner, type) and (any(name in vars(k).get("__annotations__", {}) for k in owner.__mro__)
+                                        or name in _assigned(owner))
+
+
+@functools.cache
+def _assigned(cls: type) -> frozenset[str]:
+    """Attribute names that the methods of `cls` and its bases assign (`self.<name> = ...`)."""
+    names = set()
+    for k in cls.__mro__:
+        for f in vars(k).values():
+            f = getattr(f, "fget", None) or getattr(f, "__func__", f)  # property, classmethod, staticmethod
+            if inspect.isfunction(f):
+                names.update(i.argval for i in dis.get_instructions(inspect.unwrap(f)) if i.opname == "STORE_ATTR")
+    return frozenset(names)
+
+
+# ---- engine (driver process) ------------------------------------------------------------------------------
+def scheduler(llm):
+    """The scheduler instance of an in-process `LLM` (the sparse-KV one when sparse KV is on)."""
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", client)
+    if not hasattr(core, "scheduler"):
+        _fail(f"LLM.llm_engine.engine_core ({type(core).__name__}).scheduler", "is missing (an in-process engine core "
+              "is needed: VLLM_ENABLE_V1_MULTIPROCESSING=0)", "engine")
+    return core.scheduler
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+# ---- request ids ---------------------------------------------------------------------------------------------
+# vLLM 0.32 internal request ids: "<external>-<8 hex>" (input processor), children of n > 1:
+# "<index>_<external>-<8 hex>" (parallel sampling).
+_INTERNAL_ID = re.compile(r"^(?:(\d+)_)?(.+)-[0-9a-f]{8}$")
+
+
+def request_key(internal_id: str) -> tuple[str, int] | None:
+    """(output request id, sample index) of a vLLM internal request id; None if it does not parse."""
+    m = _INTERNAL_ID.match(internal_id)
+    return None if m is None else (m.group(2), int(m.group(1) or 0))
+
+
+# ---- worker: runner, model, weights, this project's state on the runner ---------------------------------
+def model_runner(worker):
+    return worker.model_runner
+
+
+def model(runner) -> torch.nn.Module:
+    return runner.get_model()
+
+
+def reload_weights(worker, weights) -> None:
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
+def runner_state(runner, default=None):
+    """The sparse-KV state kept on a model runner (`default` if none was set)."""
+    return vars(runner).get(_STATE, default)
+
+
+def set_runner_state(runner, state) -> None:
+    setattr(runner, _STATE, state)
+
+
+def tensor_parallel_group() -> tuple[int, Any]:
+    """(size, CPU process group) of this worker's engine tensor-parallel group."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    return tp.world_size, tp.cpu_group
+
+
+# ---- the per-step batch (route and sampling-mask captures) ---------------------------------------------
+@dataclass(frozen=True)
+class StepContext:
+    """One engine step's flat token batch as the model's forward sees it. req_ids: internal request ids in batch
+    order; starts: [len(req_ids) + 1] row offsets per request; input_ids, positions: [starts[-1]] views."""
+
+    req_ids: list[str]
+    starts: list[int]
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor
+
+
+def on_model_forward(runner, hook: Callable) -> Any:
+    """Register `hook(module, args, kwargs)` before every forward of the runner's model; returns the handle."""
+    return model(runner).register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def step_context(runner, forward_kwargs: dict) -> StepContext:
+    """The step the runner's model is about to run (call from an `on_model_forward` hook)."""
+    n = runner.input_batch.num_reqs
+    starts = runner.query_start_loc.cpu[:n + 1].tolist()
+    ids = forward_kwargs.get("input_ids")
+    return StepContext(req_ids=list(runner.input_batch.req_ids[:n]), starts=starts,
+                       input_ids=None if ids is None else ids[:starts[-1]],
+                       positions=forward_kwargs["positions"][:starts[-1]])
+
+
+# ---- sampler ---------------------------------------------------------------------------------------------
+def sampler(runner) -> tuple[Any, str | None]:
+    """(the runner's vLLM Sampler, its logprobs mode), or (None, None)."""
+    s = getattr(runner, "sampler", None)
+    return (s, s.logprobs_mode) if s is not None and hasattr(s, "sample") else (None, None)
+
+
+def wrap_sample(s, on_sample: Callable[[torch.Tensor, torch.Tensor | None], None]) -> None:
+    """Call `on_sample(sampled token ids, processed logprobs)` after every `s.sample`; `unwrap_sample` undoes it."""
+    _call_after(s, "sample", lambda out: on_sample(*out))
+
+
+def unwrap_sample(s) -> None:
+    s.__dict__.pop("sample", None)  # back to the class method
+
+
+def _call_after(obj, method: str, after: Callable[[Any], None]) -> None:
+    """Shadow `obj.<method>` with an instance attribute that calls `after(result)` before returning it."""
+    original = getattr(obj, method)
+
+    def wrapped(*args, **kwargs):
+        out = original(*args, **kwargs)
+        after(out)
+        return out
+
+    setattr(obj, method, wrapped)
+
+
+# ---- MoE layers ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer of a vLLM model. reports_topk: its router hands its top-k to a capture callback (false
+    for a monolithic kernel or a router of another kind); router_name: the router's class name."""
+
+    layer_id: int
+    num_experts: int
+    router: Any
+    reports_topk: bool
+    router_name: str
+
+
+def moe_layers(model_: torch.nn.Module) -> list[MoELayer]:
+    """The MoE layers of a vLLM model, by layer id (empty for a dense model)."""
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    runners = sorted((m for m in model_.modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id)
+    return [MoELayer(layer_id=int(m.layer_id), num_experts=int(m.router.global_num_experts), router=m.router,
+                     reports_topk=not m.is_monolithic and isinstance(m.router, BaseRouter),
+                     router_name=type(m.router).__name__) for m in runners]
+
+
+def set_route_callback(layer: MoELayer, fn: Callable[[torch.Tensor], None] | None) -> None:
+    """`fn(topk_ids)` right after the router computes them, before the experts run (None removes it)."""
+    layer.router.set_capture_fn(fn)
+
+
+# ---- sparse KV, worker side --------------------------------------------------------------------------------
+class RunnerKV:
+    """The KV side of one V1 model runner as the sparse-KV hooks read and edit it. groups: (block size,
+    attention layer names) per KV cache group; table_block_size: the first group's block-table block size."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        groups = runner.kv_cache_config.kv_cache_groups
+        self.groups = [(g.kv_cache_spec.block_size, list(g.layer_names)) for g in groups]
+        self.table = runner.input_batch.block_table[0]
+        self.table_block_size = self.table.block_size
+
+    def attention_layers(self, names: Iterable[str]) -> list:
+        """The runner's attention layers of `names`, by layer index."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        ctx = self.runner.compilation_config.static_forward_context
+        return sorted((ctx[n] for n in names), key=lambda m: extract_layer_index(m.layer_name))
+
+    def block_ids(self, req_id: str) -> list[int]:
+        """The worker's block list of a request (vLLM's own list: edits are seen by vLLM)."""
+        return self.runner.requests[req_id].block_ids[0]
+
+    def set_table_row(self, req_id: str, block_ids: list[int]) -> None:
+        """Rewrite the request's block-table row, if the request is in the batch."""
+        row = self.runner.input_batch.req_id_to_index.get(req_id)
+        if row is not None:
+            self.table.clear_row(row)
+            self.table.add_row(block_ids, row)
+
+    def batch(self) -> tuple[list[str], Any]:
+        """(internal request ids, int numpy computed-token counts) of the requests in this step's batch."""
+        batch = self.runner.input_batch
+        return list(batch.req_ids[:batch.num_reqs]), batch.num_computed_tokens_cpu[:batch.num_reqs]
+
+    def shorten_seq_lens(self, rows: torch.Tensor, by: torch.Tensor) -> None:
+        """Subtract `by` from the attention lengths of batch rows `rows` (both of the runner's copies)."""
+        optimistic, seq_lens = self.runner.optimistic_seq_lens_cpu, self.runner.seq_lens
+        optimistic[rows] -= by.to(optimistic.dtype)
+        seq_lens[rows.to(seq_lens.device)] -= by.to(seq_lens.device, seq_lens.dtype)
+
+    def slot_tables(self) -> tuple[Any, torch.Tensor]:
+        """(the block table, numpy [max requests, max blocks per request]; the slot of every token of the step,
+        the tensor the attention backend reads)."""
+        return self.table.block_table.np, self.table.slot_mapping.gpu
+
+
+def layer_kv(layer) -> tuple[str, torch.Tensor | None, int]:
+    """(name, KV cache tensor or None, query heads) of an attention layer."""
+    cache = getattr(layer, "kv_cache", None)
+    return layer.layer_name, cache if isinstance(cache, torch.Tensor) else None, layer.impl.num_heads
+
+
+def write_kv(layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store `key`/`value` [tokens, kv_heads, head_dim] at `slots` of `kv_cache` with the backend's own writer."""
+    layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+
+
+def on_attention_query(layer, fn: Callable[[torch.Tensor], None]) -> None:
+    """Call `fn(query)` ([tokens, q_heads * head_dim], after RoPE) before each attention forward with metadata."""
+    impl, original = layer.impl, layer.impl.forward
+
+    def forward(attn_layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        if attn_metadata is not None:
+            fn(query)
+        return original(attn_layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+    impl.forward = forward
+
+
+# ---- sparse KV, scheduler side ---------------------------------------------------------------------------
+def set_rider(scheduler_output, message: dict) -> None:
+    """Attach `message` to a SchedulerOutput; it travels to every worker with it (pickled when multi-process)."""
+    setattr(scheduler_output, RIDER, message)
+
+
+def rider(scheduler_output) -> dict | None:
+    return getattr(scheduler_output, RIDER, None)
+
+
+def step_requests(out) -> tuple[Iterable[str], Iterable[str], Iterable[str]]:
+    """(scheduled, finished, resumed after a preemption) request ids of a SchedulerOutput."""
+    return out.num_scheduled_tokens, out.finished_req_ids, out.scheduled_cached_reqs.resumed_req_ids
+
+
+def preempted_requests(out) -> Iterable[str]:
+    return getattr(out, "preempted_req_ids", ()) or ()
+
+
+def kv_coordinator(sched):
+    """The scheduler's KV cache coordinator and its per-group managers (`block_size`, `req_to_blocks`)."""
+    coord = sched.kv_cache_manager.coordinator
+    return coord, list(coord.single_type_managers)
+
+
+def swap_coordinator(coord, subclass: type) -> None:
+    """Make KV cache coordinator `coord` an instance of `subclass`, a direct subclass of its class that only
+    overrides methods."""
+    if type(coord) not in subclass.__bases__:
+        raise TypeError(f"{subclass.__name__} does not directly subclass the coordinator's {type(coord).__name__}")
+    coord.__class__ = subclass
+
+
+def block_pool(sched):
+    return sched.kv_cache_manager.block_pool
+
+
+def pool_usage(pool) -> tuple[int, int]:
+    """(blocks taken, usable blocks) of a block pool (vLLM's null block excluded)."""
+    usable = pool.num_gpu_blocks - 1
+    return usable - pool.get_num_free_blocks(), usable
+
+
+def wrap_schedule(sched, after: Callable[[Any], None]) -> None:
+    """Call `after(scheduler_output)` after every `schedule()` of this scheduler; `unwrap_schedule` undoes it."""
+    _call_after(sched, "schedule", after)
+
+
+def unwrap_schedule(sched) -> None:
+    del sched.schedule  # back to the class method
+
+
+def num_running(sched) -> int:
+    return len(sched.running)

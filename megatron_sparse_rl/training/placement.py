@@ -1,0 +1,137 @@
+"""Where the rollout engines are, as one object built at set-up (training/context.py `build_context`); the
+training steps call it and never ask which one they have (DESIGN.md "Second wave").
+
+    out = placement.generate(work)              # work(engine, dp_rank) -> this rank's data share's result
+    stats = placement.sync(learner, bucket_mb=256)
+    diff = placement.verify(learner, probe, tol)  # None on a rank that compares nothing
+    placement.shutdown()                         # idempotent; on every way out of the learner loop
+
+Every learner rank calls every method in the same order (they run collectives). `work` is called with an
+engine and a data-parallel rank d; it must depend on d (prompts `examples[d::dp]`, seeds from d) and not on
+which rank runs it, so the three placements give the same results:
+
+- `Colocated`: every rank owns a whole engine (rollout.tensor_parallel_size 1); the first rank of each
+  tensor/pipeline-parallel group runs `work` for its own share and hands the result to its TP/PP peers
+  (they train on the same rows).
+- `ColocatedSharedEngine`: an engine spans t consecutive ranks (vLLM's external_launcher); every rank of it
+  runs `work` for the shares of all its ranks, the same calls in the same order (vLLM needs every rank of an
+  engine in each call), and keeps its own.
+- `Disaggregated`: the engines live on the rollout ranks (training/disaggregated.py); learner rank 0 runs
+  `work` for every share through them and broadcasts the results over the learner ranks.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+Work = Callable[[Any, int], T]
+"""(engine, data-parallel rank) -> that share's result (a rollout batch, an accuracy sum, ...)."""
+
+
+class Placement:
+    """The interface the steps use. `pad_id` pads learner token rows as the engines pad theirs."""
+
+    pad_id: int
+
+    def generate(self, work: Work) -> T:
+        raise NotImplementedError
+
+    def sync(self, learner, *, bucket_mb: float):
+        """Learner weights -> the engines (checksummed); returns weight_sync's `SyncStats`."""
+        raise NotImplementedError
+
+    def verify(self, learner, tokens, tol: float) -> float | None:
+        """Max |engine - learner| prompt logprobs on the probe over the engines this rank compares (None when it
+        compares none); raises WeightSyncError above `tol` naming the engine."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class Colocated(Placement):
+    """Every learner rank owns a whole engine in its own process; `model_parallel` = tp * pp of the learner."""
+
+    def __init__(self, engine, groups, model_parallel: int):
+        self.engine, self.groups, self.model_parallel = engine, groups, model_parallel
+        self.pad_id = engine.pad_id
+
+    def _from_leader(self, obj):
+        """The model-parallel group's first rank's `obj` on every rank of the group."""
+        if self.model_parallel == 1:
+            return obj
+        holder = [obj]
+        src = dist.get_process_group_ranks(self.groups.model_parallel)[0]
+        dist.broadcast_object_list(holder, src=src, group=self.groups.model_parallel)
+        return holder[0]
+
+    def generate(self, work: Work) -> T:
+        leader = self.groups.tp_rank == 0 and self.groups.pp_rank == 0
+        return self._from_leader(work(self.engine, self.groups.dp_rank) if leader else None)
+
+    def sync(self, learner, *, bucket_mb: float):
+        from megatron_sparse_rl.weight_sync import sync_to_engine
+
+        return sync_to_engine(learner, self.engine, bucket_mb=bucket_mb)
+
+    def verify(self, learner, tokens, tol: float) -> float | None:
+        from megatron_sparse_rl.weight_sync import verify_logprobs
+
+        return verify_logprobs(learner, self.engine, tokens, tol)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class ColocatedSharedEngine(Colocated):
+    """Colocated, one engine over t consecutive ranks: it samples for the data-parallel ranks `shares` of the
+    ranks it spans (sorted, the same on each of them). Sync and verify are per rank, as with whole engines:
+    each rank hands its engine the full tensors and vLLM's loaders keep its slice."""
+
+    def __init__(self, engine, groups, model_parallel: int, shares: tuple[int, ...]):
+        super().__init__(engine, groups, model_parallel)
+        self.shares = shares
+
+    def generate(self, work: Work) -> T:
+        out = {d: work(self.engine, d) for d in self.shares}
+        return self._from_leader(out[self.groups.dp_rank])
+
+    @staticmethod
+    def shares_of(dp_rank: int, engine_tp: int) -> tuple[int, ...]:
+        """The data-parallel ranks of the `engine_tp` consecutive ranks that form this rank's engine (vLLM's
+        external_launcher layout), sorted. Collective over the world."""
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, dp_rank)
+        first = dist.get_rank() // engine_tp * engine_tp
+        return tuple(sorted(set(every[first:first + engine_tp])))
+
+
+class Disaggregated(Placement):
+    """The engines are on the rollout ranks; `remote` (training/disaggregated.py `RemoteEngine`) drives them
+    from learner rank 0. `learner_group`: every learner rank, over which rank 0 hands out the shares."""
+
+    def __init__(self, remote, groups, dp: int, learner_ranks: int):
+        self.remote, self.groups, self.dp, self.learner_ranks = remote, groups, dp, learner_ranks
+        self.pad_id = remote.pad_id
+
+    def generate(self, work: Work) -> T:
+        out = [work(self.remote, d) for d in range(self.dp)] if self.remote.driver else None
+        if self.learner_ranks > 1:
+            holder = [out]
+            dist.broadcast_object_list(holder, src=0, group=self.groups.learner)
+            out = holder[0]
+        return out[self.groups.dp_rank]
+
+    def sync(self, learner, *, bucket_mb: float):
+        return self.remote.sync_weights(learner, bucket_mb=bucket_mb)
+
+    def verify(self, learner, tokens, tol: float) -> float | None:
+        from megatron_sparse_rl.weight_sync import compare_engines
+
+        return compare_engines(learner, tokens, tol, self.remote.probe_logprobs if self.remote.driver else None)
+
+    def shutdown(self) -> None:
+        self.remote.shutdown()

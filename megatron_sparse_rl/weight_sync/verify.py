@@ -1,0 +1,58 @@
+"""The engine-vs-learner check after a weight sync: the engines' prompt logprobs of a fixed probe against the
+learner's own `forward_logprobs` (an independent implementation), one comparison wherever the engines are.
+
+    diff = verify_logprobs(learner, engine, probe_tokens, tol=1e-4)           # this rank's own engine
+    diff = compare_engines(learner, probe_tokens, tol, engine_logprobs)       # any engines: rows -> {who: logprobs}
+
+Every learner rank calls them (the learner forward is collective); a rank that compares nothing passes
+`engine` / `engine_logprobs` None and gets None. Above `tol` they raise WeightSyncError naming the engine.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparse_rl.weight_sync.export import WeightSyncError
+
+EngineLogprobs = Callable[[list[list[int]]], dict[str, torch.Tensor]]
+"""Probe rows -> {which engine (e.g. "rank 0", "rollout rank 2"): its prompt logprobs, float [B, S-1]}."""
+
+
+def _probe_rows(tokens) -> torch.Tensor:
+    rows = torch.as_tensor(tokens, dtype=torch.long)
+    if rows.dim() == 1:
+        rows = rows[None]
+    if rows.dim() != 2 or rows.shape[1] < 2:
+        raise ValueError(f"probe tokens must be [B, S] with S >= 2, unpadded (got shape {tuple(rows.shape)})")
+    return rows
+
+
+def compare_engines(learner, tokens, tol: float, engine_logprobs: EngineLogprobs | None) -> float | None:
+    """Max |engine prompt logprob - learner logprob| on the probe `tokens` ([B, S] or [S], no padding) over
+    every engine `engine_logprobs` scores; None when it is None (this rank only joins the learner forward).
+
+    The learner scores at temperature 1 here, whatever its training temperature (the engines' prompt logprobs
+    are of the raw logits). Raises WeightSyncError naming the first engine whose difference exceeds `tol`."""
+    rows = _probe_rows(tokens)
+    with learner.scoring_temperature(1.0):
+        ours = learner.forward_logprobs(rows)["logprobs"].float()
+    if engine_logprobs is None:
+        return None
+    worst = 0.0
+    for who, theirs in engine_logprobs(rows.tolist()).items():
+        diff = (theirs.float() - ours).abs().max().item()
+        if not diff <= tol:
+            raise WeightSyncError(f"{who}: engine logprobs differ from the learner's by {diff:.3e} on the probe "
+                                  f"(tolerance {tol:.1e}): the weight sync moved wrong weights")
+        worst = max(worst, diff)
+    return worst
+
+
+def verify_logprobs(learner, engine, tokens, tol: float) -> float | None:
+    """`compare_engines` with this rank's own engine (None: compare nothing), named by the global rank."""
+    if engine is None:
+        return compare_engines(learner, tokens, tol, None)
+    who = f"rank {dist.get_rank() if dist.is_initialized() else 0}"
+    return compare_engines(learner, tokens, tol, lambda rows: {who: torch.stack(engine.prompt_logprobs(rows))})
