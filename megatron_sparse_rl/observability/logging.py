@@ -25,10 +25,11 @@ BENIGN = (
     "The global random seed is set to", "Enforce eager set", "Inductor compilation was disabled",
     "Triton is not installed", "Model Runner V2 requires Triton", "Reset SSM cache type",
     "is not found in LD_PRELOAD", "doesn't allow to use `torch.set_num_threads`",
-    "Triton not available",  # torch
 )
-# Libraries that install their own console handler: their records are sent to the root logger instead.
-_OWN_HANDLERS = ("vllm", "torch", "transformers")
+# Libraries that install their own console handler: their records are sent to the root logger instead. (torch
+# is left alone: its logging module attaches handlers to many child loggers and manages their levels itself;
+# it prints only warnings by default.)
+_OWN_HANDLERS = ("vllm", "transformers")
 _FORMAT = "[rank {rank}] %(levelname)s %(name)s: %(message)s"
 
 
@@ -48,7 +49,7 @@ class ConsoleFilter(logging.Filter):
 
 
 def _reroute_library_handlers(verbose: bool) -> None:
-    """Send vLLM's, torch's and transformers' records to the root logger's handlers (the console filter and the
+    """Send vLLM's and transformers' records to the root logger's handlers (the console filter and the
     log file) instead of their own console handlers. The variable covers a later `import vllm` (and spawned
     engine processes); loggers already set up are rewired directly."""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

@@ -92,7 +92,7 @@ def apply() -> bool:
     setattr(_setup_kernel, _MARK, True)
     _setup_kernel._msrl_original = original
     cls._setup_kernel = _setup_kernel
-    logger.info("patched vllm UnquantizedFusedMoEMethod._setup_kernel: CPU MoE weights are repacked on reload")
+    logger.debug("patched vllm UnquantizedFusedMoEMethod._setup_kernel: CPU MoE weights are repacked on reload")
     return True
 
 

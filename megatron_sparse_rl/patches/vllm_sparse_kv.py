@@ -105,7 +105,7 @@ def apply() -> bool:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model
-    logger.info("patched vllm GPUModelRunner (_update_states, _prepare_inputs, execute_model) for sparse KV")
+    logger.debug("patched vllm GPUModelRunner (_update_states, _prepare_inputs, execute_model) for sparse KV")
     return True
 
 
