@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_sparse_rl.learner.checkpoint import is_complete, load_learner, save_learner
 from megatron_sparse_rl.learner.integrity import owner_of, verify_files
 from megatron_sparse_rl.training.context import RunContext
-from megatron_sparse_rl.training.run_dir import RunDirError
+from megatron_sparse_rl.training.run_dir import CHECKPOINT_GLOB, RunDirError
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def checkpoint_dir(ctx: RunContext) -> Path:
 def own_checkpoints(ctx: RunContext) -> list[Path]:
     """This run's complete checkpoints, oldest first (another run's, in a shared checkpoint.dir, never count)."""
     root = checkpoint_dir(ctx)
-    found = sorted(p for p in root.glob("step_*") if is_complete(p)) if root.is_dir() else []
+    found = sorted(p for p in root.glob(CHECKPOINT_GLOB) if is_complete(p)) if root.is_dir() else []
     return [p for p in found if owner_of(p) == ctx.owner.run_id]
 
 
