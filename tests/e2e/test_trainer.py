@@ -179,18 +179,20 @@ def test_two_rank_run_through_msrl_launch_local(tmp_path, model_dir):
 
 @pytest.mark.slow
 def test_rl_raises_held_out_accuracy_above_the_warm_start(tmp_path):
-    """The demo's recipe, shortened: after the SFT warm-start, 60 GRPO steps raise held-out accuracy (mean
+    """The demo's recipe, shortened: after the SFT warm-start, 100 GRPO steps raise held-out accuracy (mean
     correctness of 4 samples per unseen prompt, 800 samples) by a margin well above its sampling noise
-    (standard error about 0.015 at these accuracies). Everything is seeded, so the run is reproducible."""
+    (standard error about 0.015 at these accuracies). Everything is seeded, so the run is reproducible.
+    Measured on the 2-core CPU (2026-11-25): 0.156 -> 0.158 / 0.199 / 0.193 / 0.226 / 0.241 at steps
+    20 / 40 / 60 / 80 / 100 (60 steps, this test's earlier length, fell short of the margin)."""
     run_dir = tmp_path / "learn"
     cmd = [sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/demo_tiny_moe.yaml"), "--set",
-           f"logging.dir={run_dir}", f"model.path={run_dir / 'model'}", "trainer.steps=60", "trainer.eval_every=60",
+           f"logging.dir={run_dir}", f"model.path={run_dir / 'model'}", "trainer.steps=100", "trainer.eval_every=100",
            "checkpoint.save_every=0", "logging.tensorboard=false"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _records(run_dir)
     before = next(r["eval/accuracy"] for r in records if r["phase"] == "warm_start")
-    after = _rl(records)[60]["eval/accuracy"]
+    after = _rl(records)[100]["eval/accuracy"]
     assert before > 0.05, "the warm-start must reach a non-trivial accuracy for RL to have signal"
     assert after > before + 0.04, (before, after)
 
