@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_sparse_rl.learner.checkpoint import DONE
+
 MANIFEST = "MANIFEST.json"
 FORMAT = "msrl-checkpoint-manifest"
 _CHUNK = 8 << 20
@@ -48,7 +50,7 @@ def _gather(mine: dict) -> dict:
 def _listing(root: Path) -> list[str]:
     """Every regular file under `root` (relative POSIX paths, sorted), less the manifest and the marker."""
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                  if p.is_file() and p.name not in (MANIFEST, "COMPLETE"))
+                  if p.is_file() and p.name not in (MANIFEST, DONE))
 
 
 def digest_files(root: str | Path) -> dict[str, dict]:

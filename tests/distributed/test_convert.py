@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+from tests.snapshot import snapshot
 from tests.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -343,13 +344,6 @@ def test_deepseek_expert_bias_is_loaded_saved_and_exported_bit_exact(tmp_path):
 
 
 # ---- mcore-to-hf: damaged files and config mismatches, named, nothing written --------------------------------
-def _snapshot(root: Path) -> dict[str, str]:
-    import hashlib
-
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
-
-
 def _damaged_inputs(mc: Path, inputs: Path) -> None:
     """Copies of `mc`: one .distcp item's zip directory zeroed (the file keeps its size, so only the load finds
     it), one .distcp cut to 1000 bytes; and HF configs that disagree with the checkpoint (expert FFN size, layers)."""
@@ -379,9 +373,9 @@ def m2h_failures(converted, tmp_path_factory):
     _damaged_inputs(root / "mc_tp1", inputs)
     (outs / "existing").mkdir()
     (outs / "existing" / "keep.txt").write_text("the user's data")
-    before = (_snapshot(inputs), _snapshot(outs))
+    before = (snapshot(inputs), snapshot(outs))
     results = run_distributed(m2h_failures_worker, 1, args=(str(inputs), str(outs / "existing")), timeout=300)[0]
-    return results, inputs, before, (_snapshot(inputs), _snapshot(outs))
+    return results, inputs, before, (snapshot(inputs), snapshot(outs))
 
 
 def _assert_nothing_changed(before, after):

@@ -4,7 +4,6 @@ built (no process group, no Megatron model), and nothing is written or removed (
 checksums, and the input's, are the same before and after; no partial directory is left).
 
 The expected HF shapes are checked against what transformers itself saves for every supported family."""
-import hashlib
 import shutil
 import warnings
 from pathlib import Path
@@ -21,17 +20,12 @@ from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
 from megatron_sparse_rl.models import load_spec
 from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek, build_tiny_mixtral
+from tests.snapshot import snapshot
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # (heads * head_dim, hidden) = (128, 64) in the tiny model
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
-def _snapshot(root: Path) -> dict[str, str]:
-    """relative path -> sha256 (or 'dir') of everything under root."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
-
-
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
     return build_tiny_hf_model(tmp_path_factory.mktemp("hf"), seed=1)
@@ -65,10 +59,10 @@ def _edited_hf(src: Path, dst: Path, edit) -> Path:
 
 
 def _hf_to_mcore_fails(hf: Path, outs: Path, match: str) -> str:
-    before_out, before_in = _snapshot(outs), _snapshot(hf)
+    before_out, before_in = snapshot(outs), snapshot(hf)
     with pytest.raises(ValueError, match=match) as err:
         convert.hf_to_mcore(hf, outs / "existing", tp=1, ep=1, overwrite=True)
-    assert _snapshot(outs) == before_out and _snapshot(hf) == before_in
+    assert snapshot(outs) == before_out and snapshot(hf) == before_in
     return str(err.value)
 
 
@@ -164,10 +158,10 @@ def torch_dist(tmp_path):
 
 
 def _mcore_to_hf_fails(mcore: Path, outs: Path, exc=ValueError) -> str:
-    before_out, before_in = _snapshot(outs), _snapshot(mcore)
+    before_out, before_in = snapshot(outs), snapshot(mcore)
     with pytest.raises(exc) as err:
         convert.mcore_to_hf(mcore, outs / "existing", overwrite=True)
-    assert _snapshot(outs) == before_out and _snapshot(mcore) == before_in
+    assert snapshot(outs) == before_out and snapshot(mcore) == before_in
     return str(err.value)
 
 

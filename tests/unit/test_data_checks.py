@@ -7,7 +7,6 @@ Megatron or vLLM start; a JSONL without `data.eval_path` gives evaluation and pr
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import subprocess
@@ -21,6 +20,7 @@ from megatron_sparse_rl.config.data import ArithmeticConfig, DataConfig
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.data import DatasetError, DatasetMissing, build_task, check_data
 from megatron_sparse_rl.data import tokenizer as char_tok
+from tests.snapshot import snapshot
 from tools import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,12 +31,6 @@ GOOD = b'{"prompt": "1+1=", "answer": "2"}\n'
 @pytest.fixture(scope="module")
 def tok():
     return char_tok.character_tokenizer()
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every path under `folder` -> sha256 of its bytes ("dir" for a directory)."""
-    return {str(p.relative_to(folder)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*"))}
 
 
 def jsonl(folder: Path, name: str, content: bytes) -> Path:

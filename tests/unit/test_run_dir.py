@@ -1,6 +1,5 @@
 """Run directories never mix two runs (training/run_dir.py) and checkpoints are recognised as damaged or foreign
 (learner/integrity.py, training/state.py). Every refusal must leave the directory exactly as it was."""
-import hashlib
 import json
 import logging
 import subprocess
@@ -14,17 +13,9 @@ from megatron_sparse_rl.config import load_config
 from megatron_sparse_rl.learner.integrity import digest_files, owner_of, verify_files, write_manifest
 from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training.run_dir import RUN_FILE, RunDirError, claim
+from tests.snapshot import snapshot
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _snapshot(root: Path) -> dict[str, str]:
-    """Every file under root with its sha256 (directories as entries too)."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "<dir>"
-    return out
 
 
 def _run(tmp_path: Path, **sets):
@@ -56,33 +47,33 @@ def test_another_runs_files_are_refused_and_left_alone(tmp_path, leftover):
     run_dir = tmp_path / "run"
     (run_dir / leftover).parent.mkdir(parents=True, exist_ok=True)
     (run_dir / leftover).write_text('{"step": 1, "phase": "rl"}\n')
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(RunDirError) as err:
         claim(_run(tmp_path))
     msg = str(err.value)
     assert str(run_dir) in msg and leftover.split("/")[0] in msg
     assert "checkpoint.resume=true" in msg and "logging.overwrite=true" in msg and "logging.dir=" in msg
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_a_previous_run_is_refused_when_resume_is_off(tmp_path):
     claim(_run(tmp_path))
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(RunDirError, match="checkpoint.resume is off"):
         claim(_run(tmp_path, checkpoint__resume="false"))
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_checkpoints_another_run_wrote_are_never_adopted(tmp_path):
     shared = tmp_path / "shared_ckpts"
     mine = claim(_run(tmp_path, checkpoint__dir=shared))
     _checkpoint(shared, "step_000004_sft_000000", owner="someone-else")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(RunDirError, match="did not write") as err:
         claim(_run(tmp_path, checkpoint__dir=shared))
     assert "step_000004_sft_000000" in str(err.value) and mine.run_id in str(err.value)
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_overwrite_removes_only_run_artifacts(tmp_path):
@@ -137,24 +128,24 @@ def test_resume_with_no_intact_checkpoint_names_every_damaged_file(tmp_path):
     b = _checkpoint(root, "step_000004_sft_000000", owner="run-a")
     for ck in (a, b):
         (ck / "__0_0.distcp").write_bytes(b"garbage")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(RunDirError) as err:
         state.newest_intact(_ctx(root, "run-a"))
     assert str(a / "__0_0.distcp") in str(err.value) and str(b / "__0_0.distcp") in str(err.value)
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_msrl_train_refuses_a_directory_of_another_run_before_starting(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "phase": "rl"}\n')
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
                            f"logging.dir={run_dir}", f"model.path={tmp_path / 'model'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and str(run_dir) in proc.stderr and "metrics.jsonl" in proc.stderr
-    assert _snapshot(tmp_path) == before  # no model was built, nothing written
+    assert snapshot(tmp_path) == before  # no model was built, nothing written
 
 
 def test_convert_names_a_bit_flip_in_a_training_checkpoint(tmp_path):
