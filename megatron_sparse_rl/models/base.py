@@ -36,8 +36,20 @@ class GPTAdapter:
     def transformer_config(self, spec: ModelSpec, *, tp: int, pp: int, ep: int, etp: int,
                            sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
                            recompute: bool = False, aux_loss_coeff: float = 0.0, **extra: Any):
+        kwargs = self.config_kwargs(spec, tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
+                                    dtype=dtype, recompute=recompute, aux_loss_coeff=aux_loss_coeff)
+        kwargs.update(extra)
+        return self.config_class()(**kwargs)
+
+    def config_class(self) -> type:
+        """The Megatron-Core config class this family is built from."""
         from megatron.core.transformer import TransformerConfig
 
+        return TransformerConfig
+
+    def config_kwargs(self, spec: ModelSpec, *, tp: int, pp: int, ep: int, etp: int, sequence_parallel: bool,
+                      dtype: torch.dtype, recompute: bool, aux_loss_coeff: float) -> dict[str, Any]:
+        """The keyword arguments of `config_class()` that make Megatron compute this family's HF forward."""
         kwargs: dict[str, Any] = dict(
             num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
             num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
@@ -66,8 +78,7 @@ class GPTAdapter:
             )
             if spec.shared_expert_ffn_hidden_size:
                 kwargs.update(moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size)
-        kwargs.update(extra)
-        return TransformerConfig(**kwargs)
+        return kwargs
 
     def layer_spec(self, config, use_te: bool):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec

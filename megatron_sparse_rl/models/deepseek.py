@@ -1,19 +1,17 @@
-"""DeepSeek-V3-style adapter (`DeepseekV3ForCausalLM`): shared experts, first-k dense layers, sigmoid router with
-`e_score_correction_bias`, group-limited routing, routed scaling factor and MLA attention.
+"""DeepSeek-V3 / Kimi-K2 adapter (`DeepseekV3ForCausalLM`, `model_type` deepseek_v3 or kimi_k2): multi-head latent
+attention (MLA), shared experts, first-k dense layers, sigmoid router with `e_score_correction_bias`, group-limited
+routing, routed scaling factor, default or YaRN RoPE.
 
-What works: the config mapping of the MoE parts (`moe_kwargs`, verified against HF's `DeepseekV3MoE` in
-`tests/distributed/test_adapters_more.py`) and the full HF <-> Megatron name map (`tensor_maps`, covering every
-tensor `save_pretrained` writes exactly once).
+Megatron side: `MLATransformerConfig` (q_lora_rank or none, kv_lora_rank, qk_head_dim = nope, qk_pos_emb_head_dim =
+rope, v_head_dim, rope or yarn) with `qk_layernorm` on, which is what gives the local spec its q/kv latent norms;
+without Transformer Engine the MLA shims of `patches/megatron_mla.py` are needed. Megatron's MLA RoPE always reads
+the rope dims interleaved (as HF's `rope_interleave: true` and vLLM do), so `rope_interleave: false` is refused.
 
 The router's `e_score_correction_bias` maps to Megatron's `router.expert_bias`, a persistent buffer (not a
-parameter): `learner/params.py:local_params` lists persistent buffers, so the learner's HF loader, the
-converter's load/gather and the torch_dist save/load carry it bit-exactly (tested on DeepSeek's MoE layers in
-`tests/distributed/test_convert.py`).
-
-What does not yet: MLA (multi-latent attention, `q_lora_rank` / `kv_lora_rank`). transformers' DeepSeek-V3
-always uses MLA, and the Megatron MLA path (MLATransformerConfig and its RoPE variants) is not verified here, so
-`transformer_config` raises NotImplementedError rather than build a model that might silently differ. The MLA
-names in `tensor_maps` follow Megatron's MLASelfAttention local spec and are unverified against a forward pass.
+parameter): `learner/params.py:local_params` lists persistent buffers, so the learner's HF loader, the converter's
+load/gather and the torch_dist save/load carry it bit-exactly. Multi-token-prediction layers of a release checkpoint
+(`num_nextn_predict_layers`, stored as layers numbered after the last decoder layer) are not part of the model:
+`mtp_layer_names` names them so import can skip them; export never writes them.
 """
 from __future__ import annotations
 
@@ -37,19 +35,75 @@ class DeepseekSpec(ModelSpec):
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_type: str = "default"
+    """"default" or "yarn"."""
+    rope_factor: float = 1.0
+    rope_original_max_position: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
+    mtp_layers: int = 0
+    """Multi-token-prediction layers in a release checkpoint (`num_nextn_predict_layers`); skipped on import."""
+
+    @property
+    def latent_width(self) -> int:
+        """Values per token per layer in MLA's KV cache: the normalised latent plus the rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def parameter_count(self) -> int:
+        h, heads, r = self.hidden_size, self.num_heads, self.qk_rope_head_dim
+        qk = self.qk_nope_head_dim + r
+        q = h * heads * qk if self.q_lora_rank is None else \
+            h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * qk
+        attn = q + h * self.latent_width + self.kv_lora_rank \
+            + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim) + heads * self.v_head_dim * h
+        dense_mlp = 3 * h * self.ffn_hidden_size
+        moe_mlp = self.num_experts * (3 * h * self.moe_ffn_hidden_size + h + 1) + 3 * h * self.shared_expert_ffn_hidden_size
+        total = sum(attn + 2 * h + (moe_mlp if m else dense_mlp) for m in self.moe_layers)
+        return total + self.vocab_size * h * (1 if self.tie_embeddings else 2) + h
+
+
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+ROPE_TYPES = ("default", "yarn")
+
+
+def _rope(cfg: dict) -> dict:
+    """The RoPE fields of DeepseekSpec from `rope_parameters` (transformers 5) or `rope_scaling` (release
+    config.json files), with a clear error for a type Megatron's MLA cannot compute."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if kind not in ROPE_TYPES:
+        raise NotImplementedError(f"DeepSeek-V3 rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    out = dict(rope_type=kind, rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    if kind == "yarn":
+        if "factor" not in params:
+            raise ValueError("config.json: YaRN rope parameters lack 'factor'")
+        out.update(rope_factor=float(params["factor"]),
+                   rope_original_max_position=int(params.get("original_max_position_embeddings",
+                                                             cfg.get("max_position_embeddings", 4096))),
+                   rope_beta_fast=float(params.get("beta_fast", 32.0)), rope_beta_slow=float(params.get("beta_slow", 1.0)),
+                   rope_mscale=float(params.get("mscale", 1.0)), rope_mscale_all_dim=float(params.get("mscale_all_dim", 0.0)))
+    return out
 
 
 class DeepseekV3Adapter(GPTAdapter):
     architecture = "DeepseekV3ForCausalLM"
 
     def spec_from_hf(self, cfg: dict) -> DeepseekSpec:
+        if cfg.get("model_type") in MODEL_TYPES:  # Kimi-K2 ships this architecture under its own model_type
+            cfg = {**cfg, "model_type": "deepseek_v3"}
         check_family(cfg, self.architecture, "deepseek_v3", ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                                               "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
         _check_act(cfg)
         n, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
         experts, topk = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
         shared = cfg.get("n_shared_experts") or 0
-        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if cfg.get("rope_interleave", True) is False:
+            raise NotImplementedError("DeepSeek-V3 with rope_interleave: false is not supported (Megatron's MLA and "
+                                      "vLLM read the rope dims interleaved, as the released models store them)")
+        if cfg.get("attention_bias"):
+            raise NotImplementedError("DeepSeek-V3 with attention_bias is not supported")
         return DeepseekSpec(
             architecture=self.architecture, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             num_layers=n, num_heads=heads, num_kv_heads=heads,
@@ -58,16 +112,25 @@ class DeepseekV3Adapter(GPTAdapter):
             moe_layers=tuple(i >= (cfg.get("first_k_dense_replace") or 0) for i in range(n)),
             shared_expert_ffn_hidden_size=cfg["moe_intermediate_size"] * shared,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            qkv_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=True, **_rope(cfg),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
             q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
             qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
-            v_head_dim=cfg["v_head_dim"],
+            v_head_dim=cfg["v_head_dim"], mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         )
+
+    def mtp_layer_names(self, spec: DeepseekSpec, names) -> list[str]:
+        """The names among `names` that belong to multi-token-prediction layers (layer index >= num_layers)."""
+        out = []
+        for name in names:
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit() \
+                    and int(parts[2]) >= spec.num_layers:
+                out.append(name)
+        return out
 
     # ---- Megatron side -------------------------------------------------------------------------
     def moe_kwargs(self, spec: DeepseekSpec) -> dict[str, Any]:
@@ -93,16 +156,30 @@ class DeepseekV3Adapter(GPTAdapter):
             moe_router_group_topk=spec.topk_group if grouped else None,
         )
 
-    def transformer_config(self, spec: DeepseekSpec, **kw: Any):
-        raise NotImplementedError(
-            f"{self.architecture}: MLA attention (multi-latent attention, q_lora_rank={spec.q_lora_rank}, "
-            f"kv_lora_rank={spec.kv_lora_rank}) is not supported yet, so no Megatron model can be built for it; "
-            "the MoE mapping (shared experts, first-k dense layers, sigmoid router) exists but MLA does not")
+    def config_class(self) -> type:
+        from megatron.core.transformer import MLATransformerConfig
+
+        return MLATransformerConfig
+
+    def config_kwargs(self, spec: DeepseekSpec, **kw: Any) -> dict[str, Any]:
+        kwargs = super().config_kwargs(spec, **kw)
+        kwargs.update(
+            multi_latent_attention=True, q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+            qk_head_dim=spec.qk_nope_head_dim, qk_pos_emb_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
+            kv_channels=spec.qk_nope_head_dim + spec.qk_rope_head_dim, qk_layernorm=True,
+            rope_type="rope" if spec.rope_type == "default" else "yarn", rotary_base=spec.rope_theta,
+            rotary_scaling_factor=spec.rope_factor, original_max_position_embeddings=spec.rope_original_max_position,
+            beta_fast=spec.rope_beta_fast, beta_slow=spec.rope_beta_slow, mscale=spec.rope_mscale,
+            mscale_all_dim=spec.rope_mscale_all_dim,
+        )
+        if spec.is_moe:
+            kwargs.update(self.moe_kwargs(spec))
+        return kwargs
 
     # ---- name map ------------------------------------------------------------------------------
     def _attention_maps(self, spec: DeepseekSpec, hf: str, mc: str) -> list[TensorMap]:
-        # engine slices: q_proj by rows, o_proj by columns; the low-rank MLA projections go whole (vLLM narrows
-        # them itself; MLA is unverified here)
+        # engine slices (vLLM's DeepseekV2MLAAttention): the per-head up projections (q_proj / q_b_proj, kv_b_proj)
+        # by rows, o_proj by columns; the down projections and the latent norms are replicated
         att, sa = f"{hf}.self_attn", f"{mc}.self_attention"
         h, heads, lora = spec.hidden_size, spec.num_heads, spec.kv_lora_rank
         q = heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
@@ -113,20 +190,20 @@ class DeepseekV3Adapter(GPTAdapter):
             r = spec.q_lora_rank
             maps = [TensorMap(f"{sa}.linear_q_down_proj.weight", (f"{att}.q_a_proj.weight",), shapes=((r, h),)),
                     TensorMap(f"{sa}.q_layernorm.weight", (f"{att}.q_a_layernorm.weight",), shapes=((r,),)),
-                    TensorMap(f"{sa}.linear_q_up_proj.weight", (f"{att}.q_b_proj.weight",), shapes=((q, r),))]
+                    TensorMap(f"{sa}.linear_q_up_proj.weight", (f"{att}.q_b_proj.weight",), shapes=((q, r),),
+                              engine=("column",))]
         kv_up = heads * (spec.qk_nope_head_dim + spec.v_head_dim)
         return maps + [
             TensorMap(f"{sa}.linear_kv_down_proj.weight", (f"{att}.kv_a_proj_with_mqa.weight",),
                       shapes=((lora + spec.qk_rope_head_dim, h),)),
             TensorMap(f"{sa}.kv_layernorm.weight", (f"{att}.kv_a_layernorm.weight",), shapes=((lora,),)),
-            TensorMap(f"{sa}.linear_kv_up_proj.weight", (f"{att}.kv_b_proj.weight",), shapes=((kv_up, lora),)),
+            TensorMap(f"{sa}.linear_kv_up_proj.weight", (f"{att}.kv_b_proj.weight",), shapes=((kv_up, lora),),
+                      engine=("column",)),
             TensorMap(f"{sa}.linear_proj.weight", (f"{att}.o_proj.weight",), shapes=((h, heads * spec.v_head_dim),),
                       engine=("row",)),
         ]
 
     def _layer_maps(self, spec: DeepseekSpec, i: int) -> list[TensorMap]:
-        if spec.qkv_bias:
-            raise NotImplementedError("DeepSeek-V3 with attention_bias is not supported")
         hf, mc, h = self.hf_layer.format(i=i), f"decoder.layers.{i}", spec.hidden_size
         maps = [TensorMap(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",), shapes=((h,),))]
         maps += self._attention_maps(spec, hf, mc)

@@ -53,28 +53,55 @@ def build_tiny_mixtral(out_dir, *, hidden: int = 64, layers: int = 2, heads: int
     return _save(model, out_dir)
 
 
-def build_tiny_deepseek(out_dir, *, hidden: int = 64, layers: int = 3, heads: int = 4, experts: int = 8,
-                        topk: int = 2, n_group: int = 2, topk_group: int = 1, shared: int = 1,
-                        first_k_dense: int = 1, moe_ffn: int = 32, ffn: int = 64, kv_lora_rank: int = 32,
-                        q_lora_rank: int | None = None, qk_nope: int = 16, qk_rope: int = 16, v_head: int = 32,
-                        scaling: float = 2.5, init_std: float = 0.2, bias_std: float = 0.1,
-                        max_position: int = 2048, seed: int = 0) -> Path:
-    """A random `DeepseekV3ForCausalLM` (MLA attention, `first_k_dense` dense layers, then MoE layers with
-    `shared` shared experts and a sigmoid group-limited router). `e_score_correction_bias` is a zero buffer in
-    transformers; it is drawn with std `bias_std` here so that it changes routing and tests see it."""
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+MLA_CPU_LATENT = (512, 64)
+"""(kv_lora_rank, qk_rope_head_dim): the only MLA latent shape vLLM 0.32's CPU decode kernel runs (576 values)."""
 
-    config = DeepseekV3Config(
+YARN_TINY = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+"""YaRN parameters shaped like DeepSeek-V3's (factor 40 over 4096 there), scaled to a tiny context."""
+
+
+def deepseek_config_kwargs(*, hidden: int = 64, layers: int = 3, heads: int = 4, experts: int = 8, topk: int = 2,
+                           n_group: int = 2, topk_group: int = 1, shared: int = 1, first_k_dense: int = 1,
+                           moe_ffn: int = 32, ffn: int = 64, kv_lora_rank: int = MLA_CPU_LATENT[0],
+                           q_lora_rank: int | None = None, qk_nope: int = 32, qk_rope: int = MLA_CPU_LATENT[1],
+                           v_head: int = 32, scaling: float = 2.5, init_std: float = 0.2,
+                           rope: str = "yarn", max_position: int = 2048) -> dict:
+    """The keyword arguments of a tiny `DeepseekV3Config`: the one definition of what its config.json holds (the
+    run's ModelSpec is derived from it without building anything). Writes `topk_method: noaux_tc` and
+    `scoring_func: sigmoid`, which the released configs carry and vLLM needs (transformers does not write them)."""
+    if rope not in ("yarn", "default"):
+        raise ValueError(f"rope must be 'yarn' or 'default' (got {rope!r})")
+    if not 1 <= topk <= experts:
+        raise ValueError(f"topk must be in [1, experts] (got {topk}, experts={experts})")
+    return dict(
         **_common(hidden, layers, heads, heads, init_std, max_position), intermediate_size=ffn,
         moe_intermediate_size=moe_ffn, n_routed_experts=experts, num_experts_per_tok=topk, n_shared_experts=shared,
         first_k_dense_replace=first_k_dense, n_group=n_group, topk_group=topk_group, routed_scaling_factor=scaling,
         norm_topk_prob=True, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope,
         qk_rope_head_dim=qk_rope, v_head_dim=v_head, num_nextn_predict_layers=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        topk_method="noaux_tc", scoring_func="sigmoid",
+        rope_parameters=dict(YARN_TINY) if rope == "yarn" else {"rope_type": "default", "rope_theta": 10000.0})
+
+
+def build_tiny_deepseek(out_dir, *, seed: int = 0, bias_std: float = 0.1, **config) -> Path:
+    """A random `DeepseekV3ForCausalLM` (MLA attention, `first_k_dense` dense layers, then MoE layers with
+    `shared` shared experts and a sigmoid group-limited router); `config` goes to `deepseek_config_kwargs`. The
+    default latent (kv_lora_rank 512 + rope 64) is the one vLLM's CPU MLA runs; everything else is tiny.
+    `e_score_correction_bias` is a zero buffer in transformers; it is drawn with std `bias_std` here so that it
+    changes routing and tests see it."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    kwargs = deepseek_config_kwargs(**config)
+    first_k_dense = kwargs["first_k_dense_replace"]
+    hf_config = DeepseekV3Config(**kwargs)
+    # transformers drops keys its config class does not define; the released config.json files carry these
+    for key in ("topk_method", "scoring_func"):
+        setattr(hf_config, key, kwargs[key])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = DeepseekV3ForCausalLM(config)
+        model = DeepseekV3ForCausalLM(hf_config)
         for layer in model.model.layers[first_k_dense:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, bias_std)
     return _save(model, out_dir)

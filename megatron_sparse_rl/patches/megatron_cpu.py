@@ -268,8 +268,11 @@ def apply() -> None:
             f"found {version}; install megatron-core=={MEGATRON_VERSION}"
         )
     if not has_te():
+        from megatron_sparse_rl.patches import megatron_mla
+
         patch_te_general_gemm()
         patch_torch_norm_sequence_parallel()
+        megatron_mla.apply()
     if torch.cuda.is_available():
         return
     patch_current_device()

@@ -1,7 +1,7 @@
 """Mixtral and DeepSeek-V3-style adapters against HF transformers: Mixtral logprobs at TP1 and EP2 within 1e-4
 (fp32) and bit-exact HF -> mcore -> HF round trips; the DeepSeek MoE block (sigmoid group-limited router with
 e_score_correction_bias, routed scaling, shared experts) built from `DeepseekV3Adapter.moe_kwargs` against HF's
-`DeepseekV3MoE`; DeepSeek conversion refused with an error naming MLA."""
+`DeepseekV3MoE` (the whole DeepSeek-V3 model: tests/distributed/test_deepseek.py)."""
 from pathlib import Path
 
 import pytest
@@ -103,20 +103,3 @@ def test_deepseek_moe_block_matches_hf(tmp_path):
     ours, ref, shared_only = run_distributed(deepseek_moe_worker, 1, args=(model_dir, 1))[0]
     assert (ours - ref).abs().max() < 1e-5
     assert (ref - shared_only).abs().max() > 1e-2, "routed experts must contribute for the test to mean anything"
-
-
-def refused_worker(rank, world, model_dir, out):
-    from megatron_sparse_rl.checkpoint.convert import hf_to_mcore
-
-    try:
-        hf_to_mcore(model_dir, out, tp=1, ep=1)
-    except NotImplementedError as e:
-        return str(e)
-    return None
-
-
-def test_deepseek_conversion_refused_naming_mla(tmp_path):
-    model_dir = str(build_tiny_deepseek(tmp_path / "ds", seed=3))
-    msg = run_distributed(refused_worker, 1, args=(model_dir, str(tmp_path / "out")))[0]
-    assert msg is not None and "MLA" in msg and "kv_lora_rank" in msg
-    assert not (tmp_path / "out").exists()

@@ -3,6 +3,7 @@ transformers exactly once, the config mappings, and clear errors for variants th
 import json
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from megatron_sparse_rl.models import ADAPTERS, get_adapter, load_spec
@@ -93,10 +94,30 @@ def test_deepseek_spec_and_router_mapping(deepseek_dir):
     assert "decoder.layers.0.mlp.linear_fc1.weight" in names
 
 
+def test_deepseek_mla_config_and_kimi_k2(deepseek_dir):
+    adapter, spec = load_spec(deepseek_dir)
+    kw = adapter.config_kwargs(spec, tp=1, pp=1, ep=1, etp=1, sequence_parallel=False, dtype=torch.float32,
+                               recompute=False, aux_loss_coeff=0.0)
+    assert kw["multi_latent_attention"] and kw["qk_layernorm"]
+    assert (kw["kv_lora_rank"], kw["qk_pos_emb_head_dim"], kw["qk_head_dim"], kw["v_head_dim"]) == (512, 64, 32, 32)
+    assert kw["q_lora_rank"] is None and spec.latent_width == 576
+    assert (kw["rope_type"], kw["rotary_scaling_factor"], kw["mscale_all_dim"]) == ("yarn", 4.0, 1.0)
+    kimi = adapter.spec_from_hf(_cfg(deepseek_dir, model_type="kimi_k2"))
+    assert kimi == spec
+    with pytest.raises(ValueError, match="model_type 'qwen3_moe'"):
+        adapter.spec_from_hf(_cfg(deepseek_dir, model_type="qwen3_moe"))
+    with pytest.raises(NotImplementedError, match="rope_interleave"):
+        adapter.spec_from_hf(_cfg(deepseek_dir, rope_interleave=False))
+    with pytest.raises(NotImplementedError, match="rope type 'llama3'"):
+        adapter.spec_from_hf(_cfg(deepseek_dir, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}))
+    mtp = adapter.spec_from_hf(_cfg(deepseek_dir, num_nextn_predict_layers=1))
+    assert mtp.mtp_layers == 1
+    assert adapter.mtp_layer_names(mtp, ["model.layers.2.mlp.gate.weight", "model.layers.3.eh_proj.weight",
+                                         "model.norm.weight"]) == ["model.layers.3.eh_proj.weight"]
+
+
 def test_deepseek_unsupported_variants(deepseek_dir):
     adapter, spec = load_spec(deepseek_dir)
-    with pytest.raises(NotImplementedError, match=r"MLA.*q_lora_rank.*kv_lora_rank"):
-        adapter.transformer_config(spec, tp=1, pp=1, ep=1, etp=1)
     with pytest.raises(NotImplementedError, match="norm_topk_prob"):
         adapter.moe_kwargs(adapter.spec_from_hf(_cfg(deepseek_dir, norm_topk_prob=False)))
     with pytest.raises(NotImplementedError, match="topk_group"):
