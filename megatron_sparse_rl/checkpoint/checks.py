@@ -16,8 +16,11 @@ built from the same config (its sharded state dict, `shard.py:sharded_shapes`), 
 and stacking (fused layer norms, stacked experts) are Megatron's own facts.
 
 Tensor dtypes allowed: bfloat16, float16, float32 (`WEIGHT_DTYPES`), which the converter casts without loss.
-float64 and fp8 would lose bits on the way through the Megatron parameters; an integer or bool tensor where a
-weight belongs is a wrong file. Either is refused, naming the tensor.
+float64 would lose bits on the way through the Megatron parameters; an integer or bool tensor where a weight
+belongs is a wrong file. Either is refused, naming the tensor. fp8 (F8_E4M3) weights are allowed only in a
+block-wise quantised checkpoint (config.json `quantization_config`, `checkpoint/fp8.py`), each with its
+`<name>_scale_inv` of the ceil-divided shape; the reader dequantises them exactly to float32. Tensors of the
+multi-token-prediction layers such a release checkpoint carries are skipped (`hf_io.skip_mtp_layers`).
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_sparse_rl.checkpoint.hf_io import DTYPE_CODES, HFCheckpoint
+from megatron_sparse_rl.checkpoint import fp8
+from megatron_sparse_rl.checkpoint.hf_io import DTYPE_CODES, HFCheckpoint, skip_mtp_layers
 
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 TORCH_DIST_METADATA = ".metadata"  # torch.distributed.checkpoint's FileSystemWriter metadata file
@@ -44,6 +48,15 @@ def _dtype_problem(found: str) -> str | None:
     if found not in WEIGHT_DTYPES:
         return f"dtype {found} (allowed: {', '.join(WEIGHT_DTYPES)})"
     return None
+
+
+def _code_problem(code: str) -> str | None:
+    """`_dtype_problem` of a safetensors dtype code; an fp8 one says where fp8 weights are read."""
+    bad = _dtype_problem(DTYPE_CODES.get(code, (code,))[0])
+    if bad and code.startswith("F8_"):
+        bad += (f"; {fp8.FP8_CODE} weights are read only from a block-wise quantised checkpoint (quantization_config "
+                "in config.json, a <name>_scale_inv per weight)")
+    return bad
 
 
 # ---- HF safetensors ---------------------------------------------------------------------------------
@@ -66,11 +79,15 @@ def check_hf_files(ckpt: HFCheckpoint) -> None:
 
 
 def check_hf_tensors(ckpt: HFCheckpoint, adapter, spec, config: Path) -> None:
-    """Every tensor the adapter maps is present, nothing else is, and each has the shape `config` implies and
-    an allowed dtype. Reads the safetensors headers only."""
+    """Every tensor the adapter maps is present, nothing else is (fp8 scales of mapped weights and MTP layers
+    aside), and each has the shape `config` implies and an allowed dtype (an fp8 weight: a fitting scale). Reads
+    the safetensors headers only."""
     expected = adapter.hf_shapes(spec)
+    consumed = skip_mtp_layers(ckpt, adapter, spec)
+    if ckpt.fp8 is not None:
+        consumed |= {fp8.scale_name(n) for n in expected}
     missing = [n for n in expected if n not in ckpt.weight_map]
-    extra = sorted(set(ckpt.weight_map) - set(expected))
+    extra = sorted(set(ckpt.weight_map) - set(expected) - consumed)
     if missing or extra:
         raise ValueError(f"{ckpt.dir}: tensors do not match the {spec.architecture} map of {config}: missing "
                          f"{missing[:_SHOWN]} ({len(missing)}), unmapped {extra[:_SHOWN]} ({len(extra)})")
@@ -80,7 +97,9 @@ def check_hf_tensors(ckpt: HFCheckpoint, adapter, spec, config: Path) -> None:
         where = f"{name} (in {ckpt.weight_map[name]})"
         if found != shape:
             problems.append(f"{where}: expected shape {shape}, found {found}")
-        elif bad := _dtype_problem(DTYPE_CODES.get(code, (code,))[0]):
+        elif ckpt.fp8 is not None and (bad := ckpt.fp8_problem(name)):
+            problems.append(f"{where}: {bad}")
+        elif not (ckpt.fp8 is not None and code == fp8.FP8_CODE) and (bad := _code_problem(code)):
             problems.append(f"{where}: {bad}")
     if problems:
         raise ValueError(f"{ckpt.dir}: {len(problems)} tensor(s) do not fit the model of {config}: "

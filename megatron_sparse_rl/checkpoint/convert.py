@@ -37,7 +37,7 @@ from megatron_sparse_rl.checkpoint.checks import (check_hf_files, check_hf_tenso
                                                   check_torch_dist_files, damaged_torch_dist_file)
 from megatron_sparse_rl.checkpoint.gather import iter_full_tensors, ownership
 from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
-from megatron_sparse_rl.checkpoint.hf_writer import ShardedSafetensorsWriter, parse_size
+from megatron_sparse_rl.checkpoint.hf_writer import ShardedSafetensorsWriter, parse_size, write_side_files
 from megatron_sparse_rl.checkpoint.progress import TransferProgress, report_phase
 from megatron_sparse_rl.checkpoint.shard import (build_shard, dir_bytes, load_model_only, save_model_only,
                                                  sharded_shapes)
@@ -167,6 +167,11 @@ def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1,
     _check_out(out, overwrite)
     adapter, spec = load_spec(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
+    if verify and ckpt.fp8 is not None:
+        raise ValueError(f"{hf_dir}: --verify compares with HF transformers, which cannot load this block-wise fp8 "
+                         "checkpoint here (it needs accelerate and a GPU kernel); convert without --verify, then "
+                         "verify the export: `msrl convert mcore-to-hf ... --verify` checks the dequantised weights "
+                         "against transformers")
     check_hf_files(ckpt)  # the input checks need no process group: they run before anything else
     check_hf_tensors(ckpt, adapter, spec, hf_dir / "config.json")
     layout = _layout(spec, tp, ep, pp, etp)
@@ -263,12 +268,12 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
         dist.barrier()
         _write_hf(holder, adapter, spec, stage, max_bytes, _target_dtypes(manifest, hf_cfg, param_dtype), manifest,
                   progress)
+        on_rank0(lambda: write_side_files(side_dir, stage))  # config.json without fp8 quantization or MTP layers
         if verify:
             from megatron_sparse_rl.checkpoint.verify import check_forward_parity
 
-            on_rank0(lambda: M.copy_side_files(side_dir, stage))
             check_forward_parity(holder, stage)
-        on_rank0(lambda: (M.copy_side_files(side_dir, stage), _publish(stage, out)))
+        on_rank0(lambda: _publish(stage, out))
     except BaseException:
         if dist.get_rank() == 0:
             _clean(out)

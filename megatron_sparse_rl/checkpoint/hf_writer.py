@@ -5,16 +5,25 @@
     w = ShardedSafetensorsWriter(tmp_dir, max_shard_bytes=5 * 2**30)
     for name, t in tensors: w.add(name, t)
     digests = w.finish()       # re-reads every written tensor and returns name -> sha256 of what is on disk
+
+    write_side_files(src_dir, out_dir)   # config.json (fitted to the written weights), tokenizer, ...
+
+The exported weights are plain float tensors (never fp8) of the model's layers only (no multi-token-prediction
+layers), so the written config.json drops `quantization_config` and sets `num_nextn_predict_layers` to 0.
 """
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import torch
 
 from megatron_sparse_rl.checkpoint.hf_io import INDEX
-from megatron_sparse_rl.checkpoint.manifest import tensor_digest
+from megatron_sparse_rl.checkpoint.manifest import copy_side_files, tensor_digest
+
+log = logging.getLogger(__name__)
 
 SINGLE = "model.safetensors"
 
@@ -92,3 +101,32 @@ class ShardedSafetensorsWriter:
                 for name in names:
                     digests[name] = tensor_digest(f.get_tensor(name))
         return digests
+
+
+def export_config(cfg: dict) -> tuple[dict, list[str]]:
+    """The config.json of an exported checkpoint made from `cfg` (a copy), and what was changed: no
+    `quantization_config` (the weights are written dequantised) and `num_nextn_predict_layers` 0 (the MTP layers
+    of a release checkpoint are not part of the model and are not written)."""
+    out, changes = dict(cfg), []
+    if "quantization_config" in out:
+        q = out.pop("quantization_config")
+        method = q.get("quant_method") if isinstance(q, dict) else q
+        changes.append(f"quantization_config ({method}) dropped: the weights are written dequantised")
+    if (mtp := out.get("num_nextn_predict_layers") or 0) > 0:
+        out["num_nextn_predict_layers"] = 0
+        changes.append(f"num_nextn_predict_layers {mtp} -> 0: multi-token-prediction layers are not exported")
+    return out, changes
+
+
+def write_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy the side files of HF dir `src` (config, tokenizer, ...) into `dst`, with config.json fitted to the
+    exported weights (`export_config`; the changes are logged). Returns the files' names."""
+    names = copy_side_files(src, dst)
+    path = Path(dst) / "config.json"
+    cfg, changes = export_config(json.loads(path.read_text()))
+    if changes:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+        os.replace(tmp, path)
+        log.info("%s: %s", path, "; ".join(changes))
+    return names

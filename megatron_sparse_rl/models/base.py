@@ -32,6 +32,10 @@ class GPTAdapter:
     def spec_from_hf(self, cfg: dict) -> ModelSpec:
         raise NotImplementedError
 
+    def mtp_layer_names(self, spec: ModelSpec, names) -> list[str]:
+        """The names among `names` of multi-token-prediction layers, which import skips (none in this family)."""
+        return []
+
     # ---- Megatron side -------------------------------------------------------------------------
     def transformer_config(self, spec: ModelSpec, *, tp: int, pp: int, ep: int, etp: int,
                            sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,

@@ -94,7 +94,9 @@ class DeepseekV3Adapter(GPTAdapter):
         if cfg.get("model_type") in MODEL_TYPES:  # Kimi-K2 ships this architecture under its own model_type
             cfg = {**cfg, "model_type": "deepseek_v3"}
         check_family(cfg, self.architecture, "deepseek_v3", ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-                                              "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+                                              "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                                              # absent, transformers would default it to 1536: say it explicitly
+                                              "q_lora_rank"))
         _check_act(cfg)
         n, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
         experts, topk = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
