@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def summary(run, spec, world_size: int) -> list[str]:
     """Human-readable lines describing the resolved run."""
+    from megatron_sparse_rl.models.deepseek import DeepseekSpec
     from megatron_sparse_rl.parallel.layout import ParallelLayout
 
     rollout = run.launch.rollout_world_size
@@ -45,8 +46,11 @@ def summary(run, spec, world_size: int) -> list[str]:
     if spec is None:
         lines.append("  architecture: unknown here (no config.json at model.path); model checks skipped")
     else:
-        arch = (f"  {spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
-                f"{spec.num_heads} heads ({spec.num_kv_heads} KV) x {spec.head_dim}, vocab {spec.vocab_size}")
+        attention = (f"{spec.num_heads} heads, MLA latent {spec.latent_width} (kv_lora_rank {spec.kv_lora_rank} + "
+                     f"qk_rope_head_dim {spec.qk_rope_head_dim})" if isinstance(spec, DeepseekSpec)
+                     else f"{spec.num_heads} heads ({spec.num_kv_heads} KV) x {spec.head_dim}")
+        arch = (f"  {spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, {attention}, "
+                f"vocab {spec.vocab_size}")
         if spec.is_moe:
             arch += f", {spec.num_experts} experts top-{spec.moe_topk} (ffn {spec.moe_ffn_hidden_size})"
         lines += [arch, f"  parameters: {spec.parameter_count():,}"]

@@ -5,7 +5,7 @@ sub-config (never the root). Cross-component checks live in `validate.py`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
@@ -17,12 +17,32 @@ from megatron_sparse_rl.config.trainer import TrainerConfig
 from megatron_sparse_rl.config.checks import check as _check
 
 
+QWEN_ARCHS = ("qwen3_moe", "qwen3")
+MLA_ARCHS = ("deepseek_v3",)
+TINY_ARCH_FIELDS: dict[str, tuple[str, ...]] = {
+    "kv_heads": QWEN_ARCHS, "head_dim": QWEN_ARCHS,
+    **{name: MLA_ARCHS for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank",
+                                    "first_k_dense", "shared_experts", "n_group", "topk_group", "rope_type")},
+}
+"""The `model.tiny` fields that apply to some architectures only (the others apply to all): set on another
+architecture to anything but their default, they are refused."""
+
+
+def _yaml(value) -> str:
+    """`value` as YAML spells it: null, true, 512, 'yarn'."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class TinyModelConfig:
-    """A tiny random Hugging Face model built locally at `model.path` when that directory is missing."""
+    """A tiny random Hugging Face model built locally at `model.path` when that directory is missing. Fields marked
+    (qwen3_moe, qwen3) or (deepseek_v3) apply to those architectures only; set on another one to anything but
+    their default, they are refused."""
 
-    arch: Literal["qwen3_moe", "qwen3"] = "qwen3_moe"
-    """Architecture family; `qwen3` (or experts = 0) builds a dense model."""
+    arch: Literal["qwen3_moe", "qwen3", "deepseek_v3"] = "qwen3_moe"
+    """Architecture family: qwen3_moe (Qwen3-MoE; experts = 0 makes it dense), qwen3 (dense Qwen3) or deepseek_v3
+    (DeepSeek-V3 / Kimi-K2: multi-head latent attention, `first_k_dense` dense layers then MoE layers with shared
+    experts, sigmoid router with a correction bias, group-limited routing)."""
     hidden: int = 64
     """Hidden size."""
     layers: int = 2
@@ -30,29 +50,75 @@ class TinyModelConfig:
     heads: int = 4
     """Attention (query) heads."""
     kv_heads: int = 2
-    """Key/value heads (grouped-query attention)."""
+    """(qwen3_moe, qwen3) Key/value heads (grouped-query attention)."""
     head_dim: int = 32
-    """Per-head size; must be one vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...)."""
+    """(qwen3_moe, qwen3) Per-head size; must be one vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...)."""
     experts: int = 4
-    """Routed experts per MoE layer (0 = dense)."""
+    """Routed experts per MoE layer (0 = dense; deepseek_v3 needs >= 1)."""
     topk: int = 2
     """Experts chosen per token."""
     moe_ffn: int = 64
-    """Hidden size of each expert's MLP."""
+    """Hidden size of each expert's MLP (routed and shared experts)."""
     ffn: int = 128
-    """Hidden size of the dense MLP (dense models)."""
+    """Hidden size of the dense MLP (dense models; deepseek_v3: its first `first_k_dense` layers)."""
+    # 512 and 64: models/tiny_families.py MLA_CPU_LATENT (not imported here: it pulls in torch); a unit test ties them
+    kv_lora_rank: int = 512
+    """(deepseek_v3) Rank of the compressed KV latent. The MLA cache holds kv_lora_rank + qk_rope_head_dim values per
+    token per layer; vLLM's CPU MLA decode runs only 512 + 64 = 576 (without CUDA other sizes are refused)."""
+    qk_rope_head_dim: int = 64
+    """(deepseek_v3) Per-head query/key dimensions that carry RoPE (the rotated key part is shared by all heads)."""
+    qk_nope_head_dim: int = 32
+    """(deepseek_v3) Per-head query/key dimensions without RoPE (head size = nope + rope)."""
+    v_head_dim: int = 32
+    """(deepseek_v3) Per-head value size."""
+    q_lora_rank: int | None = None
+    """(deepseek_v3) Rank of the low-rank query projection; null = a full query projection."""
+    first_k_dense: int = 1
+    """(deepseek_v3) Leading layers with a dense MLP (`ffn`) instead of experts (first_k_dense_replace)."""
+    shared_experts: int = 1
+    """(deepseek_v3) Shared experts of every MoE layer (each of size `moe_ffn`), run for every token."""
+    n_group: int = 1
+    """(deepseek_v3) Expert groups of the group-limited router (1 = no groups; DeepSeek-V3 has 8). Must divide
+    `experts`; with more than one group, topk // topk_group must be 2 (the learner's router matches HF's
+    top-2 group score only then)."""
+    topk_group: int = 1
+    """(deepseek_v3) Groups a token may route to (must divide `topk`)."""
+    rope_type: Literal["yarn", "default"] = "yarn"
+    """(deepseek_v3) RoPE of the rope dimensions: yarn (as DeepSeek-V3 and Kimi-K2, scaled to a tiny context) or
+    default."""
     seed: int = 0
     """Seed of the random weights."""
 
     def __post_init__(self):
-        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "moe_ffn", "ffn"):
+        for f in fields(self):
+            archs, value = TINY_ARCH_FIELDS.get(f.name), getattr(self, f.name)
+            _check(archs is None or self.arch in archs or value == f.default,
+                   f"model.tiny.{f.name} applies to model.tiny.arch {' or '.join(map(repr, archs or ()))} only, not "
+                   f"{self.arch!r}: remove it or leave its default {_yaml(f.default)} (got {_yaml(value)})")
+        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "moe_ffn", "ffn", "kv_lora_rank",
+                     "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group"):
             _check(getattr(self, name) > 0, f"model.tiny.{name} must be > 0 (got {getattr(self, name)})")
         _check(self.experts >= 0, f"model.tiny.experts must be >= 0 (got {self.experts})")
-        _check(self.heads % self.kv_heads == 0,
-               f"model.tiny.heads must be a multiple of model.tiny.kv_heads (got {self.heads} and {self.kv_heads})")
+        if self.arch in QWEN_ARCHS:
+            _check(self.heads % self.kv_heads == 0, f"model.tiny.heads must be a multiple of model.tiny.kv_heads "
+                                                    f"(got {self.heads} and {self.kv_heads})")
+        else:
+            self._check_mla()
         if self.experts:
             _check(1 <= self.topk <= self.experts,
                    f"model.tiny.topk must be in [1, experts={self.experts}] (got {self.topk})")
+
+    def _check_mla(self):
+        _check(self.experts >= 1, f"model.tiny.experts must be >= 1 for arch {self.arch!r} (got {self.experts})")
+        _check(self.qk_rope_head_dim % 2 == 0,
+               f"model.tiny.qk_rope_head_dim must be even: RoPE rotates pairs (got {self.qk_rope_head_dim})")
+        _check(self.q_lora_rank is None or self.q_lora_rank > 0,
+               f"model.tiny.q_lora_rank must be null or > 0 (got {self.q_lora_rank})")
+        _check(0 <= self.first_k_dense <= self.layers,
+               f"model.tiny.first_k_dense must be in [0, layers={self.layers}] (got {self.first_k_dense})")
+        _check(self.shared_experts >= 0, f"model.tiny.shared_experts must be >= 0 (got {self.shared_experts})")
+        _check(self.topk_group <= self.n_group,
+               f"model.tiny.topk_group must be <= n_group={self.n_group} (got {self.topk_group})")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

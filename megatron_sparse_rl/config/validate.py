@@ -2,7 +2,8 @@
 
 Each component's dataclass checks its own fields in `__post_init__`; `validate` checks what spans
 components: parallel degrees against the world size and the model's shapes, the model against vLLM's
-CPU attention, the launch shape against the world size, rollout sampling against the algorithm.
+CPU attention (MLA models: the latent width, no sparse KV) and against what its adapter can build, the launch
+shape against the world size, rollout sampling against the algorithm.
 
     spec = validate(run, world_size=4)   # ModelSpec (or None); ConfigError listing every problem
 
@@ -16,28 +17,46 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_sparse_rl.config.loader import ConfigError
-from megatron_sparse_rl.config.schema import RunConfig, TinyModelConfig
+from megatron_sparse_rl.config.schema import MLA_ARCHS, RunConfig, TinyModelConfig
 
 
 def tiny_hf_config(tiny: TinyModelConfig) -> dict:
-    """The Hugging Face config dict `build_tiny_hf_model(**tiny)` would write (no weights, no transformers):
-    models/tiny.py's `hf_config_kwargs` plus the keys transformers fills in with their defaults.
+    """The Hugging Face config dict the tiny builder of `tiny.arch` would write (no weights, no transformers):
+    models/tiny.py's `hf_config_kwargs` (Qwen3) or models/tiny_families.py's `deepseek_config_kwargs`
+    (DeepSeek-V3), plus the keys transformers fills in with their defaults.
 
-    `tests/unit/test_config_validate.py` checks the resulting ModelSpec against a model really built by
-    `models/tiny.py`.
+    `tests/unit/test_config_validate.py` checks the resulting ModelSpec against a model really built.
     """
     from megatron_sparse_rl.models.tiny import hf_config_kwargs
+    from megatron_sparse_rl.models.tiny_families import deepseek_config_kwargs
 
+    common = {"hidden_act": "silu", "attention_bias": False}
+    if tiny.arch in MLA_ARCHS:
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common,
+                **deepseek_config_kwargs(**tiny_fields(tiny, seed=False))}
     family, kwargs = hf_config_kwargs(tiny.arch, **tiny_fields(tiny, seed=False))
     return {"architectures": ["Qwen3MoeForCausalLM" if family == "qwen3_moe" else "Qwen3ForCausalLM"],
-            "model_type": family, "hidden_act": "silu", "attention_bias": False,
-            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, **kwargs}
+            "model_type": family, **common, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            **kwargs}
+
+
+_QWEN_KWARGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "topk", "moe_ffn", "ffn")
+_DEEPSEEK_KWARGS = {
+    "hidden": "hidden", "layers": "layers", "heads": "heads", "experts": "experts", "topk": "topk",
+    "moe_ffn": "moe_ffn", "ffn": "ffn", "kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank",
+    "qk_nope_head_dim": "qk_nope", "qk_rope_head_dim": "qk_rope", "v_head_dim": "v_head",
+    "first_k_dense": "first_k_dense", "shared_experts": "shared", "n_group": "n_group", "topk_group": "topk_group",
+    "rope_type": "rope",
+}
+"""`model.tiny` field -> keyword of `deepseek_config_kwargs` / `build_tiny_deepseek`."""
 
 
 def tiny_fields(tiny: TinyModelConfig, *, seed: bool = True) -> dict:
-    """`model.tiny` as the keyword arguments of `build_tiny_hf_model` (less `arch` and, without `seed`, the seed)."""
-    names = ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "topk", "moe_ffn", "ffn")
-    return {n: getattr(tiny, n) for n in (*names, *(("seed",) if seed else ()))}
+    """`model.tiny` as the keyword arguments of its builder, less `arch` and (without `seed`) the seed:
+    `build_tiny_hf_model` for the Qwen3 archs, `build_tiny_deepseek` (= `deepseek_config_kwargs` + seed) for
+    deepseek_v3."""
+    names = _DEEPSEEK_KWARGS if tiny.arch in MLA_ARCHS else {n: n for n in _QWEN_KWARGS}
+    return {kw: getattr(tiny, n) for n, kw in names.items()} | ({"seed": tiny.seed} if seed else {})
 
 
 def _has_config(run: RunConfig) -> bool:
@@ -95,14 +114,22 @@ def _layout_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[
     return problems
 
 
+def _from_tiny(run: RunConfig) -> bool:
+    """Whether the model's shapes come from `model.tiny` (no config.json at `model.path`)."""
+    return run.model.tiny is not None and not _has_config(run)
+
+
 def _model_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
+    from megatron_sparse_rl.models.deepseek import DeepseekSpec
     from megatron_sparse_rl.models.tiny import CPU_ATTENTION_HEAD_DIMS
 
     if spec is None:
         return []
     problems = []
-    where = "model.tiny.head_dim" if run.model.tiny is not None and not _has_config(run) else "the model's head_dim"
-    if not cuda and spec.head_dim not in CPU_ATTENTION_HEAD_DIMS:
+    if isinstance(spec, DeepseekSpec):  # MLA: the cache is one latent row per token, not heads x head_dim
+        problems += _mla_problems(run, spec, cuda)
+    elif not cuda and spec.head_dim not in CPU_ATTENTION_HEAD_DIMS:
+        where = "model.tiny.head_dim" if _from_tiny(run) else "the model's head_dim"
         problems.append(f"{where} = {spec.head_dim} is not supported by vLLM's CPU attention (no CUDA here); "
                         f"allowed: {', '.join(map(str, CPU_ATTENTION_HEAD_DIMS))}")
     if run.rollout.max_model_len > spec.max_position_embeddings:
@@ -112,7 +139,49 @@ def _model_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
     if spec.num_kv_heads % rollout_tp or spec.num_heads % rollout_tp:
         problems.append(f"rollout.tensor_parallel_size = {rollout_tp} must divide the attention heads "
                         f"({spec.num_heads}) and KV heads ({spec.num_kv_heads})")
+    return problems + _learner_problems(run, spec)
+
+
+def _mla_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2) against the rollout engine: vLLM's CPU MLA decode runs
+    one latent width only, and the sparse-KV worker knows the per-head cache layout only."""
+    from megatron_sparse_rl.models.tiny_families import MLA_CPU_LATENT
+
+    problems = []
+    kv = run.rollout.kv
+    if not cuda and (spec.kv_lora_rank, spec.qk_rope_head_dim) != MLA_CPU_LATENT:
+        names = ("model.tiny.kv_lora_rank + model.tiny.qk_rope_head_dim" if _from_tiny(run)
+                 else "the model's kv_lora_rank + qk_rope_head_dim")
+        lora, rope = MLA_CPU_LATENT
+        problems.append(f"{names} = {spec.kv_lora_rank} + {spec.qk_rope_head_dim} = {spec.latent_width} (the MLA "
+                        f"latent) is not supported by vLLM's CPU MLA decode (no CUDA here); allowed: kv_lora_rank "
+                        f"{lora} + qk_rope_head_dim {rope} = {lora + rope}")
+    if kv.policy != "none":
+        problems.append(f"rollout.kv.policy = {kv.policy!r}: sparse KV on the MLA latent cache is not supported yet "
+                        f"({spec.architecture} uses multi-head latent attention); use rollout.kv.policy = 'none'")
+    if not cuda and kv.block_size not in (None, 16):
+        problems.append(f"rollout.kv.block_size = {kv.block_size}: vLLM's CPU MLA backend runs 16-token blocks only "
+                        "(no CUDA here); leave it null or set 16")
     return problems
+
+
+def _learner_problems(run: RunConfig, spec) -> list[str]:
+    """What the model's adapter refuses when it makes Megatron's config for this layout (e.g. DeepSeek-V3's
+    group-limited routing with topk // topk_group != 2): found here rather than when the learner starts."""
+    import torch
+
+    from megatron_sparse_rl.models import adapter_for
+
+    p = run.parallel
+    try:
+        adapter_for(spec).config_kwargs(spec, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp,
+                                        sequence_parallel=p.sequence_parallel, dtype=getattr(torch, run.model.dtype),
+                                        recompute=run.model.recompute_activations,
+                                        aux_loss_coeff=run.model.moe_aux_loss_coeff)
+    except (ValueError, NotImplementedError) as e:
+        where = "model.tiny" if _from_tiny(run) else f"model.path={run.model.path!r}"
+        return [f"{where}: the learner cannot build this {spec.architecture}: {e}"]
+    return []
 
 
 def _rollout_algorithm_problems(run: RunConfig, world_size: int) -> list[str]:
@@ -152,7 +221,8 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
             must equal that product. In a disaggregated run (`launch.rollout_ranks` or
             `launch.rollout_nodes`) the parallel degrees are checked against the learner ranks only.
         cuda: whether the run will have CUDA (None: `torch.cuda.is_available()`). Without CUDA the model's
-            head size must be one vLLM's CPU attention supports.
+            head size must be one vLLM's CPU attention supports; an MLA model's latent (kv_lora_rank +
+            qk_rope_head_dim) must be the one vLLM's CPU MLA decode runs (512 + 64).
     Raises:
         ConfigError: one message listing every problem, each naming the fields and what is allowed.
     """

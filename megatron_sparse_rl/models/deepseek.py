@@ -106,6 +106,9 @@ class DeepseekV3Adapter(GPTAdapter):
                                       "vLLM read the rope dims interleaved, as the released models store them)")
         if cfg.get("attention_bias"):
             raise NotImplementedError("DeepSeek-V3 with attention_bias is not supported")
+        if cfg.get("moe_layer_freq", 1) != 1:
+            raise NotImplementedError(f"DeepSeek-V3 with moe_layer_freq={cfg['moe_layer_freq']} is not supported "
+                                      "(only 1: every layer from first_k_dense_replace on is MoE)")
         return DeepseekSpec(
             architecture=self.architecture, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             num_layers=n, num_heads=heads, num_kv_heads=heads,

@@ -63,13 +63,20 @@ def rollout_lines(r: RolloutPlan, kv_dtype: str, budget: int, interval: int) -> 
     if r.kv_free_gib_per_gpu <= 0:
         return [head] + [f"  NO: {p}" for p in r.problems]
     ratio = f"{r.sparse_max_seqs / r.dense_max_seqs:.1f}x dense" if r.dense_max_seqs else "dense holds none"
+    where = "on each GPU (MLA latent, whole on every GPU)" if r.mla else "over the engine"
+    sparse = (f"  sparse KV: budget {budget} + interval {interval} = {r.sparse_tokens} tokens -> "
+              f"{r.sparse_mib_per_seq:.0f} MiB/sequence; max concurrent sequences per engine {r.sparse_max_seqs} "
+              f"({ratio})")
+    if r.mla:
+        sparse += "; a projection: sparse KV on the MLA latent cache is not supported yet"
     return [
         head,
-        f"  dense  KV: {r.dense_tokens} tokens -> {r.dense_mib_per_seq:.0f} MiB/sequence; "
+        f"  KV per token and GPU: {r.kv_layers} layers x {r.kv_values} values "
+        f"({'one MLA latent row' if r.mla else 'K and V of the KV heads on the GPU'}) x {r.kv_dtype_bytes} B = "
+        f"{r.kv_bytes_per_token} bytes",
+        f"  dense  KV: {r.dense_tokens} tokens -> {r.dense_mib_per_seq:.0f} MiB/sequence {where}; "
         f"max concurrent sequences per engine {r.dense_max_seqs}",
-        f"  sparse KV: budget {budget} + interval {interval} = {r.sparse_tokens} tokens -> "
-        f"{r.sparse_mib_per_seq:.0f} MiB/sequence; max concurrent sequences per engine {r.sparse_max_seqs} "
-        f"({ratio})",
+        sparse,
     ] + [f"  NO: {p}" for p in r.problems]
 
 

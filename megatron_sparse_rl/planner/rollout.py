@@ -6,9 +6,12 @@ engine can hold, and the weight-sync volume per update.
 
 Assumptions: bf16 engine weights sharded evenly over the engine's GPUs; a dense-attention KV cache is split
 over the engine's TP ranks by KV head (a head is replicated when there are fewer heads than ranks); an MLA
-latent is kept whole on every TP rank (vLLM's MLA cache); vLLM pages of 16 tokens. A sparse sequence holds
-at most budget + interval tokens (the policy compresses back to `budget` every `interval` new tokens), so
-its KV no longer grows with the response length.
+cache holds one latent row per token per layer (kv_lora_rank + qk_rope_head_dim values, shared by every head),
+kept whole on every TP rank (vLLM's MLA cache), so an engine holds as many sequences as one of its GPUs; vLLM
+pages of 16 tokens. A sparse sequence holds at most budget + interval tokens (the policy compresses back to
+`budget` every `interval` new tokens), so its KV no longer grows with the response length. Sparse KV on the
+MLA latent is not supported yet: for MLA models the sparse numbers are a projection, and whether an engine fits
+is judged on the dense cache.
 """
 from __future__ import annotations
 
@@ -33,20 +36,34 @@ class RolloutPlan:
     sparse_mib_per_seq: float
     dense_max_seqs: int
     sparse_max_seqs: int
+    kv_layers: int
+    """Layers with a KV cache."""
+    kv_values: int
+    """Cached values per token per layer on one GPU of the engine: 2 x (KV heads on that GPU) x head_dim, or for MLA
+    the whole latent row (kv_lora_rank + qk_rope_head_dim)."""
+    kv_dtype_bytes: int
+    """Bytes per cached value (2 bf16, 1 fp8)."""
+    mla: bool = False
+    """The cache is MLA's latent (sparse KV not available on it yet)."""
     problems: tuple[str, ...] = ()
     """Why the engine cannot generate at all ([] when it can): no KV room left by the weights, or not one
-    sequence fits even with the sparse budget."""
+    sequence fits even with the sparse budget (MLA: with the dense cache)."""
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token takes on one GPU of the engine, all layers."""
+        return self.kv_layers * self.kv_values * self.kv_dtype_bytes
 
-def _kv_elems_per_gpu(shape: ModelShape, gpus: int) -> float:
-    if shape.kv_heads == 0:  # MLA latent: replicated on every TP rank
+
+def _kv_elems_per_gpu(shape: ModelShape, gpus: int) -> int:
+    if shape.mla:  # one latent row per token, replicated on every TP rank
         return shape.kv_elems
     heads_per_gpu = max(1, shape.kv_heads // gpus)
-    return shape.kv_elems * heads_per_gpu / shape.kv_heads
+    return shape.kv_elems // shape.kv_heads * heads_per_gpu
 
 
 def default_engine_gpus(shape: ModelShape, gpu_mem_gib: float, total_gpus: int) -> int:
@@ -57,16 +74,19 @@ def default_engine_gpus(shape: ModelShape, gpu_mem_gib: float, total_gpus: int) 
     return g
 
 
-def _problems(weights: float, free: float, sparse_max_seqs: int, engine_gpus: int, sparse_tokens: int, *,
-              usable: float) -> tuple[str, ...]:
-    """Why an engine cannot generate: the weights leave no KV room, or the room holds not one sequence."""
+def _problems(weights: float, free: float, max_seqs: int, engine_gpus: int, tokens: int, *, usable: float,
+              mla: bool) -> tuple[str, ...]:
+    """Why an engine cannot generate: the weights leave no KV room, or the room holds not one sequence (`max_seqs`,
+    `tokens`: the sparse cache, or for MLA, where sparse KV is not available, the dense one)."""
     if free <= 0:
         return (f"the engine's weights ({weights:.1f} GiB/GPU on {engine_gpus} GPU(s)) leave no KV room in the "
                 f"{usable:.1f} GiB usable per GPU: spread the engine over more GPUs (--rollout-gpus) or use "
                 "larger GPUs",)
-    if sparse_max_seqs == 0:
-        return (f"the KV room ({free:.2f} GiB/GPU) holds not one sequence, even sparse ({sparse_tokens} tokens): "
-                "spread the engine over more GPUs (--rollout-gpus), lower the KV budget or use an fp8 cache",)
+    if max_seqs == 0:
+        kind = "dense (sparse KV is not available on the MLA latent)" if mla else "even sparse"
+        fix = "shorten --seq-len" if mla else "lower the KV budget"
+        return (f"the KV room ({free:.2f} GiB/GPU) holds not one sequence, {kind} ({tokens} tokens): spread the "
+                f"engine over more GPUs (--rollout-gpus), {fix} or use an fp8 cache",)
     return ()
 
 
@@ -75,22 +95,25 @@ def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq
     weights = 2 * shape.total_params() / engine_gpus / GiB
     free = max(0.0, gpu_mem_gib * gpu_util - weights - reserve_gib)
     sparse_tokens = min(seq_len, budget + interval)
+    values = _kv_elems_per_gpu(shape, engine_gpus)
+    per_token_gpu = shape.layers * values * kv_bytes
 
-    def per_gpu_bytes(tokens: int) -> float:
-        return ceil(tokens / BLOCK) * BLOCK * shape.layers * _kv_elems_per_gpu(shape, engine_gpus) * kv_bytes
+    def max_seqs(tokens: int) -> int:
+        return int(free * GiB // (ceil(tokens / BLOCK) * BLOCK * per_token_gpu))
 
     def engine_mib(tokens: int) -> float:
         return ceil(tokens / BLOCK) * BLOCK * shape.layers * shape.kv_elems * kv_bytes / 2 ** 20
 
-    sparse_max_seqs = int(free * GiB // per_gpu_bytes(sparse_tokens))
-    problems = _problems(weights, free, sparse_max_seqs, engine_gpus, sparse_tokens,
-                         usable=gpu_mem_gib * gpu_util - reserve_gib)
+    dense_max_seqs, sparse_max_seqs = max_seqs(seq_len), max_seqs(sparse_tokens)
+    problems = _problems(weights, free, dense_max_seqs if shape.mla else sparse_max_seqs, engine_gpus,
+                         seq_len if shape.mla else sparse_tokens, usable=gpu_mem_gib * gpu_util - reserve_gib,
+                         mla=shape.mla)
     return RolloutPlan(
         engine_gpus=engine_gpus, weights_gib_per_gpu=weights, kv_free_gib_per_gpu=free,
         dense_tokens=seq_len, sparse_tokens=sparse_tokens,
         dense_mib_per_seq=engine_mib(seq_len), sparse_mib_per_seq=engine_mib(sparse_tokens),
-        dense_max_seqs=int(free * GiB // per_gpu_bytes(seq_len)), sparse_max_seqs=sparse_max_seqs,
-        problems=problems,
+        dense_max_seqs=dense_max_seqs, sparse_max_seqs=sparse_max_seqs, kv_layers=shape.layers,
+        kv_values=values, kv_dtype_bytes=kv_bytes, mla=shape.mla, problems=problems,
     )
 
 

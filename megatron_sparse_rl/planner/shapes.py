@@ -4,11 +4,12 @@
     shape = load_shape("/models/Qwen3-30B-A3B")     # a model directory or a config.json path
     shape.total_params(), shape.active_params()
 
-Architectures with a training adapter (models/) are read through it (`get_adapter(cfg).spec_from_hf`).
-`DeepseekV3ForCausalLM` (DeepSeek-V3, Kimi-K2) has no adapter yet; it is read here: MLA attention
-(q/kv low-rank projections, a cached latent of kv_lora_rank + qk_rope_head_dim per token), shared experts,
-the first `first_k_dense_replace` layers dense. Multi-token-prediction layers are left out of the totals,
-as in the published counts (DeepSeek-V3: 671B main model + 14B MTP module).
+Every architecture is read through its training adapter (models/: `get_adapter(cfg).spec_from_hf`), so the
+planner and the learner see one shape. `DeepseekV3ForCausalLM` (DeepSeek-V3, Kimi-K2): MLA attention (q/kv
+low-rank projections; the cache holds ONE latent row per token per layer, `DeepseekSpec.latent_width` =
+kv_lora_rank + qk_rope_head_dim values shared by every head), shared experts, the first
+`first_k_dense_replace` layers dense, the router's correction bias. Multi-token-prediction layers are left out
+of the totals, as in the published counts (DeepSeek-V3: 671B main model + 14B MTP module).
 """
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ class ModelShape:
     notes: tuple[str, ...] = ()
 
     @property
+    def mla(self) -> bool:
+        """Multi-head latent attention: `kv_elems` is one latent row per token per layer, not per head."""
+        return self.kv_heads == 0
+
+    @property
     def n_moe(self) -> int:
         return sum(self.moe_layers)
 
@@ -82,66 +88,62 @@ class ModelShape:
         return self.total_params() - self.n_moe * (self.num_experts - self.topk) * self.expert_params
 
 
-def _from_spec(name: str, spec) -> ModelShape:
+def _gqa_attention(spec) -> dict:
+    """Attention fields of a grouped-query model: K and V of every KV head cached, split by KV head over TP."""
     h, hd = spec.hidden_size, spec.head_dim
     attn = h * hd * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 2 * h
     attn += hd * (spec.num_heads + 2 * spec.num_kv_heads) if spec.qkv_bias else 0
     attn += 2 * hd if spec.qk_norm else 0
+    return dict(attn_params=attn, kv_elems=2 * spec.num_kv_heads * hd, kv_heads=spec.num_kv_heads,
+                act_attn=hd * (spec.num_heads * 2 + spec.num_kv_heads * 2), notes=())
+
+
+def _mla_attention(spec) -> dict:
+    """Attention fields of multi-head latent attention (`DeepseekSpec`): q (full or low-rank with its norm), the
+    joint KV down projection to the latent + rope key, the latent norm, the per-head K/V up projection, the output
+    projection, plus the layer's two RMSNorms. Cached per token per layer: the latent row (`latent_width`)."""
+    h, heads, q_lora, kv_lora = spec.hidden_size, spec.num_heads, spec.q_lora_rank, spec.kv_lora_rank
+    qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    q = h * heads * qk if q_lora is None else h * q_lora + q_lora + q_lora * heads * qk
+    kv = h * spec.latent_width + kv_lora + kv_lora * heads * (spec.qk_nope_head_dim + spec.v_head_dim)
+    notes = (f"{spec.mtp_layers} multi-token-prediction layer(s) not counted (as in the published total)",) \
+        if spec.mtp_layers else ()
+    notes += (f"MLA: the KV cache holds one latent row per token per layer, {spec.latent_width} values "
+              f"(kv_lora_rank {kv_lora} + qk_rope_head_dim {spec.qk_rope_head_dim}) shared by all {heads} heads and "
+              "kept whole on every TP rank of an engine",)
+    return dict(attn_params=q + kv + heads * spec.v_head_dim * h + 2 * h, kv_elems=spec.latent_width, kv_heads=0,
+                act_attn=(q_lora or 0) + spec.latent_width + heads * (2 * qk + 2 * spec.v_head_dim), notes=notes)
+
+
+def _from_spec(name: str, spec) -> ModelShape:
+    from megatron_sparse_rl.models.deepseek import DeepseekSpec
+
+    h, deepseek = spec.hidden_size, isinstance(spec, DeepseekSpec)
+    # DeepSeek's sigmoid router has a correction bias per expert (Megatron's router.expert_bias)
+    router = spec.num_experts * (h + 1 if deepseek else h)
     return ModelShape(
         name=name, architecture=spec.architecture, hidden=h, layers=spec.num_layers, vocab=spec.vocab_size,
-        heads=spec.num_heads, attn_params=attn, dense_mlp_params=3 * h * spec.ffn_hidden_size,
+        heads=spec.num_heads, dense_mlp_params=3 * h * spec.ffn_hidden_size,
         expert_params=3 * h * spec.moe_ffn_hidden_size, shared_params=3 * h * spec.shared_expert_ffn_hidden_size,
-        router_params=spec.num_experts * h, num_experts=spec.num_experts, topk=spec.moe_topk,
+        router_params=router, num_experts=spec.num_experts, topk=spec.moe_topk,
         moe_layers=tuple(spec.moe_layers), embed_params=spec.vocab_size * h,
-        head_params=0 if spec.tie_embeddings else spec.vocab_size * h,
-        kv_elems=2 * spec.num_kv_heads * hd, kv_heads=spec.num_kv_heads,
-        act_attn=hd * (spec.num_heads * 2 + spec.num_kv_heads * 2), ffn=spec.ffn_hidden_size,
+        head_params=0 if spec.tie_embeddings else spec.vocab_size * h, ffn=spec.ffn_hidden_size,
         moe_ffn=spec.moe_ffn_hidden_size, shared_ffn=spec.shared_expert_ffn_hidden_size,
+        **(_mla_attention(spec) if deepseek else _gqa_attention(spec)),
     )
-
-
-def _deepseek_v3(name: str, cfg: dict) -> ModelShape:
-    h, heads, L = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
-    nope, rope, vdim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    q_lora, kv_lora = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
-    q = (h * q_lora + q_lora + q_lora * heads * (nope + rope)) if q_lora else h * heads * (nope + rope)
-    kv = h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + vdim)
-    attn = q + kv + heads * vdim * h + 2 * h
-    experts, moe_ffn = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-    first_dense, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
-    moe_layers = tuple(i >= first_dense and i % freq == 0 for i in range(L))
-    bias = experts if cfg.get("topk_method") == "noaux_tc" else 0  # e_score_correction_bias
-    shared = cfg.get("n_shared_experts") or 0
-    mtp = cfg.get("num_nextn_predict_layers") or 0
-    notes = (f"{mtp} multi-token-prediction layer(s) not counted (as in the published total)",) if mtp else ()
-    return ModelShape(
-        name=name, architecture=cfg["architectures"][0], hidden=h, layers=L, vocab=cfg["vocab_size"], heads=heads,
-        attn_params=attn, dense_mlp_params=3 * h * cfg["intermediate_size"], expert_params=3 * h * moe_ffn,
-        shared_params=shared * 3 * h * moe_ffn, router_params=experts * h + bias, num_experts=experts,
-        topk=cfg["num_experts_per_tok"], moe_layers=moe_layers, embed_params=cfg["vocab_size"] * h,
-        head_params=0 if cfg.get("tie_word_embeddings") else cfg["vocab_size"] * h,
-        kv_elems=kv_lora + rope, kv_heads=0,
-        act_attn=(q_lora or 0) + kv_lora + rope + heads * (2 * (nope + rope) + 2 * vdim),
-        ffn=cfg["intermediate_size"], moe_ffn=moe_ffn, shared_ffn=shared * moe_ffn,
-        notes=notes + ("MLA: the KV cache holds the latent (kv_lora_rank + qk_rope_head_dim) per token per layer",),
-    )
-
-
-READERS = {"DeepseekV3ForCausalLM": _deepseek_v3}
 
 
 def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
-    """A ModelShape from an HF config dict; ValueError naming the architecture when it cannot be read."""
+    """A ModelShape from an HF config dict, through the architecture's training adapter; ValueError naming the
+    architecture when no adapter reads it."""
+    from megatron_sparse_rl.models import ADAPTERS, get_adapter
+
     archs = cfg.get("architectures") or []
     if len(archs) != 1:
         raise ValueError(f"{name}: config must name exactly one architecture (got {archs!r})")
-    if archs[0] in READERS:
-        return READERS[archs[0]](name, cfg)
-    from megatron_sparse_rl.models import ADAPTERS, get_adapter
-
     if archs[0] not in ADAPTERS:
         raise ValueError(f"{name}: architecture {archs[0]!r} is not supported by the planner; supported: "
-                         f"{', '.join(sorted(set(ADAPTERS) | set(READERS)))}")
+                         f"{', '.join(sorted(ADAPTERS))}")
     return _from_spec(name, get_adapter(cfg).spec_from_hf(cfg))
 
 

@@ -70,12 +70,17 @@ def ensure_model(run: RunConfig, rank: int) -> Path:
     if rank == 0 and not (path / "config.json").is_file():
         if run.model.tiny is None:
             raise FileNotFoundError(f"model.path {str(path)!r} has no config.json (and model.tiny is not set)")
+        from megatron_sparse_rl.config.schema import MLA_ARCHS
         from megatron_sparse_rl.config.validate import tiny_fields
         from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+        from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
 
         t = run.model.tiny
         log.info("building tiny %s model at %s", t.arch, path)
-        build_tiny_hf_model(path, arch=t.arch, **tiny_fields(t))
+        if t.arch in MLA_ARCHS:
+            build_tiny_deepseek(path, **tiny_fields(t))
+        else:
+            build_tiny_hf_model(path, arch=t.arch, **tiny_fields(t))
     dist.barrier()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path {str(path)!r} has no config.json (and model.tiny is not set)")

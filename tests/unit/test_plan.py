@@ -44,13 +44,62 @@ def test_deepseek_shape_by_hand():
     assert s.kv_elems == 576 and s.kv_heads == 0
 
 
-def test_qwen_shape_agrees_with_the_adapter_spec():
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shape_agrees_with_the_adapter_spec(name):
     from megatron_sparse_rl.models import load_spec
     from megatron_sparse_rl.planner.shapes import ASSETS
 
-    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
-        _, spec = load_spec(ASSETS / f"{name}.json")
-        assert load_shape(name).total_params() == spec.parameter_count()
+    _, spec = load_spec(ASSETS / f"{name}.json")
+    assert load_shape(name).total_params() == spec.parameter_count()
+
+
+def deepseek_v3_params_by_hand() -> int:
+    # 61 layers (3 dense, 58 MoE: 256 routed + 1 shared expert of 3 x 7168 x 2048), MLA attention with q_lora 1536,
+    # kv_lora 512, rope 64, nope 128, v 128, 128 heads; router weight + correction bias; untied 129280-token
+    # embedding and head; the final norm.
+    h, e = 7168, 3 * 7168 * 2048
+    attn = h * 1536 + 1536 + 1536 * 128 * 192 + h * 576 + 512 + 512 * 128 * 256 + 128 * 128 * h + 2 * h
+    moe_layer = attn + 257 * e + 256 * h + 256
+    dense_layer = attn + 3 * h * 18432
+    return 58 * moe_layer + 3 * dense_layer + 2 * 129280 * h + h
+
+
+def test_deepseek_v3_mla_kv_and_concurrency_by_hand():
+    """MLA caches ONE latent row per token per layer (kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values), shared
+    by the 128 heads and kept whole on every GPU of a TP engine: an engine holds what one of its GPUs holds."""
+    s = load_shape("deepseek-v3")
+    assert load_shape("deepseek-v3").total_params() == deepseek_v3_params_by_hand()
+    per_token = 61 * 576 * 2  # layers x latent values x bf16 bytes = 70272, not 61 x 128 heads x 2 x 192 x 2
+    gpus, seq = 32, 8192
+    free = 141 * 0.9 - 2 * deepseek_v3_params_by_hand() / gpus / GiB - 4.0  # GiB/GPU left for the cache
+    r = rollout_plan(s, gpu_mem_gib=141, engine_gpus=gpus, seq_len=seq, budget=2048, interval=128)
+    assert r.kv_bytes_per_token == per_token == 70272 and r.mla
+    assert r.kv_free_gib_per_gpu == pytest.approx(free)
+    assert r.dense_mib_per_seq == pytest.approx(seq * per_token / 2 ** 20)
+    assert r.dense_max_seqs == int(free * GiB // (seq * per_token)) == 156
+    assert rollout_plan(s, gpu_mem_gib=141, engine_gpus=gpus, seq_len=seq, budget=2048, interval=128,
+                        kv_bytes=1).kv_bytes_per_token == 61 * 576  # fp8 cache
+    # the same engine over 64 GPUs: weights halve, the per-GPU KV of a sequence does not
+    r64 = rollout_plan(s, gpu_mem_gib=141, engine_gpus=64, seq_len=seq, budget=2048, interval=128)
+    assert r64.kv_bytes_per_token == per_token and r64.dense_max_seqs > r.dense_max_seqs
+
+
+def test_cli_reports_mla_kv_per_token_and_concurrency(capsys):
+    assert cli.main(["plan", "deepseek-v3", "--gpus", "256", "--gpu-mem", "141", "--seq-len", "8192",
+                     "--rollout-gpus", "32", "--layout", "8,1,256"]) == 0
+    out = capsys.readouterr().out
+    assert "KV per token and GPU: 61 layers x 576 values (one MLA latent row) x 2 B = 70272 bytes" in out
+    assert "max concurrent sequences per engine 156" in out
+    assert "sparse KV on the MLA latent cache is not supported yet" in out
+    assert "576 values (kv_lora_rank 512 + qk_rope_head_dim 64) shared by all 128 heads" in out
+
+
+def test_mla_engine_that_holds_no_dense_sequence_is_a_problem():
+    # sparse KV is not available on MLA, so an engine must hold one dense sequence
+    s = load_shape("deepseek-v3")
+    r = rollout_plan(s, gpu_mem_gib=141, engine_gpus=32, seq_len=2_000_000, budget=2048, interval=128)
+    assert r.sparse_max_seqs > 0 and r.dense_max_seqs == 0
+    assert "holds not one sequence, dense (sparse KV is not available on the MLA latent)" in r.problems[0]
 
 
 def test_bundled_models():
