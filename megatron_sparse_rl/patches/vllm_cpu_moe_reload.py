@@ -14,7 +14,10 @@ update" and skips `self.moe_kernel.fused_experts.process_weights_after_loading(l
 which `CPUUnquantizedExperts` (model_executor/layers/fused_moe/experts/cpu_moe.py) pads the expert
 intermediate size to its alignment and prepacks w13/w2 into its grouped-GEMM layout. So after a reload
 the experts hold the new weights UNPACKED, and the CPU kernel reads them as if packed: no error, wrong
-outputs (measured on the tiny Qwen3-MoE: max |dlogprob| 3.7 vs transformers; 1e-6 with this patch).
+outputs (measured on the tiny Qwen3-MoE: max |dlogprob| 3.7 vs transformers; 1e-6 with this patch; on the
+tiny DeepSeek-V3, whose routed experts are the same FusedMoE: 2.45 without, 8e-6 with it). DeepSeek's shared
+experts are plain MLP linears that vLLM's reload repacks itself; its MLA attention recomputes the absorbed
+projections in `MLAAttention.process_weights_after_loading`, which the reload calls (tests/e2e/test_rollout_mla.py).
 If the intermediate size needs padding, the unpatched reload instead fails with a shape mismatch.
 
 The fix

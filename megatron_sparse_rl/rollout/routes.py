@@ -5,6 +5,11 @@ every MoE router (`BaseRouter.set_capture_fn`: called by vLLM with the top-k ids
 them and right before the experts run, the same point vLLM's GPU capturer uses), plus a forward pre-hook
 on the model that notes, per engine step, which request owns which rows of the flat token batch and the token
 ids and positions of those rows (`vllm_access.StepContext`, through the shared `StepCapture` base).
+The ids are LOGICAL expert ids (vLLM calls the callback before any expert-placement / EPLB remapping) and are
+whatever the router selected, whatever its scoring: softmax top-k, or DeepSeek-V3 / Kimi-K2's sigmoid scores plus
+`e_score_correction_bias` with group-limited top-k (vLLM's CPURouter; tests/e2e/test_rollout_mla.py checks them
+against transformers' DeepseekV3TopkRouter). Only MoE layers have a router: dense layers (DeepSeek's first
+`first_k_dense_replace`) are not recorded, and shared experts, which every token uses, are not part of a route.
 
 After `generate`, every output row (prompt + response) gets the routes of its n - 1 input positions,
 checked against the tokens the engine fed at each position; a gap or a mismatch raises naming the

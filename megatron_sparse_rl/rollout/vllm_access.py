@@ -3,8 +3,10 @@
 What the project uses beyond vLLM's public API (`LLM.generate`, `collective_rpc`, the outputs) goes through a
 function here: the engine core and scheduler behind an `LLM`, the model runner and its per-step batch
 (`StepContext`), request ids, the `SchedulerOutput` rider, the KV coordinator class swap, the runner's block
-tables and attention layers (`RunnerKV`), the sampler, the MoE routers. The sparse-KV scheduler subclasses
-vLLM's `Scheduler` (its public `scheduler_cls` option) and uses what it inherits: listed here too.
+tables and attention layers (`RunnerKV`), the sampler, the MoE routers, whether the engine runs multi-head
+latent attention (`uses_mla`), and the methods the CPU patches wrap (patches/vllm_cpu_*.py). The sparse-KV
+scheduler subclasses vLLM's `Scheduler` (its public `scheduler_cls` option) and uses what it inherits: listed
+here too.
 
 `NEEDS` holds every class, attribute and method (with its leading parameter names) relied on, per feature.
 `check(llm, features=...)` verifies them, and with an engine its live engine core, scheduler and model runner;
@@ -37,6 +39,9 @@ FEATURES = {
     "sampling_mask": "the keep-sampling-mask record (a wrapper around the sampler)",
     "sparse_kv": "sparse KV (scheduler subclass, coordinator swap, model-runner hooks)",
     "cpu_moe_reload": "the CPU fused-MoE reload patch",
+    "cpu_rotary": "the CPU rotary-embedding patch (DeepSeek / Kimi-K2 default RoPE)",
+    "mla": "multi-head latent attention engines (DeepSeek-V3 / Kimi-K2): which attention vLLM runs, and the "
+           "reload's recompute of the absorbed projections",
 }
 
 
@@ -121,6 +126,12 @@ sparse_kv vllm.v1.core.sched.output:SchedulerOutput <{RIDER}> num_scheduled_toke
 sparse_kv vllm.v1.core.sched.output:CachedRequestData resumed_req_ids
 cpu_moe_reload vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod moe_kernel
     _setup_kernel(self,layer,w13,w2)
+cpu_rotary vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding forward_cpu(self,positions,query,key)
+    forward_native(self,positions,query,key)
+mla vllm.v1.engine.llm_engine:LLMEngine model_config
+mla vllm.config.model:ModelConfig use_mla
+mla vllm.model_executor.layers.attention is_deferred_attention_layer(layer)
+mla vllm.model_executor.layers.attention.mla_attention:MLAAttention process_weights_after_loading(self,act_dtype)
 """
 
 
@@ -267,6 +278,12 @@ def model_runner(worker):
 
 def model(runner) -> torch.nn.Module:
     return runner.get_model()
+
+
+def uses_mla(llm) -> bool:
+    """Whether an in-process `LLM` runs multi-head latent attention (one latent KV row per token and layer shared
+    by all heads), as opposed to per-head K/V (also an MLA model under VLLM_MLA_DISABLE=1)."""
+    return bool(llm.llm_engine.model_config.use_mla)
 
 
 def reload_weights(worker, weights) -> None:
