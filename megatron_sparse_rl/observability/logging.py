@@ -4,7 +4,8 @@ directory is known.
 The console stays readable: this project's own messages at `level` (rank 0; WARNING elsewhere); the libraries'
 (vLLM, Megatron-Core, transformers, torch) only from WARNING up, less the known-benign start-up warnings in
 `BENIGN`, unless `verbose`. The log file gets everything from every logger at INFO (DEBUG with level DEBUG), so
-nothing is lost by keeping the console short. Python `warnings` are routed into logging (logger "py.warnings").
+nothing is lost by keeping the console short, except the listings of the `QUIET` loggers (Megatron's per-parameter
+gradient buckets), which only `verbose` keeps. Python `warnings` are routed into logging (logger "py.warnings").
 """
 from __future__ import annotations
 
@@ -26,6 +27,25 @@ BENIGN = (
     "Triton is not installed", "Model Runner V2 requires Triton", "Reset SSM cache type",
     "is not found in LD_PRELOAD", "doesn't allow to use `torch.set_num_threads`",
 )
+# vLLM's reload lists the weights no checkpoint tensor filled; for MLA these are the absorbed projections it derives
+# from kv_b_proj after loading. Benign only when every listed name is one of those.
+_NOT_LOADED = "Following weights were not loaded from checkpoint: "
+_DERIVED = (".W_UK_T", ".W_UV")
+
+
+def _benign(message: str) -> bool:
+    if any(b in message for b in BENIGN):
+        return True
+    if message.startswith(_NOT_LOADED):
+        names = [n.strip(" '\"") for n in message[len(_NOT_LOADED):].strip("{} ").split(",")]
+        return bool(names) and all(n.endswith(_DERIVED) for n in names)
+    return False
+
+
+# Library loggers whose INFO records are listings nobody reads, kept at WARNING (console and log file) unless
+# verbose: Megatron-Core's DDP lists every parameter of every gradient bucket at INFO when it builds its buffers.
+QUIET = ("megatron.core.distributed.param_and_grad_buffer",)
+
 # Libraries that install their own console handler: their records are sent to the root logger instead. (torch
 # is left alone: its logging module attaches handlers to many child loggers and manages their levels itself;
 # it prints only warnings by default.)
@@ -45,7 +65,7 @@ class ConsoleFilter(logging.Filter):
             return True
         if record.levelno < logging.WARNING:
             return False
-        return record.levelno >= logging.ERROR or not any(b in record.getMessage() for b in BENIGN)
+        return record.levelno >= logging.ERROR or not _benign(record.getMessage())
 
 
 def _reroute_library_handlers(verbose: bool) -> None:
@@ -80,6 +100,8 @@ def init_logging(rank: int = 0, level: int | str | None = None, *, verbose: bool
     root.setLevel(min(level, logging.INFO))
     logging.captureWarnings(True)
     _reroute_library_handlers(verbose)
+    for name in QUIET:
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 
 def attach_log_file(path: str | Path) -> Path:

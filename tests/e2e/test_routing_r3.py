@@ -7,6 +7,8 @@ Megatron learner.
   stale weights would), replaying the engine's routes brings the learner's logprobs closer to the engine's
   than its own routing does (measured and printed);
 - the rollout batch carries one packed uint8 route sequence per row, n - 1 positions long.
+Both for Qwen3-MoE (softmax router) and DeepSeek-V3 (MLA engine; sigmoid group-limited router with expert bias,
+a dense first layer, shared experts).
 Run: .venv/bin/python -m pytest -q tests/e2e/test_routing_r3.py -s
 """
 from dataclasses import replace
@@ -70,13 +72,18 @@ def r3_worker(rank, world_size, model_dir):
     return out
 
 
-def test_r3_replay_brings_learner_to_engine(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_r3_replay_brings_learner_to_engine(tmp_path, family):
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+    from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
 
-    model_dir = str(build_tiny_hf_model(tmp_path / "moe", experts=8, topk=2, seed=0))
+    if family == "qwen3_moe":
+        model_dir = str(build_tiny_hf_model(tmp_path / "moe", experts=8, topk=2, seed=0))
+    else:  # MLA engine, grouped sigmoid router with expert bias, a dense first layer
+        model_dir = str(build_tiny_deepseek(tmp_path / "ds", seed=0))
     out = run_distributed(r3_worker, 1, args=(model_dir,), timeout=300)[0]
     m = out["metrics"]
-    print(f"\nR3: bytes/token {out['bytes_per_token']:.2f}; unperturbed agreement {out['agree_unperturbed'].tolist()}, "
+    print(f"\nR3 {family}: bytes/token {out['bytes_per_token']:.2f}; unperturbed agreement {out['agree_unperturbed'].tolist()}, "
           f"|learner-engine| own {out['diff_own_unperturbed']:.2e} replay {out['diff_replay_unperturbed']:.2e}; "
           f"perturbed routers: agreement {m['routing/agreement_mean']:.3f}, flipped tokens "
           f"{m['routing/flipped_token_fraction']:.3f}, |learner-engine| own {out['diff_own']:.4f} "
