@@ -44,9 +44,10 @@ def _sets(run_dir: Path, model_dir: Path, *, rollout_ranks: int, steps: int, ext
             "trainer.verify_sync_every=1", f"trainer.verify_sync_tol={TOL}", *extra]
 
 
-def _launch(run_dir: Path, model_dir: Path, *, nproc: int, rollout_ranks: int, steps: int, extra=(), env=None):
+def _launch(run_dir: Path, model_dir: Path, *, nproc: int, rollout_ranks: int, steps: int, extra=(), env=None,
+            config="tiny_moe.yaml"):
     sets = _sets(run_dir, model_dir, rollout_ranks=rollout_ranks, steps=steps, extra=extra)
-    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
+    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs" / config),
            "--nproc", str(nproc), "--set", *sets]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
@@ -198,3 +199,13 @@ def test_a_failing_rollout_rank_fails_the_run_without_hanging(tmp_path, model_di
                    extra=["rollout.sampling.max_tokens=60", "trainer.sft.max_steps=0"])
     assert proc.returncode != 0
     assert "rollout rank 1 failed: ValueError: prompt 0: needs 1 <= length and length + max_tokens" in proc.stderr
+
+
+def test_deepseek_v3_one_learner_and_one_rollout_rank(tmp_path):
+    """The MLA model disaggregated: the learner rank streams DeepSeek-V3's tensors (MLA projections, shared experts,
+    the router's expert bias) to the rollout rank's vLLM MLA engine; the probe after every sync stays under the
+    tolerance and the engine samples with the learner's weights (k1 at numerics level)."""
+    run_dir = tmp_path / "ds"
+    proc = _launch(run_dir, tmp_path / "model", nproc=2, rollout_ranks=1, steps=2, config="tiny_deepseek_v3.yaml")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _print("DeepSeek-V3 1 learner + 1 rollout", _check_run(run_dir, [1, 2]))
