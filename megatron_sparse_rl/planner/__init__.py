@@ -2,9 +2,10 @@
 
     from megatron_sparse_rl.planner import load_shape, PlanOptions, rank_layouts, rollout_plan, weight_sync
 """
-from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions, plan_layout, rank_layouts
+from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions, plan_layout
+from megatron_sparse_rl.planner.ranking import chosen_reason, rank_layouts
 from megatron_sparse_rl.planner.rollout import default_engine_gpus, rollout_plan, weight_sync
 from megatron_sparse_rl.planner.shapes import ModelShape, bundled_models, load_shape
 
-__all__ = ["LayoutPlan", "ModelShape", "PlanOptions", "bundled_models", "default_engine_gpus", "load_shape",
-           "plan_layout", "rank_layouts", "rollout_plan", "weight_sync"]
+__all__ = ["LayoutPlan", "ModelShape", "PlanOptions", "bundled_models", "chosen_reason", "default_engine_gpus",
+           "load_shape", "plan_layout", "rank_layouts", "rollout_plan", "weight_sync"]

@@ -1,7 +1,7 @@
-"""Per-GPU memory of learner states for a TP/PP/EP/DP layout, and the candidate layouts of a cluster.
+"""Per-GPU memory of learner states for one TP/PP/EP/DP layout, with what ranks it (ranking.py ranks them).
 
     opts = PlanOptions(gpus=256, gpus_per_node=8, gpu_mem_gib=80)
-    plans = rank_layouts(shape, opts)          # every candidate, fitting ones first, best first
+    plan = plan_layout(shape, 8, 8, 32, opts)  # memory, headroom, EP nodes, learner limits, published recipe
 
 Assumptions (docs/scale.md explains them): bf16 weights; gradients fp32 (or bf16) in Megatron's buffer;
 Megatron's distributed optimizer shards fp32 master weights + Adam m, v (12 bytes, +4 for an fp32 grad
@@ -17,16 +17,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
+from megatron_sparse_rl.planner.recipes import Recipe, published_recipe
 from megatron_sparse_rl.planner.shapes import ModelShape
 
 GiB = 1024 ** 3
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True, slots=True)
 class PlanOptions:
     gpus: int
-    gpus_per_node: int
+    """GPUs of the learner."""
+    gpus_per_node: int = 8
+    """GPUs joined by NVLink in one node: a TP group stays inside one; an EP group that spans nodes ranks lower."""
     gpu_mem_gib: float
+    """Memory of one GPU."""
     seq_len: int = 32768
     """Tokens per learner micro-batch sequence (prompt + response)."""
     micro_batch: int = 1
@@ -37,13 +41,51 @@ class PlanOptions:
     """Master weights and Adam states on the host (Megatron's optimizer CPU offload)."""
     reserve_gib: float = 6.0
     """Left for the CUDA context, NCCL buffers, allocator fragmentation and temporaries."""
+    margin: float = 0.10
+    """Headroom a layout should keep beyond `reserve_gib`, as a fraction of GPU memory (0.10: 8 GiB of 80): what
+    the estimate leaves out (experts receiving more than their share of tokens, allocator peaks) has to fit there.
+    A layout that fits with less ranks below every fitting layout that keeps it."""
+
+    def __post_init__(self):
+        if self.gpus < 1 or self.gpus_per_node < 1 or self.gpu_mem_gib <= 0:
+            raise ValueError(f"gpus and gpus_per_node must be >= 1 and gpu_mem_gib > 0 (got {self.gpus}, "
+                             f"{self.gpus_per_node}, {self.gpu_mem_gib:g})")
+        if self.recompute not in ("full", "none") or self.grad_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"recompute must be full|none and grad_dtype fp32|bf16 (got {self.recompute!r}, "
+                             f"{self.grad_dtype!r})")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin must be a fraction of GPU memory in [0, 1) (got {self.margin:g})")
 
     @property
     def usable_gib(self) -> float:
         return self.gpu_mem_gib - self.reserve_gib
 
+    @property
+    def margin_gib(self) -> float:
+        return self.margin * self.gpu_mem_gib
 
-@dataclass(frozen=True)
+
+def one_of(items: list[str]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def memory_remedies(opts: PlanOptions, *, states: bool = True, activations: bool = True,
+                    bf16_grads_help: bool = True) -> list[str]:
+    """The plan options that would lower learner memory and are not on yet: a hint never names one that is.
+    `bf16_grads_help`: bf16 gradients need an fp32 copy in the optimizer (4 B / data-parallel size), so they save
+    memory only where data parallel is wide enough."""
+    out = []
+    if states:
+        out += [] if opts.optimizer_offload else ["offload the optimizer (--optimizer-offload)"]
+        out += ["use bf16 gradients (--grad-dtype bf16)"] if opts.grad_dtype == "fp32" and bf16_grads_help else []
+    if activations:
+        out += ["recompute activations (--recompute full)"] if opts.recompute != "full" else []
+        out += ["use a smaller --micro-batch"] if opts.micro_batch > 1 else []
+    return out
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class LayoutPlan:
     tp: int
     pp: int
@@ -56,19 +98,66 @@ class LayoutPlan:
     activations_gib: float
     host_optimizer_gib: float
     usable_gib: float
+    margin_gib: float
+    """Headroom the options ask a layout to keep (PlanOptions.margin_gib)."""
+    ep_nodes: int
+    """Nodes one expert-parallel group spans (its all-to-all leaves NVLink when > 1)."""
     problems: tuple[str, ...]
+    """Why it does not fit in memory ([] when it does)."""
+    learner_limits: tuple[str, ...] = ()
+    """Why this project's learner cannot run it although Megatron can (uneven pipeline stages)."""
+    recipe: Recipe | None = None
+    """The published recipe that uses this layout on this many GPUs."""
 
     @property
     def total_gib(self) -> float:
         return self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib
 
     @property
+    def headroom_gib(self) -> float:
+        return self.usable_gib - self.total_gib
+
+    @property
     def fits(self) -> bool:
         return not self.problems
 
     @property
+    def roomy(self) -> bool:
+        """Fits and keeps the margin."""
+        return self.fits and self.headroom_gib >= self.margin_gib
+
+    @property
+    def runs_here(self) -> bool:
+        return not self.learner_limits
+
+    @property
     def bubble(self) -> float:
         return 0.0 if self.pp == 1 else (self.pp - 1) / (self.pp - 1 + 4 * self.pp)  # 4*pp micro-batches assumed
+
+
+def ep_nodes(ep: int, gpus: int, gpus_per_node: int) -> int:
+    """Nodes the widest expert-parallel group spans. With expert tensor parallel 1, Megatron-Core's expert rank order
+    (tp-cp-ep-dp-pp) makes each EP group `ep` consecutive ranks; ranks fill nodes in order."""
+    return max((s + ep - 1) // gpus_per_node - s // gpus_per_node + 1 for s in range(0, gpus, ep))
+
+
+_LIMITS_PREFIX = "parallel layout does not fit the model: "
+
+
+def learner_limits(shape: ModelShape, tp: int, pp: int, ep: int, gpus: int) -> tuple[str, ...]:
+    """What this project's learner refuses in a layout Megatron could run (its own check, ParallelLayout.check_model:
+    pp must divide the layers, tp the vocabulary, ...); () when it runs it."""
+    if shape.spec is None:
+        return ()
+    from megatron_sparse_rl.parallel.layout import ParallelLayout
+
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=1, dp=gpus // (tp * pp), world_size=gpus,
+                            sequence_parallel=tp > 1)
+    try:
+        layout.check_model(shape.spec)
+    except ValueError as e:
+        return tuple(str(e).removeprefix(_LIMITS_PREFIX).split("; "))
+    return ()
 
 
 def stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple[float, float]:
@@ -115,60 +204,21 @@ def plan_layout(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions)
                 grads_gib=grad_b * (dense + experts) / GiB,
                 optimizer_gib=0.0 if opts.optimizer_offload else optim / GiB,
                 activations_gib=acts / GiB, host_optimizer_gib=optim / GiB if opts.optimizer_offload else 0.0,
-                usable_gib=opts.usable_gib)
+                usable_gib=opts.usable_gib, margin_gib=opts.margin_gib,
+                ep_nodes=ep_nodes(ep, world, opts.gpus_per_node),
+                learner_limits=learner_limits(shape, tp, pp, ep, world),
+                recipe=published_recipe(shape, gpus=world, tp=tp, pp=pp, ep=ep))
     states = plan["weights_gib"] + plan["grads_gib"] + plan["optimizer_gib"]
     problems = []
+    # bf16 grads: -2 B per parameter held, +4 B of fp32 grads sharded over the data-parallel group
+    bf16_helps = 2 * (dense + experts) > 4 * (dense / dp + experts / edp)
     if states > opts.usable_gib:
+        fixes = ["raise ep/pp (experts) or tp (dense)"] + memory_remedies(opts, activations=False,
+                                                                          bf16_grads_help=bf16_helps)
         problems.append(f"weights+grads+optimizer {states:.1f} GiB > usable {opts.usable_gib:.1f} GiB: "
-                        "raise ep/pp (experts) or tp (dense), or offload the optimizer")
+                        + one_of(fixes))
     elif states + plan["activations_gib"] > opts.usable_gib:
+        fixes = ["shorten --seq-len"] + memory_remedies(opts, bf16_grads_help=bf16_helps) + ["raise tp/pp"]
         problems.append(f"activations {plan['activations_gib']:.1f} GiB leave no room "
-                        f"({states + plan['activations_gib']:.1f} > {opts.usable_gib:.1f} GiB): shorten seq_len, "
-                        "recompute, or raise tp/pp")
+                        f"({states + plan['activations_gib']:.1f} > {opts.usable_gib:.1f} GiB): " + one_of(fixes))
     return LayoutPlan(problems=tuple(problems), **plan)
-
-
-def _pow2_upto(n: int) -> list[int]:
-    out, v = [], 1
-    while v <= n:
-        out.append(v)
-        v *= 2
-    return out
-
-
-def shard_problems(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions) -> list[str]:
-    """Why (tp, pp, ep) cannot shard `shape` on `opts.gpus` GPUs at all ([] if it can)."""
-    p = []
-    if opts.gpus % (tp * pp) or (opts.gpus // pp) % ep:
-        p.append(f"{opts.gpus} GPUs do not divide into tp*pp={tp * pp} and ep={ep} per stage")
-    if tp > opts.gpus_per_node:
-        p.append(f"tp={tp} > {opts.gpus_per_node} GPUs per node")
-    if shape.heads % tp or (shape.kv_heads and shape.kv_heads % tp):
-        p.append(f"tp={tp} must divide heads ({shape.heads}) and KV heads ({shape.kv_heads or shape.heads})")
-    if pp > shape.layers:
-        p.append(f"pp={pp} > {shape.layers} layers")
-    if shape.num_experts % ep or (ep > 1 and not shape.num_experts):
-        p.append(f"ep={ep} must divide the experts ({shape.num_experts})")
-    return p
-
-
-def candidate_layouts(shape: ModelShape, opts: PlanOptions) -> list[tuple[int, int, int]]:
-    """(tp, pp, ep) with tp, pp, ep powers of two that shard the model on the cluster."""
-    out = []
-    for tp in _pow2_upto(min(8, opts.gpus_per_node)):
-        for pp in _pow2_upto(min(32, opts.gpus)):
-            for ep in _pow2_upto(min(opts.gpus, max(shape.num_experts, 1))):
-                if not shard_problems(shape, tp, pp, ep, opts):
-                    out.append((tp, pp, ep))
-    return out
-
-
-def rank_key(p: LayoutPlan):
-    """Fitting first; then the least model parallelism (tp*pp: fewer per-layer collectives, smaller bubble),
-    then fewer pipeline stages, then EP groups inside a node when possible, then the most headroom."""
-    return (not p.fits, p.tp * p.pp, p.pp, p.ep * p.tp > 8, p.ep, -(p.usable_gib - p.total_gib))
-
-
-def rank_layouts(shape: ModelShape, opts: PlanOptions) -> list[LayoutPlan]:
-    plans = [plan_layout(shape, tp, pp, ep, opts) for tp, pp, ep in candidate_layouts(shape, opts)]
-    return sorted(plans, key=rank_key)

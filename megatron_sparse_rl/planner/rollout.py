@@ -2,14 +2,16 @@
 engine can hold, and the weight-sync volume per update.
 
     kv = rollout_plan(shape, gpu_mem_gib=80, engine_gpus=8, seq_len=32768, budget=2048, interval=128)
+    kv = rollout_plan(..., weight_bytes=1, gpus_per_node=8)   # fp8 engine weights; flag engines across nodes
     sync = weight_sync(shape, link_gbps=400, learner_nodes=32)
 
-Assumptions: bf16 engine weights sharded evenly over the engine's GPUs; a dense-attention KV cache is split
-over the engine's TP ranks by KV head (a head is replicated when there are fewer heads than ranks); an MLA
-cache holds one latent row per token per layer (kv_lora_rank + qk_rope_head_dim values, shared by every head),
-kept whole on every TP rank (vLLM's MLA cache), so an engine holds as many sequences as one of its GPUs; vLLM
-pages of 16 tokens. A sparse sequence holds at most budget + interval tokens (the policy compresses back to
-`budget` every `interval` new tokens), so its KV no longer grows with the response length. Sparse KV on the
+Assumptions: bf16 (or fp8: 1 byte per parameter, every parameter) engine weights sharded evenly over the engine's
+GPUs; an engine over more GPUs than a node has is tensor parallel across nodes (flagged, not refused); a
+dense-attention KV cache is split over the engine's TP ranks by KV head (a head is replicated when there are fewer
+heads than ranks); an MLA cache holds one latent row per token per layer (kv_lora_rank + qk_rope_head_dim values,
+shared by every head), kept whole on every TP rank (vLLM's MLA cache), so an engine holds as many sequences as one of
+its GPUs; vLLM pages of 16 tokens. A sparse sequence holds at most budget + interval tokens (the policy compresses
+back to `budget` every `interval` new tokens), so its KV no longer grows with the response length. Sparse KV on the
 MLA latent is not supported yet: for MLA models the sparse numbers are a projection, and whether an engine fits
 is judged on the dense cache.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
+from megatron_sparse_rl.planner.memory import one_of
 from megatron_sparse_rl.planner.shapes import ModelShape
 
 GiB = 1024 ** 3
@@ -43,6 +46,12 @@ class RolloutPlan:
     the whole latent row (kv_lora_rank + qk_rope_head_dim)."""
     kv_dtype_bytes: int
     """Bytes per cached value (2 bf16, 1 fp8)."""
+    weight_bytes: int = 2
+    """Bytes per engine weight (2 bf16, 1 fp8)."""
+    engine_nodes: int = 1
+    """Nodes the engine's GPUs span (its tensor-parallel all-reduces leave NVLink when > 1)."""
+    notes: tuple[str, ...] = ()
+    """What to know that does not stop the engine (it spans nodes)."""
     mla: bool = False
     """The cache is MLA's latent (sparse KV not available on it yet)."""
     problems: tuple[str, ...] = ()
@@ -66,33 +75,41 @@ def _kv_elems_per_gpu(shape: ModelShape, gpus: int) -> int:
     return shape.kv_elems // shape.kv_heads * heads_per_gpu
 
 
-def default_engine_gpus(shape: ModelShape, gpu_mem_gib: float, total_gpus: int) -> int:
-    """The smallest power of two whose bf16 weight shard takes at most half of a GPU."""
+def default_engine_gpus(shape: ModelShape, gpu_mem_gib: float, total_gpus: int, weight_bytes: int = 2) -> int:
+    """The smallest power of two whose weight shard (`weight_bytes` per parameter) takes at most half of a GPU."""
     g = 1
-    while 2 * shape.total_params() / g > gpu_mem_gib * GiB / 2 and g < total_gpus:
+    while weight_bytes * shape.total_params() / g > gpu_mem_gib * GiB / 2 and g < total_gpus:
         g *= 2
     return g
 
 
+def _remedies(kv_bytes: int, weight_bytes: int) -> list[str]:
+    """Rollout options that free KV room and are not on yet (a hint never names one that is)."""
+    return ((["use fp8 engine weights (--engine-weights fp8)"] if weight_bytes > 1 else [])
+            + (["use an fp8 cache (--kv-dtype fp8)"] if kv_bytes > 1 else []))
+
+
 def _problems(weights: float, free: float, max_seqs: int, engine_gpus: int, tokens: int, *, usable: float,
-              mla: bool) -> tuple[str, ...]:
+              mla: bool, kv_bytes: int, weight_bytes: int) -> tuple[str, ...]:
     """Why an engine cannot generate: the weights leave no KV room, or the room holds not one sequence (`max_seqs`,
     `tokens`: the sparse cache, or for MLA, where sparse KV is not available, the dense one)."""
     if free <= 0:
+        fixes = ["spread the engine over more GPUs (--rollout-gpus)"] + _remedies(1, weight_bytes) + ["use larger GPUs"]
         return (f"the engine's weights ({weights:.1f} GiB/GPU on {engine_gpus} GPU(s)) leave no KV room in the "
-                f"{usable:.1f} GiB usable per GPU: spread the engine over more GPUs (--rollout-gpus) or use "
-                "larger GPUs",)
+                f"{usable:.1f} GiB usable per GPU: " + one_of(fixes),)
     if max_seqs == 0:
         kind = "dense (sparse KV is not available on the MLA latent)" if mla else "even sparse"
-        fix = "shorten --seq-len" if mla else "lower the KV budget"
-        return (f"the KV room ({free:.2f} GiB/GPU) holds not one sequence, {kind} ({tokens} tokens): spread the "
-                f"engine over more GPUs (--rollout-gpus), {fix} or use an fp8 cache",)
+        fixes = (["spread the engine over more GPUs (--rollout-gpus)", "shorten --seq-len" if mla else
+                  "lower the KV budget (--kv-budget)"] + _remedies(kv_bytes, weight_bytes))
+        return (f"the KV room ({free:.2f} GiB/GPU) holds not one sequence, {kind} ({tokens} tokens): "
+                + one_of(fixes),)
     return ()
 
 
 def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq_len: int, budget: int,
-                 interval: int, kv_bytes: int = 2, gpu_util: float = 0.9, reserve_gib: float = 4.0) -> RolloutPlan:
-    weights = 2 * shape.total_params() / engine_gpus / GiB
+                 interval: int, kv_bytes: int = 2, weight_bytes: int = 2, gpus_per_node: int = 8,
+                 gpu_util: float = 0.9, reserve_gib: float = 4.0) -> RolloutPlan:
+    weights = weight_bytes * shape.total_params() / engine_gpus / GiB
     free = max(0.0, gpu_mem_gib * gpu_util - weights - reserve_gib)
     sparse_tokens = min(seq_len, budget + interval)
     values = _kv_elems_per_gpu(shape, engine_gpus)
@@ -107,13 +124,17 @@ def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq
     dense_max_seqs, sparse_max_seqs = max_seqs(seq_len), max_seqs(sparse_tokens)
     problems = _problems(weights, free, dense_max_seqs if shape.mla else sparse_max_seqs, engine_gpus,
                          seq_len if shape.mla else sparse_tokens, usable=gpu_mem_gib * gpu_util - reserve_gib,
-                         mla=shape.mla)
+                         mla=shape.mla, kv_bytes=kv_bytes, weight_bytes=weight_bytes)
+    nodes = ceil(engine_gpus / gpus_per_node)
+    notes = (f"the engine's {engine_gpus} GPUs span {nodes} nodes of {gpus_per_node}: its tensor-parallel "
+             "all-reduces (two per layer and token step) cross the inter-node network",) if nodes > 1 else ()
     return RolloutPlan(
         engine_gpus=engine_gpus, weights_gib_per_gpu=weights, kv_free_gib_per_gpu=free,
         dense_tokens=seq_len, sparse_tokens=sparse_tokens,
         dense_mib_per_seq=engine_mib(seq_len), sparse_mib_per_seq=engine_mib(sparse_tokens),
         dense_max_seqs=dense_max_seqs, sparse_max_seqs=sparse_max_seqs, kv_layers=shape.layers,
-        kv_values=values, kv_dtype_bytes=kv_bytes, mla=shape.mla, problems=problems,
+        kv_values=values, kv_dtype_bytes=kv_bytes, weight_bytes=weight_bytes, engine_nodes=nodes, notes=notes,
+        mla=shape.mla, problems=problems,
     )
 
 

@@ -14,8 +14,9 @@ of the totals, as in the published counts (DeepSeek-V3: 671B main model + 14B MT
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "model_configs"
 
@@ -60,6 +61,8 @@ class ModelShape:
     moe_ffn: int
     shared_ffn: int
     notes: tuple[str, ...] = ()
+    spec: Any = field(default=None, compare=False, repr=False)
+    """The adapter's ModelSpec it was read from: the learner's own layout check runs on it (memory.learner_limits)."""
 
     @property
     def mla(self) -> bool:
@@ -128,7 +131,7 @@ def _from_spec(name: str, spec) -> ModelShape:
         router_params=router, num_experts=spec.num_experts, topk=spec.moe_topk,
         moe_layers=tuple(spec.moe_layers), embed_params=spec.vocab_size * h,
         head_params=0 if spec.tie_embeddings else spec.vocab_size * h, ffn=spec.ffn_hidden_size,
-        moe_ffn=spec.moe_ffn_hidden_size, shared_ffn=spec.shared_expert_ffn_hidden_size,
+        moe_ffn=spec.moe_ffn_hidden_size, shared_ffn=spec.shared_expert_ffn_hidden_size, spec=spec,
         **(_mla_attention(spec) if deepseek else _gqa_attention(spec)),
     )
 

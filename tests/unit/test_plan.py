@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sparse_rl.planner import PlanOptions, bundled_models, load_shape, plan_layout, rollout_plan, weight_sync
-from megatron_sparse_rl.planner.memory import GiB, rank_layouts
+from megatron_sparse_rl.planner import (PlanOptions, bundled_models, load_shape, plan_layout, rank_layouts,
+                                        rollout_plan, weight_sync)
+from megatron_sparse_rl.planner.memory import GiB
 from tools import cli
 
 # Published totals. Qwen3-30B-A3B: 30.5B (Qwen3 model card / technical report). Qwen3-235B-A22B: 235B (same).
@@ -197,7 +198,185 @@ def test_rollout_plan_names_the_missing_kv_room():
     (["--rollout-gpus", "0"], "--rollout-gpus must be >= 1 (got 0)"),
     (["--layout", "8,0,1"], "--layout degrees must be >= 1 (got '8,0,1')"),
     (["--layout", "8x8"], "--layout must be TP,PP,EP (got '8x8')"),
+    (["--margin", "1.5"], "--margin is a fraction of GPU memory in [0, 1) (got 1.5)"),
 ])
 def test_cli_rejects_bad_arguments_before_planning(tmp_path, monkeypatch, capsys, argv, message):
     code, out, err = _plan_in(tmp_path, monkeypatch, capsys, "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", *argv)
     assert code == 2 and f"error: {message}" in err and out == ""
+
+
+# --- ranking: margin, EP across nodes, published recipes, learner limits (issue 25 item 5) ---
+
+def _qwen3_30b_tp1_pp1_ep8_gib(seq: int) -> float:
+    """Learner GiB/GPU of Qwen3-30B-A3B at tp1 pp1 ep8 on 8 GPUs, fp32 grads, Adam on GPU, full recompute, by hand:
+    48 MoE layers (128 experts of 3 x 2048 x 768, top-8), GQA 32 heads / 4 KV heads of 128, untied 151936 vocab."""
+    h, v, layers = 2048, 151936, 48
+    attn = h * 128 * (2 * 32 + 2 * 4) + 2 * h + 2 * 128  # q, k, v, o; the layer's two norms; q/k norms
+    dense = layers * (attn + 128 * h) + 2 * v * h  # attention, router; embedding and head (one stage)
+    experts = layers * (128 // 8) * 3 * h * 768
+    states = 2 * (dense + experts) + 4 * (dense + experts) + 12 * (dense / 8 + experts / 1)  # dp 8, expert dp 1
+    attn_act = 2 * (2 * h + 128 * (2 * 32 + 2 * 4)) + 4 * 32
+    moe_act = 2 * (2 * h + 8 * (h + 3 * 768)) + 4 * 128
+    acts = seq * (layers * 2 * h + attn_act + moe_act + 8 * v)  # layer inputs, one layer whole, fp32 logits + grad
+    return (states + acts) / GiB
+
+
+def test_a_roomy_layout_ranks_above_one_with_0_3_gib_spare(capsys):
+    # the GPU is sized so that tp1 pp1 ep8 (the least model parallelism that fits) has exactly 0.3 GiB to spare
+    s = load_shape("qwen3-30b-a3b")
+    mem = _qwen3_30b_tp1_pp1_ep8_gib(512) + 6.0 + 0.3
+    opts = PlanOptions(gpus=8, gpus_per_node=8, gpu_mem_gib=mem, seq_len=512)
+    assert opts.margin == 0.10 and opts.margin_gib == pytest.approx(0.1 * mem)
+    plans = rank_layouts(s, opts)
+    tight = next(p for p in plans if (p.tp, p.pp, p.ep) == (1, 1, 8))
+    assert tight.fits and tight.headroom_gib == pytest.approx(0.3) and not tight.roomy
+    assert plans[0].roomy and plans[0].headroom_gib >= 0.1 * mem and plans[0] is not tight
+    assert plans.index(tight) == sum(p.roomy and p.runs_here for p in plans)  # right after every roomy layout
+    # without a margin the same layout is first: the margin is what moved it
+    first = rank_layouts(s, PlanOptions(gpus=8, gpus_per_node=8, gpu_mem_gib=mem, seq_len=512, margin=0))[0]
+    assert (first.tp, first.pp, first.ep) == (1, 1, 8)
+    assert cli.main(["plan", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", repr(mem), "--seq-len", "512"]) == 0
+    out = capsys.readouterr().out
+    first = plans[0]
+    assert f"fits, TIGHT: 0.3 spare < margin {0.1 * mem:.1f}" in out
+    assert (f"chosen: tp{first.tp} pp{first.pp} ep{first.ep}: {first.headroom_gib:.1f} GiB to spare, keeping the "
+            f"{0.1 * mem:.1f} GiB margin; this learner runs it") in out
+
+
+def test_deepseek_v3_256_gpus_lists_the_published_layout_with_the_learner_limit(capsys):
+    """NeMo-RL's DeepSeek-V3 GRPO recipe (grpo-dapomath17k-dsv3-megatron.yaml, 32 x 8 GPUs) runs TP8 PP8 EP32 with
+    uneven stages; this learner needs pp to divide the 61 layers, so the plan lists it as fitting and says so."""
+    s = load_shape("deepseek-v3")
+    plans = rank_layouts(s, PlanOptions(gpus=256, gpus_per_node=8, gpu_mem_gib=80))
+    pub = next(p for p in plans if (p.tp, p.pp, p.ep) == (8, 8, 32))
+    # by hand: the worst of 8 stages holds 8 MoE layers (attention, 1 shared expert, router + bias) and the larger
+    # of embedding and head, over tp 8; 256 / 32 = 8 routed experts per layer per GPU; dp 256/64 = 4, expert dp 1
+    h, v = 7168, 129280
+    attn = h * 1536 + 1536 + 1536 * 128 * 192 + h * 576 + 512 + 512 * 128 * 256 + 128 * 128 * h + 2 * h
+    dense = (8 * attn + 8 * (3 * h * 2048 + 256 * h + 256) + v * h) / 8
+    experts = 8 * 8 * 3 * h * 2048
+    states = 6 * (dense + experts) + 12 * (dense / 4 + experts)
+    attn_act = 2 * (2 * h + 1536 + 576 + 128 * (2 * 192 + 2 * 128)) + 4 * 128
+    moe_act = 2 * (2 * h + 8 * (h + 3 * 2048) + 3 * 2048) + 4 * 256
+    acts = 32768 * (8 * 2 * h * 8 + attn_act + moe_act + 8 * v) / 8  # 8 micro-batches in flight on stage 0
+    assert pub.total_gib == pytest.approx((states + acts) / GiB)
+    assert pub.fits and pub.roomy and 74 - pub.total_gib >= 8.0  # usable 80 - 6, margin 10% of 80
+    assert pub.ep_nodes == 32 // 8
+    assert pub.learner_limits == ("parallel.pp=8 must divide the layer count (61)",)
+    assert pub.recipe.name.endswith("grpo-dapomath17k-dsv3-megatron.yaml")
+    # the first choice is one this learner runs: pp 1 (61 is prime), EP over 256 / 8 = 32 nodes
+    assert (plans[0].tp, plans[0].pp, plans[0].ep, plans[0].ep_nodes) == (8, 1, 256, 32) and plans[0].runs_here
+    # among the fitting layouts this learner cannot run, the published one comes first
+    assert plans.index(pub) == sum(p.fits and p.runs_here for p in plans)
+    assert cli.main(["plan", "deepseek-v3", "--gpus", "256", "--gpu-mem", "80"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.split()[1:5] == ["8", "8", "32", "4"])
+    assert "fits" in row and "NOT IN THIS LEARNER: parallel.pp=8 must divide the layer count (61)" in row
+    assert "published: NeMo-RL examples/configs/recipes/llm/grpo-dapomath17k-dsv3-megatron.yaml" in row
+    assert f"the published layout tp8 pp8 ep32 ranks #{plans.index(pub) + 1}" in out
+
+
+def test_ep_across_nodes_ranks_below_ep_inside_fewer_nodes():
+    # Qwen3-235B-A22B on 16 x 8 GPUs at 8K: tp2 pp1 ep128 (EP over 128 / 8 = 16 nodes, tp*pp 2) fits with the
+    # margin, yet tp2 pp2 ep32 (EP over 4 nodes, tp*pp 4) ranks first
+    plans = rank_layouts(load_shape("qwen3-235b-a22b"), PlanOptions(gpus=128, gpus_per_node=8, gpu_mem_gib=80,
+                                                                    seq_len=8192))
+    wide = next(p for p in plans if (p.tp, p.pp, p.ep) == (2, 1, 128))
+    assert wide.roomy and wide.runs_here and wide.ep_nodes == 16
+    assert (plans[0].tp, plans[0].pp, plans[0].ep, plans[0].ep_nodes) == (2, 2, 32, 4)
+    runnable = [p.ep_nodes for p in plans if p.roomy and p.runs_here]
+    assert runnable == sorted(runnable)
+    # with 4 GPUs per node the same EP 32 spans 8 nodes
+    assert plan_layout(load_shape("qwen3-235b-a22b"), 2, 2, 32, PlanOptions(gpus=128, gpus_per_node=4,
+                                                                            gpu_mem_gib=80)).ep_nodes == 8
+
+
+def test_hints_never_suggest_an_option_that_is_on(tmp_path, monkeypatch, capsys):
+    # 671B on 16 x 80 GiB fits nowhere and a 2-GPU engine has no KV room: every hint that could apply is printed
+    base = ["deepseek-v3", "--gpus", "16", "--gpu-mem", "80", "--rollout-gpus", "2", "--recompute", "none"]
+    code, out, err = _plan_in(tmp_path, monkeypatch, capsys, *base)
+    assert code == 1
+    for hint in ("(--optimizer-offload)", "(--recompute full)", "(--engine-weights fp8)"):
+        assert hint in out + err
+    on = ["--optimizer-offload", "--recompute", "full", "--grad-dtype", "bf16", "--engine-weights", "fp8",
+          "--kv-dtype", "fp8"]
+    code, out, err = _plan_in(tmp_path, monkeypatch, capsys, *base, *on)
+    assert code == 1 and "no candidate layout fits: add GPUs or shorten --seq-len" in out
+    for hint in ("(--optimizer-offload)", "(--recompute full)", "(--grad-dtype bf16)", "(--engine-weights fp8)",
+                 "(--kv-dtype fp8)"):
+        assert hint not in out + err
+    # the KV cache hint: an MLA engine whose room holds not one 4M-token sequence
+    s = load_shape("deepseek-v3")
+    kw = dict(gpu_mem_gib=141, engine_gpus=32, seq_len=4_000_000, budget=2048, interval=128)
+    assert "(--kv-dtype fp8)" in rollout_plan(s, **kw).problems[0]
+    assert "(--kv-dtype fp8)" not in rollout_plan(s, kv_bytes=1, **kw).problems[0]
+    # bf16 grads add an fp32 copy sharded over data parallel: no help where expert dp is 1 (tp8 pp1 ep16 here)
+    p = plan_layout(s, 8, 1, 16, PlanOptions(gpus=16, gpus_per_node=8, gpu_mem_gib=80))
+    assert p.edp == 1 and "(--grad-dtype bf16)" not in p.problems[0] and "(--optimizer-offload)" in p.problems[0]
+
+
+def _tiny_qwen3_moe(path) -> int:
+    """A 2-layer Qwen3-MoE config.json; its parameter count by hand: attention (q, k, v, o of 4 heads / 2 KV heads of
+    16, the layer's two norms, q/k norms), 8 experts of 3 x 64 x 32 and a router per layer, untied 100000 x 64
+    embedding and head, the final norm."""
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 100000, "tie_word_embeddings": False}))
+    layer = 64 * 16 * (2 * 4 + 2 * 2) + 2 * 64 + 2 * 16 + 8 * 3 * 64 * 32 + 8 * 64
+    return 2 * layer + 2 * 100000 * 64 + 64
+
+
+def test_small_model_counts_print_in_millions(tmp_path, capsys):
+    total = _tiny_qwen3_moe(tmp_path / "tiny")
+    assert total == 12_924_288
+    active = total - 2 * (8 - 2) * 3 * 64 * 32  # top-2 of 8 experts per layer
+    assert cli.main(["plan", str(tmp_path / "tiny"), "--gpus", "8", "--gpu-mem", "80"]) == 0
+    out = capsys.readouterr().out
+    assert f"{total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token" in out  # 12.92M, 12.85M
+    assert f"routed experts {2 * 8 * 3 * 64 * 32 / 1e3:.1f}K" in out  # 98.3K
+    assert f"weight sync: {2 * total / 1e6:.1f} MB per update" in out  # 25.8 MB
+    assert "0.00B" not in out and "0.0 GB" not in out
+
+
+def test_sparse_line_states_the_real_budget_sum(capsys):
+    per_token = 48 * 2 * 4 * 128 * 2  # Qwen3-30B-A3B: layers x (K, V) x KV heads x head_dim x bf16 over the engine
+    assert cli.main(["plan", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", "--seq-len", "512"]) == 0
+    out = capsys.readouterr().out
+    assert (f"sparse KV: budget 2048 + interval 128 = 2176 tokens, more than the 512-token sequence: no "
+            f"compression, 512 tokens -> {512 * per_token / 2 ** 20:.0f} MiB/sequence") in out
+    assert "= 512 tokens" not in out
+    assert cli.main(["plan", "qwen3-30b-a3b", "--gpus", "8", "--gpu-mem", "80", "--seq-len", "8192"]) == 0
+    assert (f"sparse KV: budget 2048 + interval 128 = 2176 tokens -> {2176 * per_token / 2 ** 20:.0f} MiB/sequence"
+            in capsys.readouterr().out)
+
+
+def test_engines_across_nodes_are_flagged(capsys):
+    s = load_shape("qwen3-235b-a22b")
+    kw = dict(gpu_mem_gib=80, seq_len=8192, budget=2048, interval=128)
+    assert rollout_plan(s, engine_gpus=8, gpus_per_node=8, **kw).notes == ()
+    r = rollout_plan(s, engine_gpus=16, gpus_per_node=8, **kw)
+    assert r.engine_nodes == 2 and r.fits and "the engine's 16 GPUs span 2 nodes of 8" in r.notes[0]
+    assert rollout_plan(s, engine_gpus=8, gpus_per_node=4, **kw).engine_nodes == 2
+    assert cli.main(["plan", "qwen3-235b-a22b", "--nodes", "16", "--gpu-mem", "80", "--seq-len", "8192",
+                     "--rollout-gpus", "32"]) == 0  # a flag, not a failure
+    assert "note: the engine's 32 GPUs span 4 nodes of 8" in capsys.readouterr().out
+
+
+def test_fp8_engine_weights_halve_engine_weight_memory(capsys):
+    s = load_shape("deepseek-v3")
+    kw = dict(gpu_mem_gib=141, engine_gpus=32, seq_len=8192, budget=2048, interval=128)
+    bf16, fp8 = rollout_plan(s, **kw), rollout_plan(s, weight_bytes=1, **kw)
+    assert bf16.weights_gib_per_gpu == pytest.approx(2 * deepseek_v3_params_by_hand() / 32 / GiB)
+    assert fp8.weights_gib_per_gpu == pytest.approx(deepseek_v3_params_by_hand() / 32 / GiB)
+    assert fp8.kv_free_gib_per_gpu == pytest.approx(bf16.kv_free_gib_per_gpu + fp8.weights_gib_per_gpu)
+    # default engine: the smallest power of two whose weight shard takes at most half of 141 GiB:
+    # bf16 1342 GB / 32 = 41.9 GB <= 75.7 GB (16: 83.9 GB does not); fp8 671 GB / 16 = 41.9 GB (8: 83.9 GB)
+    assert cli.main(["plan", "deepseek-v3", "--gpus", "256", "--gpu-mem", "141", "--seq-len", "8192",
+                     "--engine-weights", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert (f"rollout engine on 16 GPU(s): fp8 weights {deepseek_v3_params_by_hand() / 16 / GiB:.1f} GiB/GPU" in out
+            and "fp8 engine weights / KV cache are projections" in out)
