@@ -128,8 +128,11 @@ class RolloutConfig:
     kv_cache_memory_bytes. None: vLLM sizes it from gpu_memory_utilization."""
     max_num_seqs: int = 64
     """Most sequences vLLM runs concurrently in one step."""
-    max_model_len: int = 2048
-    """Longest prompt + response, in tokens."""
+    max_model_len: int | None = None
+    """Longest prompt + response, in tokens. None = what the model supports: its max_position_embeddings, capped to
+    the longest sequence one engine rank's KV cache holds when rollout.kv_cache_gb sizes it (vLLM refuses to start
+    an engine whose cache cannot hold one sequence of max_model_len). Resolved once from the model's config.json
+    (or model.tiny) by `config.validate.resolve`; a value set here must not exceed max_position_embeddings."""
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory vLLM may take (on CPU: of host memory, checked at start-up)."""
     enforce_eager: bool = True
@@ -155,7 +158,8 @@ class RolloutConfig:
         _require(self.kv_cache_gb is None or self.kv_cache_gb >= 1, "rollout.kv_cache_gb", "must be None or >= 1",
                  self.kv_cache_gb)
         _require(self.max_num_seqs >= 1, "rollout.max_num_seqs", "must be >= 1", self.max_num_seqs)
-        _require(self.max_model_len >= 2, "rollout.max_model_len", "must be >= 2", self.max_model_len)
+        _require(self.max_model_len is None or self.max_model_len >= 2, "rollout.max_model_len",
+                 "must be None (from the model) or >= 2", self.max_model_len)
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]",
                  self.gpu_memory_utilization)
         _require(self.logprobs_mode in get_args(LogprobsMode), "rollout.logprobs_mode",
@@ -166,6 +170,7 @@ class RolloutConfig:
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1",
                  self.tensor_parallel_size)
         _require(self.seed >= 0, "rollout.seed", "must be >= 0", self.seed)
-        if self.sampling.max_tokens >= self.max_model_len:
+        # None: checked against the value resolved from the model (config/validate.py)
+        if self.max_model_len is not None and self.sampling.max_tokens >= self.max_model_len:
             raise ValueError(f"rollout.sampling.max_tokens must be < rollout.max_model_len "
                              f"(got {self.sampling.max_tokens} >= {self.max_model_len})")

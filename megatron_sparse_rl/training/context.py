@@ -108,6 +108,8 @@ def build_context(run: RunConfig, total_steps: int):
     from transformers import AutoTokenizer
 
     from megatron_sparse_rl.config import validate
+    from megatron_sparse_rl.config.summary import run_summary
+    from megatron_sparse_rl.config.validate import resolve
     from megatron_sparse_rl.data import build_task, check_data
     from megatron_sparse_rl.models import load_spec
     from megatron_sparse_rl.observability.logging import attach_log_file, init_logging
@@ -119,13 +121,17 @@ def build_context(run: RunConfig, total_steps: int):
 
     rank, world = init_world(run.parallel)
     init_logging(rank, run.logging.level, verbose=run.logging.verbose)
-    validate(run, world)
+    spec = validate(run, world)
+    summary = run_summary(run, spec, world) if rank == 0 else []  # says what the model resolves (max_model_len)
+    run = resolve(run, spec)  # every rank's engine and records see the values left to the model filled in
     check_data(run.data)  # every record, before Megatron and vLLM start: a bad line is named in seconds
     _warn_truncated_support(run)
     megatron_cpu.apply()
     owner = _claim_run_dir(run)
     run_dir = owner.path
     attach_log_file(run_dir / "logs" / f"rank{rank}.log")
+    if summary:
+        log.info("run summary:\n  %s", "\n  ".join(summary))
     model_dir = ensure_model(run, rank)
     adapter, spec = load_spec(model_dir)
     # Tokenised prompts (a prompt over data.max_prompt_tokens is an error) before Megatron and vLLM start.

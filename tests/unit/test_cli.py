@@ -53,10 +53,34 @@ def test_validate_with_overrides_and_dump(capsys):
     assert dumped["parallel"]["tp"] == 2 and dumped["launch"]["nproc_per_node"] == 2
 
 
+def test_validate_world_size_without_launch(capsys):
+    """--world-size alone: configs/tiny_moe.yaml sets no launch.* (1 x 1), so 2 ranks are checked as given."""
+    assert cli.main(["validate", TINY_MOE, "--world-size", "2", "--set", "parallel.ep=2"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: world 2 = tp 1 x pp 1 x dp 2; ep 2, etp 1" in out
+    assert "placement: colocated, every rank a learner and an engine rank (2 engines of tp 1)" in out
+    assert cli.main(["validate", TINY_MOE, "--world-size", "3", "--set", "parallel.ep=2"]) == 2
+    assert "not divisible by parallel.ep * parallel.etp = 2 * 1" in capsys.readouterr().err
+
+
+def test_validate_prints_resolved_paths_and_max_model_len(capsys, tmp_path, monkeypatch):
+    assert cli.main(["validate", TINY_MOE]) == 0
+    out = capsys.readouterr().out
+    assert f"paths (relative ones resolve against the working directory {ROOT}):\n" in out
+    assert f"  model.path: {ROOT}/runs/tiny_moe/model\n  logging.dir: {ROOT}/runs/tiny_moe\n" in out
+    assert f"  checkpoint.dir: {ROOT}/runs/tiny_moe/checkpoints (default <logging.dir>/checkpoints)\n" in out
+    assert "max_model_len 2048 (the model's max_position_embeddings)" in out
+    monkeypatch.chdir(tmp_path)  # the same config from elsewhere: its relative paths follow the working directory
+    assert cli.main(["validate", TINY_MOE, "--set", f"data.eval_path={ROOT}/x.jsonl", "--no-files"]) == 0
+    out = capsys.readouterr().out
+    assert f"  model.path: {tmp_path}/runs/tiny_moe/model\n" in out and f"  data.eval_path: {ROOT}/x.jsonl\n" in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--set", "parallel.tpp=2"], "error: unknown key parallel.tpp (did you mean parallel.tp?)"),
     (["--set", "learner.micro_batch_size=four"], "error: learner.micro_batch_size: expected int, got 'four'"),
-    (["--world-size", "2"], "error: world size 2 != launch.nodes * launch.nproc_per_node = 1 * 1 = 1"),
+    (["--world-size", "2", "--set", "launch.nproc_per_node=4"],
+     "error: world size 2 != launch.nodes * launch.nproc_per_node = 1 * 4 = 4"),
     (["--set", "parallel.ep=3", "launch.nproc_per_node=3"], "parallel.ep=3 must divide the expert count (4)"),
     (["--set", "algorithm.loss.name=gspoo"], "'gspoo' is not allowed; choose one of 'grpo'"),
     (["--set", "oops"], "error: override 'oops' must look like section.field=value"),

@@ -348,3 +348,108 @@ def test_bundled_deepseek_and_kimi_configs_validate_with_cuda(tmp_path):
         assert spec.latent_width == 576 and spec.num_layers == 61
         with pytest.raises(ConfigError, match=r"rollout\.kv\.policy = 'rkv': sparse KV on the MLA latent cache"):
             validate(run_of(f"model.path={path}", "rollout.kv.policy=rkv", tiny=False), 1, cuda=True)
+
+
+# ---- rollout.max_model_len from the model ------------------------------------------------------------------
+def model_with_positions(tmp_path, positions: int) -> Path:
+    """A model directory whose config.json is the default tiny MoE's with `positions` max_position_embeddings."""
+    from megatron_sparse_rl.config.schema import TinyModelConfig
+
+    cfg = tiny_hf_config(TinyModelConfig()) | {"max_position_embeddings": positions}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_max_model_len_defaults_to_the_tiny_model_positions():
+    from megatron_sparse_rl.config.validate import describe_max_model_len, resolve
+
+    run = run_of()
+    assert run.rollout.max_model_len is None
+    spec = validate(run, 1, cuda=False)
+    assert resolve(run, spec).rollout.max_model_len == 2048  # the tiny builder's max_position_embeddings
+    assert describe_max_model_len(run.rollout, spec) == "2048 (the model's max_position_embeddings)"
+    assert resolve(run, None) is run  # the model unknown here: left to the engine
+
+
+def test_max_model_len_from_a_model_with_4096_positions_capped_by_the_config(tmp_path):
+    from megatron_sparse_rl.config.validate import describe_max_model_len, resolve
+
+    path = model_with_positions(tmp_path, 4096)
+    run = run_of(f"model.path={path}")
+    spec = validate(run, 1, cuda=False)
+    assert resolve(run, spec).rollout.max_model_len == 4096
+    capped = run_of(f"model.path={path}", "rollout.max_model_len=1024")
+    assert resolve(capped, validate(capped, 1, cuda=False)).rollout.max_model_len == 1024
+    assert describe_max_model_len(capped.rollout, spec) == "1024 (set)"
+    with pytest.raises(ConfigError, match=r"^rollout\.max_model_len = 8192 exceeds the model's max_position_embeddings "
+                                          r"\(4096\); leave it unset \(null\) to use the model's$"):
+        validate(run_of(f"model.path={path}", "rollout.max_model_len=8192"), 1, cuda=False)
+
+
+def test_max_model_len_is_capped_to_what_the_kv_cache_holds(tmp_path):
+    """Qwen3-30B-A3B: 40,960 positions; 48 layers x K and V x 4 KV heads x head_dim 128, float32 = 196,608 bytes a
+    token; 1 GiB holds 42 whole 128-token blocks, less the one vLLM's block pool holds back: 41 x 128 = 5248 tokens.
+    bfloat16 over engine TP 4 (one KV head per rank): 24,576 bytes, 340 blocks: the model's positions are the
+    limit."""
+    from megatron_sparse_rl.config.validate import describe_max_model_len, max_model_len
+
+    path = asset_model(tmp_path, "qwen3-30b-a3b")
+    run = run_of(f"model.path={path}", tiny=False)
+    spec = validate(run, 1, cuda=True)
+    assert spec.max_position_embeddings == 40960
+    assert max_model_len(run.rollout, spec) == (2**30 // (128 * 48 * 2 * 4 * 128 * 4) - 1) * 128 == 5248
+    assert describe_max_model_len(run.rollout, spec) == (
+        "5248 (the longest sequence rollout.kv_cache_gb = 1 GiB holds on one engine rank at 196,608 bytes per token; "
+        "the model's max_position_embeddings is 40960)")
+    assert max_model_len(run_of(f"model.path={path}", "rollout.kv_cache_gb=2", tiny=False).rollout, spec) == 84 * 128
+    wide = run_of(f"model.path={path}", "rollout.dtype=bfloat16", "rollout.tensor_parallel_size=4", tiny=False)
+    assert max_model_len(wide.rollout, spec) == 40960
+    gpu_sized = run_of(f"model.path={path}", "rollout.kv_cache_gb=null", tiny=False)
+    assert max_model_len(gpu_sized.rollout, spec) == 40960  # vLLM sizes the cache: the model's positions
+    # DeepSeek-V3 (MLA): one 576-wide latent row per token and layer, 61 layers, float32
+    (tmp_path / "ds").mkdir()
+    ds = asset_model(tmp_path / "ds", "deepseek-v3")
+    run = run_of(f"model.path={ds}", tiny=False)
+    assert max_model_len(run.rollout, validate(run, 1, cuda=True)) == (2**30 // (128 * 61 * 576 * 4) - 1) * 128 == 7424
+
+
+def test_max_tokens_is_checked_against_the_resolved_max_model_len(tmp_path):
+    with pytest.raises(ConfigError, match=r"^rollout\.sampling\.max_tokens must be < rollout\.max_model_len \(got 2048 "
+                                          r">= 2048; rollout\.max_model_len unset: the model's "
+                                          r"max_position_embeddings\): lower rollout\.sampling\.max_tokens$"):
+        validate(run_of("rollout.sampling.max_tokens=2048"), 1, cuda=False)
+    validate(run_of("rollout.sampling.max_tokens=2047"), 1, cuda=False)
+    path = asset_model(tmp_path, "qwen3-30b-a3b")
+    with pytest.raises(ConfigError, match=r"got 6000 >= 5248; rollout\.max_model_len unset: the longest sequence "
+                                          r"rollout\.kv_cache_gb = 1 GiB holds .*: set rollout\.max_model_len, lower "
+                                          r"rollout\.sampling\.max_tokens, or raise rollout\.kv_cache_gb$"):
+        validate(run_of(f"model.path={path}", "rollout.sampling.max_tokens=6000", tiny=False), 1, cuda=True)
+
+
+def test_kv_budget_is_checked_against_the_resolved_max_model_len():
+    with pytest.raises(ConfigError, match=r"^rollout\.kv\.budget = 2048 must be < rollout\.max_model_len = 2048 "
+                                          r"\(unset: the model's max_position_embeddings\), or "
+                                          r"rollout\.kv\.policy='snapkv' never compresses$"):
+        validate(run_of("rollout.kv.policy=snapkv", "rollout.kv.budget=2048"), 1, cuda=False)
+    validate(run_of("rollout.kv.policy=snapkv", "rollout.kv.budget=1024"), 1, cuda=False)
+    # the model unknown here (no config.json, no model.tiny) and max_model_len unset: nothing to check against
+    validate(run_of("model.tiny=null", "rollout.kv.policy=snapkv", "rollout.kv.budget=100000"), 1, cuda=False)
+
+
+def test_an_engine_outside_a_run_resolves_max_model_len_from_its_model_dir(tmp_path):
+    from megatron_sparse_rl.config.rollout import RolloutConfig
+    from megatron_sparse_rl.config.validate import resolve_rollout
+
+    path = model_with_positions(tmp_path, 4096)
+    assert resolve_rollout(RolloutConfig(), path).max_model_len == 4096
+    assert resolve_rollout(RolloutConfig(max_model_len=256), tmp_path / "missing").max_model_len == 256
+
+
+def test_world_size_alone_needs_no_launch_shape():
+    """`msrl validate --world-size N` (or a bare torchrun of N ranks) with launch.* at its defaults."""
+    spec = validate(run_of("parallel.ep=2"), 2, cuda=False)
+    assert spec.num_experts == 4
+    with pytest.raises(ConfigError, match=r"parallel\.ep=3 must divide the expert count \(4\)"):
+        validate(run_of("parallel.ep=3"), 3, cuda=False)
+    with pytest.raises(ConfigError, match=r"world size 2 != launch\.nodes \* launch\.nproc_per_node = 1 \* 4 = 4"):
+        validate(run_of("launch.nproc_per_node=4"), 2, cuda=False)  # a launch shape set: it must agree

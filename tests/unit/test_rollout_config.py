@@ -41,11 +41,19 @@ def test_kv_errors_name_the_field(kwargs, message):
     (dict(logprobs_mode="logits"), "rollout.logprobs_mode must be one of ['processed', 'raw'] (got 'logits')"),
     (dict(max_model_len=64, sampling=SamplingConfig(max_tokens=64)),
      "rollout.sampling.max_tokens must be < rollout.max_model_len (got 64 >= 64)"),
+    (dict(max_model_len=1), "rollout.max_model_len must be None (from the model) or >= 2 (got 1)"),
 ])
 def test_rollout_errors_name_the_field(kwargs, message):
     with pytest.raises(ValueError) as err:
         RolloutConfig(**kwargs)
     assert str(err.value) == message
+
+
+def test_max_model_len_defaults_to_the_model_and_is_checked_once_resolved():
+    """None until config/validate.py resolves it from the model (tests/unit/test_config_validate.py), so max_tokens
+    has nothing to be compared with here yet."""
+    assert RolloutConfig().max_model_len is None
+    assert RolloutConfig(sampling=SamplingConfig(max_tokens=100_000)).max_model_len is None
 
 
 def test_config_is_frozen_and_keyword_only():

@@ -1,0 +1,84 @@
+"""What a resolved run is, in a few lines: the model, the learner layout and the engines, rollout, algorithm and
+every path as resolved. `msrl validate` prints it; `msrl train` logs it on rank 0 when the run starts.
+
+    from megatron_sparse_rl.config import load_config, validate
+    from megatron_sparse_rl.config.summary import run_summary
+    run = load_config("configs/tiny_moe.yaml"); print("\n".join(run_summary(run, validate(run, 1), 1)))
+
+Relative paths in a config resolve against the working directory of the process that reads them (configs/*.yaml
+name `runs/...` and are run from the repository root), never against the config file's folder; the `paths` lines
+show where each one lands.
+"""
+from __future__ import annotations
+
+import os
+
+from megatron_sparse_rl.config.schema import RunConfig
+
+
+def run_summary(run: RunConfig, spec, world_size: int) -> list[str]:
+    """Human-readable lines describing `run` on `world_size` ranks (`spec`: the model's ModelSpec, None when its
+    config.json is not reachable here). `run` is checked (`validate`); its rollout.max_model_len may still be unset
+    (the summary says what it resolves to)."""
+    from megatron_sparse_rl.parallel.layout import ParallelLayout
+
+    rollout = run.launch.rollout_world_size
+    layout = ParallelLayout.from_config(run.parallel, world_size - rollout, rollout_ranks=rollout)
+    lines = model_lines(run, spec)
+    who = "world" if not rollout else "learner ranks"
+    lines.append(f"layout: {who} {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}; "
+                 f"ep {layout.ep}, etp {layout.etp}, sequence_parallel {layout.sequence_parallel}, "
+                 f"backend {layout.backend}")
+    engine_tp = run.rollout.tensor_parallel_size
+    if rollout:
+        lines.append(f"placement: disaggregated, learner ranks 0-{layout.world_size - 1}, rollout ranks "
+                     f"{layout.world_size}-{world_size - 1} ({_engines(rollout, engine_tp)})")
+    else:
+        lines.append("placement: colocated, every rank a learner and an engine rank "
+                     f"({_engines(world_size, engine_tp)})")
+    s, kv, a = run.rollout.sampling, run.rollout.kv, run.algorithm
+    lines.append(f"rollout: n {s.n}, temperature {s.temperature}, max_tokens {s.max_tokens}, kv policy {kv.policy}"
+                 + (f" (budget {kv.budget}, window {kv.window})" if kv.policy != "none" else ""))
+    enabled = [n for n in ("tis", "mis", "geo_rs", "veto", "icepop", "opsm", "sparse_rl", "batch_skip")
+               if getattr(a.corrections, n).enabled]
+    lines.append(f"algorithm: advantage {a.advantage.estimator}, loss {a.loss.name} ({a.loss.aggregation}), "
+                 f"corrections {', '.join(enabled) or 'none'}, kl coef {a.kl.coef}")
+    return lines + path_lines(run)
+
+
+def _engines(ranks: int, engine_tp: int) -> str:
+    count = ranks // engine_tp
+    return f"{count} engine{'s' if count != 1 else ''} of tp {engine_tp}"
+
+
+def model_lines(run: RunConfig, spec) -> list[str]:
+    """The model's architecture, size, dtypes and the engine's context (rollout.max_model_len as resolved)."""
+    from megatron_sparse_rl.config.validate import describe_max_model_len
+    from megatron_sparse_rl.models.deepseek import DeepseekSpec
+
+    m = run.model
+    tiny = f" (tiny {m.tiny.arch}, built at model.path on first use)" if m.tiny else ""
+    if spec is None:
+        return [f"model: unknown here (no config.json at model.path){tiny}; model checks skipped",
+                f"  learner dtype {m.dtype}, engine dtype {run.rollout.dtype}, max_model_len "
+                f"{describe_max_model_len(run.rollout, spec)}"]
+    attention = (f"{spec.num_heads} heads, MLA latent {spec.latent_width} (kv_lora_rank {spec.kv_lora_rank} + "
+                 f"qk_rope_head_dim {spec.qk_rope_head_dim})" if isinstance(spec, DeepseekSpec)
+                 else f"{spec.num_heads} heads ({spec.num_kv_heads} KV) x {spec.head_dim}")
+    arch = (f"model: {spec.architecture}{tiny}: {spec.num_layers} layers, hidden {spec.hidden_size}, {attention}, "
+            f"vocab {spec.vocab_size}")
+    if spec.is_moe:
+        arch += f", {spec.num_experts} experts top-{spec.moe_topk} (ffn {spec.moe_ffn_hidden_size})"
+    return [arch, f"  parameters: {spec.parameter_count():,}; learner dtype {m.dtype}, engine dtype "
+                  f"{run.rollout.dtype}, max_model_len {describe_max_model_len(run.rollout, spec)}"]
+
+
+def path_lines(run: RunConfig) -> list[str]:
+    """Every path the run reads or writes, made absolute against the working directory (how they resolve)."""
+    cwd = os.getcwd()
+    entries = [("model.path", run.model.path, ""), ("data.path", run.data.path, ""),
+               ("data.eval_path", run.data.eval_path, ""), ("logging.dir", run.logging.dir, ""),
+               ("checkpoint.dir", run.checkpoint.dir or os.path.join(run.logging.dir, "checkpoints"),
+                "" if run.checkpoint.dir else " (default <logging.dir>/checkpoints)")]
+    return [f"paths (relative ones resolve against the working directory {cwd}):"] + [
+        f"  {name}: {os.path.abspath(path)}{note}" for name, path, note in entries if path]
