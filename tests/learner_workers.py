@@ -6,7 +6,8 @@ import torch
 from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, OptimizerConfig, ParallelConfig
 
 
-def make_learner(world_size, model_dir, tp=1, ep=1, pp=1, sp=None, lr=1e-3, mbs=2, load=True, clip=1.0, eps=1e-8):
+def make_learner(world_size, model_dir, tp=1, ep=1, pp=1, sp=None, lr=1e-3, mbs=2, load=True, clip=1.0, eps=1e-8,
+                 dtype="float32"):
     from megatron_sparse_rl.learner.learner import Learner
     from megatron_sparse_rl.models import load_spec
     from megatron_sparse_rl.parallel import ParallelLayout
@@ -18,7 +19,7 @@ def make_learner(world_size, model_dir, tp=1, ep=1, pp=1, sp=None, lr=1e-3, mbs=
     layout = ParallelLayout.from_config(ParallelConfig(tp=tp, ep=ep, pp=pp, sequence_parallel=sp), world_size)
     layout.check_model(spec)
     groups = layout.initialize()
-    learner = Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir)),
+    learner = Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir), dtype=dtype),
                       cfg=LearnerConfig(micro_batch_size=mbs, optimizer=OptimizerConfig(lr=lr, clip_grad=clip, eps=eps)),
                       total_steps=10)
     if load:

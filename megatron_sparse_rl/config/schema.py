@@ -130,7 +130,8 @@ class ModelConfig:
     tiny: TinyModelConfig | None = None
     """If set and `path` does not exist yet, build a tiny random model there first."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype of the learner (float32 on CPU; bfloat16 with fp32 master weights on GPU)."""
+    """Parameter dtype of the learner; bfloat16 keeps fp32 main weights in the optimizer (CPU and GPU; on CPU
+    Megatron's local attention rounds attention scores to bf16, so float32 is the exact choice there)."""
     recompute_activations: bool = False
     """Full activation recompute of every transformer layer in the backward pass."""
     moe_aux_loss_coeff: float = 0.0
@@ -229,6 +230,16 @@ class CheckpointConfig:
     """How many step checkpoints to keep."""
     resume: bool = True
     """Resume from the newest complete checkpoint in `dir` if there is one."""
+    allow_config_change: bool = False
+    """Resume even when this run's config changes what the resumed steps compute. A checkpoint holds the config of
+    the run that saved it; on resume every field is compared (docs/runs.md). Changes to the model, data, reward,
+    SFT stage, algorithm, sampling, optimizer, seeds, the engine's dtype, max_model_len and KV policy, routing
+    replay, prompts_per_step or updates_per_rollout are refused, listed as `path: old -> new`, unless this is on.
+    Changes to how long the run goes on (trainer.steps), evaluation, logging, checkpointing, the parallel layout
+    (checkpoints reshard on load), launch settings, micro-batching, activation recompute, engine memory and
+    metrics-only recording are allowed and listed. Accepted changes apply from the resumed step on; what the
+    checkpoint already did is not redone (a finished SFT stage is not run again) and the learning-rate schedule
+    continues with the values saved in the checkpoint (Megatron restores them)."""
 
     def __post_init__(self):
         _check(self.save_every >= 0, f"checkpoint.save_every must be >= 0 (got {self.save_every})")

@@ -57,8 +57,9 @@ class TrainerConfig:
     verify_sync_every: int = 10
     """Check engine logprobs against the learner on a probe sequence after the first sync and every N syncs
     (0 = never)."""
-    verify_sync_tol: float = 1e-3
-    """Largest allowed |engine - learner| logprob difference on the probe."""
+    verify_sync_tol: float | None = None
+    """Largest allowed |engine - learner| logprob difference on the probe; null = by the learner's dtype: 1e-3 for
+    float32, 1e-1 for bfloat16 (the tolerance `msrl convert --verify` uses)."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm-start stage."""
 
@@ -73,4 +74,5 @@ class TrainerConfig:
         _check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
         _check(self.sync_bucket_mb > 0, f"trainer.sync_bucket_mb must be > 0 (got {self.sync_bucket_mb})")
         _check(self.verify_sync_every >= 0, f"trainer.verify_sync_every must be >= 0 (got {self.verify_sync_every})")
-        _check(self.verify_sync_tol > 0, f"trainer.verify_sync_tol must be > 0 (got {self.verify_sync_tol})")
+        _check(self.verify_sync_tol is None or self.verify_sync_tol > 0,
+               f"trainer.verify_sync_tol must be > 0 or null (got {self.verify_sync_tol})")

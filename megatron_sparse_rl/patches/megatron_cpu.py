@@ -224,7 +224,7 @@ def _torch_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False
     norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
     if norm_cls is None:
         raise ValueError(f"normalization {config.normalization!r} is not supported by torch norms")
-    norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+    norm = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
     for p in norm.parameters():
         # finalize_model_grads all-reduces these over the TP group: each rank saw a different sequence chunk
         p.sequence_parallel = config.sequence_parallel
@@ -254,6 +254,47 @@ def patch_dist_checkpointing() -> None:
         module.torch = _HostTorch()
 
 
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def _host_types_read_as_cuda():
+    """While open, `tensor.type()` (no arguments) names a host float tensor as its CUDA type; conversions
+    (`tensor.type(dtype)`) are untouched."""
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+@_once("mixed_precision_optimizer")
+def patch_mixed_precision_optimizer() -> None:
+    """The bf16/fp16 optimizer (fp32 main copies of half-precision parameters) sorts parameters by
+    `param.type()` against CUDA type names and raises TypeError for host tensors ("Wrapped parameters must be one
+    of torch.cuda.FloatTensor, ..."), so a bf16 learner cannot be built without CUDA. Run its constructor with
+    host float tensors named as their CUDA types; the rest of it is device-agnostic."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    original = Float16OptimizerWithFloat16Params.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        with _host_types_read_as_cuda():
+            original(self, *args, **kwargs)
+
+    Float16OptimizerWithFloat16Params.__init__ = __init__
+
+
 def apply() -> None:
     """Install the shims this machine needs: the Transformer-Engine-absent one when TE is missing, and the
     CPU ones when CUDA is missing. Idempotent."""
@@ -280,4 +321,5 @@ def apply() -> None:
     patch_alltoall_dispatcher()
     patch_causal_mask()
     patch_optimizer_devices()
+    patch_mixed_precision_optimizer()
     patch_dist_checkpointing()

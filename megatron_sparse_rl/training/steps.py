@@ -84,10 +84,19 @@ def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None) -> dict
     metrics = {"time/sync_s": stats.seconds, "sync/bytes_per_s": stats.bytes_per_s}
     every = cfg.verify_sync_every
     if probe is not None and every and (n_syncs == 0 or (n_syncs + 1) % every == 0):
-        diff = ctx.placement.verify(ctx.learner, probe, cfg.verify_sync_tol)
+        diff = ctx.placement.verify(ctx.learner, probe, sync_tolerance(cfg.verify_sync_tol, ctx.learner))
         if diff is not None:  # None on learner ranks that compare nothing (disaggregated, rank > 0)
             metrics["sync/probe_max_abs_diff"] = diff
     return metrics
+
+
+def sync_tolerance(configured: float | None, learner) -> float:
+    """`trainer.verify_sync_tol`, or by the learner's parameter dtype when it is null."""
+    from megatron_sparse_rl.checkpoint.verify import TOLERANCE
+
+    if configured is not None:
+        return configured
+    return TOLERANCE.get(next(learner.model.parameters()).dtype, max(TOLERANCE.values()))
 
 
 def evaluate(ctx: RunContext, correct, n: int) -> float:
