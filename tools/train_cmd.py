@@ -5,6 +5,10 @@ One process, or every rank of a torchrun/srun world (`msrl launch local --nproc 
     msrl train configs/demo_tiny_moe.yaml
     msrl train configs/tiny_moe.yaml --set trainer.steps=2 --set logging.dir=runs/try
     msrl train configs/tiny_moe.yaml --verbose      # library INFO lines on the console too
+
+Run again with the same logging.dir, it resumes from its newest checkpoint; a config that changes what the
+resumed steps compute is refused (`error: ...`, exit 2, nothing written) unless --allow-config-change
+(= --set checkpoint.allow_config_change=true; docs/runs.md).
 """
 from __future__ import annotations
 
@@ -19,13 +23,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true",
                         help="also show vLLM / Megatron-Core INFO lines and their benign start-up warnings "
                              "(= --set logging.verbose=true; the full log is in <logging.dir>/logs/ either way)")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume even when the config changes what the resumed steps compute, e.g. the "
+                             "model, data, SFT stage or algorithm (= --set checkpoint.allow_config_change=true)")
 
 
 def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.config import load_config
     from megatron_sparse_rl.trainer import train
 
-    overrides = [*args.overrides, *(["logging.verbose=true"] if args.verbose else [])]
+    overrides = [*args.overrides, *(["logging.verbose=true"] if args.verbose else []),
+                 *(["checkpoint.allow_config_change=true"] if args.allow_config_change else [])]
     summary = train(load_config(args.config, overrides))
     if summary.get("rank", 0) == 0:
         print(json.dumps(summary, indent=2, sort_keys=True))

@@ -2,13 +2,16 @@
 LR schedule, step, per-rank RNG states and caller-provided extra state. Atomic: written to a temporary
 directory beside the target, renamed into place once every rank has finished. Every file's size and sha256 and
 the id of the run that saved it go into `MANIFEST.json` (learner/integrity.py), so a damaged or foreign
-checkpoint is recognised before it is loaded.
+checkpoint is recognised before it is loaded. A run's checkpoint also holds the run's resolved config
+(`run_config.json`, covered by the manifest), which a resume compares with its own (training/run_dir.py).
 
-    save_learner(learner, "runs/x/checkpoints/step_000010", extra={"data_position": 640})
+    save_learner(learner, "runs/x/checkpoints/step_000010", extra={"data_position": 640}, config=to_dict(run))
     extra = load_learner(learner, "runs/x/checkpoints/step_000010")
+    saved = read_config("runs/x/checkpoints/step_000010")   # the config dict, None when saved without one
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -23,6 +26,7 @@ log = logging.getLogger(__name__)
 
 COMMON = "common_state.pt"
 DONE = "COMPLETE"
+CONFIG = "run_config.json"
 
 
 def _rng_state() -> dict:
@@ -49,9 +53,11 @@ def _sharded_state(learner, is_loading: bool, with_optimizer: bool) -> dict:
     return state
 
 
-def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner: str | None = None) -> Path:
+def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner: str | None = None,
+                 config: dict | None = None) -> Path:
     """Save everything needed to resume; returns the final path. Refuses to overwrite an existing one.
-    `owner`: the id of the run saving it (recorded in the manifest; a run resumes only its own checkpoints)."""
+    `owner`: the id of the run saving it (recorded in the manifest; a run resumes only its own checkpoints).
+    `config`: the run's resolved config as a plain dict (`config.to_dict(run)`), saved as `run_config.json`."""
     from megatron.core import dist_checkpointing
 
     from megatron_sparse_rl.learner.integrity import digest_files, write_manifest
@@ -70,6 +76,8 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
     if rank == 0:
         torch.save({"step": learner.step, "scheduler": learner.scheduler.state_dict(), "extra": extra or {},
                     "world_size": dist.get_world_size()}, tmp / COMMON)
+        if config is not None:
+            (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     dist.barrier()
     files = digest_files(tmp)  # collective: each rank hashes a share of the files
     if rank == 0:
@@ -83,6 +91,22 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
 
 def is_complete(path: str | Path) -> bool:
     return (Path(path) / DONE).is_file()
+
+
+def read_config(path: str | Path) -> dict | None:
+    """The run config saved with the checkpoint at `path` (a plain dict); None when it was saved without one
+    (by a version before configs were stored, or outside a run). A file that is there but unreadable is an
+    error: the checkpoint is damaged."""
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: unreadable ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a mapping of config sections, got {type(data).__name__}")
+    return data
 
 
 def load_learner(learner, path: str | Path, *, load_optimizer: bool = True, load_rng: bool = True) -> dict:

@@ -7,21 +7,29 @@ At start (`claim`, before Megatron or vLLM start):
 - anything else (another run's metrics, checkpoints, exports, or a run to resume while `checkpoint.resume` is
   off) is refused, naming the directory, what is in it and the ways out: resume it, choose another
   `logging.dir`, or `logging.overwrite=true` (removes the run artifacts listed in `ARTIFACTS`, nothing else).
+
+A run that continues is checked against the config saved with its newest checkpoint (`check_resume`,
+training/resume_config.py): a change to what the resumed steps compute is refused, listing each as
+`path: old -> new`, unless `checkpoint.allow_config_change`; the others are listed. Then rank 0 logs, as a WARNING
+the console always shows, "resuming run ... at RL step N (SFT step M) from <checkpoint>" and what was compared.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_sparse_rl.config.loader import ConfigError
+from megatron_sparse_rl.config.loader import ConfigError, to_dict
 from megatron_sparse_rl.config.schema import RunConfig
+from megatron_sparse_rl.learner.checkpoint import is_complete, read_config
 from megatron_sparse_rl.learner.integrity import owner_of
+from megatron_sparse_rl.training.resume_config import compare
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,8 @@ class RunDir:
     run_id: str
     resuming: bool
     """True when the directory held this run already (`checkpoint.resume` on): its checkpoints may be resumed."""
+    compared: Path | None = None
+    """The checkpoint whose saved config `claim` compared with this run's (this run's newest complete one)."""
 
 
 def checkpoint_root(run: RunConfig) -> Path:
@@ -72,6 +82,12 @@ def _refusal(run_dir: Path, present: list[Path], why: str) -> RunDirError:
         f"logging.dir {str(run_dir)!r} {why} ({shown}). Either resume that run (checkpoint.resume=true, same "
         f"logging.dir), or start a new one in another directory (--set logging.dir=...) or replace it "
         f"(--set logging.overwrite=true removes the previous run's artifacts)")
+
+
+def own_checkpoints(ckpt_root: Path, run_id: str) -> list[Path]:
+    """The complete checkpoints run `run_id` saved in `ckpt_root`, oldest first (names sort by step)."""
+    found = sorted(p for p in ckpt_root.glob(CHECKPOINT_GLOB) if is_complete(p)) if ckpt_root.is_dir() else []
+    return [p for p in found if owner_of(p) == run_id]
 
 
 def _foreign_checkpoints(ckpt_root: Path, run_id: str) -> list[Path]:
@@ -108,10 +124,59 @@ def claim(run: RunConfig) -> RunDir:
         foreign = _foreign_checkpoints(ckpts, run_id)
         if foreign:
             raise _refusal(run_dir, foreign, f"holds checkpoints in {str(ckpts)!r} that run {run_id} did not write")
-        return RunDir(run_dir, ckpts, run_id, resuming=True)
+        newest = (own_checkpoints(ckpts, run_id) or [None])[-1]
+        if newest is None:
+            log.warning("resuming run %s in %s from the start: it has no checkpoint in %s yet", run_id[:8], run_dir,
+                        ckpts)
+        else:
+            announce_resume(run_id, newest, check_resume(newest, run))
+        return RunDir(run_dir, ckpts, run_id, resuming=True, compared=newest)
     if present:
         why = ("holds a previous run and checkpoint.resume is off" if run_id is not None
                else "holds another run's files")
         raise _refusal(run_dir, present, why)
     run_dir.mkdir(parents=True, exist_ok=True)
     return RunDir(run_dir, ckpts, _write_id(run_dir, run), resuming=False)
+
+
+def check_resume(checkpoint: Path, run: RunConfig) -> list[str]:
+    """Compare the config saved with `checkpoint` with `run`'s (training/resume_config.py). Raises RunDirError
+    listing every change to what the resumed steps compute (`path: old -> new`) unless
+    `checkpoint.allow_config_change`; returns the lines saying what was compared, for `announce_resume`."""
+    try:
+        saved = read_config(checkpoint)
+    except ValueError as e:
+        raise RunDirError(f"cannot resume from {str(checkpoint)!r}: its saved config is damaged ({e}); restore it, "
+                          "or remove that checkpoint to resume from an older one") from None
+    if saved is None:
+        return ["its config could not be compared with this run's: the checkpoint was saved without one "
+                "(by an older version); make sure the model, data, SFT stage and algorithm are the ones it trained"]
+    changes = compare(saved, to_dict(run), to_dict(RunConfig()))
+    refused = [str(c) for c in changes if not c.allowed]
+    harmless = [str(c) for c in changes if c.allowed]
+    if refused and not run.checkpoint.allow_config_change:
+        raise RunDirError(
+            f"cannot resume from {str(checkpoint)!r}: this run's config changes what the resumed steps compute "
+            "(checkpoint's -> this run's):\n  " + "\n  ".join(refused)
+            + ("\n(allowed, also changed: " + "; ".join(harmless) + ")" if harmless else "")
+            + "\nRun with the checkpoint's values; or accept the changes with --set checkpoint.allow_config_change"
+            "=true (what the checkpoint already did is not redone: a finished SFT stage is not run again, the "
+            "learning-rate schedule continues as saved); or start a new run in another directory "
+            "(--set logging.dir=...)")
+    differ = ("unchanged" if not changes else "1 field differs" if len(changes) == 1
+              else f"{len(changes)} fields differ")
+    lines = [f"config compared with the checkpoint's: {differ}"]
+    if refused:
+        lines.append("ACCEPTED (checkpoint.allow_config_change) changes to what the run computes: "
+                     + "; ".join(refused))
+    if harmless:
+        lines.append("allowed changes: " + "; ".join(harmless))
+    return lines
+
+
+def announce_resume(run_id: str, checkpoint: Path, compared: list[str]) -> None:
+    """The resume line (rank 0): a WARNING, so that the console shows it whatever logging.level, then what was
+    compared."""
+    steps = re.fullmatch(r"step_(\d+)_sft_(\d+)", checkpoint.name)
+    at = f" at RL step {int(steps[1])} (SFT step {int(steps[2])})" if steps else ""
+    log.warning("resuming run %s%s from %s\n  %s", run_id[:8], at, checkpoint, "\n  ".join(compared))

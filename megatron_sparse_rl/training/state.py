@@ -1,6 +1,7 @@
-"""Whole-run checkpoints (learner, optimizer, RNG, schedule, data position, loop counters) and the final
-Hugging Face export. A run saves, prunes and resumes only its own checkpoints (the run id in their manifest),
-and resumes from its newest intact one (every file's size and sha256 as recorded at save)."""
+"""Whole-run checkpoints (learner, optimizer, RNG, schedule, data position, loop counters, the resolved config) and
+the final Hugging Face export. A run saves, prunes and resumes only its own checkpoints (the run id in their
+manifest), and resumes from its newest intact one (every file's size and sha256 as recorded at save) when its
+saved config allows (training/run_dir.py `check_resume`)."""
 from __future__ import annotations
 
 import logging
@@ -10,10 +11,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_sparse_rl.config.loader import to_dict
 from megatron_sparse_rl.learner.checkpoint import is_complete, load_learner, save_learner
 from megatron_sparse_rl.learner.integrity import owner_of, verify_files
+from megatron_sparse_rl.training import run_dir
 from megatron_sparse_rl.training.context import RunContext
-from megatron_sparse_rl.training.run_dir import CHECKPOINT_GLOB, RunDirError
+from megatron_sparse_rl.training.run_dir import RunDirError
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +27,7 @@ def checkpoint_dir(ctx: RunContext) -> Path:
 
 def own_checkpoints(ctx: RunContext) -> list[Path]:
     """This run's complete checkpoints, oldest first (another run's, in a shared checkpoint.dir, never count)."""
-    root = checkpoint_dir(ctx)
-    found = sorted(p for p in root.glob(CHECKPOINT_GLOB) if is_complete(p)) if root.is_dir() else []
-    return [p for p in found if owner_of(p) == ctx.owner.run_id]
+    return run_dir.own_checkpoints(checkpoint_dir(ctx), ctx.owner.run_id)
 
 
 def save_run(ctx: RunContext, counters: dict) -> Path:
@@ -44,7 +45,7 @@ def save_run(ctx: RunContext, counters: dict) -> Path:
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     save_learner(ctx.learner, path, extra={"counters": counters, "task": ctx.task.state_dict()},
-                 owner=ctx.owner.run_id)
+                 owner=ctx.owner.run_id, config=to_dict(ctx.run))
     if ctx.is_main:
         for old in own_checkpoints(ctx)[:-ctx.run.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -75,15 +76,21 @@ def newest_intact(ctx: RunContext) -> Path | None:
 
 
 def resume_run(ctx: RunContext) -> dict | None:
-    """Load this run's newest intact checkpoint when the run is resuming and has one; returns its loop counters."""
+    """Load this run's newest intact checkpoint when the run is resuming and has one; returns its loop counters.
+    Its saved config is compared with the run's again (`run_dir.check_resume`): the claim compared the newest
+    checkpoint's; when that one was damaged and this older one is loaded, a refusal is raised here, on every
+    learner rank alike, and otherwise a second resume line names it."""
     if not ctx.owner.resuming:
         return None
     path = newest_intact(ctx)
     if path is None:
         return None
+    compared = run_dir.check_resume(path, ctx.run)  # a JSON read; the claim did it for the newest checkpoint
+    if path != ctx.owner.compared and ctx.is_main:
+        run_dir.announce_resume(ctx.owner.run_id, path, compared)
     extra = load_learner(ctx.learner, path)
     ctx.task.load_state_dict(extra["task"])
-    log.info("resumed from %s", path)
+    log.info("resumed from %s\n  %s", path, "\n  ".join(compared))  # the log file's record of the comparison
     return extra["counters"]
 
 

@@ -155,7 +155,34 @@ def test_resume_skips_a_corrupted_newest_checkpoint(straight, tmp_path, model_di
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"checkpoint {newest} is damaged" in resumed.stderr and str(shard) in resumed.stderr
     assert "resumed from" in resumed.stderr and "step_000002" in resumed.stderr
+    # the resume line (a WARNING) names the checkpoint actually resumed, whose config was compared in turn: the
+    # copied run's logging.dir differs, which is allowed
+    older = newest.with_name("step_000002_sft_000003")
+    assert (f"WARNING megatron_sparse_rl.training.run_dir: resuming run {_run_id(run_dir)[:8]} at RL step 2 (SFT step "
+            f"3) from {older}\n  config compared with the checkpoint's: 1 field differs\n  allowed changes: "
+            f"logging.dir: \"{straight[0]}\" -> \"{run_dir}\"") in resumed.stderr
     _assert_same_steps(straight[0], run_dir, (3, 4))
+
+
+def _run_id(run_dir: Path) -> str:
+    return json.loads((run_dir / "run.json").read_text())["run_id"]
+
+
+def test_resume_with_a_changed_sft_stage_is_refused_naming_the_field(straight, model_dir):
+    """The finished run's checkpoints hold its config: continuing it for 2 more steps with another SFT stage is
+    refused before Megatron or vLLM start (exit 2, the field listed old -> new), and the run directory is left as it
+    was; the longer run (trainer.steps 4 -> 6) alone would be allowed, and is listed as such."""
+    from tests.snapshot import snapshot
+
+    run_dir = straight[0]
+    before = snapshot(run_dir)
+    proc = subprocess.run(_args(run_dir, model_dir, 6, extra=("trainer.sft.max_steps=5",)), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "error: cannot resume" in proc.stderr
+    assert "trainer.sft.max_steps: 3 -> 5" in proc.stderr and "trainer.steps: 4 -> 6" in proc.stderr
+    assert "checkpoint.allow_config_change=true" in proc.stderr
+    assert snapshot(run_dir) == before
 
 
 def test_two_rank_run_through_msrl_launch_local(tmp_path, model_dir):
