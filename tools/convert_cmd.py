@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m2h = sub.add_parser("mcore-to-hf", help="Megatron torch_dist -> HF safetensors, checked against the manifest")
     m2h.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
     m2h.add_argument("--hf-config", default=None,
-                     help="HF config/tokenizer directory (needed for checkpoints saved by training, which have "
-                          "no conversion manifest)")
+                     help="HF config/tokenizer directory (default: the checkpoint's own hf/ copy, which converted "
+                          "and training checkpoints carry; needed only for checkpoints saved without one)")
     m2h.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     for p in (h2m, m2h):
         p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")

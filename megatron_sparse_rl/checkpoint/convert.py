@@ -233,8 +233,9 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
                 hf_config_dir=None, max_shard_size: str | int = "5GB", overwrite: bool = False,
                 verify: bool = False, progress: TextIO | None = None) -> Path:
     """Convert the torch_dist checkpoint at `mcore_dir` (loaded at this world's layout tp/ep/pp/etp) to HF
-    safetensors at `out_dir`. Side files come from `<mcore_dir>/hf/` or `hf_config_dir` (for checkpoints saved
-    by training, which have no manifest; their tensors are then checked by read-back only). Rank 0 prints
+    safetensors at `out_dir`. Side files come from `<mcore_dir>/hf/` (converted and training checkpoints carry it)
+    or `hf_config_dir`; a training checkpoint has no conversion manifest, so its tensors are checked by its sha256
+    manifest and read-back. Rank 0 prints
     progress lines to `progress` (default stderr)."""
     mcore, out = Path(mcore_dir), Path(out_dir).absolute()
     _check_out(out, overwrite)
@@ -244,7 +245,7 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
     manifest = M.read_manifest(mcore)
     side_dir = Path(hf_config_dir) if hf_config_dir else mcore / M.HF_FILES_DIR
     if not (side_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{side_dir}: no config.json; checkpoints without a conversion manifest need "
+        raise FileNotFoundError(f"{side_dir}: no config.json; a checkpoint without its hf/ copy needs "
                                 "hf_config_dir (--hf-config) naming the HF config/tokenizer directory")
     adapter, spec = load_spec(side_dir)
     if manifest is not None and manifest["architecture"] != spec.architecture:

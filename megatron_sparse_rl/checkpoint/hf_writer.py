@@ -103,11 +103,18 @@ class ShardedSafetensorsWriter:
         return digests
 
 
-def export_config(cfg: dict) -> tuple[dict, list[str]]:
+def export_config(cfg: dict, dtype: str | None = None) -> tuple[dict, list[str]]:
     """The config.json of an exported checkpoint made from `cfg` (a copy), and what was changed: no
-    `quantization_config` (the weights are written dequantised) and `num_nextn_predict_layers` 0 (the MTP layers
-    of a release checkpoint are not part of the model and are not written)."""
+    `quantization_config` (the weights are written dequantised), `num_nextn_predict_layers` 0 (the MTP layers
+    of a release checkpoint are not part of the model and are not written) and, given `dtype` (e.g. "float32"),
+    the dtype the weights are written in."""
     out, changes = dict(cfg), []
+    if dtype is not None:
+        keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["dtype"]
+        for key in keys:
+            if out.get(key) != dtype:
+                changes.append(f"{key} {out.get(key)} -> {dtype}: the weights are written in {dtype}")
+                out[key] = dtype
     if "quantization_config" in out:
         q = out.pop("quantization_config")
         method = q.get("quant_method") if isinstance(q, dict) else q
@@ -118,12 +125,13 @@ def export_config(cfg: dict) -> tuple[dict, list[str]]:
     return out, changes
 
 
-def write_side_files(src: Path, dst: Path) -> list[str]:
+def write_side_files(src: Path, dst: Path, dtype: str | None = None) -> list[str]:
     """Copy the side files of HF dir `src` (config, tokenizer, ...) into `dst`, with config.json fitted to the
-    exported weights (`export_config`; the changes are logged). Returns the files' names."""
+    exported weights (`export_config`, with the weights' `dtype` when given; the changes are logged). Returns the
+    files' names."""
     names = copy_side_files(src, dst)
     path = Path(dst) / "config.json"
-    cfg, changes = export_config(json.loads(path.read_text()))
+    cfg, changes = export_config(json.loads(path.read_text()), dtype)
     if changes:
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -54,10 +54,12 @@ def _sharded_state(learner, is_loading: bool, with_optimizer: bool) -> dict:
 
 
 def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner: str | None = None,
-                 config: dict | None = None) -> Path:
+                 config: dict | None = None, hf_files: str | Path | None = None) -> Path:
     """Save everything needed to resume; returns the final path. Refuses to overwrite an existing one.
     `owner`: the id of the run saving it (recorded in the manifest; a run resumes only its own checkpoints).
-    `config`: the run's resolved config as a plain dict (`config.to_dict(run)`), saved as `run_config.json`."""
+    `config`: the run's resolved config as a plain dict (`config.to_dict(run)`), saved as `run_config.json`.
+    `hf_files`: the HF model directory whose config.json and tokenizer are saved under `hf/` (config fitted to the
+    learner's dtype), so that `msrl convert mcore-to-hf` of the checkpoint needs no --hf-config."""
     from megatron.core import dist_checkpointing
 
     from megatron_sparse_rl.learner.integrity import digest_files, write_manifest
@@ -78,6 +80,11 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
                     "world_size": dist.get_world_size()}, tmp / COMMON)
         if config is not None:
             (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        if hf_files is not None:
+            from megatron_sparse_rl.checkpoint.hf_writer import write_side_files
+            from megatron_sparse_rl.checkpoint.manifest import HF_FILES_DIR
+
+            write_side_files(Path(hf_files), tmp / HF_FILES_DIR, dtype=param_dtype_name(learner))
     dist.barrier()
     files = digest_files(tmp)  # collective: each rank hashes a share of the files
     if rank == 0:
@@ -87,6 +94,11 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
     dist.barrier()
     log.info("saved checkpoint %s (step %d)", path, learner.step)
     return path
+
+
+def param_dtype_name(learner) -> str:
+    """The learner's parameter dtype as config.json spells it ("float32", "bfloat16")."""
+    return str(next(learner.model.parameters()).dtype).removeprefix("torch.")
 
 
 def is_complete(path: str | Path) -> bool:

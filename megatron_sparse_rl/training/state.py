@@ -45,7 +45,7 @@ def save_run(ctx: RunContext, counters: dict) -> Path:
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     save_learner(ctx.learner, path, extra={"counters": counters, "task": ctx.task.state_dict()},
-                 owner=ctx.owner.run_id, config=to_dict(ctx.run))
+                 owner=ctx.owner.run_id, config=to_dict(ctx.run), hf_files=ctx.model_dir)
     if ctx.is_main:
         for old in own_checkpoints(ctx)[:-ctx.run.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -108,10 +108,10 @@ def preemption_requested(ctx: RunContext) -> bool:
 
 
 def export_hf(ctx: RunContext, out: Path) -> Path | None:
-    """Write the learner's weights as a Hugging Face model directory (config and tokenizer copied from the
-    source model). Every rank takes part in the gathers; rank 0 writes. Atomic (temp dir, then rename)."""
-    from megatron_sparse_rl.checkpoint.hf_writer import ShardedSafetensorsWriter
-    from megatron_sparse_rl.checkpoint.manifest import copy_side_files
+    """Write the learner's weights as a Hugging Face model directory (config and tokenizer from the source model,
+    config.json stating the written dtype, without fp8 quantization or MTP layers). Every rank takes part in the gathers; rank 0 writes. Atomic (temp dir, then rename)."""
+    from megatron_sparse_rl.checkpoint.hf_writer import ShardedSafetensorsWriter, write_side_files
+    from megatron_sparse_rl.learner.checkpoint import param_dtype_name
     from megatron_sparse_rl.weight_sync import iter_hf_tensors
 
     tmp = out.with_name(f".{out.name}.tmp")
@@ -125,7 +125,7 @@ def export_hf(ctx: RunContext, out: Path) -> Path | None:
             writer.add(name, tensor)
     if ctx.is_main:
         writer.finish()
-        copy_side_files(ctx.model_dir, tmp)
+        write_side_files(ctx.model_dir, tmp, dtype=param_dtype_name(ctx.learner))  # config.json states the dtype
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -185,6 +185,40 @@ def test_resume_with_a_changed_sft_stage_is_refused_naming_the_field(straight, m
     assert snapshot(run_dir) == before
 
 
+def test_training_checkpoint_converts_without_hf_config(straight, tmp_path):
+    """A training checkpoint carries the model's config and tokenizer (hf/), so `msrl convert mcore-to-hf` needs no
+    --hf-config; its tensors equal the run's own final export (the last checkpoint is the final state)."""
+    import torch
+    from safetensors.torch import load_file
+
+    run_dir, _ = straight
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert (last / "hf" / "config.json").is_file() and (last / "hf" / "tokenizer.json").is_file()
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "convert", "mcore-to-hf", "--mcore", str(last),
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, final = load_file(str(out / "model.safetensors")), load_file(str(run_dir / "hf_final" / "model.safetensors"))
+    assert set(got) == set(final) and all(torch.equal(got[k], final[k]) for k in final)
+
+
+def test_bf16_learner_writes_hf_final_in_bf16(tmp_path, model_dir):
+    """model.dtype bfloat16 on CPU trains 2 steps (sync probe at the bf16 tolerance) from the fp32 tiny model, and
+    hf_final's tensors have the dtype its config.json states."""
+    from safetensors import safe_open
+
+    run_dir = tmp_path / "bf16"
+    proc = subprocess.run(_args(run_dir, model_dir, 2, extra=("model.dtype=bfloat16", "checkpoint.save_every=0")),
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(_rl(_records(run_dir))) == [1, 2]
+    config = json.loads((run_dir / "hf_final" / "config.json").read_text())
+    source = json.loads((model_dir / "config.json").read_text())
+    assert source["dtype"] == "float32" and config["dtype"] == "bfloat16"
+    with safe_open(str(run_dir / "hf_final" / "model.safetensors"), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"BF16"}
+
+
 def test_two_rank_run_through_msrl_launch_local(tmp_path, model_dir):
     """Two ranks, on a user's JSONL prompts without a held-out file (evaluation and the sync probe use the first
     train prompts)."""
