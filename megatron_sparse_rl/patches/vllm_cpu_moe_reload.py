@@ -38,33 +38,20 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-VLLM_VERSION = "0.32.0"
 _MARK = "_msrl_cpu_moe_reload_patched"
 
 
 def _target():
-    import vllm
+    from megatron_sparse_rl.rollout import vllm_access
 
-    if vllm.__version__ != VLLM_VERSION:
-        raise RuntimeError(
-            f"patches.vllm_cpu_moe_reload was written for vllm {VLLM_VERSION} (found {vllm.__version__}): "
-            "check whether UnquantizedFusedMoEMethod._setup_kernel still skips "
-            "fused_experts.process_weights_after_loading on weight updates, then update this patch"
-        )
+    vllm_access.require_version("vllm_cpu_moe_reload", "check whether UnquantizedFusedMoEMethod._setup_kernel still "
+                                "skips fused_experts.process_weights_after_loading on weight updates")
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
         UnquantizedFusedMoEMethod,
     )
 
-    from megatron_sparse_rl.rollout import vllm_access
-
     vllm_access.check(features=("cpu_moe_reload",))  # _setup_kernel(self, layer, w13, w2) and moe_kernel
     return UnquantizedFusedMoEMethod
-
-
-def _is_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def is_applied() -> bool:
@@ -77,8 +64,10 @@ def apply() -> bool:
 
     Raises RuntimeError when the installed vLLM is not 0.32.0 or the patched method is missing.
     """
+    from megatron_sparse_rl.rollout import vllm_access
+
     cls = _target()
-    if not _is_cpu_platform():
+    if not vllm_access.is_cpu_platform():
         return False
     if is_applied():
         return True

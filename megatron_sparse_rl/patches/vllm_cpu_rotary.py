@@ -31,30 +31,18 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-VLLM_VERSION = "0.32.0"
 _MARK = "_msrl_cpu_rotary_patched"
 
 
 def _target():
-    import vllm
-
-    if vllm.__version__ != VLLM_VERSION:
-        raise RuntimeError(
-            f"patches.vllm_cpu_rotary was written for vllm {VLLM_VERSION} (found {vllm.__version__}): check whether "
-            "RotaryEmbedding.forward_cpu still rotates 3-D [tokens, heads, rot_dim] inputs wrongly, then update "
-            "this patch")
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
     from megatron_sparse_rl.rollout import vllm_access
+
+    vllm_access.require_version("vllm_cpu_rotary", "check whether RotaryEmbedding.forward_cpu still rotates 3-D "
+                                "[tokens, heads, rot_dim] inputs wrongly")
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     vllm_access.check(features=("cpu_rotary",))  # forward_cpu / forward_native(self, positions, query, key)
     return RotaryEmbedding
-
-
-def _is_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def is_applied() -> bool:
@@ -67,8 +55,10 @@ def apply() -> bool:
 
     Raises RuntimeError when the installed vLLM is not 0.32.0, VLLMInternalsError when a wrapped method changed.
     """
+    from megatron_sparse_rl.rollout import vllm_access
+
     cls = _target()
-    if not _is_cpu_platform():
+    if not vllm_access.is_cpu_platform():
         return False
     if is_applied():
         return True

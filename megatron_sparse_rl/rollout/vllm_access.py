@@ -515,3 +515,20 @@ def unwrap_schedule(sched) -> None:
 
 def num_running(sched) -> int:
     return len(sched.running)
+
+
+def require_version(patch: str, what_to_check: str) -> None:
+    """RuntimeError unless the installed vLLM is the version the `patch` module was written for; the message says
+    what to check before updating it."""
+    import vllm
+
+    if vllm.__version__ != VLLM_VERSION:
+        raise RuntimeError(f"patches.{patch} was written for vllm {VLLM_VERSION} (found {vllm.__version__}): "
+                           f"{what_to_check}, then update this patch")
+
+
+def is_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform here."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
