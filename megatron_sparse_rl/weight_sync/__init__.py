@@ -4,11 +4,11 @@ See docs/weight_sync.md. `export.iter_hf_tensors`, `buckets.pack_buckets`/`verif
 `colocated.sync_to_engine`, `disaggregated.send_weights`/`receive_weights`, `verify.verify_logprobs`/
 `compare_engines` (the one engine-vs-learner check).
 """
-from megatron_sparse_rl.weight_sync.buckets import Bucket, SyncStats, pack_buckets, verify_bucket
+from megatron_sparse_rl.weight_sync.buckets import PHASES, Bucket, SyncStats, pack_buckets, verify_bucket
 from megatron_sparse_rl.weight_sync.colocated import sync_to_engine
 from megatron_sparse_rl.weight_sync.disaggregated import receive_weights, send_weights
 from megatron_sparse_rl.weight_sync.export import WeightSyncError, iter_hf_tensors
 from megatron_sparse_rl.weight_sync.verify import compare_engines, verify_logprobs
 
-__all__ = ["Bucket", "SyncStats", "WeightSyncError", "compare_engines", "iter_hf_tensors", "pack_buckets",
+__all__ = ["PHASES", "Bucket", "SyncStats", "WeightSyncError", "compare_engines", "iter_hf_tensors", "pack_buckets",
            "receive_weights", "send_weights", "sync_to_engine", "verify_bucket", "verify_logprobs"]

@@ -10,30 +10,84 @@
 
 A `Bucket` is one flat uint8 buffer (what a transport sends in one message) plus the metadata to cut it
 back into tensors. Tensors are packed whole and in stream order; one larger than the bucket size gets a
-bucket of its own. Each tensor's bytes get a BLAKE2b digest (exact: any flipped bit changes it) when
-packed; `verify_bucket` recomputes them and names the bucket and the tensors that differ. The digest
-covers the bytes only; names, dtypes, shapes and offsets travel as metadata and are checked for
+bucket of its own. Each tensor's exported bytes get an XXH3-128 digest (xxhash: faster than a memory copy; a
+corrupted tensor passes with odds of about 2**-128, and every single-byte flip is caught in the tests) when packed;
+`verify_bucket` recomputes them over the bytes the engine is given and names the bucket and the tensors that
+differ. The digest covers the bytes only; names, dtypes, shapes and offsets travel as metadata and are checked for
 consistency with the buffer. A bucket of a sliced sync (engine_shards.py) also says where each sliced tensor
 sits in its full tensor (`cuts`); `Feed` rebuilds those full-shape before the engine sees them.
+
+Each phase of a sync is timed with one `perf_counter` pair per tensor or bucket (`PhaseTimes`, returned in
+`SyncStats.phases`): export, pack, digest, transport, verify, rebuild, load (the engine's own time).
 """
 from __future__ import annotations
 
-import hashlib
+import re
+import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import torch
+import xxhash
 
 from megatron_sparse_rl.weight_sync.engine_shards import Cut, expand
 from megatron_sparse_rl.weight_sync.export import WeightSyncError
 
-_DIGEST_BYTES = 16
 _ALIGN = 16  # bytes: every tensor starts aligned, so views of any dtype are valid
 
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+PHASES = ("export", "pack", "digest", "transport", "verify", "rebuild", "load")
+"""The timed phases of a sync, in pipeline order. export: the learner's gathers and HF conversion (pulling the
+next tensor of `iter_hf_tensors`); pack: copying tensors into bucket buffers; digest: the sender's checksums;
+transport: disaggregated send or receive (waiting for the other side included); verify: the receiver's checksum
+check; rebuild: full-shape tensors of received slices; load: `engine.load_weights` minus the time it spent
+pulling the stream (vLLM's loaders, layerwise reload, MoE repack)."""
+
+
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
+"""An HF name of one routed expert's tensor (`mlp.experts.3.`, Mixtral's `block_sparse_moe.experts.3.`): only to
+attribute time to experts, never to route tensors."""
+
+
+class PhaseTimes:
+    """Seconds per phase of one sync, accumulated with `perf_counter` pairs (never inside per-element loops), and
+    the export + engine-load seconds of routed-expert tensors (`expert_seconds`)."""
+
+    __slots__ = ("seconds", "expert_seconds")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.expert_seconds = 0.0
+
+    def expert(self, name: str, seconds: float) -> None:
+        """Count `seconds` spent on tensor `name` to the experts when it is a routed expert's."""
+        if _ROUTED_EXPERT.search(name):
+            self.expert_seconds += seconds
+
+    def add(self, phase: str, since: float) -> float:
+        """Count `now - since` to `phase`; returns now (the start of whatever follows)."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - since
+        return now
+
+
+def timed(named_tensors: Iterable[tuple[str, torch.Tensor]], clock: PhaseTimes,
+          phase: str = "export") -> Iterator[tuple[str, torch.Tensor]]:
+    """`named_tensors` unchanged, the time spent producing each item counted to `phase`."""
+    items = iter(named_tensors)
+    while True:
+        start = time.perf_counter()
+        item = next(items, None)
+        if item is None:
+            clock.add(phase, start)
+            return
+        clock.expert(item[0], clock.add(phase, start) - start)
+        yield item
 
 
 @dataclass(frozen=True)
@@ -45,6 +99,10 @@ class SyncStats:
     seconds: float
     buckets: int
     tensors: int
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase (`PHASES`) on this rank; what they leave of `seconds` is untimed glue."""
+    expert_seconds: float = 0.0
+    """Export and engine-load seconds of the routed experts' tensors (their pack/digest/verify are per byte)."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -90,8 +148,9 @@ class Bucket:
 
 
 def _digest(data: torch.Tensor) -> bytes:
-    """BLAKE2b over the bytes of a contiguous CPU uint8 tensor (no copy: numpy exposes the buffer)."""
-    return hashlib.blake2b(data.numpy(), digest_size=_DIGEST_BYTES).digest()
+    """XXH3-128 of the bytes of a contiguous CPU uint8 tensor (no copy: numpy exposes the buffer). Not a
+    cryptographic hash: it guards against corruption in transit or in memory, not against an adversary."""
+    return xxhash.xxh3_128_digest(data.numpy())
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,17 +165,21 @@ def _extent(metas: list[TensorMeta]) -> int:
     return _aligned(metas[-1].offset + metas[-1].nbytes) if metas else 0
 
 
-def seal(index: int, items: list[tuple[str, torch.Tensor]], cuts: dict[str, Cut] | None = None) -> Bucket:
-    """One bucket holding `items` in order (copied, digested), whatever their size."""
+def seal(index: int, items: list[tuple[str, torch.Tensor]], cuts: dict[str, Cut] | None = None,
+         clock: PhaseTimes | None = None) -> Bucket:
+    """One bucket holding `items` in order (copied, digested), whatever their size; times pack and digest."""
+    clock = clock or PhaseTimes()
+    start = time.perf_counter()
     total = sum(_packed_size(tensor) for _, tensor in items)
     buffer = torch.empty(total, dtype=torch.uint8)  # padding bytes are never read or digested
     metas, offset = [], 0
     for name, tensor in items:
         raw = _as_bytes(tensor)
-        piece = buffer[offset:offset + raw.numel()]
-        piece.copy_(raw)
-        # digest the packed copy: what the receiver will check is exactly what was sent
-        metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), offset, raw.numel(), _digest(piece)))
+        buffer[offset:offset + raw.numel()].copy_(raw)
+        start = clock.add("pack", start)
+        # digest the exported bytes, not the packed copy: the receiver's check then covers the packing copy too
+        metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), offset, raw.numel(), _digest(raw)))
+        start = clock.add("digest", start)
         offset = _aligned(offset + raw.numel())
     return Bucket(index, buffer, metas, dict(cuts or {}))
 
@@ -140,10 +203,11 @@ def group_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], *,
         yield pending
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_mb: float = 256.0) -> Iterator[Bucket]:
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_mb: float = 256.0,
+                 clock: PhaseTimes | None = None) -> Iterator[Bucket]:
     """Group the stream into buckets of at most `bucket_mb` MiB (a larger tensor gets its own bucket)."""
     for index, items in enumerate(group_tensors(named_tensors, bucket_mb=bucket_mb)):
-        yield seal(index, items)
+        yield seal(index, items, clock=clock)
 
 
 def verify_bucket(bucket: Bucket) -> None:
@@ -172,25 +236,33 @@ class Feed:
     """
 
     def __init__(self, buckets: Iterable[Bucket], *, verify: bool = True, keep: Callable[[str], bool] | None = None,
-                 rebuild: Callable[[str, torch.Tensor, Cut], torch.Tensor] | None = None, corrupt=None):
+                 rebuild: Callable[[str, torch.Tensor, Cut], torch.Tensor] | None = None, corrupt=None,
+                 clock: PhaseTimes | None = None):
         self.buckets, self.verify, self.keep, self.corrupt = iter(buckets), verify, keep, corrupt
         self.rebuild = rebuild or (lambda name, piece, cut: expand(piece, cut))
         self.bytes = self.count = self.tensors = self.handed = 0
+        self.clock = clock or PhaseTimes()
+        """Times verify and rebuild here, load in `load_into`; the bucket source times its own phases."""
+        self.pulling = 0.0
+        """Seconds spent inside this stream (pulling buckets, verifying, rebuilding): not the engine's."""
 
     def drain(self) -> int:
         """Pull (and drop) the buckets still to come; returns how many."""
         return sum(1 for _ in self.buckets)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        resumed = time.perf_counter()  # the time between a yield and the next resume is the engine's
         for bucket in self.buckets:
             if self.corrupt is not None:  # test hook: damage a bucket after its checksums were taken
                 self.corrupt(bucket)
             if self.verify:
+                start = time.perf_counter()
                 try:
                     verify_bucket(bucket)
                 except WeightSyncError:
                     self.drain()
                     raise
+                self.clock.add("verify", start)
             self.count += 1
             self.bytes += bucket.payload
             self.tensors += len(bucket.metas)
@@ -198,7 +270,16 @@ class Feed:
                 if self.keep is None or self.keep(name):
                     self.handed += 1
                     cut = bucket.cuts.get(name)
-                    yield name, tensor if cut is None else self.rebuild(name, tensor, cut)
+                    if cut is not None:
+                        start = time.perf_counter()
+                        tensor = self.rebuild(name, tensor, cut)
+                        self.clock.add("rebuild", start)
+                    handed = time.perf_counter()
+                    self.pulling += handed - resumed
+                    yield name, tensor
+                    resumed = time.perf_counter()
+                    self.clock.expert(name, resumed - handed)
+        self.pulling += time.perf_counter() - resumed
 
     def load_into(self, engine, *, watch: AbstractContextManager | None = None) -> None:
         """The whole stream through ONE `engine.load_weights` call (inside `watch`); engine None: drop it.
@@ -207,15 +288,18 @@ class Feed:
         stopped reading before the stream ended."""
         stream = iter(self)
         if engine is not None:
+            start, pulled = time.perf_counter(), self.pulling
             try:
                 with watch or nullcontext():
                     engine.load_weights(stream)
             except BaseException:
                 self.drain()
                 raise
+            self.clock.seconds["load"] += time.perf_counter() - start - (self.pulling - pulled)
         leftover = sum(1 for _ in stream)  # no engine, or one that stopped early: the stream must still end
         if engine is not None and leftover:
             raise WeightSyncError(f"the engine stopped reading after {self.handed - leftover} of {self.handed} tensors")
 
     def stats(self, seconds: float) -> SyncStats:
-        return SyncStats(self.bytes, seconds, self.count, self.tensors)
+        return SyncStats(self.bytes, seconds, self.count, self.tensors, dict(self.clock.seconds),
+                         self.clock.expert_seconds)

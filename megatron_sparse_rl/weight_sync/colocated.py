@@ -7,14 +7,20 @@ engine: they take part in the gathers and drop the stream. What arrived is check
 `weight_sync/verify.py`. The stream reaches the engine through ONE
 `engine.load_weights` call fed lazily, bucket by bucket (`buckets.Feed`, as in a disaggregated sync), so at
 most one bucket (plus the tensor being gathered) is alive beyond the engine's own weights; each bucket is
-checksum-verified before its tensors are handed over.
+checksum-verified before its tensors are handed over. `stats.phases` holds the seconds per phase (export, pack,
+digest, verify, load; `buckets.PHASES`).
+
+What the checksum covers here: each tensor's digest is taken over the exported bytes (`iter_hf_tensors`' tensor,
+made contiguous) and checked over the bucket bytes the engine is then given, i.e. the packing copy and the
+buffer between packing and loading. In one process that mostly guards the packing code itself; it is kept on
+by default because XXH3 costs about a tenth of the copy it checks (docs/weight_sync.md, "Phases").
 """
 from __future__ import annotations
 
 import logging
 import time
 
-from megatron_sparse_rl.weight_sync.buckets import Feed, SyncStats, pack_buckets
+from megatron_sparse_rl.weight_sync.buckets import Feed, PhaseTimes, SyncStats, pack_buckets, timed
 from megatron_sparse_rl.weight_sync.export import iter_hf_tensors
 
 log = logging.getLogger(__name__)
@@ -27,7 +33,9 @@ def sync_to_engine(learner, engine, *, bucket_mb: float = 256.0, verify: bool = 
     `_corrupt(bucket)` is a test hook called on each bucket before verification.
     """
     start = time.perf_counter()
-    feed = Feed(pack_buckets(iter_hf_tensors(learner), bucket_mb=bucket_mb), verify=verify, corrupt=_corrupt)
+    clock = PhaseTimes()
+    buckets = pack_buckets(timed(iter_hf_tensors(learner), clock), bucket_mb=bucket_mb, clock=clock)
+    feed = Feed(buckets, verify=verify, corrupt=_corrupt, clock=clock)
     feed.load_into(engine)
     stats = feed.stats(time.perf_counter() - start)
     log.debug("weight sync: %d tensors, %.1f MB in %d buckets, %.3f s (%.1f MB/s)", stats.tensors,

@@ -9,7 +9,7 @@
 worlds) of the sender `src` (a global rank, usually learner rank 0) and every rollout rank
 (`ParallelLayout.weight_sync_group(src)`). Learner ranks other than `src` take part in the gathers of
 `iter_hf_tensors` and drop the stream (their `group` may be None). Per bucket the sender broadcasts its metadata
-(index, names, dtypes, shapes, offsets, BLAKE2b digests, slices) with `broadcast_object`, then the flat uint8
+(index, names, dtypes, shapes, offsets, XXH3-128 digests, slices) with `broadcast_object`, then the flat uint8
 buffer with `broadcast`; a `None` header ends the stream. gloo, CPU buffers.
 
 Engines of tensor-parallel size t > 1: with `shards=EngineShards(spec, t)` and `shard_groups` (group r: `src`
@@ -22,7 +22,8 @@ Without them every rank receives whole tensors and vLLM's loaders narrow them.
 
 Receive side: each bucket is checksum-verified (`verify_bucket`) before its tensors reach
 `engine.load_weights` (one call, fed lazily: at most one bucket beyond the engine's weights is alive).
-`keep(name) -> bool` filters by name (default: all).
+`keep(name) -> bool` filters by name (default: all). Both sides return `SyncStats` whose `phases` hold the
+seconds per phase (sender: export, pack, digest, transport; receiver: transport, verify, rebuild, load).
 On a failed checksum the receiver drains the rest of the stream (the sender never blocks) and raises
 WeightSyncError naming the bucket; the engine then holds partly updated weights: sync again.
 """
@@ -36,29 +37,32 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from megatron_sparse_rl.weight_sync.buckets import Bucket, Feed, SyncStats, group_tensors, seal
+from megatron_sparse_rl.weight_sync.buckets import Bucket, Feed, PhaseTimes, SyncStats, group_tensors, seal, timed
 from megatron_sparse_rl.weight_sync.engine_shards import Cut, EngineShards, expand
 from megatron_sparse_rl.weight_sync.export import WeightSyncError, iter_hf_tensors
 
 log = logging.getLogger(__name__)
 
 
-def _outgoing(learner, bucket_mb: float, shards: EngineShards | None, groups: list) -> Iterator[tuple[object, Bucket]]:
+def _outgoing(learner, bucket_mb: float, shards: EngineShards | None, groups: list,
+              clock: PhaseTimes) -> Iterator[tuple[object, Bucket]]:
     """(group, bucket) in sending order: per chunk of the stream (at most `bucket_mb`, grouped as `pack_buckets`
     groups it) one bucket per group, holding whole tensors, or with `shards` the slices group r's engine rank keeps."""
-    for index, chunk in enumerate(group_tensors(iter_hf_tensors(learner), bucket_mb=bucket_mb)):
+    for index, chunk in enumerate(group_tensors(timed(iter_hf_tensors(learner), clock), bucket_mb=bucket_mb)):
         for rank, group in enumerate(groups):
-            yield group, seal(index, chunk) if shards is None else _sliced(index, chunk, shards, rank)
+            bucket = seal(index, chunk, clock=clock) if shards is None else _sliced(index, chunk, shards, rank, clock)
+            yield group, bucket
 
 
-def _sliced(index: int, chunk: list[tuple[str, torch.Tensor]], shards: EngineShards, rank: int) -> Bucket:
+def _sliced(index: int, chunk: list[tuple[str, torch.Tensor]], shards: EngineShards, rank: int,
+            clock: PhaseTimes) -> Bucket:
     pieces, cuts = [], {}
     for name, tensor in chunk:
         piece, where = shards.cut(name, tensor, rank)
         pieces.append((name, piece))
         if where is not None:
             cuts[name] = where
-    return seal(index, pieces, cuts)
+    return seal(index, pieces, cuts, clock)
 
 
 def send_weights(learner, group=None, *, src: int, bucket_mb: float = 256.0, shards: EngineShards | None = None,
@@ -75,30 +79,38 @@ def send_weights(learner, group=None, *, src: int, bucket_mb: float = 256.0, sha
     if shards is not None and len(shard_groups) != shards.tp:
         raise ValueError(f"send_weights: {len(shard_groups)} shard groups for an engine of {shards.tp} ranks")
     nbytes = count = tensors = 0
+    clock = PhaseTimes()
     if dist.get_rank() != src:  # take part in the gathers, pack nothing
-        for _, tensor in iter_hf_tensors(learner):
+        for _, tensor in timed(iter_hf_tensors(learner), clock):
             nbytes, tensors = nbytes + tensor.numel() * tensor.element_size(), tensors + 1
-        return SyncStats(nbytes, time.perf_counter() - start, 0, tensors)
+        return SyncStats(nbytes, time.perf_counter() - start, 0, tensors, dict(clock.seconds), clock.expert_seconds)
     targets = list(shard_groups) if shards is not None else [group]
-    for target, bucket in _outgoing(learner, bucket_mb, shards, targets):
+    for target, bucket in _outgoing(learner, bucket_mb, shards, targets, clock):
         count, nbytes, tensors = count + 1, nbytes + bucket.payload, tensors + len(bucket.metas)
+        sending = time.perf_counter()
         target.broadcast_object((bucket.index, bucket.metas, bucket.cuts), src=src)
         target.broadcast(bucket.buffer, src=src)
+        clock.add("transport", sending)
+    sending = time.perf_counter()
     for target in targets:
         target.broadcast_object(None, src=src)
-    stats = SyncStats(nbytes, time.perf_counter() - start, count, tensors)
+    clock.add("transport", sending)
+    stats = SyncStats(nbytes, time.perf_counter() - start, count, tensors, dict(clock.seconds), clock.expert_seconds)
     log.info("weight sync sent: %d tensors, %.1f MB in %d buckets to %d group(s), %.3f s (%.1f MB/s)",
              stats.tensors, stats.bytes / 1e6, stats.buckets, len(targets), stats.seconds, stats.bytes_per_s / 1e6)
     return stats
 
 
-def _receive_buckets(group, src: int) -> Iterator[Bucket]:
+def _receive_buckets(group, src: int, clock: PhaseTimes) -> Iterator[Bucket]:
     while True:
+        start = time.perf_counter()
         header = group.broadcast_object(None, src=src)
         if header is None:
+            clock.add("transport", start)
             return
         bucket = Bucket.receiving(*header)  # (index, metas, cuts)
         group.broadcast(bucket.buffer, src=src)
+        clock.add("transport", start)
         yield bucket
 
 
@@ -145,8 +157,9 @@ def receive_weights(engine, group, *, src: int, verify: bool = True, keep: Calla
     mismatch (naming the bucket and tensors) or if the engine stops reading before the stream ends.
     """
     start = time.perf_counter()
-    reads = _SliceReads()
-    feed = Feed(_receive_buckets(group, src), verify=verify, keep=keep, rebuild=reads.rebuild, corrupt=_corrupt)
+    reads, clock = _SliceReads(), PhaseTimes()
+    feed = Feed(_receive_buckets(group, src, clock), verify=verify, keep=keep, rebuild=reads.rebuild,
+                corrupt=_corrupt, clock=clock)
     feed.load_into(engine, watch=reads)
     if reads.bad:
         raise WeightSyncError(

@@ -51,10 +51,14 @@ def _build_learner(layout, groups, model_dir):
     return learner
 
 
-def _flip_one_value(bucket):
-    if bucket.index == 1:
-        name, tensor = bucket.tensors()[0]
-        tensor.view(-1)[0] += 1.0
+def _flip_one_value(flipped: list):
+    """A corrupt hook adding 1 to the first value of bucket 1's first tensor; appends that tensor's name."""
+    def corrupt(bucket):
+        if bucket.index == 1:
+            name, tensor = bucket.tensors()[0]
+            tensor.view(-1)[0] += 1.0
+            flipped.append(name)
+    return corrupt
 
 
 def learner_rank(layout, groups, sync, model_dir, syncs):
@@ -86,10 +90,11 @@ def rollout_rank(sync, model_dir, syncs):
     out["after"] = torch.stack(engine.prompt_logprobs(PROBE))
     if syncs == 3:  # corrupted in transit, then clean again
         try:
-            receive_weights(engine, sync, src=SRC, _corrupt=_flip_one_value)
+            receive_weights(engine, sync, src=SRC, _corrupt=_flip_one_value(flipped := []))
             out["corruption_error"] = None
         except WeightSyncError as e:
             out["corruption_error"] = str(e)
+        out["flipped"] = flipped
         receive_weights(engine, sync, src=SRC)
         out["recovered"] = torch.stack(engine.prompt_logprobs(PROBE))
     engine.shutdown()
@@ -127,6 +132,7 @@ def test_disaggregated_sync_after_train_step(tmp_path, arch):
     err = got["corruption_error"]
     assert err is not None, "a bucket corrupted in transit must be refused"
     assert "bucket 1" in err and "checksum mismatch" in err and "model." in err
+    assert got["flipped"] and f"tensors ['{got['flipped'][0]}']" in err, "the error names the corrupted tensor"
 
 
 def test_disaggregated_sync_from_tp2_learner(tmp_path):

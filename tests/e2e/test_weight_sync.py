@@ -19,10 +19,14 @@ TOL = 1e-4
 PROBE = [[1, 5, 6, 14, 11, 18, 22, 20, 27, 21, 19, 5, 13], [1, 43, 21, 19, 9, 7, 15, 4, 4, 18, 22, 30, 31]]
 
 
-def _flip_one_value(bucket):
-    if bucket.index == 1:
-        name, tensor = bucket.tensors()[0]
-        tensor.view(-1)[0] += 1.0  # after the checksum was computed
+def _flip_one_value(flipped: list):
+    """A corrupt hook adding 1 to the first value of bucket 1's first tensor; appends that tensor's name."""
+    def corrupt(bucket):
+        if bucket.index == 1:
+            name, tensor = bucket.tensors()[0]
+            tensor.view(-1)[0] += 1.0  # after the checksum was computed
+            flipped.append(name)
+    return corrupt
 
 
 def sync_worker(rank, world_size, model_dir):
@@ -46,10 +50,11 @@ def sync_worker(rank, world_size, model_dir):
     out.update(stats=stats, before=before, after=after, learner=stale,
                diff_synced=verify_logprobs(learner, engine, PROBE, tol=TOL))
     try:
-        sync_to_engine(learner, engine, bucket_mb=0.1, _corrupt=_flip_one_value)
+        sync_to_engine(learner, engine, bucket_mb=0.1, _corrupt=_flip_one_value(flipped := []))
         out["corruption_error"] = None
     except WeightSyncError as e:
         out["corruption_error"] = str(e)
+    out["flipped"] = flipped
     sync_to_engine(learner, engine, bucket_mb=0.1)
     out["diff_recovered"] = verify_logprobs(learner, engine, PROBE, tol=TOL)
     engine.shutdown()
@@ -73,3 +78,4 @@ def test_sync_after_train_step(tmp_path, arch):
     err = out["corruption_error"]
     assert err is not None, "a corrupted bucket must be refused"
     assert "bucket 1" in err and "checksum mismatch" in err and "model." in err
+    assert out["flipped"] and f"tensors ['{out['flipped'][0]}']" in err, "the error names the corrupted tensor"

@@ -1,15 +1,18 @@
 """Buckets and the one bucket feed both placements load engines through (weight_sync/buckets.py), with a stand-in
 engine: packing groups whole tensors by their 16-byte-aligned size, a corrupted bucket is refused by name after
 the rest of the stream was pulled, an engine that stops early or raises still has the stream drained, `keep`
-filters, and sliced tensors reach the engine full-shape with NaN around the slice.
+filters, and sliced tensors reach the engine full-shape with NaN around the slice. The XXH3-128 digests: every
+payload byte of a bucket, flipped, is refused naming its tensor; a digest equals xxhash of the exported C-order
+bytes; a packing copy that differs from the export is caught. Sync stats carry every timed phase.
 
     .venv/bin/python -m pytest -q tests/unit/test_weight_sync_buckets.py
 """
 import pytest
 import torch
+import xxhash
 
 from megatron_sparse_rl.weight_sync import WeightSyncError
-from megatron_sparse_rl.weight_sync.buckets import Feed, pack_buckets, seal
+from megatron_sparse_rl.weight_sync.buckets import PHASES, Feed, PhaseTimes, pack_buckets, seal, timed, verify_bucket
 from megatron_sparse_rl.weight_sync.engine_shards import Cut
 
 KIB = 1024 / 2**20  # bucket_mb of one KiB
@@ -94,3 +97,52 @@ def test_keep_filters_and_slices_are_rebuilt_with_nan_around_them():
     got = engine.got["sliced"]
     assert got.shape == (4, 3) and torch.isnan(got[:2]).all() and torch.equal(got[2:], full[2:])
     assert torch.equal(engine.got["whole"], full)
+
+
+@pytest.mark.parametrize("mask", [0x01, 0x80, 0xFF])
+def test_every_flipped_payload_byte_is_refused_naming_its_tensor(mask):
+    """Exhaustive over one bucket: each payload byte of each tensor, xor-ed with `mask`, fails verification naming
+    exactly that tensor; restored, the bucket verifies again."""
+    items = [("a.weight", torch.randn(7, 3)), ("b.bias", torch.randn(5).to(torch.bfloat16)),
+             ("c.weight", torch.arange(9, dtype=torch.int64))]
+    bucket = seal(0, items)
+    verify_bucket(bucket)
+    flat = bucket.buffer
+    for meta in bucket.metas:
+        for at in range(meta.offset, meta.offset + meta.nbytes):
+            before = int(flat[at])
+            flat[at] = before ^ mask
+            with pytest.raises(WeightSyncError, match=rf"checksum mismatch in 1 of 3 tensors \['{meta.name}'\]"):
+                verify_bucket(bucket)
+            flat[at] = before
+    verify_bucket(bucket)
+
+
+def test_digest_is_xxh3_128_of_the_exported_bytes_in_c_order():
+    """Independent reference: xxhash over the tensor's C-order bytes (numpy), for a non-contiguous export too."""
+    base = torch.randn(6, 4)
+    bucket = seal(0, [("t", base.t()), ("u", base[:, 1])])
+    for meta, tensor in zip(bucket.metas, (base.t(), base[:, 1])):
+        assert meta.digest == xxhash.xxh3_128_digest(tensor.numpy().tobytes(order="C"))
+    assert torch.equal(dict(bucket.tensors())["t"], base.t())
+
+
+def test_a_packing_copy_that_differs_from_the_export_is_refused():
+    """The digest is taken over the exported tensor, not the packed copy: a bad copy into the bucket is caught."""
+    bucket = seal(0, [("t", torch.ones(8))])
+    bucket.buffer[0] ^= 0x01  # as if the pack had copied one byte wrong
+    with pytest.raises(WeightSyncError, match=r"\['t'\]"):
+        verify_bucket(bucket)
+
+
+def test_stats_carry_every_phase_and_the_expert_share():
+    """Structure only (no timed assertion): every phase of PHASES is reported, none negative; routed experts'
+    time is a part of the export + load time."""
+    clock = PhaseTimes()
+    stream = [("model.layers.0.mlp.experts.3.up_proj.weight", torch.ones(4)), ("model.norm.weight", torch.ones(4))]
+    feed = Feed(pack_buckets(timed(stream, clock), bucket_mb=KIB, clock=clock), clock=clock)
+    feed.load_into(Engine())
+    stats = feed.stats(1.0)
+    assert tuple(stats.phases) == PHASES and all(v >= 0 for v in stats.phases.values())
+    assert stats.phases["transport"] == 0.0 and stats.phases["rebuild"] == 0.0
+    assert 0 <= stats.expert_seconds <= stats.phases["export"] + stats.phases["load"]
