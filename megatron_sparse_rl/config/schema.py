@@ -86,6 +86,9 @@ class TinyModelConfig:
     rope_type: Literal["yarn", "default"] = "yarn"
     """(deepseek_v3) RoPE of the rope dimensions: yarn (as DeepSeek-V3 and Kimi-K2, scaled to a tiny context) or
     default."""
+    init_std: float = 0.2
+    """Std of the random normal init (transformers' `initializer_range`). Larger than the usual 0.02 so that a tiny
+    model's next-token distributions are peaked and routing decisions well separated (parity tests mean more)."""
     seed: int = 0
     """Seed of the random weights."""
 
@@ -99,6 +102,7 @@ class TinyModelConfig:
                      "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group"):
             _check(getattr(self, name) > 0, f"model.tiny.{name} must be > 0 (got {getattr(self, name)})")
         _check(self.experts >= 0, f"model.tiny.experts must be >= 0 (got {self.experts})")
+        _check(self.init_std > 0, f"model.tiny.init_std must be > 0 (got {self.init_std})")
         if self.arch in QWEN_ARCHS:
             _check(self.heads % self.kv_heads == 0, f"model.tiny.heads must be a multiple of model.tiny.kv_heads "
                                                     f"(got {self.heads} and {self.kv_heads})")

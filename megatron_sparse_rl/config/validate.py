@@ -43,13 +43,13 @@ def tiny_hf_config(tiny: TinyModelConfig) -> dict:
             **kwargs}
 
 
-_QWEN_KWARGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "topk", "moe_ffn", "ffn")
+_QWEN_KWARGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "topk", "moe_ffn", "ffn", "init_std")
 _DEEPSEEK_KWARGS = {
     "hidden": "hidden", "layers": "layers", "heads": "heads", "experts": "experts", "topk": "topk",
     "moe_ffn": "moe_ffn", "ffn": "ffn", "kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank",
     "qk_nope_head_dim": "qk_nope", "qk_rope_head_dim": "qk_rope", "v_head_dim": "v_head",
     "first_k_dense": "first_k_dense", "shared_experts": "shared", "n_group": "n_group", "topk_group": "topk_group",
-    "rope_type": "rope",
+    "rope_type": "rope", "init_std": "init_std",
 }
 """`model.tiny` field -> keyword of `deepseek_config_kwargs` / `build_tiny_deepseek`."""
 

@@ -163,16 +163,16 @@ TINY_CASES = {
     "mla_grouped": {"arch": "deepseek_v3", "hidden": 48, "layers": 3, "heads": 2, "experts": 8, "topk": 2,
                     "moe_ffn": 16, "ffn": 40, "q_lora_rank": 24, "qk_nope_head_dim": 16, "v_head_dim": 24,
                     "first_k_dense": 1, "shared_experts": 2, "n_group": 2, "topk_group": 1, "rope_type": "default",
-                    "seed": 3},
+                    "init_std": 0.02, "seed": 3},
 }
 # The same DeepSeek models as keyword arguments of build_tiny_deepseek, written out by hand (its own names).
 DEEPSEEK_BUILDS = {
     "mla": dict(hidden=64, layers=2, heads=4, experts=4, topk=2, moe_ffn=64, ffn=128, kv_lora_rank=512,
                 q_lora_rank=None, qk_nope=32, qk_rope=64, v_head=32, first_k_dense=1, shared=1, n_group=1,
-                topk_group=1, rope="yarn", seed=0),
+                topk_group=1, rope="yarn", init_std=0.2, seed=0),
     "mla_grouped": dict(hidden=48, layers=3, heads=2, experts=8, topk=2, moe_ffn=16, ffn=40, kv_lora_rank=512,
                         q_lora_rank=24, qk_nope=16, qk_rope=64, v_head=24, first_k_dense=1, shared=2, n_group=2,
-                        topk_group=1, rope="default", seed=3),
+                        topk_group=1, rope="default", init_std=0.02, seed=3),
 }
 
 
