@@ -201,11 +201,20 @@ def test_a_failing_rollout_rank_fails_the_run_without_hanging(tmp_path, model_di
     assert "rollout rank 1 failed: ValueError: prompt 0: needs 1 <= length and length + max_tokens" in proc.stderr
 
 
-def test_deepseek_v3_one_learner_and_one_rollout_rank(tmp_path):
-    """The MLA model disaggregated: the learner rank streams DeepSeek-V3's tensors (MLA projections, shared experts,
-    the router's expert bias) to the rollout rank's vLLM MLA engine; the probe after every sync stays under the
-    tolerance and the engine samples with the learner's weights (k1 at numerics level)."""
+def test_deepseek_v3_one_learner_and_one_rollout_rank_with_r3(tmp_path):
+    """configs/tiny_deepseek_v3.yaml, 2 RL steps, disaggregated: the learner rank streams DeepSeek-V3's tensors (MLA
+    projections, shared experts, the router's expert bias) to the rollout rank's vLLM MLA engine and replays the
+    routes that engine captured (R3); the probe after every sync stays under the tolerance and the engine samples
+    with the learner's weights (k1 at numerics level)."""
     run_dir = tmp_path / "ds"
-    proc = _launch(run_dir, tmp_path / "model", nproc=2, rollout_ranks=1, steps=2, config="tiny_deepseek_v3.yaml")
+    proc = _launch(run_dir, tmp_path / "model", nproc=2, rollout_ranks=1, steps=2, config="tiny_deepseek_v3.yaml",
+                   extra=("routing.mode=R3",))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    _print("DeepSeek-V3 1 learner + 1 rollout", _check_run(run_dir, [1, 2]))
+    records = _check_run(run_dir, [1, 2])
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["kv_lora_rank"] == 512
+    for rec in records:
+        if rec["phase"] == "rl":
+            assert rec["routing/replay_applied_fraction"] == 1.0
+    assert "W_UK_T" not in proc.stderr, "the derived MLA projections' reload notice is benign and hidden"
+    _print("DeepSeek-V3 1 learner + 1 rollout, R3", records)
