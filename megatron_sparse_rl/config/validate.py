@@ -104,13 +104,7 @@ def kv_bytes_per_token(spec, rollout: RolloutConfig) -> int:
     """KV-cache bytes one token takes on one engine rank, all layers, in `rollout.dtype`: MLA's latent row
     (kv_lora_rank + qk_rope_head_dim values, kept whole on every engine TP rank), else K and V of the KV heads of
     one engine TP rank (a head is replicated when there are fewer heads than ranks)."""
-    from megatron_sparse_rl.models.deepseek import DeepseekSpec
-
-    if isinstance(spec, DeepseekSpec):
-        values = spec.latent_width
-    else:
-        values = 2 * max(1, spec.num_kv_heads // rollout.tensor_parallel_size) * spec.head_dim
-    return spec.num_layers * values * _CACHE_DTYPE_BYTES[rollout.dtype]
+    return spec.num_layers * spec.kv_values_per_rank(rollout.tensor_parallel_size) * _CACHE_DTYPE_BYTES[rollout.dtype]
 
 
 def max_model_len(rollout: RolloutConfig, spec) -> int | None:

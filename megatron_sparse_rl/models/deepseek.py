@@ -51,6 +51,10 @@ class DeepseekSpec(ModelSpec):
         """Values per token per layer in MLA's KV cache: the normalised latent plus the rotated rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def kv_values_per_rank(self, tp: int) -> int:
+        """One latent row per token per layer, shared by all heads and kept whole on every engine TP rank."""
+        return self.latent_width
+
     def parameter_count(self) -> int:
         h, heads, r = self.hidden_size, self.num_heads, self.qk_rope_head_dim
         qk = self.qk_nope_head_dim + r

@@ -38,6 +38,11 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0 and any(self.moe_layers)
 
+    def kv_values_per_rank(self, tp: int) -> int:
+        """KV-cache values one token takes per layer on one rank of a `tp`-way engine: K and V of that rank's KV
+        heads (a head is replicated when there are fewer heads than ranks)."""
+        return 2 * max(1, self.num_kv_heads // tp) * self.head_dim
+
     def parameter_count(self) -> int:
         """Total parameters (all experts), computed from the shapes."""
         h, hd = self.hidden_size, self.head_dim

@@ -68,13 +68,6 @@ class RolloutPlan:
         return self.kv_layers * self.kv_values * self.kv_dtype_bytes
 
 
-def _kv_elems_per_gpu(shape: ModelShape, gpus: int) -> int:
-    if shape.mla:  # one latent row per token, replicated on every TP rank
-        return shape.kv_elems
-    heads_per_gpu = max(1, shape.kv_heads // gpus)
-    return shape.kv_elems // shape.kv_heads * heads_per_gpu
-
-
 def default_engine_gpus(shape: ModelShape, gpu_mem_gib: float, total_gpus: int, weight_bytes: int = 2) -> int:
     """The smallest power of two whose weight shard (`weight_bytes` per parameter) takes at most half of a GPU."""
     g = 1
@@ -112,7 +105,7 @@ def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq
     weights = weight_bytes * shape.total_params() / engine_gpus / GiB
     free = max(0.0, gpu_mem_gib * gpu_util - weights - reserve_gib)
     sparse_tokens = min(seq_len, budget + interval)
-    values = _kv_elems_per_gpu(shape, engine_gpus)
+    values = shape.spec.kv_values_per_rank(engine_gpus)
     per_token_gpu = shape.layers * values * kv_bytes
 
     def max_seqs(tokens: int) -> int:
