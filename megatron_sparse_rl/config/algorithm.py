@@ -13,6 +13,7 @@ LossName = Literal["grpo", "dapo", "dual_clip", "gspo", "gspo_token", "cispo"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 AdvantageEstimator = Literal["grpo", "rloo"]
+OldLogprobsSource = Literal["learner", "engine", "engine_mean"]
 
 # (clip_low, clip_high) used when the config leaves them unset; references.md: PPO/GRPO 0.2/0.2,
 # DAPO clip-higher 0.28, GSPO 3e-4/4e-4. CISPO (MiniMax-M1) puts no lower bound on its IS weight
@@ -274,3 +275,16 @@ class AlgorithmConfig:
     keep_sampling_mask: bool = False
     """Renormalise pi_theta and pi_old over the token ids that survived top-p/top-k at sampling (the
     support rollout.record_sampling_mask records), so they share mu's support."""
+    old_logprobs: OldLogprobsSource = "learner"
+    """Where pi_old (the PPO ratio's denominator, the corrections' numerator) comes from. learner: the learner's
+    dense recompute (one extra forward per step); engine: the sampler's own logprobs mu (no recompute; then
+    rho = 1 and the mu-vs-pi_old corrections have nothing to correct); engine_mean: the mean in probability
+    space of `old_logprobs_samples` engine re-scorings of each sampled sequence (prompt logprobs, same weights,
+    dense attention, batched in the engine; KAT-Coder's estimator for MoE inference noise)."""
+    old_logprobs_samples: int = 4
+    """engine_mean only: re-scorings per sequence (n >= 1; n = 1 is one dense engine re-scoring)."""
+
+    def __post_init__(self) -> None:
+        _require_choice(self.old_logprobs, get_args(OldLogprobsSource), "algorithm.old_logprobs")
+        _require(self.old_logprobs_samples >= 1, "algorithm.old_logprobs_samples", "must be >= 1",
+                 self.old_logprobs_samples)

@@ -306,6 +306,38 @@ def _rollout_algorithm_problems(run: RunConfig, world_size: int, spec) -> list[s
     return problems
 
 
+# corrections of mu != pi_old that compare the two: with pi_old = mu (algorithm.old_logprobs = engine) rho = 1
+_RHO_CORRECTIONS = ("tis", "mis", "geo_rs", "veto", "icepop", "sparse_rl", "batch_skip")
+
+
+def _old_logprobs_problems(run: RunConfig) -> list[str]:
+    """What the pi_old source (algorithm.old_logprobs) cannot be combined with."""
+    algo = run.algorithm
+    source = algo.old_logprobs
+    if source == "learner":
+        return []
+    problems = []
+    if run.routing.mode == "R2":
+        problems.append(f"algorithm.old_logprobs = {source!r} skips the learner's old-policy forward, which is where "
+                        "routing.mode = 'R2' records the routes it replays; use R3 (the engine's routes) or "
+                        "algorithm.old_logprobs = 'learner'")
+    if source == "engine":
+        enabled = [name for name in _RHO_CORRECTIONS if getattr(algo.corrections, name).enabled]
+        if enabled:
+            problems.append(f"algorithm.old_logprobs = 'engine' makes pi_old the sampler's mu, so rho = pi_old / mu "
+                            f"= 1 and algorithm.corrections.{', '.join(enabled)} would never act; disable them or "
+                            "use old_logprobs 'learner' or 'engine_mean'")
+        return problems
+    temperature = run.rollout.sampling.temperature
+    if temperature != 1.0:
+        problems.append(f"algorithm.old_logprobs = 'engine_mean' re-scores with vLLM's prompt logprobs, which are "
+                        f"at temperature 1; rollout.sampling.temperature must be 1.0 (got {temperature})")
+    if algo.keep_sampling_mask:
+        problems.append("algorithm.old_logprobs = 'engine_mean' re-scores over the full vocabulary; it cannot be "
+                        "combined with algorithm.keep_sampling_mask = true (pi_old over the sampler's support)")
+    return problems
+
+
 def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None = None):
     """Check `run` across components for `world_size` ranks; return the model's ModelSpec (None if unknown).
 
@@ -337,6 +369,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _layout_problems(run, world_size, spec, cuda)
     problems += _model_problems(run, spec, cuda)
     problems += _rollout_algorithm_problems(run, world_size, spec)
+    problems += _old_logprobs_problems(run)
     if run.routing.engine_routes == "vllm" and not cuda:
         problems.append("routing.engine_routes = 'vllm' needs CUDA (vLLM returns routed experts from its GPU model "
                         "runner only); use 'hook' or 'auto' (the router callback) without CUDA")

@@ -94,6 +94,16 @@ class LearnerRouting:
         return RoutingResult(routes=result.routes if self.cfg.mode == "R2" else None,
                              learner_routes=result.learner_routes, metrics=metrics)
 
+    def without_old_forward(self, rollout_routes: RouteStore | None) -> RoutingResult:
+        """The step's outcome when pi_old comes from the engine (no learner old forward): R3 replays the engine's
+        routes in the updates; R2 cannot (its routes are recorded in that forward); off: nothing."""
+        if self.cfg.mode == "R2":
+            raise RoutingError("routing.mode=R2 records its routes in the learner's old-policy forward, which "
+                               "algorithm.old_logprobs = engine/engine_mean skips; use R3")
+        if self.cfg.mode == "R3" and rollout_routes is None:
+            raise RoutingError("routing.mode=R3 but the rollout batch has no routes (routed_experts missing)")
+        return RoutingResult(routes=rollout_routes if self.cfg.mode == "R3" else None)
+
     def update(self, routes: RouteStore | None) -> RouteRequest | None:
         """An update's request: replay `routes` (R2/R3; required); None when mode is off."""
         if self.cfg.mode == "off":

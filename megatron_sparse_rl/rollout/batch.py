@@ -41,6 +41,9 @@ class RolloutBatch:
     routed_experts:   the engine's routes (R3): a moe.RouteStore (uint8/uint16 [tokens, layers, topk] packed
                       per sequence), or None.
     kv_keep:          record of the sparse-KV keep decisions (megatron_sparse_rl.kv), or None.
+    rescored_logprobs: float32 [B, n, R], n engine re-scorings of each sampled sequence (prompt logprobs of
+                      prompt + response, dense attention; for algorithm.old_logprobs = engine_mean), 0 where
+                      masked; or None.
     """
 
     prompt_ids: torch.Tensor
@@ -54,6 +57,7 @@ class RolloutBatch:
     sampling_mask: Any | None = None
     routed_experts: Any | None = None
     kv_keep: Any | None = None
+    rescored_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b = self.prompt_ids.shape[0]
@@ -66,6 +70,10 @@ class RolloutBatch:
         for name, (got, want) in checks.items():
             if tuple(got) != tuple(want):
                 raise ValueError(f"RolloutBatch.{name} must have shape {tuple(want)} (got {tuple(got)})")
+        r = self.rescored_logprobs
+        if r is not None and (r.dim() != 3 or r.shape[0] != b or r.shape[2] != self.response_ids.shape[1]):
+            raise ValueError(f"RolloutBatch.rescored_logprobs must have shape ({b}, n, "
+                             f"{self.response_ids.shape[1]}) (got {tuple(r.shape)})")
         if self.response_ids.shape[0] != b or len(self.finish_reasons) != b:
             raise ValueError(f"RolloutBatch rows disagree: prompt_ids {b}, response_ids "
                              f"{self.response_ids.shape[0]}, finish_reasons {len(self.finish_reasons)}")

@@ -201,11 +201,12 @@ class RolloutEngine:
             stop=list(s.stop) or None, seed=seed, logprobs=0, detokenize=bool(s.stop), **extra)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
-                 group_ids: list[int] | None = None) -> RolloutBatch:
+                 group_ids: list[int] | None = None, *, rescore: int = 0) -> RolloutBatch:
         """Sample `sampling.n` responses per prompt.
 
         Returns a RolloutBatch of len(prompts) * n rows, the n samples of prompt i consecutive and
-        carrying group id `group_ids[i]` (default: i).
+        carrying group id `group_ids[i]` (default: i). With `rescore` > 0 every sampled sequence is also
+        scored `rescore` times (`RolloutBatch.rescored_logprobs`, see `rescore`).
         """
         if group_ids is not None and len(group_ids) != len(prompt_token_ids):
             raise ValueError(f"group_ids must have one id per prompt (got {len(group_ids)} for "
@@ -231,7 +232,7 @@ class RolloutEngine:
         lens = torch.tensor([len(r) for r in responses])
         routes = None if self.route_capture is None else self.route_capture.collect(outputs, prompt_token_ids)
         support = None if self.sampling_capture is None else self.sampling_capture.collect(outputs, prompt_token_ids)
-        return RolloutBatch(
+        batch = RolloutBatch(
             prompt_ids=pad_rows(prompts, self.pad_id, torch.long),
             prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
             response_ids=response_ids,
@@ -243,6 +244,33 @@ class RolloutEngine:
             sampling_mask=support,
             kv_keep=self._take_kv_keep(samples) if self.sparse_kv else None,
         )
+        if rescore:
+            batch.rescored_logprobs = self.rescore(batch, rescore)
+        return batch
+
+    def rescore(self, batch: RolloutBatch, samples: int) -> torch.Tensor:
+        """float32 [B, samples, R]: `samples` scorings of every row's response tokens given its prompt, 0 where
+        masked. One batched call of prompt logprobs over all rows x samples: the same weights, dense attention
+        (prompt logprobs come from the prefill, before any sparse-KV compaction), temperature 1."""
+        if samples < 1:
+            raise ValueError(f"rescore needs samples >= 1 (got {samples})")
+        responses = batch.responses()
+        rows = [p + r for p, r in zip(batch.prompts(), responses)]
+        for i, row in enumerate(rows):
+            if len(row) >= self.cfg.max_model_len:
+                raise ValueError(f"row {i}: re-scoring prompt + response ({len(row)} tokens) needs one position "
+                                 f"more than rollout.max_model_len = {self.cfg.max_model_len} leaves; raise "
+                                 "rollout.max_model_len by 1 or lower rollout.sampling.max_tokens")
+        scored = self.prompt_logprobs(rows * samples)
+        out = torch.zeros(len(rows), samples, batch.response_ids.shape[1], dtype=torch.float32)
+        for k, lp in enumerate(scored):
+            i, j = k % len(rows), k // len(rows)
+            n = len(responses[i])
+            if n:
+                out[i, j, :n] = lp[-n:]  # lp[t - 1] scores token t: the response is the last n positions
+        if self.sparse_kv:  # the scoring requests' (compaction) records: nobody reads them
+            self._llm.collective_rpc(_drop_kv_records)
+        return out
 
     def _take_kv_keep(self, samples: list[tuple[str, int]]) -> tuple:
         """One `KVKeepRecord` per row (sparse KV; rows as (output request id, sample index)), popped from the
@@ -388,6 +416,13 @@ def _take_kv_records(worker, samples):
     parts: list = [None] * tp_size
     torch.distributed.all_gather_object(parts, records, group=tp_group)
     return {key: KVKeepRecord.join_heads([p[key] for p in parts]) for key in samples}
+
+
+def _drop_kv_records(worker):
+    """Forget every keep record this worker holds (re-scoring requests leave some that nobody takes)."""
+    state = vllm_access.runner_state(vllm_access.model_runner(worker))
+    if state is not None:
+        state.records.clear()
 
 
 def _call_on_model(worker, fn):

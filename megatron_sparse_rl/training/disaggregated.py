@@ -99,6 +99,13 @@ def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     response_ids = rows("response_ids", pad_id, torch.long)
     lens = torch.cat([p.response_mask.sum(dim=1) for p in parts])
     kv = [p.kv_keep for p in parts]
+    rescored = None
+    if any(p.rescored_logprobs is not None for p in parts):
+        if any(p.rescored_logprobs is None for p in parts):
+            raise ValueError("concat_batches: some parts carry rescored_logprobs and some do not")
+        width = response_ids.shape[1]
+        rescored = torch.cat([torch.nn.functional.pad(p.rescored_logprobs, (0, width - p.rescored_logprobs.shape[2]))
+                              for p in parts])
     return RolloutBatch(
         prompt_ids=rows("prompt_ids", pad_id, torch.long), prompt_lens=torch.cat([p.prompt_lens for p in parts]),
         response_ids=response_ids, response_mask=torch.arange(response_ids.shape[1])[None, :] < lens[:, None],
@@ -110,6 +117,7 @@ def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         kv_keep=None if all(k is None for k in kv) else sum((tuple(k) for k in kv), ()),
         sampling_mask=None if all(p.sampling_mask is None for p in parts)
         else SamplingSupport.concat([p.sampling_mask for p in parts]),
+        rescored_logprobs=rescored,
     )
 
 
@@ -144,13 +152,15 @@ class RemoteEngine:
         return answers[1:]
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
-                 group_ids: list[int] | None = None) -> RolloutBatch:
-        """As RolloutEngine.generate, the prompts split across the engines (seeds as one engine's)."""
+                 group_ids: list[int] | None = None, *, rescore: int = 0) -> RolloutBatch:
+        """As RolloutEngine.generate, the prompts split across the engines (seeds as one engine's); each engine
+        re-scores its own rows (`rescore`)."""
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
         parts = []
         for r in split_prompts(len(prompt_token_ids), len(self.ranks) // self.engine_tp):
             seed = None if sampling.seed is None else sampling.seed + r.start * sampling.n
-            parts.append(([prompt_token_ids[i] for i in r], replace(sampling, seed=seed), [gids[i] for i in r]))
+            parts.append(([prompt_token_ids[i] for i in r], replace(sampling, seed=seed), [gids[i] for i in r],
+                          rescore))
         answers = self._command("generate", parts)
         return concat_batches([a for a in answers if a is not None], self.pad_id)
 
@@ -193,8 +203,8 @@ def _handle(rr: RolloutRank, command: tuple):
     """One command on a rollout rank; returns what goes back to learner rank `SRC`."""
     op = command[0]
     if op == "generate":
-        prompts, sampling, gids = command[1][rr.index // rr.engine_tp]
-        batch = rr.engine.generate(prompts, sampling, group_ids=gids) if prompts else None
+        prompts, sampling, gids, rescore = command[1][rr.index // rr.engine_tp]
+        batch = rr.engine.generate(prompts, sampling, group_ids=gids, rescore=rescore) if prompts else None
         return batch if rr.index % rr.engine_tp == 0 else None  # the engine's other ranks hold the same rows
     if op == "sync":
         from megatron_sparse_rl.weight_sync.disaggregated import receive_weights

@@ -14,12 +14,13 @@ def decode(tokenizer, rows: list[list[int]]) -> list[str]:
     return [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
 
 
-def collect(engine, tokenizer, examples, sampling: SamplingConfig, *, seed: int, score, correct
+def collect(engine, tokenizer, examples, sampling: SamplingConfig, *, seed: int, score, correct, rescore: int = 0
             ) -> tuple[RolloutBatch, torch.Tensor]:
     """n samples for each example; rewards filled by `score(responses, answers)`. Also returns which samples
-    are correct by `correct(responses, answers)` (the unshaped reward)."""
+    are correct by `correct(responses, answers)` (the unshaped reward). `rescore` > 0: each sampled sequence is
+    also scored that many times by the engine (algorithm.old_logprobs = engine_mean)."""
     sampling = dataclasses.replace(sampling, seed=seed)
-    batch = engine.generate([list(e.ids) for e in examples], sampling)
+    batch = engine.generate([list(e.ids) for e in examples], sampling, rescore=rescore)
     answers = [examples[g].answer for g in batch.group_ids.tolist()]
     texts = decode(tokenizer, batch.responses())
     batch.reward = torch.tensor(score(texts, answers), dtype=torch.float32)

@@ -34,11 +34,13 @@ def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
     """This data-parallel rank's rollout batch with rewards, and rollout metrics (global)."""
     t0 = time.perf_counter()
     examples = ctx.task.next_train(ctx.run.trainer.prompts_per_step)
+    algo = ctx.run.algorithm
+    rescore = algo.old_logprobs_samples if algo.old_logprobs == "engine_mean" else 0
 
     def collect(engine, dp_rank: int):
         seed = ctx.run.rollout.seed + 1_000_003 * step + 10_007 * dp_rank
         return R.collect(engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp], ctx.run.rollout.sampling,
-                         seed=seed, score=score, correct=correct)
+                         seed=seed, score=score, correct=correct, rescore=rescore)
 
     batch, is_correct = ctx.placement.generate(collect)
     seconds = time.perf_counter() - t0

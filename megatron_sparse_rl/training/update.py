@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_sparse_rl.algorithms import (
     apply_corrections, compute_advantages, kl_loss, loss_normalizer, mismatch_metrics, policy_loss,
 )
+from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
 from megatron_sparse_rl.learner.extras import ForwardExtras
 from megatron_sparse_rl.rollout.batch import RolloutBatch
@@ -48,10 +49,41 @@ def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch
     """(tokens [B, T], response mask [B, T-1], rollout logprobs [B, T-1]) in the learner's shifted layout."""
     tokens, _, response_positions = batch.sequences(pad_id)
     mask = response_positions[:, 1:]
-    aligned = torch.zeros(mask.shape, dtype=torch.float32)
+    return tokens, mask, _aligned(batch, batch.rollout_logprobs, mask.shape)
+
+
+def _aligned(batch: RolloutBatch, values: torch.Tensor, shape) -> torch.Tensor:
+    """Per-response-token `values` [B, R] placed in the learner's shifted layout `shape` [B, T-1] (0 elsewhere)."""
+    aligned = torch.zeros(shape, dtype=torch.float32)
     rows, cols = torch.nonzero(batch.response_mask, as_tuple=True)
-    aligned[rows, batch.prompt_lens[rows] - 1 + cols] = batch.rollout_logprobs[rows, cols].float()
-    return tokens, mask, aligned
+    aligned[rows, batch.prompt_lens[rows] - 1 + cols] = values[rows, cols].float()
+    return aligned
+
+
+def old_policy(learner, batch: RolloutBatch, cfg: AlgorithmConfig, tokens, mask, rollout_lp, lengths, support):
+    """(pi_old [B, T-1] from `cfg.old_logprobs`, the routing outcome the updates replay, metrics).
+
+    learner: the dense recompute (R2 records its routes, R3 replays the engine's); engine: the sampler's mu
+    (no learner forward); engine_mean: logsumexp of the engine's n re-scorings minus log n (no learner
+    forward). `old_logprobs/learner_forwards` counts the recompute (1 or 0 per step)."""
+    routing = learner.routing
+    if cfg.old_logprobs == "learner":
+        request = routing.old_forward(batch.routed_experts) if routing else None
+        out = learner.forward_logprobs(tokens, lengths=lengths,
+                                       extras=ForwardExtras(sampling_support=support, routes=request))
+        old = routing.after_old_forward(out.get("routing"), batch.routed_experts) if routing else None
+        return out["logprobs"], old, {"old_logprobs/learner_forwards": 1.0}
+    old = routing.without_old_forward(batch.routed_experts) if routing else None
+    metrics = {"old_logprobs/learner_forwards": 0.0}
+    if cfg.old_logprobs == "engine":
+        return rollout_lp.clone(), old, metrics
+    if batch.rescored_logprobs is None:
+        raise ValueError("algorithm.old_logprobs = engine_mean but the rollout batch carries no engine re-scorings "
+                         "(RolloutBatch.rescored_logprobs); the rollout step must ask the engine for them")
+    scorings = torch.stack([_aligned(batch, batch.rescored_logprobs[:, j], mask.shape)
+                            for j in range(batch.rescored_logprobs.shape[1])])
+    old_lp, spread = engine_mean_logprobs(scorings, mask)
+    return old_lp, old, {**metrics, **_scalar_metrics(spread)}
 
 
 def _scalar_metrics(metrics: dict[str, torch.Tensor], prefix: str = "") -> dict[str, float]:
@@ -85,15 +117,11 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     tokens, mask, rollout_lp = align_rollout(batch, pad_id)
     lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
     support = sampling_keep(batch, cfg)
-    routing = learner.routing
-    request = routing.old_forward(batch.routed_experts) if routing else None
-    out = learner.forward_logprobs(tokens, lengths=lengths,
-                                   extras=ForwardExtras(sampling_support=support, routes=request))
-    old_lp = out["logprobs"]
-    old = routing.after_old_forward(out.get("routing"), batch.routed_experts) if routing else None
+    old_lp, old, source_metrics = old_policy(learner, batch, cfg, tokens, mask, rollout_lp, lengths, support)
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
     corr = apply_corrections(cfg.corrections, old_lp, rollout_lp, mask, advantages=advantages, group=dp_group)
     metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask))
+    metrics.update(source_metrics)
     metrics.update(_scalar_metrics(corr.metrics))
     if old:
         metrics.update(_scalar_metrics(old.metrics))

@@ -77,6 +77,27 @@ def test_generate_groups_shapes_and_logprobs(setup):
     assert batch.responses()[0] != batch.responses()[1] or batch.responses()[2] != batch.responses()[3]
 
 
+def test_rescore_once_equals_the_samplers_logprobs_and_transformers(setup):
+    """algorithm.old_logprobs = engine_mean's input: n engine scorings of each sampled sequence. At temperature 1
+    on a dense engine one scoring equals the sampler's own logprobs (engine_mean with n = 1 is engine) and the
+    transformers forward; the re-scorings are deterministic on CPU."""
+    _, engine, base, _ = setup
+    prompts = [SEQS[0][:5], SEQS[1][:3]]
+    batch = engine.generate(prompts, SamplingConfig(n=2, max_tokens=6, seed=3), rescore=2)
+    r = batch.rescored_logprobs
+    assert r.shape == (len(batch), 2, batch.response_ids.shape[1])
+    assert (r[~batch.response_mask.unsqueeze(1).expand_as(r)] == 0).all()
+    mask = batch.response_mask
+    assert max_diff(r[:, 0][mask], batch.rollout_logprobs[mask]) < ATOL
+    assert torch.equal(r[:, 0], r[:, 1])
+    seqs = [p + q for p, q in zip(batch.prompts(), batch.responses())]
+    hf = hf_logprobs(base, seqs)
+    for i, seq in enumerate(seqs):
+        n = int(mask[i].sum())
+        assert max_diff(r[i, 0, :n], hf[i][-n:]) < ATOL
+    assert engine.generate(prompts, SamplingConfig(n=2, max_tokens=6, seed=3)).rescored_logprobs is None
+
+
 def hf_processed_logprobs(model_dir, seqs, temperature, top_k):
     """HF reference of vLLM's processed logprobs: log_softmax(logits / T) renormalised over the top-k."""
     from transformers import AutoModelForCausalLM

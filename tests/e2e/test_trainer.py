@@ -261,11 +261,14 @@ def test_rl_raises_held_out_accuracy_above_the_warm_start(tmp_path):
 def test_sparse_rl_run_attributes_the_mismatch_to_compression(tmp_path):
     """Rollouts on the sparse (R-KV) engine, dense old logprobs, Sparse-RL correction: the engine-vs-learner
     mismatch is numerics-level on tokens generated before the first compaction and clearly larger after; with
-    the kv_keep record the learner's exact pi_sparse recompute puts all of it on compression."""
+    the kv_keep record the learner's exact pi_sparse recompute puts all of it on compression. pi_old here is
+    algorithm.old_logprobs = engine_mean: two re-scorings of each sample by the sparse engine itself, which are
+    dense (prompt logprobs come from the prefill), so no learner old forward runs and the split is unchanged."""
     run_dir = tmp_path / "srl"
     cmd = [sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/sparse_rl_tiny_moe.yaml"), "--set",
            f"logging.dir={run_dir}", f"model.path={run_dir / 'model'}", "trainer.steps=2",
-           "logging.tensorboard=false", "rollout.kv.record_keep=true"]
+           "logging.tensorboard=false", "rollout.kv.record_keep=true", "algorithm.old_logprobs=engine_mean",
+           "algorithm.old_logprobs_samples=2"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for step, rec in _rl(_records(run_dir)).items():
@@ -275,3 +278,6 @@ def test_sparse_rl_run_attributes_the_mismatch_to_compression(tmp_path):
         assert abs(rec["kv/k1_sparse_numerics"]) < 1e-4  # engine == learner once both drop the same KV
         assert rec["kv/k1_sparse_compression"] == pytest.approx(rec["kv/k1_after_compression"], abs=1e-4)
         assert "sparse_rl/rejected_seq_frac" in rec and not rec.get("nonfinite")
+        assert rec["old_logprobs/learner_forwards"] == 0.0  # pi_old from the engine: the recompute is skipped
+        assert rec["old_logprobs/rescore_std"] == 0.0  # the CPU engine scores deterministically
+        assert rec["train/tokens"] > 0 and math.isfinite(rec["loss/value"])  # the update ran on pi_old = engine mean

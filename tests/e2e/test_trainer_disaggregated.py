@@ -204,11 +204,12 @@ def test_a_failing_rollout_rank_fails_the_run_without_hanging(tmp_path, model_di
 def test_deepseek_v3_one_learner_and_one_rollout_rank_with_r3(tmp_path):
     """configs/tiny_deepseek_v3.yaml, 2 RL steps, disaggregated: the learner rank streams DeepSeek-V3's tensors (MLA
     projections, shared experts, the router's expert bias) to the rollout rank's vLLM MLA engine and replays the
-    routes that engine captured (R3); the probe after every sync stays under the tolerance and the engine samples
-    with the learner's weights (k1 at numerics level)."""
+    routes that engine captured (R3); the probe after every sync stays under the tolerance. pi_old is the mean of
+    two re-scorings by the rollout rank's engine (algorithm.old_logprobs = engine_mean, KAT-Coder's estimator for
+    MoE inference noise): no learner old forward, the updates replay the engine's routes."""
     run_dir = tmp_path / "ds"
     proc = _launch(run_dir, tmp_path / "model", nproc=2, rollout_ranks=1, steps=2, config="tiny_deepseek_v3.yaml",
-                   extra=("routing.mode=R3",))
+                   extra=("routing.mode=R3", "algorithm.old_logprobs=engine_mean", "algorithm.old_logprobs_samples=2"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = _check_run(run_dir, [1, 2])
     config = json.loads((tmp_path / "model" / "config.json").read_text())
@@ -216,5 +217,6 @@ def test_deepseek_v3_one_learner_and_one_rollout_rank_with_r3(tmp_path):
     for rec in records:
         if rec["phase"] == "rl":
             assert rec["routing/replay_applied_fraction"] == 1.0
+            assert rec["old_logprobs/learner_forwards"] == 0.0 and rec["old_logprobs/rescore_std"] == 0.0
     assert "W_UK_T" not in proc.stderr, "the derived MLA projections' reload notice is benign and hidden"
     _print("DeepSeek-V3 1 learner + 1 rollout, R3", records)
