@@ -9,6 +9,10 @@ before splitting into micro-batches, then train with `mask & keep`, normalise wi
 
     corr = apply_corrections(cfg.corrections, old_logprobs, rollout_logprobs, mask, advantages=adv)
 
+OPSM's rule is defined with the CURRENT pi_theta, so the trainer does not run it here: it calls `opsm_keep`
+inside every update micro-batch's loss (training/update.py); `apply_corrections(..., logprobs=)` evaluates
+the same rule for callers that hold current logprobs (pi_old stands in when they are absent).
+
 Rollout logprobs that are inf/NaN (engine glitches) are masked out and counted, never propagated.
 Everything here runs without grad and without host syncs; metrics are scalar tensors.
 
@@ -124,16 +128,37 @@ def veto_correction(cfg: VetoConfig, x: CorrectionInputs) -> CorrectionResult:
 def icepop_correction(cfg: IcePopConfig, x: CorrectionInputs) -> CorrectionResult:
     """IcePop: M(rho_t) = rho_t if alpha <= rho_t <= beta else 0 (token dropped)."""
     keep = x.mask & _in_log_bounds(x.log_rho, cfg.alpha, cfg.beta)
-    weights = torch.exp(x.log_rho) * keep
+    # exp only where kept: a dropped token's rho may overflow, and inf * 0 would leave NaN in its weight
+    weights = torch.exp(torch.where(keep, x.log_rho, torch.zeros_like(x.log_rho))) * keep
     return CorrectionResult(weights, keep, {"icepop/masked_token_frac": _frac(x.mask & ~keep, x.mask)})
 
 
+def _opsm_rule(cfg: OPSMConfig, drift: torch.Tensor, mask: torch.Tensor, seq_advantages: torch.Tensor) -> torch.Tensor:
+    """The OPSM rule, bool [batch, 1]: False where A_i < 0 and mean_t drift > delta; drift = log mu - log
+    pi_theta [batch, tokens] (0 off `mask`), seq_advantages [batch]."""
+    drifted = _seq_mean(drift, mask) > cfg.delta
+    return ~(drifted & (seq_advantages.unsqueeze(-1) < 0))
+
+
+def opsm_keep(cfg: OPSMConfig, rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor,
+              seq_advantages: torch.Tensor) -> torch.Tensor:
+    """OPSM keep per sequence, bool [batch, 1] (DeepSeek-V3.2): False when A_i < 0 and
+    (1/|y_i|) sum_t (log mu - log pi_theta) > delta.
+
+    rollout_logprobs (mu), logprobs (current pi_theta, used detached), mask: [batch, tokens], the mean over
+    the response tokens of `mask` with finite logprobs (other positions may hold inf/NaN); seq_advantages
+    [batch]. The trainer calls it in every update micro-batch's loss (training/update.py)."""
+    valid = mask.bool() & torch.isfinite(rollout_logprobs) & torch.isfinite(logprobs)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    drift = torch.where(valid, rollout_logprobs.to(logprobs.dtype) - logprobs.detach(), zero)
+    return _opsm_rule(cfg, drift, valid, seq_advantages)
+
+
 def opsm_correction(cfg: OPSMConfig, x: CorrectionInputs) -> CorrectionResult:
-    """OPSM: drop sequence i when A_i < 0 and mean_t (log mu - log pi_theta) > delta."""
+    """OPSM: drop sequence i when A_i < 0 and mean_t (log mu - log pi_theta) > delta (see `opsm_keep`)."""
     if x.seq_advantages is None:
         raise ValueError("algorithm.corrections.opsm is enabled but apply_corrections got no advantages")
-    drifted = _seq_mean(x.drift, x.mask) > cfg.delta
-    seq_keep = ~(drifted & (x.seq_advantages.unsqueeze(-1) < 0))
+    seq_keep = _opsm_rule(cfg, x.drift, x.mask, x.seq_advantages)
     keep = x.mask & seq_keep
     return CorrectionResult(keep.to(x.log_rho.dtype), keep,
                             {"opsm/masked_seq_frac": _seq_rejected_frac(seq_keep, x.mask)})

@@ -26,7 +26,8 @@ from megatron_sparse_rl.config.algorithm import LossConfig
 Metrics = dict[str, torch.Tensor]
 PolicyLoss = Callable[..., tuple[torch.Tensor, Metrics]]
 
-# exp() of a larger log-ratio overflows float32; the clip makes such tokens irrelevant anyway.
+# exp() of a larger log-ratio overflows float32; the clip makes such tokens irrelevant anyway. Applied to each
+# token's log r_t in the PPO family and CISPO, and to GSPO's sequence mean (never to the tokens inside it).
 _LOG_RATIO_CLAMP = 20.0
 
 
@@ -37,13 +38,18 @@ def _token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Ten
 
 
 def _inputs(logprobs, old_logprobs, advantages, mask, weights):
-    """Mask-safe log-ratio, token advantages and weights (padding may hold inf/NaN: never used)."""
+    """(mask, unclamped log r_t, token advantages, weights), each [batch, tokens] and 0 off the mask (padding
+    may hold inf/NaN: never used). Callers clamp the log-ratio where they exponentiate it."""
     mask = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    log_ratio = torch.where(mask, logprobs - old_logprobs, zero).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, zero)
     adv = torch.where(mask, _token_advantages(advantages, logprobs), zero)
     w = torch.ones_like(logprobs) if weights is None else torch.where(mask, weights.to(logprobs.dtype), zero)
     return mask, log_ratio, adv, w.detach()
+
+
+def _clamped(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
 
 
 def _clip_surrogate(ratio, adv, low, high, dual_c=None):
@@ -80,6 +86,7 @@ def _metrics(ratio, log_ratio, mask, clip_low, clip_high, entropy, dual=None) ->
 def _ppo_family(name, logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy, dual_c=None):
     low, high = cfg.clip_bounds(name)
     mask, log_ratio, adv, w = _inputs(logprobs, old_logprobs, advantages, mask, weights)
+    log_ratio = _clamped(log_ratio)
     ratio = torch.exp(log_ratio)
     token_loss, clip_low, clip_high, dual = _clip_surrogate(ratio, adv, low, high, dual_c)
     loss = aggregate(w * token_loss, mask, cfg.aggregation, normalizer)
@@ -105,9 +112,10 @@ def dual_clip_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig,
 
 
 def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(1/|y_i|) sum_t log r_t per sequence, [batch, 1]; 0 for an empty row."""
+    """log s_i = (1/|y_i|) sum_t log r_t per sequence, [batch, 1], from the UNclamped token log-ratios
+    [batch, tokens] (0 off the mask); only the mean is clamped to +-20 (exp stays finite). 0 for an empty row."""
     length = mask.sum(dim=-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
-    return (log_ratio.sum(dim=-1, keepdim=True) / length).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return _clamped(log_ratio.sum(dim=-1, keepdim=True) / length)
 
 
 def _gspo_family(name, logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy, per_token):
@@ -120,7 +128,8 @@ def _gspo_family(name, logprobs, old_logprobs, advantages, mask, cfg, normalizer
     ratio = torch.exp(seq_log_ratio).expand_as(log_ratio)
     token_loss, clip_low, clip_high, _ = _clip_surrogate(ratio, adv, low, high)
     loss = aggregate(w * token_loss, mask, cfg.aggregation, normalizer)
-    metrics = _metrics(torch.exp(log_ratio), log_ratio, mask, clip_low, clip_high, entropy)
+    token_log_ratio = _clamped(log_ratio.detach())  # token ratio metrics only
+    metrics = _metrics(torch.exp(token_log_ratio), token_log_ratio, mask, clip_low, clip_high, entropy)
     with torch.no_grad():
         metrics["seq_ratio_mean"] = masked_mean(ratio, mask)
     return loss, metrics
@@ -153,6 +162,7 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, nor
     """
     low, high = cfg.clip_bounds("cispo")
     mask, log_ratio, adv, w = _inputs(logprobs, old_logprobs, advantages, mask, weights)
+    log_ratio = _clamped(log_ratio)
     ratio = torch.exp(log_ratio)
     coef = (ratio.clamp(1.0 - low, 1.0 + high) / ratio).detach()
     loss = aggregate(-w * coef * ratio * adv, mask, cfg.aggregation, normalizer)

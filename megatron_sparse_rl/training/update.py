@@ -6,7 +6,7 @@ token t + 1; `mask` [B, T-1] marks the scored response tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -15,8 +15,9 @@ import torch.distributed as dist
 from megatron_sparse_rl.algorithms import (
     apply_corrections, compute_advantages, kl_loss, loss_normalizer, mismatch_metrics, policy_loss,
 )
+from megatron_sparse_rl.algorithms.corrections import opsm_keep
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
-from megatron_sparse_rl.config.algorithm import AlgorithmConfig
+from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig
 from megatron_sparse_rl.learner.extras import ForwardExtras
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 
@@ -107,6 +108,20 @@ def _support_metrics(keep) -> dict[str, float]:
             "sampling_mask/kept_ids_mean": float(truncated.mean()) if len(truncated) else 0.0}
 
 
+def _rollout_time(cfg: CorrectionsConfig) -> CorrectionsConfig:
+    """The corrections applied once at rollout time: all enabled ones but OPSM, whose rule uses the current
+    pi_theta and so runs in every update's loss (`_loss_fn`)."""
+    return replace(cfg, opsm=replace(cfg.opsm, enabled=False)) if cfg.opsm.enabled else cfg
+
+
+def _opsm_frac_at_old(cfg: CorrectionsConfig, rollout_lp, old_lp, mask, advantages) -> float:
+    """Fraction of non-empty sequences OPSM would mask with pi_theta = pi_old (a rollout-time diagnostic; the
+    mask the updates apply is reported by `update` as `opsm/masked_seq_frac`)."""
+    seqs = mask.any(dim=-1)
+    masked = seqs & ~opsm_keep(cfg.opsm, rollout_lp, old_lp, mask, advantages).squeeze(-1)
+    return float(masked.sum()) / max(int(seqs.sum()), 1)
+
+
 def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, dp_group,
             reference=None) -> PreparedBatch:
     """Old logprobs (dense recompute), advantages and corrections for this rank's rollout batch. With the
@@ -119,9 +134,13 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     support = sampling_keep(batch, cfg)
     old_lp, old, source_metrics = old_policy(learner, batch, cfg, tokens, mask, rollout_lp, lengths, support)
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
-    corr = apply_corrections(cfg.corrections, old_lp, rollout_lp, mask, advantages=advantages, group=dp_group)
+    corr = apply_corrections(_rollout_time(cfg.corrections), old_lp, rollout_lp, mask, advantages=advantages,
+                             group=dp_group)
     metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask))
     metrics.update(source_metrics)
+    if cfg.corrections.opsm.enabled:
+        metrics["opsm/masked_seq_frac_at_pi_old"] = _opsm_frac_at_old(cfg.corrections, rollout_lp, old_lp, mask,
+                                                                      advantages)
     metrics.update(_scalar_metrics(corr.metrics))
     if old:
         metrics.update(_scalar_metrics(old.metrics))
@@ -140,7 +159,9 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
 def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group) -> dict[str, float]:
     """`updates` optimizer steps over equal row slices of the batch; losses are normalised by the global
     (all data-parallel ranks) token or sequence count of each mini-batch. Returns mean metrics. With the
-    learner's routing, every update forward (and recompute backward) replays `prep.routes`."""
+    learner's routing, every update forward (and recompute backward) replays `prep.routes`. OPSM
+    (algorithm.corrections.opsm) is applied here, in every micro-batch's loss with the current policy
+    (`_loss_fn`), and reported as `opsm/masked_seq_frac`."""
     totals: dict[str, float] = {}
     routing_out: dict[str, float] = {}
     rows = torch.arange(prep.tokens.shape[0])
@@ -161,17 +182,28 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
 
 
 def _loss_fn(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, norm: torch.Tensor):
+    """learner.train_step's loss for the mini-batch rows `chunk`: loss_fn(logprobs [b, T-1], entropy [b, T-1],
+    index [b] rows of the chunk) -> (loss, metrics). With OPSM on, the sequences its rule drops under this
+    micro-batch's current (detached) logprobs leave the policy term (not the KL term, which DeepSeek-V3.2 keeps
+    outside the mask); `norm` (from the whole mini-batch's mask) still counts them, as there."""
     mask, old = prep.mask[chunk], prep.old_logprobs[chunk]
     adv, weights = prep.advantages[chunk], prep.weights[chunk]
+    response = (prep.response_mask if prep.response_mask is not None else prep.mask)[chunk]
+    rollout, opsm = prep.rollout_logprobs[chunk], cfg.corrections.opsm
 
     def loss_fn(logprobs, entropy, index):
-        m = mask[index].to(logprobs.device)
-        loss, metrics = policy_loss(logprobs, old[index].to(logprobs.device), adv[index].to(logprobs.device), m,
-                                    cfg=cfg.loss, normalizer=norm, weights=weights[index].to(logprobs.device),
-                                    entropy=entropy)
+        dev = logprobs.device
+        m, counts = mask[index].to(dev), {}
+        m_kl = m
+        if opsm.enabled:
+            keep = opsm_keep(opsm, rollout[index].to(dev), logprobs, response[index].to(dev), adv[index].to(dev))
+            seqs = m.any(dim=-1)
+            counts = {"opsm/masked_seqs": (seqs & ~keep.squeeze(-1)).sum().float(), "opsm/seqs": seqs.sum().float()}
+            m = m & keep
+        loss, metrics = policy_loss(logprobs, old[index].to(dev), adv[index].to(dev), m, cfg=cfg.loss,
+                                    normalizer=norm, weights=weights[index].to(dev), entropy=entropy)
         if prep.ref_logprobs is not None:
-            dev = logprobs.device
-            kl, kl_metrics = kl_loss(logprobs, prep.ref_logprobs[chunk][index].to(dev), m, cfg=cfg.kl,
+            kl, kl_metrics = kl_loss(logprobs, prep.ref_logprobs[chunk][index].to(dev), m_kl, cfg=cfg.kl,
                                      aggregation=cfg.loss.aggregation, normalizer=norm,
                                      old_logprobs=old[index].to(dev), weights=weights[index].to(dev))
             loss = loss + kl
@@ -179,7 +211,7 @@ def _loss_fn(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, nor
         n = m.sum().float()
         # metrics are means over this micro-batch's tokens: weight by its token count, divided out later
         weighted = {f"{k}*n": v.detach().float() * n for k, v in metrics.items()}
-        return loss, {**weighted, "n": n}
+        return loss, {**weighted, **counts, "n": n}
 
     return loss_fn
 
@@ -200,4 +232,6 @@ def _reduce(totals: dict[str, float], updates: int, dp_group) -> dict[str, float
     out["train/grad_norm"] = summed.get("grad_norm", 0.0) / (updates * dp)
     out["train/lr"] = summed.get("lr", 0.0) / (updates * dp)
     out["train/tokens"] = summed.get("n", 0.0)
+    if "opsm/seqs" in summed:  # sequences the updates' OPSM dropped, over all updates and ranks
+        out["opsm/masked_seq_frac"] = summed["opsm/masked_seqs"] / max(summed["opsm/seqs"], 1.0)
     return out

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_sparse_rl.algorithms import apply_corrections, loss_normalizer, policy_loss
+from megatron_sparse_rl.algorithms.corrections import opsm_keep
 from megatron_sparse_rl.config.algorithm import (
     BatchSkipConfig, CorrectionsConfig, GeoRSConfig, IcePopConfig, LossConfig, MISConfig, OPSMConfig,
     SparseRLConfig, TISConfig, VetoConfig,
@@ -103,6 +104,28 @@ def test_opsm_uses_current_policy_and_negative_advantages():
     assert keep.sum() < mask.sum()
     with pytest.raises(ValueError, match="opsm"):
         run(CorrectionsConfig(opsm=OPSMConfig(enabled=True)), old, mu, mask)
+
+
+def test_icepop_weight_of_a_dropped_overflowing_token_is_zero_not_nan():
+    old = torch.tensor([[-1.0, -1.0, -1.0]])  # float32: rho = e^119 overflows
+    mu = torch.tensor([[-1.2, -120.0, -1.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    res = apply_corrections(CorrectionsConfig(icepop=IcePopConfig(enabled=True)), old, mu, mask)
+    assert res.keep.tolist() == [[True, False, True]]
+    torch.testing.assert_close(res.weights, torch.tensor([[float(np.exp(0.2)), 0.0, 1.0]]))
+
+
+def test_opsm_keep_is_the_per_sequence_rule_and_ignores_padding():
+    old, mu, mask, adv = make(4, noise=1.0)
+    lp = old + 0.6 * np.random.default_rng(2).normal(size=(B, T))
+    drift = np.where(mask, mu - lp, 0).sum(1) / np.maximum(mask.sum(1), 1)
+    want = ~((drift > 0.3) & (adv < 0))
+    padded = torch.tensor(np.where(mask, lp, np.nan))  # padding may hold NaN/inf
+    t = torch.tensor
+    got = opsm_keep(OPSMConfig(enabled=True, delta=0.3), t(mu), padded, t(mask), t(adv))
+    assert got.shape == (B, 1) and got.dtype == torch.bool
+    np.testing.assert_array_equal(got.squeeze(-1).numpy(), want)
+    assert not want.all() and got[t(adv) > 0].all()  # some dropped; positive advantages never
 
 
 def sparse_rl_reference(old, mu, mask, token_reject=False):

@@ -198,3 +198,44 @@ def test_explicit_clip_overrides_default():
     got_v, got_g, _ = run_impl("grpo", lp, old, adv, mask, w, "token_mean", clip_low=0.1, clip_high=0.3)
     assert got_v == pytest.approx(want_v, rel=1e-10)
     np.testing.assert_allclose(got_g, want_g, rtol=1e-9, atol=1e-12)
+
+
+def gspo_clamped_mean_reference(raw, mask, adv, lo, hi, token_level):
+    """float64 GSPO(-token) with seq_mean_token_mean and unit weights: log s_i = clip(mean_t log r_t, -20, 20)
+    over the sequence's UNclamped token log-ratios `raw`; (value, d value / d logprobs)."""
+    m = mask.astype(np.float64)
+    n = np.maximum(m.sum(1, keepdims=True), 1)
+    nseq = max((m.sum(1) > 0).sum(), 1)
+    mean = np.where(mask, raw, 0.0).sum(1, keepdims=True) / n
+    s = np.exp(np.clip(mean, -20.0, 20.0))
+    a = adv[:, None]
+    unclipped, clipped = -s * a, -np.clip(s, 1 - lo, 1 + hi) * a
+    v = np.maximum(unclipped, clipped)                        # each token of row i carries v_i
+    d = np.where(unclipped >= clipped, -a * s, 0.0)           # d v_i / d log s_i
+    # GSPO: d log s_i / d lp_t = 1/|y_i| inside the clamp, 0 outside; GSPO-token: its token term's 1 (sg[s_i]).
+    dlogs = np.ones_like(mean) if token_level else (np.abs(mean) < 20.0) / n
+    coef = m / n / nseq if token_level else m / nseq          # the aggregation's weight on each token term
+    value = (np.where(mask, v, 0.0) / n).sum() / nseq
+    return value, coef * d * dlogs
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_gspo_sequence_ratio_uses_unclamped_token_log_ratios(name):
+    """s_i = exp(mean_t log r_t) with the +-20 clamp on the MEAN only: token log-ratios 30 and 0 give s = e^15
+    (a per-token clamp would give e^10); 50 and 0 give the clamped e^20 (per-token: e^10)."""
+    raw = np.array([[30.0, 0.0, 0.0], [50.0, 0.0, 0.0], [1e-3, -2e-3, 5e-4]])
+    mask = np.array([[True, True, False], [True, True, False], [True, True, True]])
+    adv = np.array([-1.0, -0.5, 0.7])  # A < 0 on the extreme rows: the unclipped s_i A branch is taken
+    old = -np.abs(np.random.default_rng(0).normal(1.0, 0.5, raw.shape))
+    lp = np.where(mask, old + raw, np.inf)  # padding holds inf: must stay unused
+    cfg = LossConfig(name=name, aggregation="seq_mean_token_mean")
+    x = torch.tensor(lp, requires_grad=True)
+    mask_t = torch.tensor(mask)
+    loss, metrics = get_policy_loss(name)(x, torch.tensor(old), torch.tensor(adv), mask_t, cfg=cfg,
+                                          normalizer=loss_normalizer(mask_t, "seq_mean_token_mean"))
+    loss.backward()
+    want_v, want_g = gspo_clamped_mean_reference(raw, mask, adv, *cfg.clip_bounds(), token_level=name == "gspo_token")
+    assert loss.item() == pytest.approx(want_v, rel=1e-12)
+    np.testing.assert_allclose(x.grad.numpy(), want_g, rtol=1e-12, atol=1e-12)
+    s = np.exp(np.array([15.0, 20.0, (1e-3 - 2e-3 + 5e-4) / 3]))
+    assert metrics["seq_ratio_mean"].item() == pytest.approx((2 * s[0] + 2 * s[1] + 3 * s[2]) / 7, rel=1e-12)
