@@ -2,14 +2,16 @@
 
     msrl plan kimi-k2 --gpus 256 --gpu-mem 80 --optimizer-offload
     msrl plan qwen3-30b-a3b --gpus 8 --gpu-mem 80 --seq-len 16384 --kv-budget 2048
-    msrl plan /models/MyMoE --nodes 4 --gpu-mem 141 --link-gbps 400
+    msrl plan /models/MyMoE --nodes 4 --gpu-mem 141 --sync-bandwidth 50
 
 MODEL is a bundled name (qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, kimi-k2) or a model directory /
 config.json. Prints parameters, ranked learner layouts (per-GPU weights, grads, optimizer, activations; the
 headroom against `--margin`, the nodes an EP group spans, a published recipe's layout, what this learner cannot
 run, why a layout does not fit) and why the first is chosen, rollout KV per sequence dense vs sparse and the
-sequences an engine can hold (an engine across nodes flagged), and the weight-sync volume and time. The
-assumptions and the ranking are in docs/scale.md.
+sequences an engine can hold (an engine across nodes flagged), and the weight-sync time of the planned layout
+(`--layout`, else the chosen one, else the closest miss) as built and shard-to-shard, with the link it needs for
+<= 2 s. The assumptions and the ranking are in docs/scale.md; the sync estimate in docs/weight_sync.md ("What 1T in
+<= 2 s takes").
 
 Exit status: 0 when a learner layout this learner runs and the rollout engine fit; 1 when none does (or the
 `--layout` asked for does not fit or shard, or the engine's weights leave no KV room), each reason printed as
@@ -18,6 +20,7 @@ Exit status: 0 when a learner layout this learner runs and the rollout engine fi
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -44,7 +47,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     a("--engine-weights", choices=("bf16", "fp8"), default="bf16", help="rollout engine weight dtype (fp8: 1 byte "
       "per parameter)")
-    a("--link-gbps", type=float, default=400.0, help="bandwidth of one learner -> engine link")
+    a("--engines", type=int, default=None, help="rollout engines each sync feeds (default: learner GPUs / engine GPUs)")
+    a("--sync-bandwidth", type=_gbps, default=50.0, metavar="GBPS", help="GB/s of one GPU's learner <-> engine link, "
+      "learner and engine side (default 50: 400 Gb/s)")
+    for phase, what in (("pack", "copy into buckets"), ("digest", "sender's XXH3-128"),
+                        ("verify", "receiver's XXH3-128"), ("load", "engine.load_weights")):
+        a(f"--sync-{phase}-gbps", type=_gbps, default=None, metavar="GBPS",
+          help=f"per-byte rate of the sync's {what} (default: measured, planner/sync.py MEASURED_GBPS)")
+
+
+def _gbps(text: str) -> float:
+    """A rate in GB/s: a finite number > 0 (argparse names the flag with the message)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of GB/s > 0 (got {text!r})")
+    return value
 
 
 def _check(args) -> tuple[int, int]:
@@ -54,12 +74,10 @@ def _check(args) -> tuple[int, int]:
     g, n, per = args.gpus, args.nodes, args.gpus_per_node
     if per < 1 or args.gpu_mem <= 0:
         raise ConfigError("--gpus-per-node must be >= 1 and --gpu-mem > 0")
-    for flag in ("seq_len", "micro_batch", "top", "kv_budget", "kv_interval", "rollout_gpus"):
+    for flag in ("seq_len", "micro_batch", "top", "kv_budget", "kv_interval", "rollout_gpus", "engines"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
-    if args.link_gbps <= 0:
-        raise ConfigError(f"--link-gbps must be > 0 (got {args.link_gbps:g})")
     if not 0 <= args.margin < 1:
         raise ConfigError(f"--margin is a fraction of GPU memory in [0, 1) (got {args.margin:g})")
     if g is None and n is None:
@@ -86,11 +104,10 @@ def _layout(text: str) -> tuple[int, int, int]:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.config import ConfigError
-    from megatron_sparse_rl.planner import (PlanOptions, default_engine_gpus, load_shape, rank_layouts, rollout_plan,
-                                            weight_sync)
+    from megatron_sparse_rl.planner import PlanOptions, default_engine_gpus, load_shape, rank_layouts, rollout_plan
     from megatron_sparse_rl.planner import report
 
-    gpus, nodes = _check(args)
+    gpus, _ = _check(args)
     layout = _layout(args.layout) if args.layout else None
     try:
         shape = load_shape(args.model)
@@ -112,9 +129,33 @@ def run(args: argparse.Namespace) -> int:
                      budget=args.kv_budget, interval=args.kv_interval, kv_bytes=1 if args.kv_dtype == "fp8" else 2,
                      weight_bytes=weight_bytes, gpus_per_node=args.gpus_per_node)
     lines += [""] + report.rollout_lines(r, args.kv_dtype, args.kv_budget, args.kv_interval)
-    lines += report.sync_lines(weight_sync(shape, link_gbps=args.link_gbps, learner_nodes=nodes))
+    lines += _sync_lines(args, shape, *_planned(plans, layout), engine, gpus)
     print("\n".join(lines))
     problems = report.failures(shape, plans, opts, r, asked)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _planned(plans, layout: tuple[int, int, int] | None) -> tuple[tuple[int, int, int], str]:
+    """The learner layout the sync estimate is for, and how the report names it: `--layout`, else the chosen one
+    (the first ranked), else the closest miss."""
+    if layout:
+        return layout, "--layout"
+    best = plans[0] if plans[0].fits else min(plans, key=lambda p: p.total_gib)
+    return (best.tp, best.pp, best.ep), "the chosen layout" if best.fits else "the closest layout; none fits"
+
+
+def _sync_lines(args, shape, layout: tuple[int, int, int], how: str, engine_gpus: int, gpus: int) -> list[str]:
+    """The weight-sync estimate of `layout` feeding the engines, as built and shard-to-shard (planner/sync.py)."""
+    from megatron_sparse_rl.planner import SyncCosts, as_built, report, shard_to_shard, sync_volume
+
+    rates = {f"{phase}_gbps": getattr(args, f"sync_{phase}_gbps") for phase in ("pack", "digest", "verify", "load")}
+    costs = SyncCosts(**{k: v for k, v in rates.items() if v is not None})
+    engines = args.engines or max(1, gpus // engine_gpus)
+    v = sync_volume(shape, layout=layout, learner_gpus=gpus, gpus_per_node=args.gpus_per_node,
+                    engine_gpus=engine_gpus, engines=engines, weight_bytes=1 if args.engine_weights == "fp8" else 2)
+    tp, pp, ep = layout
+    bw = args.sync_bandwidth
+    return [""] + report.sync_lines(v, costs, [as_built(v, costs, bw), shard_to_shard(v, costs, bw)],
+                                    learner=f"tp{tp} pp{pp} ep{ep} ({how})", weights=args.engine_weights)

@@ -8,9 +8,9 @@ Megatron's distributed optimizer shards fp32 master weights + Adam m, v (12 byte
 copy when grads are bf16) over the data-parallel group of each parameter (DP for dense parameters,
 expert-DP = world / (pp * ep) for routed experts): 6 + 12/d bytes per parameter with fp32 grads, as in
 Megatron's distributed-optimizer table. Expert tensor parallel is 1. The worst pipeline stage counts:
-ceil(layers / pp) layers, MoE layers first, plus the larger of embedding and output layer. Activations
-follow Korthikanti et al. 2022 with TP + sequence parallel (everything / tp), flash attention (no s^2),
-1F1B keeping `pp` micro-batches in flight on the first stage, fp32 logits and their gradient.
+ceil(layers / pp) layers, MoE layers first, plus the larger of embedding and output layer (with the final norm).
+Activations follow Korthikanti et al. 2022 with TP + sequence parallel (everything / tp), flash attention (no
+s^2), 1F1B keeping `pp` micro-batches in flight on the first stage, fp32 logits and their gradient.
 """
 from __future__ import annotations
 
@@ -165,7 +165,8 @@ def stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple[float, f
     per_stage = ceil(shape.layers / pp)
     n_moe = min(per_stage, shape.n_moe)
     n_dense = per_stage - n_moe
-    ends = shape.embed_params + shape.head_params if pp == 1 else max(shape.embed_params, shape.head_params)
+    last = shape.head_params + shape.hidden  # the output layer and the final norm: the last stage's
+    ends = shape.embed_params + last if pp == 1 else max(shape.embed_params, last)
     dense = (per_stage * shape.attn_params + n_dense * shape.dense_mlp_params
              + n_moe * (shape.shared_params + shape.router_params) + ends) / tp
     experts = n_moe * (shape.num_experts // ep) * shape.expert_params

@@ -1,11 +1,14 @@
 """Text report of a plan: model summary, ranked learner layouts with reasons and why the first is chosen, rollout
-KV, weight sync, and `failures`: what makes a plan unusable (`msrl plan` exits 1 when there is any)."""
+KV, the weight-sync estimate, and `failures`: what makes a plan unusable (`msrl plan` exits 1 when there is any)."""
 from __future__ import annotations
+
+from dataclasses import fields
 
 from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions, memory_remedies, one_of, plan_layout
 from megatron_sparse_rl.planner.ranking import TIERS, chosen_reason, shard_problems
-from megatron_sparse_rl.planner.rollout import RolloutPlan, SyncPlan
+from megatron_sparse_rl.planner.rollout import RolloutPlan
 from megatron_sparse_rl.planner.shapes import ModelShape
+from megatron_sparse_rl.planner.sync import MEASURED_GBPS, SyncCosts, SyncEstimate, SyncVolume
 
 
 def count(n: float) -> str:
@@ -127,12 +130,53 @@ def rollout_lines(r: RolloutPlan, kv_dtype: str, budget: int, interval: int) -> 
     ] + flags + [f"  NO: {p}" for p in r.problems]
 
 
-def sync_lines(s: SyncPlan) -> list[str]:
-    senders = (f"all {s.learner_nodes} learner nodes sending their shards" if s.learner_nodes > 1 else
-               "the one learner node sending")
-    return [f"weight sync: {size(s.bytes_per_update)} per update (bf16, whole model to every engine); "
-            f"{s.seconds_one_link:.3g} s over one {s.link_gbps:g} Gb/s link, "
-            f"{s.seconds_all_learner_links:.3g} s with {senders}"]
+def seconds(s: float) -> str:
+    """A duration to about 3 figures without exponents: 1133 s, 47.6 s, 0.68 s."""
+    return f"{s:.0f} s" if s >= 100 else f"{s:.1f} s" if s >= 10 else f"{s:.2f} s"
+
+
+def gbps(rate: float) -> str:
+    """A rate in GB/s to about 3 figures without exponents: 6818, 34.2, 0.719."""
+    return f"{rate:.0f}" if rate >= 1000 else f"{rate:.3g}"
+
+
+def sync_lines(v: SyncVolume, costs: SyncCosts, estimates: list[SyncEstimate], *, learner: str, weights: str,
+               target_s: float = 2.0) -> list[str]:
+    """The sync volume, the per-byte rates used, and one estimate line per scheme with the link it needs for
+    `target_s`. `learner`: the layout's label; `weights`: the engine dtype."""
+    rates = ", ".join(_rate(f.name, getattr(costs, f.name)) for f in fields(costs))
+    out = [f"weight sync, learner {learner} on {v.learner_gpus} GPUs -> {v.engines} engine(s) of {v.engine_gpus} "
+           f"GPU(s), {weights} weights (model in docs/weight_sync.md \"What 1T in <= 2 s takes\"):",
+           f"  per engine {size(v.engine_bytes)}: the {size(v.model_bytes)} model plus "
+           f"{size(v.engine_bytes - v.model_bytes)} of tensors each of its GPUs holds whole; its busiest GPU "
+           f"{size(v.rank_bytes)}; the bf16 model less what learner rank 0's node holds: {size(v.gather_bytes)}",
+           f"  per-byte rates, GB/s: {rates} (measured: by msrl bench sync on a 2-core CPU machine, "
+           "docs/weight_sync.md \"Phases\"; given: --sync-pack-gbps etc.)"]
+    for e in estimates:
+        out.append(f"  weight sync estimate, {e.scheme}: {size(v.engine_bytes)} per engine over {v.engines} engine(s), "
+                   f"link {gbps(e.link_gbps)} GB/s: transport {seconds(e.transport_s)} + pack {seconds(e.pack_s)} + "
+                   f"digest {seconds(e.digest_s)} + load {seconds(e.load_s)} = {seconds(e.total_s)} (lower bound: full "
+                   f"link rate, phases in series; overlapped, the largest alone: {seconds(e.largest_s)})")
+        out.append("    " + _target_line(e, target_s))
+    return out
+
+
+def _rate(name: str, rate: float) -> str:
+    """'load 0.719 measured' or 'load 100 given' (a rate from the command line)."""
+    phase = name.removesuffix("_gbps")
+    return f"{phase} {gbps(rate)} " + ("measured" if rate == MEASURED_GBPS[phase] else "given")
+
+
+def _target_line(e: SyncEstimate, target_s: float) -> str:
+    """The link a sync of `target_s` needs, or by how much the per-byte phases must shrink first."""
+    busiest = f"{size(e.wire_bytes)} through the busiest link"
+    need = e.bandwidth_for(target_s)
+    if need is not None:
+        return f"<= {target_s:g} s needs link >= {gbps(need)} GB/s ({busiest})"
+    half = target_s / 2
+    return (f"<= {target_s:g} s: no link is fast enough: pack + digest + load alone take {seconds(e.per_byte_s)}; "
+            f"at {half:g} s ({e.per_byte_s / half:.3g}x faster) they leave {half:g} s for transport: link >= "
+            f"{gbps(e.wire_bytes / half / 1e9)} GB/s ({busiest})")
 
 
 def failures(shape: ModelShape, plans: list[LayoutPlan], opts: PlanOptions, rollout: RolloutPlan,

@@ -1,9 +1,8 @@
-"""Rollout-side numbers: KV cache per sequence (dense vs a fixed sparse budget), the concurrent sequences an
-engine can hold, and the weight-sync volume per update.
+"""Rollout-side numbers: KV cache per sequence (dense vs a fixed sparse budget) and the concurrent sequences an
+engine can hold (the weight-sync estimate is planner/sync.py).
 
     kv = rollout_plan(shape, gpu_mem_gib=80, engine_gpus=8, seq_len=32768, budget=2048, interval=128)
     kv = rollout_plan(..., weight_bytes=1, gpus_per_node=8)   # fp8 engine weights; flag engines across nodes
-    sync = weight_sync(shape, link_gbps=400, learner_nodes=32)
 
 Assumptions: bf16 (or fp8: 1 byte per parameter, every parameter) engine weights sharded evenly over the engine's
 GPUs; an engine over more GPUs than a node has is tensor parallel across nodes (flagged, not refused); a
@@ -129,22 +128,3 @@ def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq
         kv_values=values, kv_dtype_bytes=kv_bytes, weight_bytes=weight_bytes, engine_nodes=nodes, notes=notes,
         mla=shape.mla, problems=problems,
     )
-
-
-@dataclass(frozen=True)
-class SyncPlan:
-    bytes_per_update: int
-    link_gbps: float
-    seconds_one_link: float
-    seconds_all_learner_links: float
-    learner_nodes: int
-
-
-def weight_sync(shape: ModelShape, *, link_gbps: float, learner_nodes: int, bytes_per_param: int = 2) -> SyncPlan:
-    """Every engine needs the whole bf16 model after each update. One link: a single sender streams it;
-    all learner links: each learner node sends its own shard at once (the lower bound a bucketed, sharded
-    sync approaches)."""
-    total = shape.total_params() * bytes_per_param
-    one = total * 8 / (link_gbps * 1e9)
-    return SyncPlan(bytes_per_update=total, link_gbps=link_gbps, seconds_one_link=one,
-                    seconds_all_learner_links=one / max(1, learner_nodes), learner_nodes=learner_nodes)
