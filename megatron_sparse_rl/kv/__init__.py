@@ -1,6 +1,8 @@
 """kv: fixed-budget KV cache compression for rollouts (Sparse-RL).
 
 - `policies`: R-KV, SnapKV, H2O, StreamingLLM as pure torch functions (scores, per-KV-head keep sets).
+- `latent`: the same policies on the MLA latent cache (one shared row per token): absorbed-query scores,
+  one keep set per layer.
 - `record`: the `KVKeepRecord` returned per sample in `RolloutBatch.kv_keep` and the attention mask
   that replays it.
 - `vllm_scheduler`, `vllm_worker`: the vLLM 0.32.0 integration (compaction with real block freeing),

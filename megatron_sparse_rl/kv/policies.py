@@ -15,6 +15,9 @@ follow the section "KV compression policies" of references.md:
   `h2o_scores` adds the contributions of the queries seen since the last compaction to the carried sums.
 - StreamingLLM (arXiv 2309.17453): `sinks` first tokens + the last (B - sinks).
 
+Logits are q . k * `scale` (default 1 / sqrt(D)); `kv.latent` runs these policies on the MLA latent cache
+as one KV head (the stored latent row) with its own softmax scale.
+
 No vLLM imports; the vLLM integration (megatron_sparse_rl.kv.vllm_*) calls these at each compaction.
 """
 from __future__ import annotations
@@ -64,13 +67,18 @@ def _pool(scores: torch.Tensor, pooling: str, kernel: int) -> torch.Tensor:
     return out[:, 0, : scores.shape[-1]]
 
 
-def _logits(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """[kv_heads, group, W, T]: q . k / sqrt(D) per query head against its KV head's keys."""
-    q = _group(queries, keys.shape[0]).to(torch.float32)
-    return torch.einsum("hgwd,htd->hgwt", q, keys.to(torch.float32)) / math.sqrt(keys.shape[-1])
+def _logits(keys: torch.Tensor, queries: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """[kv_heads, group, W, T]: q . k * scale per query head against its KV head's keys.
+
+    scale None = 1 / sqrt(D). Computed in float32, or float64 when an input is float64 (float64 references)."""
+    dtype = torch.promote_types(torch.promote_types(keys.dtype, queries.dtype), torch.float32)
+    q = _group(queries, keys.shape[0]).to(dtype)
+    dots = torch.einsum("hgwd,htd->hgwt", q, keys.to(dtype))
+    return dots / math.sqrt(keys.shape[-1]) if scale is None else dots * scale
 
 
-def rkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams) -> torch.Tensor:
+def rkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams, *,
+               scale: float | None = None) -> torch.Tensor:
     """R-KV score of the candidates (every entry but the last `window`): float32 [kv_heads, T - window].
 
     importance: softmax over the candidates of each window query's logits, max over the query heads of
@@ -80,7 +88,7 @@ def rkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams) -> to
     """
     t = keys.shape[1]
     n = t - p.window
-    probs = _logits(keys[:, :n], queries[:, -p.window:]).softmax(dim=-1)  # [H, G, W, n]
+    probs = _logits(keys[:, :n], queries[:, -p.window:], scale).softmax(dim=-1)  # [H, G, W, n]
     imp = _pool(probs.amax(dim=1).mean(dim=1), p.pooling, p.kernel)
     k = F.normalize(keys.to(torch.float32), dim=-1, eps=1e-8)
     sim = k @ k.transpose(1, 2)  # [H, T, T]
@@ -94,7 +102,8 @@ def rkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams) -> to
     return p.rkv_lambda * imp - (1.0 - p.rkv_lambda) * red
 
 
-def snapkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams) -> torch.Tensor:
+def snapkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams, *,
+                  scale: float | None = None) -> torch.Tensor:
     """SnapKV score of the candidates: float32 [kv_heads, T - window].
 
     The last `window` queries (stored at T - window .. T - 1, causal among themselves) attend over all T
@@ -103,7 +112,7 @@ def snapkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams) ->
     """
     t = keys.shape[1]
     w = p.window
-    logits = _logits(keys, queries[:, -w:])  # [H, G, W, T]
+    logits = _logits(keys, queries[:, -w:], scale)  # [H, G, W, T]
     qpos = torch.arange(t - w, t, device=keys.device)
     causal = torch.arange(t, device=keys.device)[None, :] <= qpos[:, None]  # [W, T]
     probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)
@@ -111,7 +120,7 @@ def snapkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams) ->
 
 
 def h2o_scores(keys: torch.Tensor, queries: torch.Tensor, query_index: torch.Tensor,
-               previous: torch.Tensor | None = None) -> torch.Tensor:
+               previous: torch.Tensor | None = None, *, scale: float | None = None) -> torch.Tensor:
     """H2O accumulated attention: float32 [kv_heads, T].
 
     queries [q_heads, Q, D] are the queries seen since the last compaction; query_index int [Q] is the
@@ -120,7 +129,7 @@ def h2o_scores(keys: torch.Tensor, queries: torch.Tensor, query_index: torch.Ten
     at 0). Sums over queries and over the KV group's query heads.
     """
     t = keys.shape[1]
-    logits = _logits(keys, queries)  # [H, G, Q, T]
+    logits = _logits(keys, queries, scale)  # [H, G, Q, T]
     causal = torch.arange(t, device=keys.device)[None, :] <= query_index.to(keys.device)[:, None]
     probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)
     acc = probs.sum(dim=(1, 2))
@@ -145,11 +154,12 @@ def streamingllm_keep(kv_heads: int, t: int, p: PolicyParams, device=None) -> to
 
 
 def select_keep(policy: str, keys: torch.Tensor, queries: torch.Tensor | None, p: PolicyParams, *,
-                h2o_acc: torch.Tensor | None = None) -> torch.Tensor:
+                h2o_acc: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """int64 [kv_heads, budget]: ascending stored indices each KV head keeps out of keys' T (> budget).
 
     keys [kv_heads, T, D]; queries [q_heads, W, D] (R-KV, SnapKV: the last `window` queries; H2O:
     unused, pass its accumulated scores [kv_heads, T] as `h2o_acc`); StreamingLLM needs neither.
+    `scale` multiplies q . k before the softmax (None: 1 / sqrt(D); kv.latent passes MLA's softmax scale).
     """
     h, t = keys.shape[0], keys.shape[1]
     if t <= p.budget:
@@ -164,7 +174,7 @@ def select_keep(policy: str, keys: torch.Tensor, queries: torch.Tensor | None, p
         raise ValueError(f"{policy} needs the last {p.window} queries "
                          f"(got {None if queries is None else queries.shape[1]})")
     if policy == "rkv":
-        return _top_plus_recent(rkv_scores(keys, queries, p), t, p.budget, p.window)
+        return _top_plus_recent(rkv_scores(keys, queries, p, scale=scale), t, p.budget, p.window)
     if policy == "snapkv":
-        return _top_plus_recent(snapkv_scores(keys, queries, p), t, p.budget, p.window)
+        return _top_plus_recent(snapkv_scores(keys, queries, p, scale=scale), t, p.budget, p.window)
     raise ValueError(f"policy must be one of {list(POLICIES)} (got {policy!r})")
