@@ -1,6 +1,6 @@
 """One line per step: a text progress bar with step/total and ETA, then the key metrics compactly.
 
-    [######..............]  30/100  30% eta 4m12s | roll 1.20s train 0.45s sync 0.10s | 812 tok/s |
+    [######..............]  30/100  30% eta 4m12s | roll 1.20s train 0.45s sync 0.10s | 812 tok/s kv 41% |
     reward 0.412 acc 0.380 eval 0.350 | k1 1.2e-03 k3 4.0e-04 | clip 0.021 rej 0.050
 
 (one line; wrapped here). A metric that is missing from a step is left out of its line. The ETA is
@@ -33,7 +33,8 @@ CLIP_FIELD = Field("clip", M.CLIP_FRACTION[1:], reduce="sum")
 DEFAULT_GROUPS: tuple[tuple[Field, ...], ...] = (
     (Field("roll", ("time/rollout_s",), "{:.2f}", suffix="s"), Field("train", ("time/train_s",), "{:.2f}", suffix="s"),
      Field("sync", ("time/sync_s",), "{:.2f}", suffix="s")),
-    (Field("", ("rollout/tokens_per_s", "train/tokens_per_s"), "{:.0f}", suffix=" tok/s"),),
+    (Field("", ("rollout/tokens_per_s", "train/tokens_per_s"), "{:.0f}", suffix=" tok/s"),
+     Field("kv", ("rollout/kv_peak_occupancy",), "{:.0%}")),
     (Field("reward", (M.REWARD,)), Field("acc", (M.TRAIN_ACCURACY,)), Field("eval", (M.EVAL_ACCURACY,))),
     (Field("k1", (M.MISMATCH_K1,), "{:.1e}"), Field("k3", (M.MISMATCH_K3,), "{:.1e}")),
     (Field("clip", M.CLIP_FRACTION[:1]), CLIP_FIELD, Field("rej", M.REJECTION)),

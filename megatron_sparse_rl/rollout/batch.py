@@ -44,6 +44,10 @@ class RolloutBatch:
     rescored_logprobs: float32 [B, n, R], n engine re-scorings of each sampled sequence (prompt logprobs of
                       prompt + response, dense attention; for algorithm.old_logprobs = engine_mean), 0 where
                       masked; or None.
+    kv_usage:         vLLM's KV block pool while this batch was sampled (not per row): peak_blocks (most blocks
+                      in use after any step), pool_blocks (usable blocks), mean_running (requests running per
+                      step), preemptions; summed over the engines that sampled it; None when the engine core is
+                      not in this process.
     """
 
     prompt_ids: torch.Tensor
@@ -58,6 +62,7 @@ class RolloutBatch:
     routed_experts: Any | None = None
     kv_keep: Any | None = None
     rescored_logprobs: torch.Tensor | None = None
+    kv_usage: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         b = self.prompt_ids.shape[0]
@@ -123,8 +128,8 @@ class RolloutBatch:
                 values[f.name] = v[idx]
             elif isinstance(v, tuple):
                 values[f.name] = tuple(v[i] for i in idx.tolist())
-            elif v is None:
-                values[f.name] = None
+            elif v is None or f.name == "kv_usage":  # kv_usage describes the sampling call, not rows
+                values[f.name] = v
             else:
                 raise NotImplementedError(f"RolloutBatch.select cannot subset field {f.name!r} yet")
         return RolloutBatch(**values)

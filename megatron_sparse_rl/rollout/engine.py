@@ -189,6 +189,8 @@ class RolloutEngine:
 
             SamplingMaskCapture.attach(self)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        # the scheduler is reachable (KV pool usage per generate, RolloutBatch.kv_usage) in an in-process engine core
+        self.in_process = vllm_access.has_in_process_scheduler(self._llm)
 
     # ---- sampling -------------------------------------------------------------------------------
     def _sampling_params(self, s: SamplingConfig, prompt_index: int, **extra):
@@ -216,8 +218,12 @@ class RolloutEngine:
         for capture in (self.route_capture, self.sampling_capture):
             if capture is not None:
                 capture.begin()
-        outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
-                                     use_tqdm=False)
+        from megatron_sparse_rl.kv.probe import BlockUsageProbe
+
+        probe = BlockUsageProbe(self) if self.in_process else None
+        with probe if probe is not None else contextlib.nullcontext():
+            outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
+                                         use_tqdm=False)
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
         prompts, responses, logprobs, reasons, groups, samples = [], [], [], [], [], []
         for out, prompt, gid in zip(outputs, prompt_token_ids, gids):
@@ -244,6 +250,9 @@ class RolloutEngine:
             sampling_mask=support,
             kv_keep=self._take_kv_keep(samples) if self.sparse_kv else None,
         )
+        if probe is not None:
+            batch.kv_usage = {"peak_blocks": float(probe.peak_blocks), "pool_blocks": float(probe.pool_blocks),
+                              "mean_running": probe.mean_running, "preemptions": float(probe.preemptions)}
         if rescore:
             batch.rescored_logprobs = self.rescore(batch, rescore)
         return batch

@@ -255,6 +255,12 @@ def scheduler(llm):
     return core.scheduler
 
 
+def has_in_process_scheduler(llm) -> bool:
+    """Whether `scheduler(llm)` is reachable (the engine core runs in this process)."""
+    client = llm.llm_engine.engine_core
+    return hasattr(getattr(client, "engine_core", client), "scheduler")
+
+
 def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 

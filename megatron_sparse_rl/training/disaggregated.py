@@ -118,7 +118,16 @@ def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         sampling_mask=None if all(p.sampling_mask is None for p in parts)
         else SamplingSupport.concat([p.sampling_mask for p in parts]),
         rescored_logprobs=rescored,
+        kv_usage=_sum_usage([p.kv_usage for p in parts]),
     )
+
+
+def _sum_usage(usages: list[dict | None]) -> dict | None:
+    """The engines' KV pool usage as one pool (blocks, running requests and preemptions summed); None if any
+    engine could not report it."""
+    if not usages or any(u is None for u in usages):
+        return None
+    return {k: sum(u[k] for u in usages) for k in usages[0]}
 
 
 class RemoteEngine:

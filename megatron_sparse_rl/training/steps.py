@@ -51,7 +51,19 @@ def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
                "rollout/response_len": length / count, "time/rollout_s": seconds,
                "rollout/tokens_per_s": length / max(seconds, 1e-9),
                "rollout/truncated_frac": sum(r == "length" for r in batch.finish_reasons) / len(batch)}
+    metrics.update(_kv_usage_metrics(ctx, batch.kv_usage))
     return batch, metrics
+
+
+def _kv_usage_metrics(ctx: RunContext, usage: dict | None) -> dict[str, float]:
+    """The KV pool while the step sampled, over every engine (blocks summed): `rollout/kv_peak_occupancy` = peak
+    blocks in use / usable blocks, the peak and pool block counts, mean running requests, preemptions."""
+    if usage is None:  # the engine core is not in this process (a multi-process vLLM engine)
+        return {}
+    peak, pool, running, preempted = _global_sum(ctx, [usage["peak_blocks"], usage["pool_blocks"],
+                                                       usage["mean_running"], usage["preemptions"]])
+    return {"rollout/kv_peak_occupancy": peak / max(pool, 1.0), "rollout/kv_peak_blocks": peak,
+            "rollout/kv_pool_blocks": pool, "rollout/running_mean": running, "rollout/preemptions": preempted}
 
 
 def train_step(ctx: RunContext, batch) -> dict[str, float]:

@@ -71,6 +71,12 @@ def test_generate_groups_shapes_and_logprobs(setup):
     lp = batch.rollout_logprobs[batch.response_mask]
     assert torch.isfinite(lp).all() and (lp <= 0).all()
     assert (batch.rollout_logprobs[~batch.response_mask] == 0).all()
+    # the KV pool while sampling: at least the longest sample's blocks, at most every sample's blocks at once
+    bs = engine._llm.llm_engine.vllm_config.cache_config.block_size
+    need = [-(-(len(p) + len(r)) // bs) for p, r in zip(batch.prompts(), batch.responses())]
+    usage = batch.kv_usage
+    assert max(need) <= usage["peak_blocks"] <= sum(need) < usage["pool_blocks"], (usage, need)
+    assert 1 <= usage["mean_running"] <= len(batch) and usage["preemptions"] == 0
     # same seed -> same samples; the two samples of a prompt use different seeds
     again = engine.generate(prompts, SamplingConfig(n=2, max_tokens=6, seed=7), group_ids=[40, 41, 42])
     assert torch.equal(again.response_ids, batch.response_ids)

@@ -64,7 +64,7 @@ def test_short_run_logs_finite_metrics_and_artifacts(straight):
     assert sorted(rl) == [1, 2, 3, 4]
     for step, rec in rl.items():
         for key in ("rollout/reward", "rollout/accuracy", "mismatch/k1", "mismatch/k3", "loss/clip_frac_low",
-                    "time/rollout_s", "time/train_s", "time/sync_s", "train/grad_norm"):
+                    "time/rollout_s", "time/train_s", "time/sync_s", "train/grad_norm", "rollout/kv_peak_occupancy"):
             assert key in rec, f"step {step} lacks {key}"
         assert not rec.get("nonfinite"), f"step {step} has non-finite metrics {rec['nonfinite']}"
         assert all(math.isfinite(v) for v in rec.values() if isinstance(v, float))
@@ -278,6 +278,10 @@ def test_sparse_rl_run_attributes_the_mismatch_to_compression(tmp_path):
         assert abs(rec["kv/k1_sparse_numerics"]) < 1e-4  # engine == learner once both drop the same KV
         assert rec["kv/k1_sparse_compression"] == pytest.approx(rec["kv/k1_after_compression"], abs=1e-4)
         assert "sparse_rl/rejected_seq_frac" in rec and not rec.get("nonfinite")
+        # the KV pool while sampling: R-KV keeps each sample at <= budget + interval entries
+        assert 0 < rec["rollout/kv_peak_blocks"] <= rec["rollout/kv_pool_blocks"]
+        assert rec["rollout/kv_peak_occupancy"] == pytest.approx(rec["rollout/kv_peak_blocks"]
+                                                                 / rec["rollout/kv_pool_blocks"])
         assert rec["old_logprobs/learner_forwards"] == 0.0  # pi_old from the engine: the recompute is skipped
         assert rec["old_logprobs/rescore_std"] == 0.0  # the CPU engine scores deterministically
         assert rec["train/tokens"] > 0 and math.isfinite(rec["loss/value"])  # the update ran on pi_old = engine mean

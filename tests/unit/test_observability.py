@@ -90,8 +90,9 @@ def test_progress_line_hand_written():
     line = p.update(3, {"time/rollout_s": 1.234, "time/train_s": 0.5, "time/sync_s": 0.05,
                         "rollout/tokens_per_s": 812.4, "rollout/reward": 0.41, "rollout/accuracy": 0.375,
                         "mismatch/k1": 0.0012, "mismatch/k3": 0.0004, "loss/clip_frac_low": 0.01,
-                        "loss/clip_frac_high": 0.02, "mis/rejected_seq_frac": 0.05, "unshown": 1})
-    assert line == ("[###.......]  3/10  30% eta 1m10s | roll 1.23s train 0.50s sync 0.05s | 812 tok/s | "
+                        "loss/clip_frac_high": 0.02, "mis/rejected_seq_frac": 0.05, "unshown": 1,
+                        "rollout/kv_peak_occupancy": 0.4149})
+    assert line == ("[###.......]  3/10  30% eta 1m10s | roll 1.23s train 0.50s sync 0.05s | 812 tok/s kv 41% | "
                     "reward 0.410 acc 0.375 | k1 1.2e-03 k3 4.0e-04 | clip 0.030 rej 0.050")
     assert out.getvalue() == line + "\n"
 
