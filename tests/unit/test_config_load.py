@@ -60,7 +60,7 @@ def test_tiny_deepseek_config_is_a_tiny_mla_model_on_cpu():
     assert run.launch.world_size == 1 and run.rollout.kv.policy == "none"
     spec = validate(run, 1, cuda=False)  # on CPU: the 576 latent vLLM's CPU MLA runs
     assert spec.architecture == "DeepseekV3ForCausalLM" and spec.latent_width == 576
-    assert spec.is_moe and spec.n_group == 2 and spec.rope_type == "yarn"
+    assert spec.is_moe and spec.n_group == 2 and spec.rope_type == "default"
 
 
 # The GPU examples: the bundled config.json of the model they name, the world they ask for, the GPUs they assume.
