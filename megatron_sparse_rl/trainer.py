@@ -38,7 +38,9 @@ def rl_loop(ctx) -> dict:
     cfg, run = ctx.run.trainer, ctx.run
     from megatron_sparse_rl.rewards import make_scorer
 
-    score, correct = make_scorer(run.reward), make_scorer(run.reward, shaping=False)
+    marker = run.data.answer_marker  # the final answer follows it in a worked response ('' = the whole line)
+    score = make_scorer(run.reward, answer_marker=marker)
+    correct = make_scorer(run.reward, shaping=False, answer_marker=marker)
     counters = state.resume_run(ctx) or {"sft_step": 0, "rl_step": 0, "sft_done": cfg.sft.max_steps == 0}
     _announce(ctx, counters)
     open_metrics(ctx, counters.pop("metrics_records", 0))  # a fresh run starts a fresh metrics.jsonl

@@ -13,6 +13,9 @@ ArithmeticOp = Literal["+", "-", "*"]
 DataSource = Literal["arithmetic", "jsonl", "parquet"]
 Template = Literal["plain", "chat"]
 RewardKind = Literal["exact", "math"]
+SCRATCHPAD_ANSWER_MARKER = "so"
+"""What precedes the final answer in a scratchpad response ("...,4+2+1=07 so 7633"): the generator writes it,
+the reward reads the answer after its last occurrence (`DataConfig.answer_marker`)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -33,6 +36,11 @@ class ArithmeticConfig:
     """Distinct held-out evaluation problems; none of them (nor its commuted twin) appears in train."""
     seed: int = 0
     """Seed of the generator: the same seed and settings give the same problems, in the same order."""
+    scratchpad: bool = False
+    """Reference responses worked column by column, right to left, e.g. "47+85=" -> "7+5+0=12,4+8+1=13 so 132"
+    (each column: the two digits, the carry or borrow in, then the carry or borrow out and the column's digit);
+    SFT trains on the whole working, the reward checks only the final answer after "so". Needs ops within
+    '+', '-' and negative_results false. The problems drawn are the same as without it."""
 
     def __post_init__(self) -> None:
         _require(len(self.ops) >= 1 and all(op in ("+", "-", "*") for op in self.ops)
@@ -44,6 +52,11 @@ class ArithmeticConfig:
         _require(self.train_size >= 1, "data.arithmetic.train_size", "must be >= 1", self.train_size)
         _require(self.eval_size >= 0, "data.arithmetic.eval_size", "must be >= 0", self.eval_size)
         _require(self.seed >= 0, "data.arithmetic.seed", "must be >= 0", self.seed)
+        if self.scratchpad:
+            _require("*" not in self.ops, "data.arithmetic.ops", "must be within '+', '-' when scratchpad is true",
+                     self.ops)
+            _require(not self.negative_results, "data.arithmetic.negative_results",
+                     "must be false when scratchpad is true", self.negative_results)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -83,13 +96,21 @@ class DataConfig:
         _require(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1", self.max_prompt_tokens)
         _require(self.seed >= 0, "data.seed", "must be >= 0", self.seed)
 
+    @property
+    def answer_marker(self) -> str:
+        """What the final answer follows in a response: `SCRATCHPAD_ANSWER_MARKER` for the scratchpad arithmetic
+        task, '' (the answer is the whole first line) otherwise. The trainer hands it to the reward."""
+        scratchpad = self.source == "arithmetic" and self.arithmetic.scratchpad
+        return SCRATCHPAD_ANSWER_MARKER if scratchpad else ""
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RewardConfig:
     """How a response is scored against the reference answer (see megatron_sparse_rl.rewards)."""
 
     kind: RewardKind = "exact"
-    """exact: the answer text (up to <eos>/newline, stripped) equals the reference; math: equivalence
+    """exact: the answer text (up to <eos>/newline, stripped; after the data's answer marker when it has one, see
+    `DataConfig.answer_marker`) equals the reference; math: equivalence
     through math-verify (falls back to exact-or-numeric equality, with a warning, when not installed)."""
     partial_credit: float = 0.0
     """Weight in [0, 1) of digit-level partial credit for a wrong answer: it scores

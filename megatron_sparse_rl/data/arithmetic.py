@@ -10,6 +10,13 @@ are disjoint and the eval split does not depend on `train_size`.
 Prompts and answers use only digits, "+-*=" (all in the character tokenizer's alphabet); the model is
 to emit the answer and then <eos>.
 
+With `cfg.scratchpad` the same problems get a worked reference response (`Prompt.solution`, what SFT trains
+on), one fixed-width step per column from the right, the shorter operand padded with 0, then the answer after
+"so": "4738+2895=" -> "8+5+0=13,3+9+1=13,7+8+1=16,4+2+1=07 so 7633". A step "x op y op c=oz" reads: digits x
+and y of the column, carry (or borrow) c in; carry (or borrow) o out and the column's digit z, so x+y+c = 10o+z
+(x-y-c = z-10o). Every step needs two digits from the prompt, so dropping prompt entries from the KV cache
+hurts; 6-9 digit operands give 59-95-token responses. `Prompt.answer` stays the bare result the reward checks.
+
     python -c "from megatron_sparse_rl.data.arithmetic import generate; \
 from megatron_sparse_rl.config.data import ArithmeticConfig; print(generate(ArithmeticConfig())[1][:3])"
 """
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 import random
 
-from megatron_sparse_rl.config.data import ArithmeticConfig
+from megatron_sparse_rl.config.data import SCRATCHPAD_ANSWER_MARKER, ArithmeticConfig
 from megatron_sparse_rl.data.types import Prompt
 
 
@@ -63,10 +70,26 @@ def _key(a: int, op: str, b: int) -> tuple[str, int, int]:
     return (op, min(a, b), max(a, b)) if op in "+*" else (op, a, b)
 
 
-def make_prompt(a: int, op: str, b: int) -> Prompt:
-    """The `Prompt` of one problem: text "a op b =", answer the decimal result."""
+def worked_solution(a: int, op: str, b: int) -> str:
+    """The scratchpad response of `a op b` for op "+" or "-" (a >= b): column steps, then "so" and the result."""
+    if op not in "+-" or (op == "-" and a < b):
+        raise ValueError(f"a scratchpad is worked for '+' and for '-' with a >= b only (got {a}{op}{b})")
+    width = max(len(str(a)), len(str(b)))
+    steps, carry = [], 0
+    for x, y in zip(map(int, reversed(str(a).zfill(width))), map(int, reversed(str(b).zfill(width)))):
+        value = x + y + carry if op == "+" else x - y - carry
+        out, digit = divmod(value, 10) if op == "+" else (int(value < 0), value % 10)
+        steps.append(f"{x}{op}{y}{op}{carry}={out}{digit}")
+        carry = out
+    return f"{','.join(steps)} {SCRATCHPAD_ANSWER_MARKER} {solve(a, op, b)}"
+
+
+def make_prompt(a: int, op: str, b: int, *, scratchpad: bool = False) -> Prompt:
+    """The `Prompt` of one problem: text "a op b =", answer the decimal result (and, with `scratchpad`, the
+    worked solution)."""
     return Prompt(text=f"{a}{op}{b}=", answer=str(solve(a, op, b)),
-                  difficulty=max(len(str(a)), len(str(b))), source="arithmetic")
+                  difficulty=max(len(str(a)), len(str(b))), source="arithmetic",
+                  solution=worked_solution(a, op, b) if scratchpad else "")
 
 
 def generate(cfg: ArithmeticConfig) -> tuple[list[Prompt], list[Prompt]]:
@@ -96,5 +119,5 @@ def generate(cfg: ArithmeticConfig) -> tuple[list[Prompt], list[Prompt]]:
         if key in seen:
             continue
         seen.add(key)
-        problems.append(make_prompt(a, op, b))
+        problems.append(make_prompt(a, op, b, scratchpad=cfg.scratchpad))
     return problems[cfg.eval_size:], problems[:cfg.eval_size]

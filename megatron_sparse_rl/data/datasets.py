@@ -199,7 +199,7 @@ def encode_one(prompt: Prompt, tokenizer, cfg: DataConfig) -> Example | None:
     text, ids = encode_prompt(tokenizer, prompt.text, cfg.template)
     if len(ids) <= cfg.max_prompt_tokens:
         return Example(prompt=text, answer=prompt.answer, ids=tuple(ids), difficulty=prompt.difficulty,
-                       source=prompt.source)
+                       source=prompt.source, solution=prompt.solution)
     if cfg.on_long_prompt == "error":
         raise DatasetError(f"{prompt.source}: the prompt is {len(ids)} tokens after the {cfg.template!r} "
                            f"template, more than data.max_prompt_tokens={cfg.max_prompt_tokens} "

@@ -43,15 +43,16 @@ def encode_prompt(tokenizer, text: str, template: str) -> tuple[str, list[int]]:
 
 
 def encode_sft(tokenizer, example: Example) -> SFTExample:
-    """The encoded prompt's ids + answer ids + eos, with the loss on the answer and eos only.
+    """The encoded prompt's ids + the SFT target's ids + eos, with the loss on the target and eos only. The target
+    is `example.sft_target`: the worked solution when the task has one (scratchpad arithmetic), else the answer.
 
-    The answer is tokenized on its own (no special tokens); with the character tokenizer this equals
+    The target is tokenized on its own (no special tokens); with the character tokenizer this equals
     tokenizing the concatenation. Raises ValueError if the tokenizer has no eos token.
     """
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         raise ValueError("SFT examples need a tokenizer with an eos token (tokenizer.eos_token_id is None)")
-    answer_ids = list(tokenizer(example.answer, add_special_tokens=False)["input_ids"]) + [eos]
+    answer_ids = list(tokenizer(example.sft_target, add_special_tokens=False)["input_ids"]) + [eos]
     return SFTExample(input_ids=tuple(example.ids) + tuple(answer_ids),
                       loss_mask=(0,) * len(example.ids) + (1,) * len(answer_ids))
 

@@ -16,6 +16,9 @@ class Prompt:
     """Difficulty level (arithmetic: digits of the longer operand); 0 when the dataset has none."""
     source: str = ""
     """Where it came from, for error messages: "file.jsonl:12" or "arithmetic"."""
+    solution: str = ""
+    """The full reference response the SFT warm start trains on when it is more than the answer (the scratchpad
+    arithmetic task's worked columns, ending with the answer); '' = the answer itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,14 +36,21 @@ class Example:
     """Difficulty level of the raw prompt (0 when unknown)."""
     source: str = ""
     """Where the raw prompt came from ("file.jsonl:12", "arithmetic")."""
+    solution: str = ""
+    """The raw prompt's full reference response for SFT ('' = the answer itself)."""
+
+    @property
+    def sft_target(self) -> str:
+        """What the SFT warm start trains the model to emit (before <eos>): the solution, else the answer."""
+        return self.solution or self.answer
 
 
 @dataclass(frozen=True, slots=True)
 class SFTExample:
-    """A supervised warm-start sequence: templated prompt, then answer, then <eos>."""
+    """A supervised warm-start sequence: templated prompt, then the SFT target (`Example.sft_target`), then <eos>."""
 
     input_ids: tuple[int, ...]
-    """Prompt ids followed by answer ids and the eos id."""
+    """Prompt ids followed by the target's ids and the eos id."""
     loss_mask: tuple[int, ...]
-    """Same length as input_ids: 1 where the token is a target (answer and eos), 0 on the prompt.
+    """Same length as input_ids: 1 where the token is a target (SFT target and eos), 0 on the prompt.
     The mask over next-token targets [S-1] that `learner.sft.make_sft_loss` takes is `loss_mask[1:]`."""

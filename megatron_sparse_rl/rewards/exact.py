@@ -1,7 +1,10 @@
 """Exact-answer reward: the response's answer text must equal the reference answer.
 
 The answer text of a response is what precedes the first "<eos>" (the character tokenizer's eos, in
-case the response was decoded with special tokens) or newline, stripped of surrounding whitespace.
+case the response was decoded with special tokens) or newline, stripped of surrounding whitespace. A task
+whose responses work towards the answer (`DataConfig.answer_marker`, e.g. "so" for scratchpad arithmetic)
+passes that marker: the answer text is then what follows its last occurrence on that line, and a line
+without it (a response cut off before the answer) has an empty answer.
 """
 from __future__ import annotations
 
@@ -12,14 +15,19 @@ from megatron_sparse_rl.data.tokenizer import EOS
 _STOPS = (EOS, "\n")
 
 
-def extract_answer(response: str) -> str:
-    """The answer text: up to the first <eos> or newline, stripped."""
+def extract_answer(response: str, marker: str = "") -> str:
+    """The answer text: up to the first <eos> or newline, stripped; with a `marker`, only what follows the
+    marker's last occurrence there ('' when it does not occur)."""
     cut = len(response)
     for stop in _STOPS:
         i = response.find(stop)
         if i != -1:
             cut = min(cut, i)
-    return response[:cut].strip()
+    line = response[:cut]
+    if marker:
+        i = line.rfind(marker)
+        line = line[i + len(marker):] if i != -1 else ""
+    return line.strip()
 
 
 def exact_answer(response: str, answer: str) -> float:

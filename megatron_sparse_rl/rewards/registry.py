@@ -1,8 +1,9 @@
 """Reward registry keyed by `RewardConfig.kind`, batch scoring, and the configured scorer.
 
     score("exact", ["19<eos>", "20"], ["19", "19"])      # [1.0, 0.0]
-    scorer = make_scorer(run.reward)                     # responses, answers -> rewards (with shaping)
-    correct = make_scorer(run.reward, shaping=False)     # 1.0/0.0 correctness, for accuracy
+    marker = run.data.answer_marker                      # "so" for scratchpad arithmetic, else ""
+    scorer = make_scorer(run.reward, answer_marker=marker)                 # responses, answers -> rewards
+    correct = make_scorer(run.reward, shaping=False, answer_marker=marker)  # 1.0/0.0 correctness, for accuracy
 """
 from __future__ import annotations
 
@@ -39,15 +40,22 @@ def score(kind: str, responses: Sequence[str], answers: Sequence[str]) -> list[f
     return [fn(r, a) for r, a in zip(responses, answers)]
 
 
-def make_scorer(cfg: RewardConfig, *, shaping: bool = True) -> Callable[[Sequence[str], Sequence[str]], list[float]]:
+def make_scorer(cfg: RewardConfig, *, shaping: bool = True,
+                answer_marker: str = "") -> Callable[[Sequence[str], Sequence[str]], list[float]]:
     """`(responses, answers) -> rewards` for `cfg`: correctness, plus (when `shaping`) partial credit for a
-    wrong answer and the format penalty for an empty one. With shaping=False it is 1.0/0.0 correctness."""
+    wrong answer and the format penalty for an empty one. With shaping=False it is 1.0/0.0 correctness.
+
+    `answer_marker` (the data's `DataConfig.answer_marker`): when set, each response is first cut to its answer
+    text after the marker (`extract_answer`), so every kind, partial credit and the penalty see only the final
+    answer; a response without the marker has an empty answer. '' scores the responses as they are."""
     fn = reward_fn(cfg.kind)
     partial = cfg.partial_credit if shaping else 0.0
     penalty = cfg.format_penalty if shaping else 0.0
 
     def scorer(responses: Sequence[str], answers: Sequence[str]) -> list[float]:
         _check_lengths(responses, answers)
+        if answer_marker:
+            responses = [extract_answer(r, answer_marker) for r in responses]
         out = []
         for r, a in zip(responses, answers):
             value = fn(r, a)

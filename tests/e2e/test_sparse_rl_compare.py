@@ -1,11 +1,16 @@
-"""experiments/sparse_rl_compare.py end to end at toy size: three real `msrl train` arms (dense, naive sparse,
-Sparse-RL) of 2 steps each from the same tiny random model (no SFT stage, no dense re-evaluation) leave one
-PNG and a summary whose numbers are finite, and both sparse arms really compacted their KV caches.
+"""experiments/sparse_rl_compare.py --quick end to end: 2 seeds x 3 real `msrl train` arms (dense, naive sparse,
+Sparse-RL) of 2 steps from each seed's tiny random model, then every final model evaluated by a dense engine and
+sparse engines at the training and the tight budget. Checks the files, one row per (seed, arm), the per-arm means
+and standard errors against a recomputation here from each run's metrics.jsonl and the evaluation records (json
++ statistics, not the script's helpers), the three evaluation modes (the sparse ones compacted), the in-run final
+evaluation equal to the engine-only one of the run's own engine, and that seeds vary the warm start while a
+seed's sparse arms share it.
 
-    .venv/bin/python -m pytest -q tests/e2e/test_sparse_rl_compare.py      (about 1-3 min: 3 trainer starts)
+    .venv/bin/python -m pytest -q tests/e2e/test_sparse_rl_compare.py      (about 1.5 min: one process for all)
 """
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -15,28 +20,105 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
+ARMS = ("dense", "naive_sparse", "sparse_rl")
+MODES = ("dense", "sparse", "tight")
 
 
-def test_three_arms_leave_a_plot_and_a_finite_summary(tmp_path):
-    out = tmp_path / "compare"
-    cmd = [sys.executable, str(REPO / "experiments" / "sparse_rl_compare.py"), "--out", str(out), "--steps", "2",
-           "--sft-steps", "0", "--prompts-per-step", "4", "--eval-prompts", "4", "--no-dense-eval",
-           "--set", "rollout.sampling.n=4"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _rl(records: list[dict], key: str) -> list[float]:
+    return [r[key] for r in records if r["phase"] == "rl" and isinstance(r.get(key), (int, float))]
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare") / "out"
+    cmd = [sys.executable, str(REPO / "experiments" / "sparse_rl_compare.py"), "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return out, json.loads((out / "summary.json").read_text()), proc.stdout
+
+
+def test_files_rows_and_progress_lines(run):
+    out, summary, stdout = run
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| metric | dense | naive_sparse | sparse_rl |" in (out / "summary.md").read_text()
-    arms = json.loads((out / "summary.json").read_text())["arms"]
-    assert set(arms) == {"dense", "naive_sparse", "sparse_rl"}
-    for name, vals in arms.items():
-        assert vals["steps"] == 2, name
-        for key, v in vals.items():
-            assert v is None or math.isfinite(v), f"{name}.{key} = {v}"
-        assert vals["reward_last"] is not None and vals["eval_acc_final_own_engine"] is not None, name
-    assert arms["dense"]["kv_compressed_frac_mean"] is None  # dense engine: no kv metrics at all
-    for name in ("naive_sparse", "sparse_rl"):
-        assert arms[name]["kv_compressed_frac_mean"] > 0, f"{name} never compacted"
-        assert arms[name]["kv_k1_after_compression_mean"] is not None
-    # only the corrected arm runs the Sparse-RL rejection
-    assert arms["sparse_rl"]["rejected_seq_frac_mean"] is not None
-    assert arms["naive_sparse"]["rejected_seq_frac_mean"] is None
+    md = (out / "summary.md").read_text()
+    assert "| metric | dense | naive_sparse | sparse_rl |" in md and "## Per run" in md and "Runtime" in md
+    assert not list(out.glob("*.tmp"))
+    assert summary["seeds"] == 2 and summary["seconds"] > 0
+    assert sorted((r["seed"], r["arm"]) for r in summary["runs"]) == sorted((s, a) for s in (0, 1) for a in ARMS)
+    for r in summary["runs"]:
+        assert r["steps"] == 2 and r["collapsed"] in (0, 1), r
+        assert f"| {r['seed']} | {r['arm']} |" in md
+        assert (out / "logs" / f"seed{r['seed']}_{r['arm']}.log").is_file()
+        assert f"seed{r['seed']}/{r['arm']}: 2 RL steps" in stdout  # one progress line per run, with its time
+    assert (out / "logs" / "eval.log").is_file() and stdout.count("    done in ") == 6
+
+
+def test_per_arm_mean_and_se_equal_a_recomputation_from_the_runs(run):
+    out, summary, _ = run
+    by_arm = {a: [r for r in summary["runs"] if r["arm"] == a] for a in ARMS}
+    for arm, rows in by_arm.items():
+        records = [_records(Path(r["run_dir"])) for r in rows]
+        recomputed = {
+            "mismatch_k1": [statistics.fmean(_rl(recs, "mismatch/k1")) for recs in records],
+            "reward_last": [statistics.fmean(_rl(recs, "rollout/reward")) for recs in records],  # 2 steps < window
+            "eval_own_final": [_rl(recs, "eval/accuracy")[-1] for recs in records],
+        }
+        if arm != "dense":
+            recomputed["k1_after_compression"] = [statistics.fmean(_rl(recs, "kv/k1_after_compression"))
+                                                  for recs in records]
+            recomputed["k1_before_compression"] = [statistics.fmean(_rl(recs, "kv/k1_before_compression"))
+                                                   for recs in records]
+        if arm == "sparse_rl":
+            recomputed["rejected_seq_frac"] = [statistics.fmean(_rl(recs, "sparse_rl/rejected_seq_frac"))
+                                               for recs in records]
+        for mode in MODES:  # from the evaluation records, one per (seed, arm, mode)
+            recomputed[f"eval_{mode}"] = [e["accuracy"] for e in summary["evals"] if e["arm"] == arm
+                                          and e["mode"] == mode]
+        for key, values in recomputed.items():
+            assert len(values) == 2, (arm, key)
+            mean, se = _mean_se(values)
+            got = summary["per_arm"][arm][key]
+            assert got["n"] == 2 and got["mean"] == pytest.approx(mean, abs=1e-12), (arm, key)
+            assert got["se"] == pytest.approx(se, abs=1e-12), (arm, key)
+
+
+def test_three_eval_modes_and_the_split_of_the_mismatch(run):
+    _, summary, _ = run
+    evals = summary["evals"]
+    assert len(evals) == 2 * 3 * 3 and {e["mode"] for e in evals} == set(MODES)
+    assert summary["kv"]["tight_budget"] < summary["kv"]["budget"]
+    for e in evals:
+        assert e["samples"] > 0 and 0.0 <= e["accuracy"] <= 1.0, e
+        assert (e["compactions"] > 0) == (e["mode"] != "dense"), e  # the sparse engines really compressed
+    for r in summary["runs"]:
+        assert all(r[f"eval_{m}"] is not None for m in MODES), r
+        assert r["drop_tight"] == pytest.approx(r["eval_dense"] - r["eval_tight"])
+        sparse = r["arm"] != "dense"
+        assert (r["k1_after_compression"] is not None) == sparse and (r["compressed_frac"] is not None) == sparse
+        assert (r["rejected_seq_frac"] is not None) == (r["arm"] == "sparse_rl")
+    # the in-run final evaluation (trainer, synced weights) = the engine-only one of the same engine from hf_final
+    assert summary["checks"]["own_engine_final_vs_engine_only_max_abs_diff"] == 0.0
+
+
+def test_seeds_vary_the_warm_start_and_a_seed_shares_it(run):
+    out, summary, _ = run
+    w0, w1 = ((out / f"seed{s}" / "model" / "model.safetensors").read_bytes() for s in (0, 1))
+    assert w0 != w1  # model.tiny.seed follows the seed
+    rows = {(r["seed"], r["arm"]): r for r in summary["runs"]}
+    for s in (0, 1):
+        for arm in ARMS:
+            assert json.loads((Path(rows[(s, arm)]["run_dir"]) / "run.json").read_text())["model"] == str(
+                out / f"seed{s}" / "model")
+        # same weights, engine and evaluation seed: the two sparse arms' warm-start evaluations agree
+        assert rows[(s, "naive_sparse")]["eval_own_warm_start"] == rows[(s, "sparse_rl")]["eval_own_warm_start"]
+    assert rows[(0, "sparse_rl")]["mismatch_k1"] != rows[(1, "sparse_rl")]["mismatch_k1"]

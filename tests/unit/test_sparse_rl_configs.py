@@ -16,7 +16,8 @@ SPARSE_RL_CONFIGS = sorted((ROOT / "configs").glob("sparse_rl_*.yaml"))
 
 
 def test_there_are_sparse_rl_configs():
-    assert {"sparse_rl_compare.yaml", "sparse_rl_tiny_moe.yaml"} <= {p.name for p in SPARSE_RL_CONFIGS}
+    assert {"sparse_rl_compare.yaml", "sparse_rl_scratchpad.yaml", "sparse_rl_tiny_moe.yaml"} <= {
+        p.name for p in SPARSE_RL_CONFIGS}
 
 
 @pytest.mark.parametrize("path", SPARSE_RL_CONFIGS, ids=[p.name for p in SPARSE_RL_CONFIGS])
