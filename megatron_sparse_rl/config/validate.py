@@ -236,7 +236,7 @@ def _resolved_len_problems(rollout: RolloutConfig, spec) -> list[str]:
 
 def _mla_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
     """Multi-head latent attention (DeepSeek-V3, Kimi-K2) against the rollout engine: vLLM's CPU MLA decode runs
-    one latent width only, and the sparse-KV worker knows the per-head cache layout only."""
+    one latent width in 16-token blocks, and sparse KV compacts the latent cache of single-rank engines only."""
     from megatron_sparse_rl.models.tiny_families import MLA_CPU_LATENT
 
     problems = []
@@ -248,9 +248,12 @@ def _mla_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
         problems.append(f"{names} = {spec.kv_lora_rank} + {spec.qk_rope_head_dim} = {spec.latent_width} (the MLA "
                         f"latent) is not supported by vLLM's CPU MLA decode (no CUDA here); allowed: kv_lora_rank "
                         f"{lora} + qk_rope_head_dim {rope} = {lora + rope}")
-    if kv.policy != "none":
-        problems.append(f"rollout.kv.policy = {kv.policy!r}: sparse KV on the MLA latent cache is not supported yet "
-                        f"({spec.architecture} uses multi-head latent attention); use rollout.kv.policy = 'none'")
+    if kv.policy != "none" and run.rollout.tensor_parallel_size != 1:
+        problems.append(f"rollout.kv.policy = {kv.policy!r} with rollout.tensor_parallel_size = "
+                        f"{run.rollout.tensor_parallel_size}: sparse KV on the MLA latent cache runs on single-rank "
+                        f"engines ({spec.architecture} uses multi-head latent attention: every rank holds the shared "
+                        "latent rows and would score them with its own heads only); set rollout.tensor_parallel_size "
+                        "= 1 or rollout.kv.policy = 'none'")
     if not cuda and kv.block_size not in (None, 16):
         problems.append(f"rollout.kv.block_size = {kv.block_size}: vLLM's CPU MLA backend runs 16-token blocks only "
                         "(no CUDA here); leave it null or set 16")

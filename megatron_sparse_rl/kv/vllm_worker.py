@@ -14,6 +14,13 @@ patch in megatron_sparse_rl.patches.vllm_sparse_kv on the first step); it reache
   and layer for the score policies.
 The per-(block, head, slot) K/V location is discovered at start-up by writing a known pattern through
 the backend's own `do_kv_cache_update` into a scratch cache (the CPU vec ISA stores K transposed).
+
+Multi-head latent attention (DeepSeek-V3 / Kimi-K2, vLLM's MLA backends): the cache holds one latent row
+[c_kv, k_pe] per token and layer, shared by every head. The worker treats it as ONE KV head whose key is the
+row and which has no separate V (the row is copied as a whole); the captured queries are absorbed into the
+latent space with the layer's W_UK_T (kv/latent.py) and scored at the layer's softmax scale, so each layer keeps
+one set of rows, recorded as kv_keep [layers, 1, kept]. Single-rank engines only (a TP rank holds the shared rows
+but only its own heads' queries).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from megatron_sparse_rl.kv import latent
 from megatron_sparse_rl.kv import policies as P
 from megatron_sparse_rl.kv.record import KVKeepRecord
 from megatron_sparse_rl.kv.settings import SparseKVSettings
@@ -39,41 +47,77 @@ def discover_slot_layout(layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, t
     Writes codes through the backend's own KV writer (`vllm_access.write_kv`) into a 2-block scratch cache, in passes of base-64
     digits (exact in bf16/fp16/fp32), and checks every element lands exactly once inside block 0.
     """
-    if not kv_cache.is_contiguous():
-        raise RuntimeError(f"sparse KV: KV cache of shape {tuple(kv_cache.shape)} is not contiguous: layout unsupported")
+    _require_contiguous(kv_cache)
     nb, heads, bs, two_d = kv_cache.shape
     d = two_d // 2
-    n = heads * bs * d
     scratch = torch.zeros((2, heads, bs, two_d), dtype=kv_cache.dtype, device=kv_cache.device)
-    code = torch.arange(n, device=kv_cache.device).view(heads, bs, d).transpose(0, 1)  # [bs, H, D] token-major
     slots = torch.arange(bs, dtype=torch.int64, device=kv_cache.device)
+
+    def write(digit: torch.Tensor) -> None:  # digit [bs, H, D] token-major
+        vllm_access.write_kv(layer, digit.to(kv_cache.dtype), (-digit).to(kv_cache.dtype), scratch, slots)
+
+    k_index, v_index = _locate(scratch, (heads, bs, d), write, values=True)
+    return k_index, v_index
+
+
+def discover_latent_layout(layer, kv_cache: torch.Tensor) -> torch.Tensor:
+    """int64 [1, block_size, kv_lora_rank + rope]: where, in one block of a multi-head latent attention cache
+    flattened, the backend stores element d of the latent row of the token in block slot s (one row per token,
+    shared by every head: a single "KV head" with no separate V). Discovered like `discover_slot_layout`, through
+    the backend's own latent writer (`vllm_access.write_latent`)."""
+    _require_contiguous(kv_cache)
+    bs, width = kv_cache.shape[-2], kv_cache.shape[-1]
+    if kv_cache[0].numel() != bs * width:
+        raise RuntimeError(f"sparse KV: latent KV cache of shape {tuple(kv_cache.shape)} is not [blocks, (1,) "
+                           "block_size, kv_lora_rank + rope]: layout unsupported")
+    scratch = torch.zeros((2, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=kv_cache.device)
+    slots = torch.arange(bs, dtype=torch.int64, device=kv_cache.device)
+
+    def write(digit: torch.Tensor) -> None:  # digit [bs, 1, width]
+        vllm_access.write_latent(layer, digit[:, 0].to(kv_cache.dtype), scratch, slots)
+
+    return _locate(scratch, (1, bs, width), write, values=False)[0]
+
+
+def _require_contiguous(kv_cache: torch.Tensor) -> None:
+    if not kv_cache.is_contiguous():
+        raise RuntimeError(f"sparse KV: KV cache of shape {tuple(kv_cache.shape)} is not contiguous: layout unsupported")
+
+
+def _locate(scratch: torch.Tensor, shape: tuple[int, int, int], write, *, values: bool):
+    """(k_index, v_index or None) [H, bs, D]: positions in block 0 of `scratch` that `write(digit [bs, H, D])`
+    fills with +digit (K) and, with `values`, -digit (V); codes are written in passes of base-64 digits."""
+    heads, bs, d = shape
+    n = heads * bs * d
+    device = scratch.device
+    code = torch.arange(n, device=device).view(heads, bs, d).transpose(0, 1)  # [bs, H, D] token-major
     base, passes = 64, max(1, math.ceil(math.log(n, 64)))
-    k_code = torch.zeros(n, dtype=torch.int64, device=kv_cache.device)
-    v_code = torch.zeros(n, dtype=torch.int64, device=kv_cache.device)
-    k_pos = v_pos = None
+    codes = [torch.zeros(n, dtype=torch.int64, device=device) for _ in range(1 + values)]
+    found = None
     for p in range(passes):
         digit = (code // base**p) % base + 1
         scratch.zero_()
-        vllm_access.write_kv(layer, digit.to(kv_cache.dtype), (-digit).to(kv_cache.dtype), scratch, slots)
+        write(digit)
         if scratch[1].abs().sum() != 0:
             raise RuntimeError("sparse KV layout discovery: slots 0..block_size-1 wrote outside block 0")
         flat = scratch[0].reshape(-1).double()
-        kp, vp = (flat > 0).nonzero()[:, 0], (flat < 0).nonzero()[:, 0]
-        if kp.numel() != n or vp.numel() != n:
-            raise RuntimeError(f"sparse KV layout discovery: {kp.numel()} K / {vp.numel()} V elements, expected {n}")
-        if k_pos is None:
-            k_pos, v_pos = kp, vp
-        elif not (torch.equal(kp, k_pos) and torch.equal(vp, v_pos)):
+        pos = [(flat > 0).nonzero()[:, 0]] + ([(flat < 0).nonzero()[:, 0]] if values else [])
+        if any(x.numel() != n for x in pos):
+            raise RuntimeError(f"sparse KV layout discovery: {[x.numel() for x in pos]} K/V elements, expected {n}")
+        if found is None:
+            found = pos
+        elif not all(torch.equal(a, b) for a, b in zip(pos, found)):
             raise RuntimeError("sparse KV layout discovery: K/V positions differ between passes")
-        k_code += (flat[kp].round().long() - 1) * base**p
-        v_code += ((-flat[vp]).round().long() - 1) * base**p
-    k_index = torch.full((n,), -1, dtype=torch.int64, device=kv_cache.device)
-    v_index = torch.full((n,), -1, dtype=torch.int64, device=kv_cache.device)
-    k_index[k_code] = k_pos
-    v_index[v_code] = v_pos
-    if (k_index < 0).any() or (v_index < 0).any():
-        raise RuntimeError("sparse KV layout discovery: some K/V elements were not found (codes collide)")
-    return k_index.view(heads, bs, d), v_index.view(heads, bs, d)
+        for acc, x, sign in zip(codes, pos, (1, -1)):
+            acc += ((sign * flat[x]).round().long() - 1) * base**p
+    out = []
+    for acc, x in zip(codes, found):
+        index = torch.full((n,), -1, dtype=torch.int64, device=device)
+        index[acc] = x
+        if (index < 0).any():
+            raise RuntimeError("sparse KV layout discovery: some K/V elements were not found (codes collide)")
+        out.append(index.view(heads, bs, d))
+    return out[0], (out[1] if values else None)
 
 
 def _kv_cache(layer) -> torch.Tensor:
@@ -117,9 +161,18 @@ class SparseKVWorkerState:
         self.layers = self.runner.attention_layers(names)
         for layer in self.layers:
             _kv_cache(layer)
-        self.kidx, self.vidx = discover_slot_layout(self.layers[0], _kv_cache(self.layers[0]))
+        # multi-head latent attention: one latent row per token = one "KV head" whose key is the row and which has
+        # no separate V; the queries are absorbed into the latent space (kv/latent.py), scored at the layer's scale
+        self.latent = vllm_access.is_latent_layer(self.layers[0])
+        if self.latent:
+            self._check_latent()
+            self.dims = vllm_access.latent_dims(self.layers[0])
+            self.kidx, self.vidx = discover_latent_layout(self.layers[0], _kv_cache(self.layers[0])), None
+            self.q_heads, self.scale = self.dims.heads, self.dims.scale
+        else:
+            self.kidx, self.vidx = discover_slot_layout(self.layers[0], _kv_cache(self.layers[0]))
+            self.q_heads, self.scale = vllm_access.layer_kv(self.layers[0])[2], None  # None: 1 / sqrt(head_dim)
         self.kv_heads, _, self.head_dim = self.kidx.shape
-        self.q_heads = vllm_access.layer_kv(self.layers[0])[2]
         self.reqs: dict[str, _Request] = {}
         self.records: dict[str, dict] = {}
         self.dropped: dict[str, int] = {}
@@ -130,7 +183,24 @@ class SparseKVWorkerState:
         logger.info("sparse KV worker: policy=%s budget=%d interval=%d, %d layers, block size %d",
                     settings.policy, settings.budget, settings.interval, len(self.layers), self.block_size)
 
+    def _check_latent(self) -> None:
+        tp, _ = vllm_access.tensor_parallel_group()
+        if tp > 1:  # each rank would score with its own heads only and keep a different set of the shared rows
+            raise RuntimeError(f"sparse KV on the MLA latent cache runs on a single-rank engine (tensor parallel size "
+                               f"{tp}): set rollout.tensor_parallel_size: 1 or rollout.kv.policy: none")
+        if not all(vllm_access.is_latent_layer(layer) for layer in self.layers):
+            raise RuntimeError("sparse KV: a model mixing latent and per-head attention layers is not supported")
+        vllm_access.check(features=("sparse_kv_mla",))
+
     def _wrap_forward(self, li: int, layer) -> None:
+        if self.latent:
+            def on_latent(q, w_uk):
+                if self.step is not None:
+                    self.capture(li, q, w_uk)
+
+            vllm_access.on_latent_query(layer, on_latent)
+            return
+
         def on_query(query):
             if self.step is not None:
                 self.capture(li, query)
@@ -138,15 +208,16 @@ class SparseKVWorkerState:
         vllm_access.on_attention_query(layer, on_query)
 
     # ---- query capture ------------------------------------------------------------------------------
-    def capture(self, li: int, query: torch.Tensor) -> None:
+    def capture(self, li: int, query: torch.Tensor, w_uk: torch.Tensor | None = None) -> None:
+        """Keep this step's queries of layer `li` per request: query [tokens, q_heads * head_dim] (per-head cache)
+        or, on a latent cache, [tokens, heads, qk_nope + rope] with the layer's W_UK_T `w_uk` to absorb them."""
         st = self.step
-        q_all = query.view(query.shape[0], self.q_heads, self.head_dim)
         for row, rid in enumerate(st.req_ids):
             a, b = int(st.qsl[row]), int(st.qsl[row + 1])
             if b <= a:
                 continue
             r = self.reqs.setdefault(rid, _Request())
-            q = q_all[a:b].transpose(0, 1).to(torch.float32, copy=True)  # [Hq, n, D]
+            q = self._queries(query, a, b, w_uk)  # [Hq, n, D] float32
             while len(r.queries) <= li:
                 r.queries.append([] if self.s.policy == "h2o" else None)
             if self.s.policy == "h2o":
@@ -156,6 +227,17 @@ class SparseKVWorkerState:
             else:
                 prev = r.queries[li]
                 r.queries[li] = (q if prev is None else torch.cat([prev, q], dim=1))[:, -self.s.window:]
+
+    def _queries(self, query: torch.Tensor, a: int, b: int, w_uk: torch.Tensor | None) -> torch.Tensor:
+        """float32 [Hq, n, D]: the queries of tokens a..b-1 as the policies score them (R-KV, SnapKV: only the
+        last `window` are ever used, so only those are taken)."""
+        if self.s.policy != "h2o":
+            a = max(a, b - self.s.window)
+        if not self.latent:
+            return query[a:b].view(b - a, self.q_heads, self.head_dim).transpose(0, 1).to(torch.float32, copy=True)
+        q = query[a:b].to(torch.float32).transpose(0, 1)  # [heads, n, qk_nope + rope]
+        nope = self.dims.qk_nope
+        return latent.absorb_queries(q[..., :nope], q[..., nope:], w_uk.to(torch.float32))
 
     # ---- compaction -----------------------------------------------------------------------------------
     def _gather(self, flat: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor):
@@ -173,13 +255,13 @@ class SparseKVWorkerState:
         if self.s.policy == "h2o":
             queries = torch.cat(r.queries[li], dim=1)
             prev = r.acc[li] if li < len(r.acc) else None
-            acc = P.h2o_scores(keys, queries, torch.cat(r.query_index), previous=prev)
+            acc = P.h2o_scores(keys, queries, torch.cat(r.query_index), previous=prev, scale=self.scale)
             keep = P.select_keep("h2o", keys, None, self.s, h2o_acc=acc)
             while len(r.acc) <= li:
                 r.acc.append(None)
             r.acc[li] = acc.gather(1, keep)
             return keep
-        return P.select_keep(self.s.policy, keys, r.queries[li], self.s)
+        return P.select_keep(self.s.policy, keys, r.queries[li], self.s, scale=self.scale)
 
     def _compact(self, rid: str, stored: int, budget: int) -> None:
         block_ids = self.runner.block_ids(rid)
@@ -193,7 +275,7 @@ class SparseKVWorkerState:
             cache = _kv_cache(layer)
             flat = cache.view(cache.shape[0], -1)
             keep = self._keep(li, r, flat, blocks, stored)  # [H, budget] stored indices
-            for index in (self.kidx, self.vidx):
+            for index in (i for i in (self.kidx, self.vidx) if i is not None):  # a latent cache has no V
                 flat[self._gather(flat, index, blocks, dst)] = flat[self._gather(flat, index, blocks, keep)]
             true_pos = torch.where(keep < (0 if r.kept_pos is None else r.kept_pos.shape[2]),
                                    self._old_pos(r, li, keep), keep + r.dropped)

