@@ -11,7 +11,9 @@ layer's slice. The mask travels with the call; the hooks hold no state:
     model(inputs, positions, None)                    # Megatron's own causal mask (the hooks pass it through)
 
 Heads: query head h of KV group g = h // (heads / kv_heads) (Megatron's GQA expansion); under tensor
-parallelism this rank holds KV groups [tp_rank * g_local, (tp_rank + 1) * g_local). Layers: the global
+parallelism this rank holds KV groups [tp_rank * g_local, (tp_rank + 1) * g_local). A mask with ONE KV head
+applies to every query head on every rank: multi-head latent attention (DeepSeek-V3 / Kimi-K2), whose engine
+keeps one set of latent rows per layer for all heads, records it that way. Layers: the global
 index `layer_number - 1` (pipeline offsets included). Only Megatron's local (torch) DotProductAttention is
 supported: it applies any boolean mask through `masked_fill`; fused/TE kernels take no per-head mask.
 """
@@ -59,12 +61,15 @@ class LayerAttentionMasks:
         if layer >= mask.shape[1]:
             raise ValueError(f"attention mask must be [batch, layers, kv_heads, seq, seq] covering layer {layer} "
                              f"(got shape {tuple(mask.shape)})")
+        heads = module.num_attention_heads_per_partition
+        if mask.shape[2] == 1:  # one keep set for every head: MLA's shared latent rows (or a single KV head)
+            return mask[:, layer, :1].expand(-1, heads, -1, -1)
         groups = module.num_query_groups_per_partition
         first = self._tp_rank * groups
         if mask.shape[2] < first + groups:
             raise ValueError(f"attention mask has {mask.shape[2]} KV heads; this rank needs KV heads "
                              f"{first}..{first + groups - 1}")
-        per_group = module.num_attention_heads_per_partition // groups
+        per_group = heads // groups
         return mask[:, layer, first:first + groups].repeat_interleave(per_group, dim=1)
 
     def remove(self) -> None:

@@ -218,8 +218,8 @@ class Learner:
         if support is not None and len(support) != tokens.shape[0]:
             raise ValueError(f"extras.sampling_support has {len(support)} rows, the batch has {tokens.shape[0]}")
         if mask is not None:
-            want = (tokens.shape[0], self.config.num_layers, self.config.num_query_groups,
-                    tokens.shape[1] - 1, tokens.shape[1] - 1)
+            want = (tokens.shape[0], self.config.num_layers, self._mask_kv_heads(), tokens.shape[1] - 1,
+                    tokens.shape[1] - 1)
             if mask.dtype != torch.bool or tuple(mask.shape) != want:
                 raise ValueError(f"extras.attention_mask must be bool [batch, layers, kv_heads, seq-1, seq-1] = "
                                  f"{list(want)} (got {mask.dtype} {list(mask.shape)})")
@@ -227,6 +227,13 @@ class Learner:
                 self._layer_masks = LayerAttentionMasks(self.model, self.groups.tp_rank)
         if extras.routes is not None and self.routing is None:
             raise ValueError("extras.routes: this learner was built without routing (Learner(..., routing=...))")
+
+    def _mask_kv_heads(self) -> int:
+        """KV heads of a per-layer attention mask (kv_keep records): 1 for multi-head latent attention (one latent
+        row per token shared by every head, so one keep set per layer), else the model's query groups."""
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return 1 if isinstance(self.config, MLATransformerConfig) else self.config.num_query_groups
 
     @contextlib.contextmanager
     def _routes_applied(self, tokens: torch.Tensor, lengths: torch.Tensor | None, extras: ForwardExtras):

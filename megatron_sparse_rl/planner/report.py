@@ -6,7 +6,7 @@ from dataclasses import fields
 
 from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions, memory_remedies, one_of, plan_layout
 from megatron_sparse_rl.planner.ranking import TIERS, chosen_reason, shard_problems
-from megatron_sparse_rl.planner.rollout import RolloutPlan
+from megatron_sparse_rl.planner.rollout import MLA_SPARSE_SINGLE_RANK, MLA_SPARSE_WHY, RolloutPlan
 from megatron_sparse_rl.planner.shapes import ModelShape
 from megatron_sparse_rl.planner.sync import MEASURED_GBPS, SyncCosts, SyncEstimate, SyncVolume
 
@@ -115,10 +115,8 @@ def rollout_lines(r: RolloutPlan, kv_dtype: str, budget: int, interval: int) -> 
     kept = f"budget {budget} + interval {interval} = {budget + interval} tokens"
     if budget + interval > r.dense_tokens:  # a sequence never grows past the budget: the sparse cache is the dense
         kept += f", more than the {r.dense_tokens}-token sequence: no compression, {r.sparse_tokens} tokens"
-    sparse = (f"  sparse KV: {kept} -> {r.sparse_mib_per_seq:.0f} MiB/sequence; max concurrent sequences per engine "
-              f"{r.sparse_max_seqs} ({ratio})")
-    if r.mla:
-        sparse += "; a projection: sparse KV on the MLA latent cache is not supported yet"
+    sparse = (f"  sparse KV: {kept} -> {r.sparse_mib_per_seq:.0f} MiB/sequence{' on each GPU' if r.mla else ''}; "
+              f"max concurrent sequences per engine {r.sparse_max_seqs} ({ratio})")
     return [
         head,
         f"  KV per token and GPU: {r.kv_layers} layers x {r.kv_values} values "
@@ -126,8 +124,18 @@ def rollout_lines(r: RolloutPlan, kv_dtype: str, budget: int, interval: int) -> 
         f"{r.kv_bytes_per_token} bytes",
         f"  dense  KV: {r.dense_tokens} tokens -> {r.dense_mib_per_seq:.0f} MiB/sequence {where}; "
         f"max concurrent sequences per engine {r.dense_max_seqs}",
-        sparse,
-    ] + flags + [f"  NO: {p}" for p in r.problems]
+    ] + (_mla_sparse_lines(r, sparse) if r.mla else [sparse]) + flags + [f"  NO: {p}" for p in r.problems]
+
+
+def _mla_sparse_lines(r: RolloutPlan, sparse: str) -> list[str]:
+    """The sparse line of an MLA engine and what it means there: used for real on a single-rank engine; on a
+    multi-GPU one, what the budget would buy, which this engine cannot run (the dense numbers decide the fit)."""
+    if r.sparse_runs:
+        return [sparse + "; runs on this single-rank engine",
+                f"  note: {MLA_SPARSE_SINGLE_RANK}, as this one is"]
+    return [sparse + f"; what the budget would buy: NOT RUNNABLE on this {r.engine_gpus}-GPU engine",
+            f"  note: {MLA_SPARSE_SINGLE_RANK}: on {r.engine_gpus} ranks {MLA_SPARSE_WHY}; the dense numbers decide "
+            "whether this engine fits"]
 
 
 def seconds(s: float) -> str:

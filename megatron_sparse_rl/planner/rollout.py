@@ -10,9 +10,10 @@ dense-attention KV cache is split over the engine's TP ranks by KV head (a head 
 heads than ranks); an MLA cache holds one latent row per token per layer (kv_lora_rank + qk_rope_head_dim values,
 shared by every head), kept whole on every TP rank (vLLM's MLA cache), so an engine holds as many sequences as one of
 its GPUs; vLLM pages of 16 tokens. A sparse sequence holds at most budget + interval tokens (the policy compresses
-back to `budget` every `interval` new tokens), so its KV no longer grows with the response length. Sparse KV on the
-MLA latent is not supported yet: for MLA models the sparse numbers are a projection, and whether an engine fits
-is judged on the dense cache.
+back to `budget` every `interval` new tokens), so its KV no longer grows with the response length; for MLA that is
+budget + interval latent rows per layer. Sparse KV on the MLA latent runs on single-rank engines only
+(`MLA_SPARSE_SINGLE_RANK`): on a multi-GPU MLA engine the sparse numbers are what the budget would buy, flagged
+(`RolloutPlan.sparse_runs` False), and whether the engine fits is judged on the dense cache.
 """
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ from megatron_sparse_rl.planner.shapes import ModelShape
 
 GiB = 1024 ** 3
 BLOCK = 16
+MLA_SPARSE_SINGLE_RANK = "sparse KV on the MLA latent runs on single-rank engines only (rollout.tensor_parallel_size 1)"
+MLA_SPARSE_WHY = "each TP rank would score the shared latent rows with its own heads only"
+"""Why a multi-rank MLA engine cannot compact: one keep set per layer would need the ranks' scores combined, which
+is not implemented (config/validate.py and the engine refuse such a run)."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class RolloutPlan:
     dense_tokens: int
     sparse_tokens: int
     dense_mib_per_seq: float
-    """KV of one sequence over the whole engine."""
+    """KV of one sequence over the whole engine (MLA: on each GPU, which holds the whole latent row)."""
     sparse_mib_per_seq: float
     dense_max_seqs: int
     sparse_max_seqs: int
@@ -52,10 +57,13 @@ class RolloutPlan:
     notes: tuple[str, ...] = ()
     """What to know that does not stop the engine (it spans nodes)."""
     mla: bool = False
-    """The cache is MLA's latent (sparse KV not available on it yet)."""
+    """The cache is MLA's latent: one row per token per layer, whole on every GPU of the engine."""
+    sparse_runs: bool = True
+    """This engine can run sparse KV: always for per-head caches; for MLA only on a single-rank engine (engine_gpus
+    1). When False the sparse numbers are what the budget would buy, not what this engine runs."""
     problems: tuple[str, ...] = ()
     """Why the engine cannot generate at all ([] when it can): no KV room left by the weights, or not one
-    sequence fits even with the sparse budget (MLA: with the dense cache)."""
+    sequence fits even with the sparse budget (with the dense cache where sparse KV does not run)."""
 
     @property
     def fits(self) -> bool:
@@ -82,17 +90,17 @@ def _remedies(kv_bytes: int, weight_bytes: int) -> list[str]:
 
 
 def _problems(weights: float, free: float, max_seqs: int, engine_gpus: int, tokens: int, *, usable: float,
-              mla: bool, kv_bytes: int, weight_bytes: int) -> tuple[str, ...]:
+              sparse_runs: bool, kv_bytes: int, weight_bytes: int) -> tuple[str, ...]:
     """Why an engine cannot generate: the weights leave no KV room, or the room holds not one sequence (`max_seqs`,
-    `tokens`: the sparse cache, or for MLA, where sparse KV is not available, the dense one)."""
+    `tokens`: the sparse cache, or the dense one where sparse KV does not run: a multi-rank MLA engine)."""
     if free <= 0:
         fixes = ["spread the engine over more GPUs (--rollout-gpus)"] + _remedies(1, weight_bytes) + ["use larger GPUs"]
         return (f"the engine's weights ({weights:.1f} GiB/GPU on {engine_gpus} GPU(s)) leave no KV room in the "
                 f"{usable:.1f} GiB usable per GPU: " + one_of(fixes),)
     if max_seqs == 0:
-        kind = "dense (sparse KV is not available on the MLA latent)" if mla else "even sparse"
-        fixes = (["spread the engine over more GPUs (--rollout-gpus)", "shorten --seq-len" if mla else
-                  "lower the KV budget (--kv-budget)"] + _remedies(kv_bytes, weight_bytes))
+        kind = "even sparse" if sparse_runs else f"dense ({MLA_SPARSE_SINGLE_RANK})"
+        fixes = (["spread the engine over more GPUs (--rollout-gpus)", "lower the KV budget (--kv-budget)"
+                  if sparse_runs else "shorten --seq-len"] + _remedies(kv_bytes, weight_bytes))
         return (f"the KV room ({free:.2f} GiB/GPU) holds not one sequence, {kind} ({tokens} tokens): "
                 + one_of(fixes),)
     return ()
@@ -101,30 +109,36 @@ def _problems(weights: float, free: float, max_seqs: int, engine_gpus: int, toke
 def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq_len: int, budget: int,
                  interval: int, kv_bytes: int = 2, weight_bytes: int = 2, gpus_per_node: int = 8,
                  gpu_util: float = 0.9, reserve_gib: float = 4.0) -> RolloutPlan:
+    """Weights, KV room and sequences per engine of `engine_gpus` GPUs, dense (`seq_len` tokens) and sparse
+    (`budget` + `interval` tokens, or latent rows for MLA). The per-token values come from the model's spec
+    (`kv_values_per_rank`: K and V of a rank's KV heads, or MLA's whole latent row)."""
     weights = weight_bytes * shape.total_params() / engine_gpus / GiB
     free = max(0.0, gpu_mem_gib * gpu_util - weights - reserve_gib)
     sparse_tokens = min(seq_len, budget + interval)
     values = shape.spec.kv_values_per_rank(engine_gpus)
     per_token_gpu = shape.layers * values * kv_bytes
+    # a per-head cache is split over the engine; MLA's latent row is whole on each GPU (the per-GPU bytes)
+    per_token_seq = per_token_gpu if shape.mla else shape.layers * shape.kv_elems * kv_bytes
+    sparse_runs = not shape.mla or engine_gpus == 1
 
     def max_seqs(tokens: int) -> int:
         return int(free * GiB // (ceil(tokens / BLOCK) * BLOCK * per_token_gpu))
 
-    def engine_mib(tokens: int) -> float:
-        return ceil(tokens / BLOCK) * BLOCK * shape.layers * shape.kv_elems * kv_bytes / 2 ** 20
+    def seq_mib(tokens: int) -> float:
+        return ceil(tokens / BLOCK) * BLOCK * per_token_seq / 2 ** 20
 
     dense_max_seqs, sparse_max_seqs = max_seqs(seq_len), max_seqs(sparse_tokens)
-    problems = _problems(weights, free, dense_max_seqs if shape.mla else sparse_max_seqs, engine_gpus,
-                         seq_len if shape.mla else sparse_tokens, usable=gpu_mem_gib * gpu_util - reserve_gib,
-                         mla=shape.mla, kv_bytes=kv_bytes, weight_bytes=weight_bytes)
+    problems = _problems(weights, free, sparse_max_seqs if sparse_runs else dense_max_seqs, engine_gpus,
+                         sparse_tokens if sparse_runs else seq_len, usable=gpu_mem_gib * gpu_util - reserve_gib,
+                         sparse_runs=sparse_runs, kv_bytes=kv_bytes, weight_bytes=weight_bytes)
     nodes = ceil(engine_gpus / gpus_per_node)
     notes = (f"the engine's {engine_gpus} GPUs span {nodes} nodes of {gpus_per_node}: its tensor-parallel "
              "all-reduces (two per layer and token step) cross the inter-node network",) if nodes > 1 else ()
     return RolloutPlan(
         engine_gpus=engine_gpus, weights_gib_per_gpu=weights, kv_free_gib_per_gpu=free,
         dense_tokens=seq_len, sparse_tokens=sparse_tokens,
-        dense_mib_per_seq=engine_mib(seq_len), sparse_mib_per_seq=engine_mib(sparse_tokens),
+        dense_mib_per_seq=seq_mib(seq_len), sparse_mib_per_seq=seq_mib(sparse_tokens),
         dense_max_seqs=dense_max_seqs, sparse_max_seqs=sparse_max_seqs, kv_layers=shape.layers,
         kv_values=values, kv_dtype_bytes=kv_bytes, weight_bytes=weight_bytes, engine_nodes=nodes, notes=notes,
-        mla=shape.mla, problems=problems,
+        mla=shape.mla, sparse_runs=sparse_runs, problems=problems,
     )
