@@ -6,7 +6,10 @@ sequences running concurrently at a fixed KV pool; tokens/s. Prints ratios measu
                                        --pool-max-tokens 512 --pool-seqs 2]
     msrl bench kv ...   (the same)
 
-Real vLLM on CPU, a tiny random Qwen3-MoE (fp32; or --model DIR), fixed-length generations (ignore_eos).
+Real vLLM on CPU, a tiny random Qwen3-MoE (fp32), or with `--arch deepseek_v3` a tiny DeepSeek-V3 (multi-head
+latent attention: vLLM's MLA cache holds one latent row of 512 + 64 values per token and layer, 16-row blocks on
+CPU, and the sparse engine keeps one set of rows per layer), or `--model DIR`; fixed-length generations (ignore_eos).
+The block size defaults to 32, or 16 for an MLA model (the only one vLLM's CPU MLA backend runs).
 Part 1: `--prompts` x `--max-tokens` with an ample pool: peak blocks in use (read from vLLM's BlockPool
 after every schedule) and tokens/s, dense vs sparse. Part 2: a fixed pool of `--pool-seqs` dense
 worst-case sequences; `--pool-prompts` x `--pool-max-tokens`: peak sequences running at once,
@@ -25,11 +28,14 @@ from megatron_sparse_rl.config.checks import positive
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF model dir (default: a tiny Qwen3-MoE built in a temp dir)")
+    parser.add_argument("--model", default=None, help="HF model dir (default: a tiny model of --arch built in a temp dir)")
+    parser.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3"],
+                        help="the tiny model built without --model: Qwen3-MoE (per-head KV) or DeepSeek-V3 (MLA latent KV)")
     parser.add_argument("--policy", default="streamingllm", choices=["rkv", "snapkv", "h2o", "streamingllm"])
     parser.add_argument("--budget", type=positive(), default=128)
     parser.add_argument("--interval", type=positive(), default=128)
-    parser.add_argument("--block-size", type=positive(), default=32)
+    parser.add_argument("--block-size", type=positive(), default=None,
+                        help="KV block size (default 32; 16 for an MLA model)")
     parser.add_argument("--prompts", type=positive(), default=8, help="part 1: sequences")
     parser.add_argument("--max-tokens", type=positive(), default=1024, help="part 1: tokens generated per sequence")
     parser.add_argument("--pool-prompts", type=positive(), default=16, help="part 2: sequences")
@@ -70,12 +76,19 @@ def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.config.rollout import KVConfig
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
+    from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
+    from megatron_sparse_rl.rollout.engine import latent_kv_rank
+
     tmp = None
     model_dir = args.model
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="msrl_bench_kv_")
-        model_dir = build_tiny_hf_model(Path(tmp.name) / "tiny_moe", seed=0)
-    bs, p_len = args.block_size, args.prompt_len
+        build = build_tiny_deepseek if args.arch == "deepseek_v3" else build_tiny_hf_model
+        model_dir = build(Path(tmp.name) / f"tiny_{args.arch}", seed=0)
+    mla = latent_kv_rank(model_dir) is not None
+    bs, p_len = args.block_size or (16 if mla else 32), args.prompt_len
+    print(f"model {model_dir}: " + ("multi-head latent attention (KV blocks hold latent rows, one per token and "
+                                    "layer; one keep set per layer)" if mla else "per-head KV cache"))
     sparse_kw = dict(policy=args.policy, budget=args.budget, interval=args.interval, block_size=bs)
 
     # part 1: peak blocks in use and tokens/s with an ample pool

@@ -90,16 +90,88 @@ def test_cli_reports_mla_kv_per_token_and_concurrency(capsys):
     out = capsys.readouterr().out
     assert "KV per token and GPU: 61 layers x 576 values (one MLA latent row) x 2 B = 70272 bytes" in out
     assert "max concurrent sequences per engine 156" in out
-    assert "sparse KV on the MLA latent cache is not supported yet" in out
     assert "576 values (kv_lora_rank 512 + qk_rope_head_dim 64) shared by all 128 heads" in out
 
 
+def test_deepseek_v3_mla_sparse_kv_by_hand():
+    """A sparse sequence keeps budget + interval latent rows per layer (16-token pages): 61 layers x 576 values x
+    2 B (bf16) each, on every GPU of the engine; the concurrency it buys is counted as for per-head models."""
+    s = load_shape("deepseek-v3")
+    gpus, seq = 32, 32768
+    free = 141 * 0.9 - 2 * deepseek_v3_params_by_hand() / gpus / GiB - 4.0
+    r = rollout_plan(s, gpu_mem_gib=141, engine_gpus=gpus, seq_len=seq, budget=2048, interval=128)
+    sparse_bytes = 61 * 576 * 2 * (2048 + 128)  # 2176 rows: a whole number of 16-token pages
+    assert r.sparse_tokens == 2176 and r.sparse_mib_per_seq == pytest.approx(sparse_bytes / 2 ** 20)  # 145.8
+    assert r.sparse_max_seqs == int(free * GiB // sparse_bytes) == 588
+    assert r.dense_max_seqs == int(free * GiB // (61 * 576 * 2 * seq)) == 39
+    # 32 GPUs: what the budget would buy, not what this engine runs; the fit is judged on the dense cache
+    assert not r.sparse_runs and r.fits
+    odd = rollout_plan(s, gpu_mem_gib=141, engine_gpus=gpus, seq_len=seq, budget=1000, interval=100)
+    assert odd.sparse_mib_per_seq == pytest.approx(61 * 576 * 2 * 1104 / 2 ** 20)  # 1100 rows -> 69 pages of 16
+
+
+def test_cli_flags_mla_sparse_kv_on_a_multi_gpu_engine(capsys):
+    assert cli.main(["plan", "deepseek-v3", "--nodes", "32", "--gpu-mem", "141", "--seq-len", "32768",
+                     "--rollout-gpus", "32"]) == 0
+    out = capsys.readouterr().out
+    mib = 61 * 576 * 2 * 2176 / 2 ** 20
+    assert (f"sparse KV: budget 2048 + interval 128 = 2176 tokens -> {mib:.0f} MiB/sequence on each GPU; max "
+            f"concurrent sequences per engine 588 ({588 / 39:.1f}x dense); what the budget would buy: NOT RUNNABLE "
+            "on this 32-GPU engine") in out
+    assert ("note: sparse KV on the MLA latent runs on single-rank engines only (rollout.tensor_parallel_size 1): "
+            "on 32 ranks each TP rank would score the shared latent rows with its own heads only; the dense numbers "
+            "decide whether this engine fits") in out
+    assert "not supported yet" not in out and "runs on this single-rank engine" not in out
+
+
+def _tiny_deepseek(path) -> None:
+    """A 3-layer DeepSeek-V3 config.json (MLA latent 512 + 64) whose engine fits one GPU."""
+    import json
+
+    from megatron_sparse_rl.models.tiny_families import deepseek_config_kwargs
+
+    path.mkdir()
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+           **deepseek_config_kwargs(layers=3, kv_lora_rank=512, qk_rope=64)}
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_mla_sparse_kv_on_a_single_gpu_engine_is_used_for_real(tmp_path, capsys):
+    _tiny_deepseek(tmp_path / "tiny")
+    assert cli.main(["plan", str(tmp_path / "tiny"), "--gpus", "1", "--gpu-mem", "80", "--seq-len", "32768"]) == 0
+    out = capsys.readouterr().out
+    per_token = 3 * 576 * 2  # layers x latent values x bf16
+    assert f"KV per token and GPU: 3 layers x 576 values (one MLA latent row) x 2 B = {per_token} bytes" in out
+    s = load_shape(str(tmp_path / "tiny"))
+    free = 80 * 0.9 - 2 * s.total_params() / GiB - 4.0
+    dense, sparse = int(free * GiB // (32768 * per_token)), int(free * GiB // (2176 * per_token))
+    assert (f"sparse KV: budget 2048 + interval 128 = 2176 tokens -> {2176 * per_token / 2 ** 20:.0f} MiB/sequence on "
+            f"each GPU; max concurrent sequences per engine {sparse} ({sparse / dense:.1f}x dense); runs on this "
+            "single-rank engine") in out
+    assert ("note: sparse KV on the MLA latent runs on single-rank engines only (rollout.tensor_parallel_size 1), as "
+            "this one is") in out and "NOT RUNNABLE" not in out
+
+
+def test_mla_engine_fit_is_judged_on_sparse_only_where_sparse_runs(tmp_path):
+    # a 2M-token sequence: 2e6 x 3456 B = 6.4 GiB dense, 2176 x 3456 B = 7.2 MiB sparse, in 8 x 0.9 - 4 = 3.2 GiB
+    _tiny_deepseek(tmp_path / "tiny")
+    s = load_shape(str(tmp_path / "tiny"))
+    kw = dict(gpu_mem_gib=8, seq_len=2_000_000, budget=2048, interval=128)
+    one = rollout_plan(s, engine_gpus=1, **kw)
+    assert one.sparse_runs and one.dense_max_seqs == 0 and one.sparse_max_seqs > 0 and one.fits
+    two = rollout_plan(s, engine_gpus=2, **kw)
+    assert not two.sparse_runs and not two.fits and two.sparse_max_seqs > 0
+    assert ("holds not one sequence, dense (sparse KV on the MLA latent runs on single-rank engines only "
+            "(rollout.tensor_parallel_size 1)) (2000000 tokens)") in two.problems[0]
+
+
 def test_mla_engine_that_holds_no_dense_sequence_is_a_problem():
-    # sparse KV is not available on MLA, so an engine must hold one dense sequence
+    # sparse KV on the MLA latent runs on single-rank engines only, so a 32-GPU engine must hold one dense sequence
     s = load_shape("deepseek-v3")
     r = rollout_plan(s, gpu_mem_gib=141, engine_gpus=32, seq_len=2_000_000, budget=2048, interval=128)
     assert r.sparse_max_seqs > 0 and r.dense_max_seqs == 0
-    assert "holds not one sequence, dense (sparse KV is not available on the MLA latent)" in r.problems[0]
+    assert not r.sparse_runs
+    assert "holds not one sequence, dense (sparse KV on the MLA latent runs on single-rank engines" in r.problems[0]
 
 
 def test_bundled_models():
