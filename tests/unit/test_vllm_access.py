@@ -103,3 +103,22 @@ def test_request_ids():
         ("7", 1): "1_7-0123abcd", ("7", 0): "0_7-89abcdef"}
     with pytest.raises(KeyError, match="cannot parse vLLM request id 'x'"):
         requests_by_sample(["x"], KeyError)
+
+
+def test_schedule_wraps_nest_and_unwrap_in_reverse_order():
+    """A probe around `generate` (which probes the scheduler itself) wraps a wrapped schedule: each unwrap restores
+    the wrap that was there before it, the last one the class method."""
+    class Sched:
+        def schedule(self):
+            return "out"
+
+    s, seen = Sched(), []
+    vllm_access.wrap_schedule(s, lambda out: seen.append(("outer", out)))
+    vllm_access.wrap_schedule(s, lambda out: seen.append(("inner", out)))
+    assert s.schedule() == "out" and seen == [("outer", "out"), ("inner", "out")]
+    vllm_access.unwrap_schedule(s)
+    seen.clear()
+    assert s.schedule() == "out" and seen == [("outer", "out")]
+    vllm_access.unwrap_schedule(s)
+    seen.clear()
+    assert s.schedule() == "out" and seen == [] and "schedule" not in vars(s)
