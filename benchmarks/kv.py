@@ -14,7 +14,9 @@ Part 1: `--prompts` x `--max-tokens` with an ample pool: peak blocks in use (rea
 after every schedule) and tokens/s, dense vs sparse. Part 2: a fixed pool of `--pool-seqs` dense
 worst-case sequences; `--pool-prompts` x `--pool-max-tokens`: peak sequences running at once,
 preemptions, tokens/s. Dense uses vLLM's default scheduler; sparse uses the compaction scheduler with
-admission control.
+admission control. Each part also prints where the sparse engine's extra time went (`sparse overhead`:
+compactions split into scoring, K/V copy and records + block table, and the per-step query capture of the score
+policies, as shares of the sparse run's wall time).
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def _prompts(n: int, length: int) -> list[list[int]]:
 
 
 def _measure(model_dir, kv, prompts, max_tokens, max_model_len, max_num_seqs):
-    """(peak blocks, peak running, preemptions, generated tokens / s, wall s, mean running) of one run."""
+    """(peak blocks, peak running, preemptions, generated tokens / s, wall s, mean running, the sparse worker's
+    time: `RolloutEngine.sparse_kv_timing`, None for a dense engine) of one run."""
     from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
     from megatron_sparse_rl.kv.probe import BlockUsageProbe
     from megatron_sparse_rl.rollout import RolloutEngine
@@ -62,14 +65,30 @@ def _measure(model_dir, kv, prompts, max_tokens, max_model_len, max_num_seqs):
     try:
         sampling = SamplingConfig(n=1, temperature=1.0, max_tokens=max_tokens, seed=0)
         engine.generate(prompts[:1], SamplingConfig(n=1, max_tokens=4, seed=0))  # warm-up
+        sparse = kv.policy != "none"
+        if sparse:
+            engine.sparse_kv_timing()  # drop the warm-up's
         with BlockUsageProbe(engine) as probe:
             start = time.perf_counter()
             batch = engine.generate(prompts, sampling)
             wall = time.perf_counter() - start
         tokens = int(batch.response_lens.sum())
-        return probe.peak_blocks, probe.peak_running, probe.preemptions, tokens / wall, wall, probe.mean_running
+        timing = engine.sparse_kv_timing() if sparse else None
+        return (probe.peak_blocks, probe.peak_running, probe.preemptions, tokens / wall, wall, probe.mean_running,
+                timing)
     finally:
         engine.shutdown()
+
+
+def _cost_line(t: dict, wall: float) -> str:
+    """Where the sparse engine's extra time went: compactions (scoring, K/V copy, the rest: records and the block
+    table) and the per-step query capture, as shares of the sparse run's wall time."""
+    n, compact = int(t["compactions"]), t["compact_s"]
+    other = compact - t["score_s"] - t["copy_s"]
+    each = 1e3 * compact / max(n, 1)
+    return (f"  sparse overhead: {n} compactions, {each:.2f} ms each (score {t['score_s']:.2f} s, copy "
+            f"{t['copy_s']:.2f} s, records + block table {other:.2f} s) = {compact / wall:.1%} of the sparse wall "
+            f"time; query capture {t['capture_s']:.2f} s = {t['capture_s'] / wall:.1%}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.budget} interval {args.interval}")
     print(f"  peak KV blocks in use (vLLM BlockPool): dense {d[0]}, sparse {s[0]}; sparse/dense = {s[0] / d[0]:.3f}")
     print(f"  tokens/s: dense {d[3]:.1f}, sparse {s[3]:.1f}; sparse/dense = {s[3] / d[3]:.3f}")
+    print(_cost_line(s[6], s[4]))
 
     # part 2: a fixed pool of `pool_seqs` dense worst-case sequences
     prompts, mml = _prompts(args.pool_prompts, p_len), p_len + args.pool_max_tokens + 1
@@ -117,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
           f"sparse/dense mean = {s[5] / max(d[5], 1e-9):.2f}")
     print(f"  tokens/s: dense {d[3]:.1f} ({d[4]:.1f} s), sparse {s[3]:.1f} ({s[4]:.1f} s); "
           f"sparse/dense = {s[3] / d[3]:.3f}")
+    print(_cost_line(s[6], s[4]))
     if tmp is not None:
         tmp.cleanup()
     return 0

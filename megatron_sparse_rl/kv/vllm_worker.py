@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,6 +128,12 @@ def _kv_cache(layer) -> torch.Tensor:
     return cache
 
 
+TIMING = ("compactions", "compact_s", "score_s", "copy_s", "capture_s")
+"""What `SparseKVWorkerState.take_timing` reports: compactions run; seconds in them (`compact_s`), of which scoring
+(gathering the keys and running the policy, `score_s`) and moving the kept K/V (`copy_s`), the rest being the
+records and block-table rewrite; seconds capturing queries for the score policies (`capture_s`, every step)."""
+
+
 @dataclass
 class _Request:
     """Per-request worker state (reset when vLLM resumes it after a preemption)."""
@@ -177,6 +184,7 @@ class SparseKVWorkerState:
         self.records: dict[str, dict] = {}
         self.dropped: dict[str, int] = {}
         self.step: _Step | None = None
+        self.timing = dict.fromkeys(TIMING, 0.0)
         if settings.policy != "streamingllm":
             for li, layer in enumerate(self.layers):
                 self._wrap_forward(li, layer)
@@ -211,6 +219,13 @@ class SparseKVWorkerState:
     def capture(self, li: int, query: torch.Tensor, w_uk: torch.Tensor | None = None) -> None:
         """Keep this step's queries of layer `li` per request: query [tokens, q_heads * head_dim] (per-head cache)
         or, on a latent cache, [tokens, heads, qk_nope + rope] with the layer's W_UK_T `w_uk` to absorb them."""
+        start = time.perf_counter()
+        try:
+            self._capture(li, query, w_uk)
+        finally:
+            self.timing["capture_s"] += time.perf_counter() - start
+
+    def _capture(self, li: int, query: torch.Tensor, w_uk: torch.Tensor | None) -> None:
         st = self.step
         for row, rid in enumerate(st.req_ids):
             a, b = int(st.qsl[row]), int(st.qsl[row + 1])
@@ -264,6 +279,7 @@ class SparseKVWorkerState:
         return P.select_keep(self.s.policy, keys, r.queries[li], self.s, scale=self.scale)
 
     def _compact(self, rid: str, stored: int, budget: int) -> None:
+        start = time.perf_counter()
         block_ids = self.runner.block_ids(rid)
         if len(block_ids) != -(-stored // self.block_size):
             raise RuntimeError(f"sparse KV: worker holds {len(block_ids)} blocks for {stored} stored tokens of {rid}")
@@ -274,9 +290,13 @@ class SparseKVWorkerState:
         for li, layer in enumerate(self.layers):
             cache = _kv_cache(layer)
             flat = cache.view(cache.shape[0], -1)
+            t0 = time.perf_counter()
             keep = self._keep(li, r, flat, blocks, stored)  # [H, budget] stored indices
+            t1 = time.perf_counter()
             for index in (i for i in (self.kidx, self.vidx) if i is not None):  # a latent cache has no V
                 flat[self._gather(flat, index, blocks, dst)] = flat[self._gather(flat, index, blocks, keep)]
+            self.timing["score_s"] += t1 - t0
+            self.timing["copy_s"] += time.perf_counter() - t1
             true_pos = torch.where(keep < (0 if r.kept_pos is None else r.kept_pos.shape[2]),
                                    self._old_pos(r, li, keep), keep + r.dropped)
             kept_pos.append(true_pos)
@@ -290,6 +310,13 @@ class SparseKVWorkerState:
             r.queries, r.query_index = [[] for _ in self.layers], []
         del block_ids[-(-budget // self.block_size):]
         self.runner.set_table_row(rid, block_ids)
+        self.timing["compactions"] += 1
+        self.timing["compact_s"] += time.perf_counter() - start
+
+    def take_timing(self) -> dict[str, float]:
+        """The worker's sparse-KV time since the last call (`TIMING`), then reset."""
+        out, self.timing = self.timing, dict.fromkeys(TIMING, 0.0)
+        return out
 
     @staticmethod
     def _old_pos(r: _Request, li: int, keep: torch.Tensor) -> torch.Tensor:

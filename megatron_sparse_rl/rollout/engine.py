@@ -294,6 +294,11 @@ class RolloutEngine:
         preemptions, preempted compressed requests); in-process engine core only."""
         return dict(self._scheduler().msrl_stats)
 
+    def sparse_kv_timing(self) -> dict[str, float]:
+        """The sparse-KV worker's time since the last call, then reset (`kv.vllm_worker.TIMING`: compactions and
+        the seconds spent compacting, scoring, copying and capturing queries); the first engine rank's."""
+        return self._llm.collective_rpc(_take_kv_timing)[0]
+
     def _scheduler(self):
         return vllm_access.scheduler(self._llm)
 
@@ -435,6 +440,13 @@ def _take_kv_records(worker, samples):
     parts: list = [None] * tp_size
     torch.distributed.all_gather_object(parts, records, group=tp_group)
     return {key: KVKeepRecord.join_heads([p[key] for p in parts]) for key in samples}
+
+
+def _take_kv_timing(worker) -> dict[str, float]:
+    from megatron_sparse_rl.kv.vllm_worker import TIMING
+
+    state = vllm_access.runner_state(vllm_access.model_runner(worker))
+    return dict.fromkeys(TIMING, 0.0) if state is None else state.take_timing()
 
 
 def _drop_kv_records(worker):

@@ -10,7 +10,7 @@ vLLM's MLA cache holds one latent row [c_kv, k_pe] (512 + 64) per token and laye
 - R-KV and SnapKV keep what kv/latent.py `select_latent` picks from the reference's own latents (kv_a_layernorm's
   output), rotated rope keys, queries and W_UK (kv_b_proj): the absorbed-query scores of the engine are checked
   against transformers' non-absorbed attention inputs;
-- vLLM's blocks in use stay bounded while dense grows;
+- vLLM's blocks in use stay bounded while dense grows; the worker's timing counts the scheduler's compactions;
 - layouts the latent compaction cannot run are refused before vLLM starts.
 Run: .venv/bin/python -m pytest -q tests/e2e/test_sparse_kv_mla.py
 """
@@ -92,6 +92,11 @@ def test_score_policy_matches_transformers_with_its_record(model_dir, policy):
     kv = KVConfig(policy=policy, budget=24, interval=8, window=6, record_keep=True)
     with engine(model_dir, kv) as e:
         batch = e.generate(PROMPTS, sampling(40))
+        t, stats = e.sparse_kv_timing(), e.sparse_kv_stats()
+        # the worker ran every compaction the scheduler ordered, and timed its parts
+        assert t["compactions"] == stats["compactions"] == sum(r.num_compactions for r in batch.kv_keep) > 0
+        assert t["compact_s"] >= t["score_s"] + t["copy_s"] and t["score_s"] > 0 and t["capture_s"] > 0
+        assert e.sparse_kv_timing()["compactions"] == 0  # taken: reset
     worst = 0.0
     for i, rec in enumerate(batch.kv_keep):
         p, tokens = int(batch.prompt_lens[i]), row_tokens(batch, i)
