@@ -15,8 +15,8 @@ after every schedule) and tokens/s, dense vs sparse. Part 2: a fixed pool of `--
 worst-case sequences; `--pool-prompts` x `--pool-max-tokens`: peak sequences running at once,
 preemptions, tokens/s. Dense uses vLLM's default scheduler; sparse uses the compaction scheduler with
 admission control. Each part also prints where the sparse engine's extra time went (`sparse overhead`:
-compactions split into scoring, K/V copy and records + block table, and the per-step query capture of the score
-policies, as shares of the sparse run's wall time).
+compactions split into scoring, K/V copy and records + block table, the per-step query capture of the score
+policies, and the per-step shift of attention lengths and slots, as shares of the sparse run's wall time).
 """
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ def _cost_line(t: dict, wall: float) -> str:
     each = 1e3 * compact / max(n, 1)
     return (f"  sparse overhead: {n} compactions, {each:.2f} ms each (score {t['score_s']:.2f} s, copy "
             f"{t['copy_s']:.2f} s, records + block table {other:.2f} s) = {compact / wall:.1%} of the sparse wall "
-            f"time; query capture {t['capture_s']:.2f} s = {t['capture_s'] / wall:.1%}")
+            f"time; query capture {t['capture_s']:.2f} s = {t['capture_s'] / wall:.1%}; lengths and slots "
+            f"{t['prepare_s']:.2f} s = {t['prepare_s'] / wall:.1%}")
 
 
 def run(args: argparse.Namespace) -> int:

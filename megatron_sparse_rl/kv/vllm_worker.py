@@ -128,10 +128,11 @@ def _kv_cache(layer) -> torch.Tensor:
     return cache
 
 
-TIMING = ("compactions", "compact_s", "score_s", "copy_s", "capture_s")
+TIMING = ("compactions", "compact_s", "score_s", "copy_s", "capture_s", "prepare_s")
 """What `SparseKVWorkerState.take_timing` reports: compactions run; seconds in them (`compact_s`), of which scoring
 (gathering the keys and running the policy, `score_s`) and moving the kept K/V (`copy_s`), the rest being the
-records and block-table rewrite; seconds capturing queries for the score policies (`capture_s`, every step)."""
+records and block-table rewrite; seconds capturing queries for the score policies (`capture_s`, every step);
+seconds shifting each step's attention lengths and slots onto the compacted lengths (`prepare_s`, every step)."""
 
 
 @dataclass
@@ -346,6 +347,14 @@ class SparseKVWorkerState:
                 raise RuntimeError(f"sparse KV: worker dropped {self.reqs[rid].dropped} != scheduler {d} for {rid}")
 
     def after_prepare_inputs(self, num_scheduled_tokens: np.ndarray) -> None:
+        start_time = time.perf_counter()
+        try:
+            self._shift_compacted(num_scheduled_tokens)
+        finally:
+            self.timing["prepare_s"] += time.perf_counter() - start_time
+
+    def _shift_compacted(self, num_scheduled_tokens: np.ndarray) -> None:
+        """Attention lengths and slots of this step's tokens on the compacted lengths, all requests at once."""
         req_ids, computed = self.runner.batch()
         n = len(req_ids)
         qsl = np.zeros(n + 1, dtype=np.int64)
@@ -358,11 +367,14 @@ class SparseKVWorkerState:
         rows = np.nonzero(dropped)[0]
         self.runner.shorten_seq_lens(torch.from_numpy(rows), torch.from_numpy(dropped[rows]))
         table_np, slot_mapping = self.runner.slot_tables()
-        for row in rows.tolist():
-            a, b = int(qsl[row]), int(qsl[row + 1])
-            pos = start[row] - dropped[row] + np.arange(b - a)
-            slots = table_np[row, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
-            slot_mapping[a:b] = torch.from_numpy(slots).to(slot_mapping.device, slot_mapping.dtype)
+        counts = qsl[rows + 1] - qsl[rows]
+        row_of = np.repeat(rows, counts)  # the batch row of every scheduled token of a compacted request
+        offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        pos = start[row_of] - dropped[row_of] + offset  # stored index = true position - dropped
+        slots = table_np[row_of, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        tokens = torch.from_numpy(qsl[row_of] + offset)
+        slot_mapping[tokens.to(slot_mapping.device)] = torch.from_numpy(slots).to(slot_mapping.device,
+                                                                                  slot_mapping.dtype)
 
     def end_step(self) -> None:
         self.step = None
