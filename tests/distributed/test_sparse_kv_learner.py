@@ -32,6 +32,22 @@ def masked_logprobs_worker(rank, world_size, model_dir, tokens, allowed, tp):
     return masked, dense
 
 
+def assert_masked_equals_engine(batch, masked, dense, label: str) -> None:
+    """The masked learner's logprobs of every sampled token equal the engine's sparse ones; the dense learner's
+    differ once a query saw the compressed cache."""
+    worst_masked = worst_dense = 0.0
+    for i, rec in enumerate(batch.kv_keep):
+        p, n = int(batch.prompt_lens[i]), int(batch.response_lens[i])
+        engine_lp = batch.rollout_logprobs[i, :n]
+        after = torch.arange(n) + p - 1 >= rec.lengths[0]  # columns whose query saw the compressed cache
+        worst_masked = max(worst_masked, (masked[i, p - 1:p - 1 + n] - engine_lp).abs().max().item())
+        worst_dense = max(worst_dense, (dense[i, p - 1:p - 1 + n] - engine_lp)[after].abs().max().item())
+    print(f"{label}: max |learner masked - engine sparse| = {worst_masked:.2e}; "
+          f"dense learner after compaction: {worst_dense:.2e}")
+    assert worst_masked <= ATOL
+    assert worst_dense > 100 * ATOL, "compression should change the logprobs the dense learner sees"
+
+
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory):
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
@@ -55,17 +71,7 @@ def test_masked_recompute_matches_engine_sparse_logprobs(rollout, tp):
     assert all(r.num_compactions >= 2 for r in batch.kv_keep), [r.lengths for r in batch.kv_keep]
     allowed = batch_attention_mask(records, tokens.shape[1] - 1)
     masked, dense = run_distributed(masked_logprobs_worker, tp, (model_dir, tokens, allowed, tp), timeout=240)[0]
-    worst_masked = worst_dense = 0.0
-    for i, rec in enumerate(batch.kv_keep):
-        p, n = int(batch.prompt_lens[i]), int(batch.response_lens[i])
-        engine_lp = batch.rollout_logprobs[i, :n]
-        after = torch.arange(n) + p - 1 >= rec.lengths[0]  # columns whose query saw the compressed cache
-        worst_masked = max(worst_masked, (masked[i, p - 1:p - 1 + n] - engine_lp).abs().max().item())
-        worst_dense = max(worst_dense, (dense[i, p - 1:p - 1 + n] - engine_lp)[after].abs().max().item())
-    print(f"tp={tp}: max |learner masked - engine sparse| = {worst_masked:.2e}; "
-          f"dense learner after compaction: {worst_dense:.2e}")
-    assert worst_masked <= ATOL
-    assert worst_dense > 100 * ATOL, "compression should change the logprobs the dense learner sees"
+    assert_masked_equals_engine(batch, masked, dense, f"tp={tp}")
     # the uncompacted copy of row 0 is the dense forward of row 0
     assert torch.allclose(masked[-1], dense[0], atol=1e-6)
 
@@ -105,14 +111,4 @@ def test_mla_masked_recompute_matches_engine_sparse_logprobs(mla_rollout, tp):
     assert all(r.num_compactions >= 2 and r.kept[0].shape[1] == 1 for r in batch.kv_keep)
     allowed = batch_attention_mask(batch.kv_keep, tokens.shape[1] - 1)
     masked, dense = run_distributed(masked_logprobs_worker, tp, (model_dir, tokens, allowed, tp), timeout=240)[0]
-    worst_masked = worst_dense = 0.0
-    for i, rec in enumerate(batch.kv_keep):
-        p, n = int(batch.prompt_lens[i]), int(batch.response_lens[i])
-        engine_lp = batch.rollout_logprobs[i, :n]
-        after = torch.arange(n) + p - 1 >= rec.lengths[0]
-        worst_masked = max(worst_masked, (masked[i, p - 1:p - 1 + n] - engine_lp).abs().max().item())
-        worst_dense = max(worst_dense, (dense[i, p - 1:p - 1 + n] - engine_lp)[after].abs().max().item())
-    print(f"MLA tp={tp}: max |learner masked - engine sparse| = {worst_masked:.2e}; "
-          f"dense learner after compaction: {worst_dense:.2e}")
-    assert worst_masked <= ATOL
-    assert worst_dense > 100 * ATOL, "compression should change the logprobs the dense learner sees"
+    assert_masked_equals_engine(batch, masked, dense, f"MLA tp={tp}")
