@@ -82,7 +82,8 @@ def _measure(model_dir, kv, prompts, max_tokens, max_model_len, max_num_seqs):
 
 def _cost_line(t: dict, wall: float) -> str:
     """Where the sparse engine's extra time went: compactions (scoring, K/V copy, the rest: records and the block
-    table) and the per-step query capture, as shares of the sparse run's wall time."""
+    table), the per-step query capture and the per-step shift of lengths and slots, as shares of the sparse run's
+    wall time."""
     n, compact = int(t["compactions"]), t["compact_s"]
     other = compact - t["score_s"] - t["copy_s"]
     each = 1e3 * compact / max(n, 1)
@@ -95,7 +96,6 @@ def _cost_line(t: dict, wall: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.config.rollout import KVConfig
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
-
     from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
     from megatron_sparse_rl.rollout.engine import latent_kv_rank
 

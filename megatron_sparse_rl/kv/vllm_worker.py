@@ -24,6 +24,7 @@ but only its own heads' queries).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -57,8 +58,7 @@ def discover_slot_layout(layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, t
     def write(digit: torch.Tensor) -> None:  # digit [bs, H, D] token-major
         vllm_access.write_kv(layer, digit.to(kv_cache.dtype), (-digit).to(kv_cache.dtype), scratch, slots)
 
-    k_index, v_index = _locate(scratch, (heads, bs, d), write, values=True)
-    return k_index, v_index
+    return _locate(scratch, (heads, bs, d), write, values=True)
 
 
 def discover_latent_layout(layer, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -217,14 +217,20 @@ class SparseKVWorkerState:
         vllm_access.on_attention_query(layer, on_query)
 
     # ---- query capture ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _timed(self, key: str):
+        """Add the block's seconds to `self.timing[key]`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timing[key] += time.perf_counter() - start
+
     def capture(self, li: int, query: torch.Tensor, w_uk: torch.Tensor | None = None) -> None:
         """Keep this step's queries of layer `li` per request: query [tokens, q_heads * head_dim] (per-head cache)
         or, on a latent cache, [tokens, heads, qk_nope + rope] with the layer's W_UK_T `w_uk` to absorb them."""
-        start = time.perf_counter()
-        try:
+        with self._timed("capture_s"):
             self._capture(li, query, w_uk)
-        finally:
-            self.timing["capture_s"] += time.perf_counter() - start
 
     def _capture(self, li: int, query: torch.Tensor, w_uk: torch.Tensor | None) -> None:
         st = self.step
@@ -280,7 +286,6 @@ class SparseKVWorkerState:
         return P.select_keep(self.s.policy, keys, r.queries[li], self.s, scale=self.scale)
 
     def _compact(self, rid: str, stored: int, budget: int) -> None:
-        start = time.perf_counter()
         block_ids = self.runner.block_ids(rid)
         if len(block_ids) != -(-stored // self.block_size):
             raise RuntimeError(f"sparse KV: worker holds {len(block_ids)} blocks for {stored} stored tokens of {rid}")
@@ -291,13 +296,11 @@ class SparseKVWorkerState:
         for li, layer in enumerate(self.layers):
             cache = _kv_cache(layer)
             flat = cache.view(cache.shape[0], -1)
-            t0 = time.perf_counter()
-            keep = self._keep(li, r, flat, blocks, stored)  # [H, budget] stored indices
-            t1 = time.perf_counter()
-            for index in (i for i in (self.kidx, self.vidx) if i is not None):  # a latent cache has no V
-                flat[self._gather(flat, index, blocks, dst)] = flat[self._gather(flat, index, blocks, keep)]
-            self.timing["score_s"] += t1 - t0
-            self.timing["copy_s"] += time.perf_counter() - t1
+            with self._timed("score_s"):
+                keep = self._keep(li, r, flat, blocks, stored)  # [H, budget] stored indices
+            with self._timed("copy_s"):
+                for index in (i for i in (self.kidx, self.vidx) if i is not None):  # a latent cache has no V
+                    flat[self._gather(flat, index, blocks, dst)] = flat[self._gather(flat, index, blocks, keep)]
             true_pos = torch.where(keep < (0 if r.kept_pos is None else r.kept_pos.shape[2]),
                                    self._old_pos(r, li, keep), keep + r.dropped)
             kept_pos.append(true_pos)
@@ -311,8 +314,6 @@ class SparseKVWorkerState:
             r.queries, r.query_index = [[] for _ in self.layers], []
         del block_ids[-(-budget // self.block_size):]
         self.runner.set_table_row(rid, block_ids)
-        self.timing["compactions"] += 1
-        self.timing["compact_s"] += time.perf_counter() - start
 
     def take_timing(self) -> dict[str, float]:
         """The worker's sparse-KV time since the last call (`TIMING`), then reset."""
@@ -340,18 +341,17 @@ class SparseKVWorkerState:
             if old is not None and old.dropped and rid in self.records:
                 self.records[rid]["preempted"] = True
         for rid, (stored, budget) in msg["compact"].items():
-            self._compact(rid, stored, budget)
+            with self._timed("compact_s"):
+                self._compact(rid, stored, budget)
+            self.timing["compactions"] += 1
         self.dropped = msg["dropped"]
         for rid, d in self.dropped.items():
             if self.reqs[rid].dropped != d:
                 raise RuntimeError(f"sparse KV: worker dropped {self.reqs[rid].dropped} != scheduler {d} for {rid}")
 
     def after_prepare_inputs(self, num_scheduled_tokens: np.ndarray) -> None:
-        start_time = time.perf_counter()
-        try:
+        with self._timed("prepare_s"):
             self._shift_compacted(num_scheduled_tokens)
-        finally:
-            self.timing["prepare_s"] += time.perf_counter() - start_time
 
     def _shift_compacted(self, num_scheduled_tokens: np.ndarray) -> None:
         """Attention lengths and slots of this step's tokens on the compacted lengths, all requests at once."""

@@ -360,7 +360,7 @@ def wrap_sample(s, on_sample: Callable[[torch.Tensor, torch.Tensor | None], None
 
 
 def unwrap_sample(s) -> None:
-    s.__dict__.pop("sample", None)  # back to the class method
+    _undo_call_after(s, "sample")
 
 
 def _call_after(obj, method: str, after: Callable[[Any], None]) -> None:
@@ -374,6 +374,16 @@ def _call_after(obj, method: str, after: Callable[[Any], None]) -> None:
 
     wrapped._msrl_previous = obj.__dict__.get(method)  # an enclosing wrap to restore (None: the class method)
     setattr(obj, method, wrapped)
+
+
+def _undo_call_after(obj, method: str) -> None:
+    """Undo the latest `_call_after` of `obj.<method>`: wraps nest, so the wrap before it comes back (or, after the
+    first, the class method)."""
+    previous = getattr(obj.__dict__.get(method), "_msrl_previous", None)
+    if previous is None:
+        obj.__dict__.pop(method, None)
+    else:
+        setattr(obj, method, previous)
 
 
 # ---- MoE layers ------------------------------------------------------------------------------------------
@@ -569,12 +579,7 @@ def wrap_schedule(sched, after: Callable[[Any], None]) -> None:
 
 def unwrap_schedule(sched) -> None:
     """Undo the latest `wrap_schedule` (wraps nest: a probe around `generate`, whose own probe wraps inside it)."""
-    current = sched.__dict__.get("schedule")
-    previous = getattr(current, "_msrl_previous", None)
-    if previous is None:
-        sched.__dict__.pop("schedule", None)  # back to the class method
-    else:
-        sched.schedule = previous
+    _undo_call_after(sched, "schedule")
 
 
 def num_running(sched) -> int:
