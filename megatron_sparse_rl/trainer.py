@@ -49,7 +49,8 @@ def rl_loop(ctx) -> dict:
     # The engine's first load in this process is always probed; the every-N schedule counts the run's syncs
     # across restarts (a resume's first sync is extra, so it does not count).
     resumed = "syncs" in counters
-    report.scalars(S.sync_step(ctx, 0, probe), step=counters["rl_step"], phase="sync")
+    # weight versions count the RL steps trained (RolloutBatch.token_version); the SFT stage's syncs are version 0
+    report.scalars(S.sync_step(ctx, 0, probe, version=counters["rl_step"]), step=counters["rl_step"], phase="sync")
     counters["syncs"] = counters["syncs"] if resumed else 1
     if not counters["sft_done"]:
         sft_stage(ctx, correct, counters, report, probe)
@@ -57,20 +58,27 @@ def rl_loop(ctx) -> dict:
             state.save_run(ctx, counters)
     if counters["rl_step"] == 0:
         report.warm_start(S.evaluate(ctx, correct, cfg.eval_prompts))
+    ahead = None  # trainer.max_staleness 1: (batch, metrics) of the next step, sampled while this step trained
     for step in range(counters["rl_step"], cfg.steps):
-        batch, metrics = S.rollout_step(ctx, step, score, correct)
-        metrics.update(S.train_step(ctx, batch))
-        metrics.update(S.sync_step(ctx, counters["syncs"], probe))
+        (batch, metrics), ahead = ahead or S.rollout_step(ctx, step, score, correct), None
+        task_state = ctx.task.state_dict()  # a checkpoint after this step resumes with the next step's prompts
+        finish = S.rollout_ahead(ctx, step + 1, score, correct) if cfg.max_staleness and step + 1 < cfg.steps else None
+        metrics.update(S.train_step(ctx, batch, version=step))
+        metrics.update(S.sync_step(ctx, counters["syncs"], probe, version=step + 1, verify=finish is None))
+        if finish is not None:  # the rollout ranks took the weights while sampling; now they answer probes again
+            ahead = finish()
+            metrics.update(S.verify_step(ctx, counters["syncs"], probe))
         counters["syncs"] += 1
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
             metrics["eval/accuracy"] = S.evaluate(ctx, correct, cfg.eval_prompts)
         counters["rl_step"] = step + 1
         report.step(step + 1, metrics)
+        # a checkpoint drops the batch sampled ahead: a resumed run samples that step again, under its weights
         if run.checkpoint.save_every and (step + 1) % run.checkpoint.save_every == 0:
-            state.save_run(ctx, counters)
+            state.save_run(ctx, counters, task_state)
         if state.preemption_requested(ctx):
             log.warning("preemption requested: checkpointing at step %d and exiting", step + 1)
-            return {"rank": ctx.rank, "preempted": True, "checkpoint": str(state.save_run(ctx, counters))}
+            return {"rank": ctx.rank, "preempted": True, "checkpoint": str(state.save_run(ctx, counters, task_state))}
     return report.finish(counters)
 
 

@@ -5,9 +5,10 @@
     msrl bench learner [--seq 256 --batch 16 ...]          learner tokens/s; corrections / keep-mask overhead
     msrl bench routing [--experts 64 --topk 8 ...]         routing replay overhead, route bytes per token
     msrl bench convert [--hidden 512 --layers 6 ...]       conversion GB/s over raw read+write (~80M params)
+    msrl bench async [--config ... --steps 24]              asynchronous RL steps/s over the synchronous loop's
 
-Each kind is a module `benchmarks/<kind>.py` exposing `add_arguments(parser)` and `run(args) -> int`;
-add one by writing that module and a line in KINDS. Only the chosen kind's module is imported.
+Each kind is a module `benchmarks/<kind>.py` (`MODULES` names the exceptions) exposing `add_arguments(parser)` and
+`run(args) -> int`; add one by writing that module and a line in KINDS. Only the chosen kind's module is imported.
 """
 from __future__ import annotations
 
@@ -23,14 +24,16 @@ KINDS: dict[str, str] = {
     "learner": "learner step tokens/s; overhead of the off-policy corrections and of keep-sampling-mask",
     "routing": "learner step time with routing replay over without; route storage bytes per token",
     "convert": "HF <-> Megatron conversion GB/s over a raw read+write of the same bytes; peak memory",
+    "async": "asynchronous RL (trainer.max_staleness 1) steps/s over the synchronous loop's, per-phase times per role",
 }
+MODULES = {"async": "async_rl"}  # `async` is a Python keyword: no module of that name
 
 
 def _module(kind: str):
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:
         sys.path.insert(0, root)
-    return importlib.import_module(f"benchmarks.{kind}")
+    return importlib.import_module(f"benchmarks.{MODULES.get(kind, kind)}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ COMMANDS: dict[str, str] = {
     "launch": "start a run: local (torchrun) | slurm (sbatch; --dry-run prints the script)",
     "plan": "memory and layout plan for a model and cluster",
     "routing": "routing statistics from recorded routes: inspect | compare",
-    "bench": "benchmarks that print ratios: sync | kv | rollout | learner",
+    "bench": "benchmarks that print ratios: sync | kv | learner | routing | convert | async",
 }
 
 

@@ -3,8 +3,12 @@ evaluation and weight sync."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from megatron_sparse_rl.config.checks import check as _check
+
+
+InFlightKV = Literal["keep", "recompute"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -60,6 +64,14 @@ class TrainerConfig:
     verify_sync_tol: float | None = None
     """Largest allowed |engine - learner| logprob difference on the probe; null = by the learner's dtype: 1e-3 for
     float32, 1e-1 for bfloat16 (the tolerance `msrl convert --verify` uses)."""
+    max_staleness: int = 0
+    """Asynchronous RL (docs/async.md; disaggregated placement): 0 = synchronous (sample, train, sync); 1 = the
+    rollout ranks sample the next batch while the learner ranks train, and the new weights reach them between engine
+    steps without draining the requests in flight, so every token is trained at most one weight version after the
+    version that sampled it (RolloutBatch.token_version)."""
+    in_flight_kv: InFlightKV = "keep"
+    """With max_staleness 1, the KV cache of requests running when new weights arrive: "keep" (computed by the
+    previous weights) or "recompute" (vLLM recomputes prompt + tokens so far under the new weights)."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm-start stage."""
 
@@ -74,5 +86,9 @@ class TrainerConfig:
         _check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
         _check(self.sync_bucket_mb > 0, f"trainer.sync_bucket_mb must be > 0 (got {self.sync_bucket_mb})")
         _check(self.verify_sync_every >= 0, f"trainer.verify_sync_every must be >= 0 (got {self.verify_sync_every})")
+        _check(self.max_staleness in (0, 1), f"trainer.max_staleness must be 0 (synchronous) or 1 (sample the next "
+               f"batch while training; the pipeline holds one batch) (got {self.max_staleness})")
+        _check(self.in_flight_kv in get_args(InFlightKV),
+               f"trainer.in_flight_kv must be one of {list(get_args(InFlightKV))} (got {self.in_flight_kv!r})")
         _check(self.verify_sync_tol is None or self.verify_sync_tol > 0,
                f"trainer.verify_sync_tol must be > 0 or null (got {self.verify_sync_tol})")

@@ -341,6 +341,27 @@ def _old_logprobs_problems(run: RunConfig) -> list[str]:
     return problems
 
 
+def _async_problems(run: RunConfig) -> list[str]:
+    """What asynchronous RL (trainer.max_staleness 1) needs: rollout ranks, whole engines, no dense recompute of a
+    compressed cache."""
+    cfg = run.trainer
+    if cfg.max_staleness == 0:
+        return []
+    problems = []
+    if not run.launch.rollout_world_size:
+        problems.append("trainer.max_staleness = 1 samples on the rollout ranks while the learner ranks train: it "
+                        "needs the disaggregated placement (launch.rollout_ranks or launch.rollout_nodes > 0); "
+                        "colocated, sampling and training share each rank, so use max_staleness = 0")
+    if run.rollout.tensor_parallel_size != 1:
+        problems.append(f"trainer.max_staleness = 1 needs rollout.tensor_parallel_size = 1 (got "
+                        f"{run.rollout.tensor_parallel_size}): every rank of an engine would have to take the new "
+                        "weights at the same engine step")
+    if cfg.in_flight_kv == "recompute" and run.rollout.kv.policy != "none":
+        problems.append(f"trainer.in_flight_kv = 'recompute' re-prefills the running requests densely, which undoes "
+                        f"the compressed cache of rollout.kv.policy = {run.rollout.kv.policy!r}; use 'keep'")
+    return problems
+
+
 def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None = None):
     """Check `run` across components for `world_size` ranks; return the model's ModelSpec (None if unknown).
 
@@ -373,6 +394,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _model_problems(run, spec, cuda)
     problems += _rollout_algorithm_problems(run, world_size, spec)
     problems += _old_logprobs_problems(run)
+    problems += _async_problems(run)
     if run.routing.engine_routes == "vllm" and not cuda:
         problems.append("routing.engine_routes = 'vllm' needs CUDA (vLLM returns routed experts from its GPU model "
                         "runner only); use 'hook' or 'auto' (the router callback) without CUDA")

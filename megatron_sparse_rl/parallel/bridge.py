@@ -56,6 +56,13 @@ class Bridge:
         opts.rootRank, opts.rootTensor = self.members.index(src), 0
         self._pg.broadcast([tensor], opts).wait()
 
+    def broadcast_async(self, tensor: torch.Tensor, src: int):
+        """`broadcast` started and not waited for: the returned work's `is_completed()` says whether `tensor` holds
+        the root's data yet, `wait()` waits for it. No other collective of this group may run before it completes."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = self.members.index(src), 0
+        return self._pg.broadcast([tensor], opts)
+
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """`obj` (picklable) from global rank `src`; every member returns it."""
         mine = self.members[self.rank] == src

@@ -44,6 +44,8 @@ class RolloutBatch:
     rescored_logprobs: float32 [B, n, R], n engine re-scorings of each sampled sequence (prompt logprobs of
                       prompt + response, dense attention; for algorithm.old_logprobs = engine_mean), 0 where
                       masked; or None.
+    token_version:    int64 [B, R], the weight version that sampled each response token (RolloutEngine.weight_version;
+                      two versions in one row when the weights changed while it ran, asynchronous RL); or None.
     kv_usage:         vLLM's KV block pool while this batch was sampled (not per row): peak_blocks (most blocks
                       in use after any step), pool_blocks (usable blocks), mean_running (requests running per
                       step), preemptions; summed over the engines that sampled it; None when the engine core is
@@ -62,6 +64,7 @@ class RolloutBatch:
     routed_experts: Any | None = None
     kv_keep: Any | None = None
     rescored_logprobs: torch.Tensor | None = None
+    token_version: torch.Tensor | None = None
     kv_usage: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
@@ -75,6 +78,9 @@ class RolloutBatch:
         for name, (got, want) in checks.items():
             if tuple(got) != tuple(want):
                 raise ValueError(f"RolloutBatch.{name} must have shape {tuple(want)} (got {tuple(got)})")
+        if self.token_version is not None and tuple(self.token_version.shape) != tuple(self.response_ids.shape):
+            raise ValueError(f"RolloutBatch.token_version must have shape {tuple(self.response_ids.shape)} "
+                             f"(got {tuple(self.token_version.shape)})")
         r = self.rescored_logprobs
         if r is not None and (r.dim() != 3 or r.shape[0] != b or r.shape[2] != self.response_ids.shape[1]):
             raise ValueError(f"RolloutBatch.rescored_logprobs must have shape ({b}, n, "

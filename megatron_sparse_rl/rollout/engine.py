@@ -37,6 +37,7 @@ from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
 from megatron_sparse_rl.config.validate import resolve_rollout
 from megatron_sparse_rl.rollout import vllm_access
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
+from megatron_sparse_rl.rollout.versions import VersionLog
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,10 @@ class RolloutEngine:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         # the scheduler is reachable (KV pool usage per generate, RolloutBatch.kv_usage) in an in-process engine core
         self.in_process = vllm_access.has_in_process_scheduler(self._llm)
+        # the weights' version (the trainer's count of RL steps trained; set by whoever loads new weights), and the
+        # versions loaded during the running generate (update_in_flight)
+        self.weight_version = 0
+        self._versions: VersionLog | None = None
 
     # ---- sampling -------------------------------------------------------------------------------
     def _sampling_params(self, s: SamplingConfig, prompt_index: int, **extra):
@@ -205,12 +210,15 @@ class RolloutEngine:
             stop=list(s.stop) or None, seed=seed, logprobs=0, detokenize=bool(s.stop), **extra)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
-                 group_ids: list[int] | None = None, *, rescore: int = 0) -> RolloutBatch:
+                 group_ids: list[int] | None = None, *, rescore: int = 0,
+                 between_steps: Callable[[], None] | None = None) -> RolloutBatch:
         """Sample `sampling.n` responses per prompt.
 
         Returns a RolloutBatch of len(prompts) * n rows, the n samples of prompt i consecutive and
         carrying group id `group_ids[i]` (default: i). With `rescore` > 0 every sampled sequence is also
-        scored `rescore` times (`RolloutBatch.rescored_logprobs`, see `rescore`).
+        scored `rescore` times (`RolloutBatch.rescored_logprobs`, see `rescore`). `between_steps()` runs after
+        every engine step while requests are unfinished (it may call `update_in_flight`); every token's weight
+        version is in `RolloutBatch.token_version`.
         """
         if group_ids is not None and len(group_ids) != len(prompt_token_ids):
             raise ValueError(f"group_ids must have one id per prompt (got {len(group_ids)} for "
@@ -223,9 +231,14 @@ class RolloutEngine:
         from megatron_sparse_rl.kv.probe import BlockUsageProbe
 
         probe = BlockUsageProbe(self) if self.in_process else None
-        with probe if probe is not None else contextlib.nullcontext():
-            outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
-                                         use_tqdm=False)
+        requests = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        self._versions = VersionLog(self.weight_version)
+        try:
+            with probe if probe is not None else contextlib.nullcontext():
+                outputs = (self._llm.generate(requests, params, use_tqdm=False) if between_steps is None
+                           else self._run_stepwise(requests, params, between_steps))
+        finally:
+            versions, self._versions = self._versions, None
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
         prompts, responses, logprobs, reasons, groups, samples = [], [], [], [], [], []
         for out, prompt, gid in zip(outputs, prompt_token_ids, gids):
@@ -251,6 +264,7 @@ class RolloutEngine:
             routed_experts=routes,
             sampling_mask=support,
             kv_keep=self._take_kv_keep(samples) if self.sparse_kv else None,
+            token_version=versions.token_versions(samples, response_ids.shape[1]),
         )
         if probe is not None:
             batch.kv_usage = {"peak_blocks": float(probe.peak_blocks), "pool_blocks": float(probe.pool_blocks),
@@ -258,6 +272,31 @@ class RolloutEngine:
         if rescore:
             batch.rescored_logprobs = self.rescore(batch, rescore)
         return batch
+
+    def _run_stepwise(self, requests: list[dict], params: list, between_steps: Callable[[], None]) -> list:
+        """`LLM.generate` one engine step at a time (vLLM's public enqueue/step), `between_steps()` after each step
+        that leaves requests unfinished; the outputs in request order."""
+        self._llm.enqueue(requests, params, use_tqdm=False)
+        core, outputs = self._llm.llm_engine, []
+        while core.has_unfinished_requests():
+            outputs += [o for o in core.step() if o.finished]
+            if core.has_unfinished_requests():
+                between_steps()
+        return sorted(outputs, key=lambda o: int(o.request_id))
+
+    def update_in_flight(self, load: Callable[[], None], version: int, *, recompute: bool = False) -> None:
+        """Inside `between_steps` of a running `generate`: `load()` new weights into this engine (e.g.
+        weight_sync's `receive_weights(self, ...)`) now, without draining the running requests; their later tokens
+        are sampled by `version`. The running requests' cached KV is kept (computed by the old weights), or with
+        `recompute` dropped: vLLM preempts them and recomputes prompt + tokens so far under the new weights."""
+        if self._versions is None:
+            raise RuntimeError("update_in_flight runs inside generate(between_steps=...), between engine steps")
+        counts = vllm_access.output_token_counts(self._llm)
+        load()
+        self._versions.update(version, counts)
+        self.weight_version = version
+        if recompute:
+            self._llm.reset_prefix_cache(reset_running_requests=True)
 
     def rescore(self, batch: RolloutBatch, samples: int) -> torch.Tensor:
         """float32 [B, samples, R]: `samples` scorings of every row's response tokens given its prompt, 0 where
@@ -342,8 +381,10 @@ class RolloutEngine:
         `__init__` (patches/vllm_cpu_moe_reload.py). Callers verify the result (weight_sync does).
         """
         self._llm.collective_rpc(_reload_on_worker, args=(iter(named_tensors),))
-        # Cached prefixes were computed by the old weights (prefix caching is off, but stay safe).
-        self._llm.reset_prefix_cache()
+        # Cached prefixes were computed by the old weights (prefix caching is off, but stay safe); not while
+        # requests run (update_in_flight: vLLM would only warn that their blocks are in use).
+        if self._versions is None:
+            self._llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the engine and free its model and KV cache (vLLM's sleep mode is a no-op on CPU).

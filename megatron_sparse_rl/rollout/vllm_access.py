@@ -42,6 +42,8 @@ FEATURES = {
     "cpu_rotary": "the CPU rotary-embedding patch (DeepSeek / Kimi-K2 default RoPE)",
     "sparse_kv_mla": "sparse KV on the multi-head latent attention cache (the latent layer's dimensions, its KV "
                      "writer and its query, absorbed with W_UK_T)",
+    "in_flight": "weights loaded between engine steps while requests run (asynchronous RL): each running sample's "
+                 "output tokens so far, and the optional recompute of the running requests' KV",
     "mla": "multi-head latent attention engines (DeepSeek-V3 / Kimi-K2): which attention vLLM runs, and the "
            "reload's recompute of the absorbed projections",
 }
@@ -130,6 +132,8 @@ cpu_moe_reload vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method
     _setup_kernel(self,layer,w13,w2)
 cpu_rotary vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding forward_cpu(self,positions,query,key)
     forward_native(self,positions,query,key)
+in_flight vllm.v1.core.sched.scheduler:Scheduler requests reset_prefix_cache(self,reset_running_requests)
+in_flight vllm.v1.request:Request request_id num_output_tokens
 mla vllm.v1.engine.llm_engine:LLMEngine model_config
 mla vllm.config.model:ModelConfig use_mla
 mla vllm.model_executor.layers.attention is_deferred_attention_layer(layer)
@@ -282,6 +286,18 @@ def request_key(internal_id: str) -> tuple[str, int] | None:
     """(output request id, sample index) of a vLLM internal request id; None if it does not parse."""
     m = _INTERNAL_ID.match(internal_id)
     return None if m is None else (m.group(2), int(m.group(1) or 0))
+
+
+def output_token_counts(llm) -> dict[tuple[str, int], int]:
+    """{(output request id, sample index): output tokens so far} of every unfinished request of an in-process
+    engine core (between engine steps)."""
+    out = {}
+    for internal_id, request in scheduler(llm).requests.items():
+        key = request_key(internal_id)
+        if key is None:
+            _fail("Scheduler.requests", f"holds a request id {internal_id!r} that does not parse", "in_flight")
+        out[key] = int(request.num_output_tokens)
+    return out
 
 
 # ---- worker: runner, model, weights, this project's state on the runner ---------------------------------

@@ -10,10 +10,19 @@ rollout rank):
     ("generate", parts)            engine e (rollout ranks [e t, (e + 1) t)) samples parts[e] (a slice of the
                                    prompts); its first rank's part comes back to rank 0 by gather_object, and
                                    the parts are joined in prompt order
-    ("sync",)                      every learner rank runs `send_weights`, every rollout rank `receive_weights`
+    ("sync", version)              every learner rank runs `send_weights`, every rollout rank `receive_weights`
                                    (checksummed buckets; with t > 1 and trainer.sync_engine_slices each engine
                                    rank receives only its slices, over its engine TP rank's bridge); each
                                    rollout rank then reports its status
+    ("generate_ahead", calls, recompute)
+                                   asynchronous RL (trainer.max_staleness 1, docs/async.md): engine e samples its
+                                   part of each call while the learner trains; rank 0 returns at once. The next
+                                   sync starts with a word broadcast (`AHEAD_WEIGHTS`, version) that the rollout
+                                   rank polls between engine steps: it loads the weights there without draining the
+                                   running requests (`RolloutEngine.update_in_flight`), or after sampling if it
+                                   finished first; engine_mean re-scorings run after that, at the new weights; then
+                                   the batches and the rank's times come back by gather_object (`collect_ahead`).
+                                   `AHEAD_STOP` instead stops the rank (rank 0's shutdown while it samples ahead)
     ("probe", rows)                each engine's prompt logprobs of the probe rows, for rank 0 to compare
                                    with the learner's own forward (weight_sync/verify.py `compare_engines`)
     ("stop",)                      the rollout ranks leave `serve`, shut their engines down and confirm
@@ -46,6 +55,8 @@ log = logging.getLogger(__name__)
 
 SRC = 0
 """The learner rank that drives the rollout ranks and sends the weights."""
+AHEAD_WEIGHTS, AHEAD_STOP = 1, 2
+"""The word rank `SRC` sends a rollout rank sampling ahead: new weights follow (with their version), or stop."""
 
 
 @dataclass
@@ -118,6 +129,7 @@ def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         sampling_mask=None if all(p.sampling_mask is None for p in parts)
         else SamplingSupport.concat([p.sampling_mask for p in parts]),
         rescored_logprobs=rescored,
+        token_version=None if any(p.token_version is None for p in parts) else rows("token_version", 0, torch.long),
         kv_usage=_sum_usage([p.kv_usage for p in parts]),
     )
 
@@ -142,6 +154,7 @@ class RemoteEngine:
         self.shards, self.shard_groups = shards, shard_groups
         self.driver = dist.get_rank() == SRC  # learner ranks keep their global ranks in the learner world
         self.stopped = False
+        self.ahead = False  # the rollout ranks are sampling ahead (generate_ahead until collect_ahead)
 
     def _command(self, *command) -> list:
         """Send `command` to every rollout rank, gather their answers (a rollout rank's error is raised here)."""
@@ -164,25 +177,56 @@ class RemoteEngine:
                  group_ids: list[int] | None = None, *, rescore: int = 0) -> RolloutBatch:
         """As RolloutEngine.generate, the prompts split across the engines (seeds as one engine's); each engine
         re-scores its own rows (`rescore`)."""
+        answers = self._command("generate", self._parts(prompt_token_ids, sampling, group_ids, rescore))
+        return concat_batches([a for a in answers if a is not None], self.pad_id)
+
+    def _parts(self, prompt_token_ids, sampling: SamplingConfig, group_ids, rescore: int) -> list[tuple]:
+        """One generate call cut into one part per engine (prompt slices; seeds as one engine's)."""
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
         parts = []
         for r in split_prompts(len(prompt_token_ids), len(self.ranks) // self.engine_tp):
             seed = None if sampling.seed is None else sampling.seed + r.start * sampling.n
             parts.append(([prompt_token_ids[i] for i in r], replace(sampling, seed=seed), [gids[i] for i in r],
                           rescore))
-        answers = self._command("generate", parts)
-        return concat_batches([a for a in answers if a is not None], self.pad_id)
+        return parts
 
-    def sync_weights(self, learner, *, bucket_mb: float):
-        """Every learner rank calls it: learner -> every engine, checksummed; rank `SRC` checks the receipts."""
+    def generate_ahead(self, calls: list[tuple], *, recompute: bool) -> None:
+        """Start sampling `calls` ((prompt ids, sampling, group ids, rescore) each, as `generate` takes them) on the
+        rollout ranks and return at once. The next `sync_weights` reaches the engines between engine steps (partial
+        rollouts; `recompute`: the running requests' KV is recomputed under the new weights); `collect_ahead`
+        returns the batches."""
+        if self.ahead:
+            raise RuntimeError("the rollout ranks are already sampling ahead: collect_ahead first")
+        per_call = [self._parts(*call) for call in calls]
+        per_engine = [[parts[e] for parts in per_call] for e in range(len(self.ranks) // self.engine_tp)]
+        if not self.driver or self.stopped:
+            raise RuntimeError(f"only learner rank {SRC} drives the rollout ranks, until they are stopped")
+        self.group.broadcast_object(("generate_ahead", per_engine, recompute), src=SRC)
+        self.ahead = True
+
+    def collect_ahead(self) -> tuple[list[RolloutBatch], dict[str, float]]:
+        """After the `sync_weights` that follows `generate_ahead`: one batch per call (the engines' parts joined) and
+        the rollout ranks' seconds (the slowest rank's): sampling, waiting for the weights after sampling, loading."""
+        answers = [a for a in self._gather() if a is not None]  # raises a rollout rank's error
+        self.ahead = False
+        calls = len(answers[0][0])
+        batches = [concat_batches([a[0][c] for a in answers if a[0][c] is not None], self.pad_id)
+                   for c in range(calls)]
+        return batches, {k: max(a[1][k] for a in answers) for k in answers[0][1]}
+
+    def sync_weights(self, learner, *, bucket_mb: float, version: int = 0):
+        """Every learner rank calls it: learner -> every engine, checksummed, as weight version `version`; rank `SRC`
+        checks the receipts (while sampling ahead: in `collect_ahead`)."""
         from megatron_sparse_rl.weight_sync.disaggregated import send_weights
 
         start = time.perf_counter()
-        if self.driver:
-            self.group.broadcast_object(("sync",), src=SRC)
+        if self.driver and self.ahead:
+            self.group.broadcast(torch.tensor([AHEAD_WEIGHTS, version]), src=SRC)
+        elif self.driver:
+            self.group.broadcast_object(("sync", version), src=SRC)
         stats = send_weights(learner, self.group, src=SRC, bucket_mb=bucket_mb, shards=self.shards,
                              shard_groups=self.shard_groups)
-        if self.driver:
+        if self.driver and not self.ahead:
             self._gather()  # every engine verified its buckets and loaded them
         return replace(stats, seconds=time.perf_counter() - start)
 
@@ -196,7 +240,10 @@ class RemoteEngine:
         if self.driver and not self.stopped:
             self.stopped = True
             try:
-                self.group.broadcast_object(("stop",), src=SRC)
+                if self.ahead:  # they wait for a word between engine steps, not for a command
+                    self.group.broadcast(torch.tensor([AHEAD_STOP, 0]), src=SRC)
+                else:
+                    self.group.broadcast_object(("stop",), src=SRC)
                 self.group.gather_object(None, dst=SRC)
             except Exception as e:  # noqa: BLE001 - never hide the error that brought us here
                 log.warning("the rollout ranks did not confirm stop: %s", e)
@@ -215,14 +262,78 @@ def _handle(rr: RolloutRank, command: tuple):
         prompts, sampling, gids, rescore = command[1][rr.index // rr.engine_tp]
         batch = rr.engine.generate(prompts, sampling, group_ids=gids, rescore=rescore) if prompts else None
         return batch if rr.index % rr.engine_tp == 0 else None  # the engine's other ranks hold the same rows
+    if op == "generate_ahead":
+        return _sample_ahead(rr, command[1][rr.index // rr.engine_tp], recompute=command[2])
     if op == "sync":
         from megatron_sparse_rl.weight_sync.disaggregated import receive_weights
 
         receive_weights(rr.engine, rr.weights_group or rr.sync_group, src=SRC)
+        rr.engine.weight_version = command[1]
         return None
     if op == "probe":
         return torch.stack(rr.engine.prompt_logprobs(command[1]))
     raise ValueError(f"rollout rank {rr.rank}: unknown command {op!r}")
+
+
+class _Stopped(Exception):
+    """Learner rank `SRC` stopped the run while this rank sampled ahead."""
+
+
+def _sample_ahead(rr: RolloutRank, calls: list[tuple], *, recompute: bool) -> tuple[list, dict[str, float]]:
+    """("generate_ahead", ...) on a rollout rank: sample `calls`, loading the next weights between engine steps when
+    their word arrives (or after sampling); then the engine_mean re-scorings. Returns (one batch or None per call,
+    seconds: generate_s, wait_s, load_s, and in_flight 1.0 when the weights arrived while sampling)."""
+    from megatron_sparse_rl.weight_sync.disaggregated import receive_weights
+
+    if rr.engine_tp > 1:
+        raise RuntimeError("sampling ahead needs rollout.tensor_parallel_size 1 (every rank of an engine would have "
+                           "to load the weights at the same engine step)")
+    word = torch.zeros(2, dtype=torch.int64)
+    arrival = rr.sync_group.broadcast_async(word, src=SRC)
+    seconds = {"generate_s": 0.0, "wait_s": 0.0, "load_s": 0.0, "in_flight": 0.0}
+    loaded = []  # the word was taken (and the weights received, or failed while receiving: drained by then)
+
+    def load(in_flight: bool) -> None:
+        kind, version = word.tolist()
+        if kind == AHEAD_STOP:
+            raise _Stopped
+        loaded.append(True)
+        start = time.perf_counter()
+        receive = lambda: receive_weights(rr.engine, rr.sync_group, src=SRC)  # noqa: E731
+        if in_flight:
+            rr.engine.update_in_flight(receive, version, recompute=recompute)
+        else:
+            receive()
+            rr.engine.weight_version = version
+        seconds["load_s"], seconds["in_flight"] = time.perf_counter() - start, float(in_flight)
+
+    def between_steps() -> None:
+        if not loaded and arrival.is_completed():
+            load(in_flight=True)
+
+    start = time.perf_counter()
+    try:
+        batches = [rr.engine.generate(p, s, group_ids=g, between_steps=between_steps) if p else None
+                   for p, s, g, _ in calls]
+    except _Stopped:
+        raise
+    except Exception:  # keep to the protocol (take the word, drain the weights), then report the error
+        if not loaded:
+            arrival.wait()
+            if word[0] == AHEAD_STOP:
+                raise _Stopped from None
+            receive_weights(None, rr.sync_group, src=SRC)
+        raise
+    seconds["generate_s"] = time.perf_counter() - start - seconds["load_s"]
+    if not loaded:
+        waiting = time.perf_counter()
+        arrival.wait()
+        seconds["wait_s"] = time.perf_counter() - waiting
+        load(in_flight=False)
+    for batch, (_, _, _, rescore) in zip(batches, calls):
+        if batch is not None and rescore:  # pi_old estimates at the weights the learner trains this batch with
+            batch.rescored_logprobs = rr.engine.rescore(batch, rescore)
+    return batches, seconds
 
 
 def serve(rr: RolloutRank) -> dict:
@@ -235,6 +346,8 @@ def serve(rr: RolloutRank) -> dict:
                 break
             try:
                 answer = _handle(rr, command)
+            except _Stopped:
+                break
             except Exception as e:  # report it to the driver, which raises it; keep serving until "stop"
                 log.error("rollout rank %d: %s failed:\n%s", rr.rank, command[0], traceback.format_exc())
                 answer = _Failure(f"{type(e).__name__}: {e}", sync=isinstance(e, WeightSyncError))

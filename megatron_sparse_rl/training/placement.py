@@ -2,7 +2,9 @@
 training steps call it and never ask which one they have (DESIGN.md "Second wave").
 
     out = placement.generate(work)              # work(engine, dp_rank) -> this rank's data share's result
-    stats = placement.sync(learner, bucket_mb=256)
+    ahead = placement.generate_ahead(calls, finish)  # asynchronous RL: sample while the learner trains
+    stats = placement.sync(learner, bucket_mb=256, version=v)   # weights as version v (while sampling ahead: in flight)
+    out = ahead()                                # finish(batch, dp_rank) of this rank's share, and the engines' times
     diff = placement.verify(learner, probe, tol)  # None on a rank that compares nothing
     placement.shutdown()                         # idempotent; on every way out of the learner loop
 
@@ -17,7 +19,8 @@ which rank runs it, so the three placements give the same results:
   runs `work` for the shares of all its ranks, the same calls in the same order (vLLM needs every rank of an
   engine in each call), and keeps its own.
 - `Disaggregated`: the engines live on the rollout ranks (training/disaggregated.py); learner rank 0 runs
-  `work` for every share through them and broadcasts the results over the learner ranks.
+  `work` for every share through them and broadcasts the results over the learner ranks. It alone samples ahead
+  (`generate_ahead`, trainer.max_staleness 1, docs/async.md): config validation refuses the others.
 """
 from __future__ import annotations
 
@@ -39,9 +42,17 @@ class Placement:
     def generate(self, work: Work) -> T:
         raise NotImplementedError
 
-    def sync(self, learner, *, bucket_mb: float):
-        """Learner weights -> the engines (checksummed); returns weight_sync's `SyncStats`."""
+    def sync(self, learner, *, bucket_mb: float, version: int = 0):
+        """Learner weights -> the engines (checksummed), which then hold weight version `version` (the RL steps
+        trained; RolloutBatch.token_version); returns weight_sync's `SyncStats`."""
         raise NotImplementedError
+
+    def generate_ahead(self, calls: list[tuple], finish: Callable[[Any, int], T]) -> Callable[[], tuple[T, dict]]:
+        """Start sampling calls[d] ((prompt ids, sampling, group ids, rescore), data-parallel share d) and return at
+        once; the next `sync` reaches the engines while they sample. The returned function, called after that sync
+        by every learner rank, gives (finish(batch of share d, d) of this rank's share, the engines' seconds)."""
+        raise NotImplementedError(f"{type(self).__name__} does not sample ahead: asynchronous RL "
+                                  "(trainer.max_staleness > 0) needs the disaggregated placement")
 
     def verify(self, learner, tokens, tol: float) -> float | None:
         """Max |engine - learner| prompt logprobs on the probe over the engines this rank compares (None when it
@@ -72,10 +83,12 @@ class Colocated(Placement):
         leader = self.groups.tp_rank == 0 and self.groups.pp_rank == 0
         return self._from_leader(work(self.engine, self.groups.dp_rank) if leader else None)
 
-    def sync(self, learner, *, bucket_mb: float):
+    def sync(self, learner, *, bucket_mb: float, version: int = 0):
         from megatron_sparse_rl.weight_sync import sync_to_engine
 
-        return sync_to_engine(learner, self.engine, bucket_mb=bucket_mb)
+        stats = sync_to_engine(learner, self.engine, bucket_mb=bucket_mb)
+        self.engine.weight_version = version
+        return stats
 
     def verify(self, learner, tokens, tol: float) -> float | None:
         from megatron_sparse_rl.weight_sync import verify_logprobs
@@ -113,20 +126,36 @@ class Disaggregated(Placement):
     """The engines are on the rollout ranks; `remote` (training/disaggregated.py `RemoteEngine`) drives them
     from learner rank 0. `learner_group`: every learner rank, over which rank 0 hands out the shares."""
 
-    def __init__(self, remote, groups, dp: int, learner_ranks: int):
+    def __init__(self, remote, groups, dp: int, learner_ranks: int, *, recompute_kv: bool = False):
         self.remote, self.groups, self.dp, self.learner_ranks = remote, groups, dp, learner_ranks
         self.pad_id = remote.pad_id
+        self.recompute_kv = recompute_kv  # trainer.in_flight_kv = recompute
 
-    def generate(self, work: Work) -> T:
-        out = [work(self.remote, d) for d in range(self.dp)] if self.remote.driver else None
+    def _from_driver(self, out: list | None) -> Any:
+        """Learner rank 0's per-share results `out`; this rank's share."""
         if self.learner_ranks > 1:
             holder = [out]
             dist.broadcast_object_list(holder, src=0, group=self.groups.learner)
             out = holder[0]
         return out[self.groups.dp_rank]
 
-    def sync(self, learner, *, bucket_mb: float):
-        return self.remote.sync_weights(learner, bucket_mb=bucket_mb)
+    def generate(self, work: Work) -> T:
+        return self._from_driver([work(self.remote, d) for d in range(self.dp)] if self.remote.driver else None)
+
+    def generate_ahead(self, calls: list[tuple], finish: Callable[[Any, int], T]) -> Callable[[], tuple[T, dict]]:
+        if self.remote.driver:
+            self.remote.generate_ahead(calls, recompute=self.recompute_kv)
+
+        def result() -> tuple[T, dict]:
+            out = None
+            if self.remote.driver:
+                batches, seconds = self.remote.collect_ahead()
+                out = [(finish(batch, d), seconds) for d, batch in enumerate(batches)]
+            return self._from_driver(out)
+        return result
+
+    def sync(self, learner, *, bucket_mb: float, version: int = 0):
+        return self.remote.sync_weights(learner, bucket_mb=bucket_mb, version=version)
 
     def verify(self, learner, tokens, tol: float) -> float | None:
         from megatron_sparse_rl.weight_sync import compare_engines

@@ -19,8 +19,18 @@ def collect(engine, tokenizer, examples, sampling: SamplingConfig, *, seed: int,
     """n samples for each example; rewards filled by `score(responses, answers)`. Also returns which samples
     are correct by `correct(responses, answers)` (the unshaped reward). `rescore` > 0: each sampled sequence is
     also scored that many times by the engine (algorithm.old_logprobs = engine_mean)."""
-    sampling = dataclasses.replace(sampling, seed=seed)
-    batch = engine.generate([list(e.ids) for e in examples], sampling, rescore=rescore)
+    prompts, sampling, group_ids, rescore = request(examples, sampling, seed=seed, rescore=rescore)
+    batch = engine.generate(prompts, sampling, group_ids, rescore=rescore)
+    return scored(batch, tokenizer, examples, score=score, correct=correct)
+
+
+def request(examples, sampling: SamplingConfig, *, seed: int, rescore: int = 0) -> tuple:
+    """The engine call of `collect`: (prompt ids, sampling, group ids (None: the prompt index), rescore)."""
+    return [list(e.ids) for e in examples], dataclasses.replace(sampling, seed=seed), None, rescore
+
+
+def scored(batch: RolloutBatch, tokenizer, examples, *, score, correct) -> tuple[RolloutBatch, torch.Tensor]:
+    """`collect`'s second half: `batch` (sampled for `examples`) with its rewards, and which samples are correct."""
     answers = [examples[g].answer for g in batch.group_ids.tolist()]
     texts = decode(tokenizer, batch.responses())
     batch.reward = torch.tensor(score(texts, answers), dtype=torch.float32)

@@ -30,8 +30,10 @@ def own_checkpoints(ctx: RunContext) -> list[Path]:
     return run_dir.own_checkpoints(checkpoint_dir(ctx), ctx.owner.run_id)
 
 
-def save_run(ctx: RunContext, counters: dict) -> Path:
-    """Checkpoint named after the RL step; keeps this run's newest `checkpoint.keep_last`."""
+def save_run(ctx: RunContext, counters: dict, task_state: dict | None = None) -> Path:
+    """Checkpoint named after the RL step; keeps this run's newest `checkpoint.keep_last`. `task_state`: the task's
+    position to resume from (default: now; asynchronous RL passes the one before the batch sampled ahead, which the
+    checkpoint drops and a resumed run samples again)."""
     root = checkpoint_dir(ctx)
     path = root / f"step_{counters['rl_step']:06d}_sft_{counters['sft_step']:06d}"
     if is_complete(path):  # already saved at this point of the run
@@ -44,7 +46,7 @@ def save_run(ctx: RunContext, counters: dict) -> Path:
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    save_learner(ctx.learner, path, extra={"counters": counters, "task": ctx.task.state_dict()},
+    save_learner(ctx.learner, path, extra={"counters": counters, "task": task_state or ctx.task.state_dict()},
                  owner=ctx.owner.run_id, config=to_dict(ctx.run), hf_files=ctx.model_dir)
     if ctx.is_main:
         for old in own_checkpoints(ctx)[:-ctx.run.checkpoint.keep_last]:

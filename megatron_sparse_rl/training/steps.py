@@ -30,20 +30,52 @@ def _global_sum(ctx: RunContext, values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def _rescore(ctx: RunContext) -> int:
+    algo = ctx.run.algorithm
+    return algo.old_logprobs_samples if algo.old_logprobs == "engine_mean" else 0
+
+
+def _seed(ctx: RunContext, step: int, dp_rank: int) -> int:
+    return ctx.run.rollout.seed + 1_000_003 * step + 10_007 * dp_rank
+
+
 def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
     """This data-parallel rank's rollout batch with rewards, and rollout metrics (global)."""
     t0 = time.perf_counter()
     examples = ctx.task.next_train(ctx.run.trainer.prompts_per_step)
-    algo = ctx.run.algorithm
-    rescore = algo.old_logprobs_samples if algo.old_logprobs == "engine_mean" else 0
 
     def collect(engine, dp_rank: int):
-        seed = ctx.run.rollout.seed + 1_000_003 * step + 10_007 * dp_rank
         return R.collect(engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp], ctx.run.rollout.sampling,
-                         seed=seed, score=score, correct=correct, rescore=rescore)
+                         seed=_seed(ctx, step, dp_rank), score=score, correct=correct, rescore=_rescore(ctx))
 
     batch, is_correct = ctx.placement.generate(collect)
-    seconds = time.perf_counter() - t0
+    return batch, _rollout_metrics(ctx, batch, is_correct, time.perf_counter() - t0)
+
+
+def rollout_ahead(ctx: RunContext, step: int, score, correct):
+    """Asynchronous RL: start step `step`'s rollout (the same prompts and seeds as `rollout_step`) on the engines and
+    return at once. The returned function, called after the next weight sync (which reaches the engines while they
+    sample), gives (batch, metrics) as `rollout_step` does; time/rollout_s is then the engines' sampling time and
+    async/* add the learner's wait for the batch and the engines' wait and load times."""
+    examples, dp = ctx.task.next_train(ctx.run.trainer.prompts_per_step), ctx.layout.dp
+    calls = [R.request(examples[d::dp], ctx.run.rollout.sampling, seed=_seed(ctx, step, d), rescore=_rescore(ctx))
+             for d in range(dp)]
+    result = ctx.placement.generate_ahead(
+        calls, lambda batch, d: R.scored(batch, ctx.tokenizer, examples[d::dp], score=score, correct=correct))
+
+    def finish() -> tuple:
+        waiting = time.perf_counter()
+        (batch, is_correct), engine = result()
+        metrics = _rollout_metrics(ctx, batch, is_correct, engine["generate_s"])
+        metrics.update({"async/learner_wait_s": time.perf_counter() - waiting,
+                        "async/engine_wait_s": engine["wait_s"], "async/engine_load_s": engine["load_s"],
+                        "async/in_flight_update": engine["in_flight"]})
+        return batch, metrics
+    return finish
+
+
+def _rollout_metrics(ctx: RunContext, batch, is_correct, seconds: float) -> dict[str, float]:
+    """Reward, accuracy, lengths, tokens/s over `seconds` of sampling and the KV pool's use (global)."""
     n_tok = float(batch.response_mask.sum())
     reward, right, count, length = _global_sum(ctx, [float(batch.reward.sum()), float(is_correct.sum()),
                                                      float(len(batch)), n_tok])
@@ -52,7 +84,7 @@ def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
                "rollout/tokens_per_s": length / max(seconds, 1e-9),
                "rollout/truncated_frac": sum(r == "length" for r in batch.finish_reasons) / len(batch)}
     metrics.update(_kv_usage_metrics(ctx, batch.kv_usage))
-    return batch, metrics
+    return metrics
 
 
 def _kv_usage_metrics(ctx: RunContext, usage: dict | None) -> dict[str, float]:
@@ -66,13 +98,16 @@ def _kv_usage_metrics(ctx: RunContext, usage: dict | None) -> dict[str, float]:
             "rollout/kv_pool_blocks": pool, "rollout/running_mean": running, "rollout/preemptions": preempted}
 
 
-def train_step(ctx: RunContext, batch) -> dict[str, float]:
-    """Dense old-logprob recompute, advantages, corrections and the policy updates."""
+def train_step(ctx: RunContext, batch, version: int = 0) -> dict[str, float]:
+    """Dense old-logprob recompute, advantages, corrections and the policy updates, by the learner at weight
+    version `version` (RL steps trained so far)."""
     t0 = time.perf_counter()
     algo = ctx.run.algorithm
     prep = U.prepare(ctx.learner, batch, algo, pad_id=ctx.placement.pad_id, dp_group=ctx.dp_group,
                      reference=ctx.reference)
     metrics = dict(prep.metrics)
+    if ctx.run.trainer.max_staleness:
+        metrics.update(staleness_metrics(ctx, batch, prep, version))
     if ctx.run.rollout.kv.policy != "none":
         from megatron_sparse_rl.training.sparse_kv import kv_metrics, sparse_logprobs
 
@@ -91,17 +126,51 @@ def train_step(ctx: RunContext, batch) -> dict[str, float]:
     return metrics
 
 
-def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None) -> dict[str, float]:
-    """Learner -> engine weights, checksummed; logprob parity on a probe after the first sync and every N."""
+def staleness_metrics(ctx: RunContext, batch, prep, version: int) -> dict[str, float]:
+    """Global over data-parallel ranks: how many weight versions behind `version` the batch's tokens were sampled
+    (mean, max, share of stale tokens) and the k1 mismatch (log mu - log pi_old) of fresh and of stale tokens.
+    `mismatch/k1_staleness` = stale share x (k1 stale - k1 fresh) estimates the staleness term of the split
+    log mu - log pi_old = numerics + compression + staleness, taking the fresh tokens' k1 as the rest's."""
+    if batch.token_version is None:
+        raise ValueError("trainer.max_staleness > 0 needs RolloutBatch.token_version from the engines")
+    mask = prep.response_mask.bool()
+    lag = (version - U._aligned(batch, batch.token_version, mask.shape).double())[mask]
+    k1 = (prep.rollout_logprobs - prep.old_logprobs).double()[mask]
+    stale = lag > 0
+    n, lag_sum, n_stale, k1_fresh, k1_stale = _global_sum(ctx, [float(mask.sum()), float(lag.sum()),
+                                                                float(stale.sum()), float(k1[~stale].sum()),
+                                                                float(k1[stale].sum())])
+    lag_max = torch.tensor([float(lag.max()) if lag.numel() else 0.0], dtype=torch.float64)
+    if ctx.layout.dp > 1:
+        dist.all_reduce(lag_max, op=dist.ReduceOp.MAX, group=ctx.dp_group)
+    fresh_mean = k1_fresh / max(n - n_stale, 1.0)
+    stale_mean = k1_stale / n_stale if n_stale else fresh_mean
+    return {"async/staleness_mean": lag_sum / max(n, 1.0), "async/staleness_max": float(lag_max),
+            "async/stale_frac": n_stale / max(n, 1.0), "mismatch/k1_fresh": fresh_mean,
+            "mismatch/k1_stale": stale_mean, "mismatch/k1_staleness": n_stale / max(n, 1.0) * (stale_mean - fresh_mean)}
+
+
+def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None, version: int = 0, *,
+              verify: bool = True) -> dict[str, float]:
+    """Learner -> engine weights (weight version `version`), checksummed; logprob parity on a probe after the first
+    sync and every N (`verify_step`; `verify` False: the caller runs it later, after collecting a rollout sampled
+    ahead)."""
     cfg = ctx.run.trainer
-    stats = ctx.placement.sync(ctx.learner, bucket_mb=cfg.sync_bucket_mb)
+    stats = ctx.placement.sync(ctx.learner, bucket_mb=cfg.sync_bucket_mb, version=version)
     metrics = {"time/sync_s": stats.seconds, "sync/bytes_per_s": stats.bytes_per_s}
-    every = cfg.verify_sync_every
-    if probe is not None and every and (n_syncs == 0 or (n_syncs + 1) % every == 0):
-        diff = ctx.placement.verify(ctx.learner, probe, sync_tolerance(cfg.verify_sync_tol, ctx.learner))
-        if diff is not None:  # None on learner ranks that compare nothing (disaggregated, rank > 0)
-            metrics["sync/probe_max_abs_diff"] = diff
+    if verify:
+        metrics.update(verify_step(ctx, n_syncs, probe))
     return metrics
+
+
+def verify_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None) -> dict[str, float]:
+    """The engines' probe logprobs against the learner's after sync number `n_syncs` when it is due."""
+    cfg = ctx.run.trainer
+    every = cfg.verify_sync_every
+    if probe is None or not every or not (n_syncs == 0 or (n_syncs + 1) % every == 0):
+        return {}
+    diff = ctx.placement.verify(ctx.learner, probe, sync_tolerance(cfg.verify_sync_tol, ctx.learner))
+    return {} if diff is None else {"sync/probe_max_abs_diff": diff}  # None: a rank that compares nothing
 
 
 def sync_tolerance(configured: float | None, learner) -> float:

@@ -14,6 +14,9 @@ learner ranks, real vLLM engines on the rollout ranks, tiny MoE on CPU, gloo).
   over rollout ranks 2-3 (vLLM's external_launcher), equal to the same run colocated on 2 ranks.
 - colocated engine tensor parallelism: learner DP2 with one TP2 engine over both ranks equals the run with a
   TP-1 engine per rank.
+- asynchronous RL (trainer.max_staleness 1): staleness at most one version per token, fresh tokens exact with the
+  KV recomputed, every sync verified, preempted and resumed; trainer.max_staleness 0 (said explicitly in the
+  1 + 1 run) is the synchronous loop, equal to the colocated run.
 
     .venv/bin/python -m pytest -q -m e2e tests/e2e/test_trainer_disaggregated.py
 """
@@ -93,10 +96,12 @@ def one_plus_one(tmp_path_factory, model_dir):
     run_dir = tmp_path_factory.mktemp("one_plus_one")
     flag = run_dir.parent / "preempt.flag"
     flag.write_text("now\n")
-    first = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3, env={"MSRL_PREEMPT_FILE": str(flag)})
+    sync = ["trainer.max_staleness=0"]  # the synchronous loop, said explicitly: compared with colocated below
+    first = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3, env={"MSRL_PREEMPT_FILE": str(flag)},
+                    extra=sync)
     assert first.returncode == 0, first.stderr[-4000:]
     rl_after_first = sorted(r["step"] for r in _records(run_dir) if r["phase"] == "rl")
-    resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3)
+    resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3, extra=sync)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     return run_dir, first, rl_after_first, resumed
 
@@ -155,6 +160,50 @@ def test_preempted_run_stops_every_rank_and_resumes(one_plus_one):
     assert '"preempted": true' in first.stdout
     assert rl_after_first == [1]
     assert "resumed from" in resumed.stderr
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, model_dir):
+    """trainer.max_staleness 1 on 1 learner + 1 rollout rank, KV recomputed on in-flight updates, 4 steps of
+    up-to-48-token rollouts of the random model (no warm-start), preempted after its first step and resumed (two launches)."""
+    run_dir = tmp_path_factory.mktemp("async")
+    flag = run_dir.parent / "preempt_async.flag"
+    flag.write_text("now\n")
+    extra = ["trainer.max_staleness=1", "trainer.in_flight_kv=recompute", "rollout.sampling.max_tokens=48",
+             "trainer.sft.max_steps=0", "reward.partial_credit=0.5", "reward.format_penalty=0.5"]
+    # no warm-start: the random model writes long answers; shaped rewards differ within a group, so steps move it
+    first = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=4, env={"MSRL_PREEMPT_FILE": str(flag)},
+                    extra=extra)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert '"preempted": true' in first.stdout
+    resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=4, extra=extra)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stderr
+    return run_dir
+
+
+def test_async_run_trains_each_token_at_most_one_version_stale_and_resumes(async_run):
+    """Steps 1 and 2 start a launch (sampled synchronously, nothing stale); steps 3 and 4 were sampled while the
+    step before trained, so their tokens are one version behind, except those sampled after an in-flight update:
+    with the KV recomputed those are exactly the training version's (k1 of the fresh tokens at the float32 floor).
+    Every sync verified against the learner's own forward (probe) as in the synchronous runs."""
+    records = _records(async_run)
+    rl = {r["step"]: r for r in records if r["phase"] == "rl"}
+    assert sorted(rl) == [1, 2, 3, 4]
+    for step, rec in rl.items():
+        assert rec["async/staleness_max"] == (0.0 if step <= 2 else 1.0), (step, rec["async/staleness_max"])
+        assert 0.0 <= rec["async/staleness_mean"] <= rec["async/staleness_max"]
+        if rec["async/stale_frac"] < 1.0:  # tokens sampled by the training version: the learner's pi_old
+            assert abs(rec["mismatch/k1_fresh"]) < 1e-4, (step, rec["mismatch/k1_fresh"])
+        assert not rec.get("nonfinite") and all(math.isfinite(v) for v in rec.values() if isinstance(v, float))
+    for step in (3, 4):
+        assert rl[step]["async/stale_frac"] > 0 and "async/learner_wait_s" in rl[step]
+    # the stale tokens' mismatch shows the weights moved, so the fresh tokens' exactness means something
+    assert max(abs(rl[s]["mismatch/k1_stale"]) for s in (3, 4)) > 1e-3
+    diffs = [r["sync/probe_max_abs_diff"] for r in records if "sync/probe_max_abs_diff" in r]
+    assert len(diffs) >= 5 and max(diffs) < TOL, diffs
+    print("async: in-flight updates at steps", [s for s in (3, 4) if rl[s]["async/in_flight_update"]],
+          "stale token share", [round(rl[s]["async/stale_frac"], 3) for s in (3, 4)])
 
 
 @pytest.fixture(scope="module")
