@@ -1,6 +1,6 @@
 """Asynchronous RL against the synchronous loop: the same run, once with trainer.max_staleness 0 and once with 1.
 
-    msrl bench async [--config configs/async_tiny_moe.yaml --steps 24 --set trainer.prompts_per_step=16 ...]
+    msrl bench async [--config configs/async_tiny_moe.yaml --steps 16 --set trainer.prompts_per_step=32 ...]
     .venv/bin/python benchmarks/async_rl.py [same options]
 
 Each run is `msrl launch local CONFIG --nproc 2` on one learner rank + one rollout rank (launch.rollout_ranks 1),
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,7 +36,7 @@ LAST = 5  # RL steps whose mean reward is printed
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=str(REPO / "configs" / "async_tiny_moe.yaml"))
-    p.add_argument("--steps", type=positive(), default=24, help="RL steps per run (>= 4)")
+    p.add_argument("--steps", type=positive(), default=16, help="RL steps per run (>= 4)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for both runs")
     p.add_argument("--timeout", type=positive(), default=1800, help="seconds before a run is killed")
 
@@ -83,8 +84,9 @@ def _line(label: str, s: dict[str, float]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.steps < 4:
         raise SystemExit(f"error: --steps must be >= 4 (the first and last steps are not timed; got {args.steps})")
-    with tempfile.TemporaryDirectory(prefix="msrl_bench_async_") as tmp:
-        sync, asyn = (summarise(_launch(args, Path(tmp), k)) for k in (0, 1))
+    tmp = Path(tempfile.mkdtemp(prefix="msrl_bench_async_"))  # kept when a run fails: its logs are there
+    sync, asyn = (summarise(_launch(args, tmp, k)) for k in (0, 1))
+    shutil.rmtree(tmp, ignore_errors=True)
     print(_line("synchronous  (max_staleness 0)", sync))
     print(_line("asynchronous (max_staleness 1)", asyn))
     print(f"asynchronous: weights arrived while sampling in {asyn['in_flight']:.0%} of the steps; "

@@ -5,7 +5,7 @@
     msrl bench learner [--seq 256 --batch 16 ...]          learner tokens/s; corrections / keep-mask overhead
     msrl bench routing [--experts 64 --topk 8 ...]         routing replay overhead, route bytes per token
     msrl bench convert [--hidden 512 --layers 6 ...]       conversion GB/s over raw read+write (~80M params)
-    msrl bench async [--config ... --steps 24]              asynchronous RL steps/s over the synchronous loop's
+    msrl bench async [--config ... --steps 16]              asynchronous RL steps/s over the synchronous loop's
 
 Each kind is a module `benchmarks/<kind>.py` (`MODULES` names the exceptions) exposing `add_arguments(parser)` and
 `run(args) -> int`; add one by writing that module and a line in KINDS. Only the chosen kind's module is imported.

@@ -15,16 +15,18 @@ learner ranks, real vLLM engines on the rollout ranks, tiny MoE on CPU, gloo).
 - colocated engine tensor parallelism: learner DP2 with one TP2 engine over both ranks equals the run with a
   TP-1 engine per rank.
 - asynchronous RL (trainer.max_staleness 1): staleness at most one version per token, fresh tokens exact with the
-  KV recomputed, every sync verified, preempted and resumed; trainer.max_staleness 0 (said explicitly in the
-  1 + 1 run) is the synchronous loop, equal to the colocated run.
+  KV recomputed, every sync verified, killed with SIGKILL and resumed from its checkpoint; trainer.max_staleness 0
+  (said explicitly in the 1 + 1 run) is the synchronous loop, equal to the colocated run.
 
     .venv/bin/python -m pytest -q -m e2e tests/e2e/test_trainer_disaggregated.py
 """
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -164,46 +166,82 @@ def test_preempted_run_stops_every_rank_and_resumes(one_plus_one):
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory, model_dir):
-    """trainer.max_staleness 1 on 1 learner + 1 rollout rank, KV recomputed on in-flight updates, 4 steps of
-    up-to-48-token rollouts of the random model (no warm-start), preempted after its first step and resumed (two launches)."""
+    """trainer.max_staleness 1 on 1 learner + 1 rollout rank, KV recomputed on in-flight updates, 6 steps of
+    up-to-48-token rollouts of the random model (no warm-start), checkpoints every 2 steps; killed with SIGKILL
+    (every process of the launch) once step 3 is logged, then resumed (from step 2's checkpoint)."""
     run_dir = tmp_path_factory.mktemp("async")
-    flag = run_dir.parent / "preempt_async.flag"
-    flag.write_text("now\n")
     extra = ["trainer.max_staleness=1", "trainer.in_flight_kv=recompute", "rollout.sampling.max_tokens=48",
-             "trainer.sft.max_steps=0", "reward.partial_credit=0.5", "reward.format_penalty=0.5"]
+             "trainer.sft.max_steps=0", "reward.partial_credit=0.5", "reward.format_penalty=0.5",
+             "checkpoint.save_every=2"]
     # no warm-start: the random model writes long answers; shaped rewards differ within a group, so steps move it
-    first = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=4, env={"MSRL_PREEMPT_FILE": str(flag)},
-                    extra=extra)
-    assert first.returncode == 0, first.stderr[-4000:]
-    assert '"preempted": true' in first.stdout
-    resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=4, extra=extra)
+    sets = _sets(run_dir, model_dir, rollout_ranks=1, steps=6, extra=extra)
+    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"),
+           "--nproc", "2", "--set", *sets]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and 3 not in _rl_steps(run_dir):  # step 2's checkpoint is complete by then
+        if proc.poll() is not None:
+            pytest.fail(f"the async run ended (rc {proc.returncode}) before it could be killed")
+        time.sleep(0.05)
+    _kill_tree(proc)
+    resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=6, extra=extra)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stderr
+    assert "resumed from" in resumed.stderr and "step_000002" in resumed.stderr
     return run_dir
 
 
-def test_async_run_trains_each_token_at_most_one_version_stale_and_resumes(async_run):
-    """Steps 1 and 2 start a launch (sampled synchronously, nothing stale); steps 3 and 4 were sampled while the
-    step before trained, so their tokens are one version behind, except those sampled after an in-flight update:
-    with the KV recomputed those are exactly the training version's (k1 of the fresh tokens at the float32 floor).
-    Every sync verified against the learner's own forward (probe) as in the synchronous runs."""
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process under it (torchrun starts its workers in sessions of their own)."""
+    import psutil
+
+    victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for victim in victims:
+        try:
+            victim.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(victims, timeout=30)
+
+
+def _rl_steps(run_dir: Path) -> list[int]:
+    """The RL steps logged so far (a line still being written is skipped)."""
+    path, steps = run_dir / "metrics.jsonl", []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("phase") == "rl":
+            steps.append(record["step"])
+    return steps
+
+
+def test_async_run_trains_each_token_at_most_one_version_stale_and_resumes_after_kill(async_run):
+    """Steps 1 and 3 start a launch (the resumed one replays step 3 from step 2's checkpoint, sampling it
+    synchronously: nothing stale), the others were sampled while the step before trained, so their tokens are one
+    version behind, except those sampled after an in-flight update: with the KV recomputed those are exactly the
+    training version's (k1 of the fresh tokens at the float32 floor). Each step logged once; every sync verified
+    against the learner's own forward (probe) as in the synchronous runs."""
     records = _records(async_run)
     rl = {r["step"]: r for r in records if r["phase"] == "rl"}
-    assert sorted(rl) == [1, 2, 3, 4]
+    assert sorted(r["step"] for r in records if r["phase"] == "rl") == [1, 2, 3, 4, 5, 6]  # replayed steps: once
+    ahead = (2, 4, 5, 6)
     for step, rec in rl.items():
-        assert rec["async/staleness_max"] == (0.0 if step <= 2 else 1.0), (step, rec["async/staleness_max"])
+        assert rec["async/staleness_max"] == float(step in ahead), (step, rec["async/staleness_max"])
         assert 0.0 <= rec["async/staleness_mean"] <= rec["async/staleness_max"]
         if rec["async/stale_frac"] < 1.0:  # tokens sampled by the training version: the learner's pi_old
             assert abs(rec["mismatch/k1_fresh"]) < 1e-4, (step, rec["mismatch/k1_fresh"])
         assert not rec.get("nonfinite") and all(math.isfinite(v) for v in rec.values() if isinstance(v, float))
-    for step in (3, 4):
+    for step in ahead:
         assert rl[step]["async/stale_frac"] > 0 and "async/learner_wait_s" in rl[step]
     # the stale tokens' mismatch shows the weights moved, so the fresh tokens' exactness means something
-    assert max(abs(rl[s]["mismatch/k1_stale"]) for s in (3, 4)) > 1e-3
+    assert max(abs(rl[s]["mismatch/k1_stale"]) for s in ahead) > 1e-3
     diffs = [r["sync/probe_max_abs_diff"] for r in records if "sync/probe_max_abs_diff" in r]
-    assert len(diffs) >= 5 and max(diffs) < TOL, diffs
-    print("async: in-flight updates at steps", [s for s in (3, 4) if rl[s]["async/in_flight_update"]],
-          "stale token share", [round(rl[s]["async/stale_frac"], 3) for s in (3, 4)])
+    assert len(diffs) >= 7 and max(diffs) < TOL, diffs
+    print("async: in-flight updates at steps", [s for s in ahead if rl[s]["async/in_flight_update"]],
+          "stale token share", [round(rl[s]["async/stale_frac"], 3) for s in ahead])
 
 
 @pytest.fixture(scope="module")
