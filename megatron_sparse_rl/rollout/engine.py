@@ -147,10 +147,11 @@ class RolloutEngine:
         vllm_access.check(features=features)  # before the model loads: vLLM's classes and signatures
         if not self.on_gpu:
             # before vLLM builds the model: the rotary op binds its CPU forward at construction
-            from megatron_sparse_rl.patches import vllm_cpu_moe_reload, vllm_cpu_rotary
+            from megatron_sparse_rl.patches import vllm_cpu_moe_reload, vllm_cpu_rotary, vllm_cpu_seeded_chunks
 
             vllm_cpu_moe_reload.apply()
             vllm_cpu_rotary.apply()
+            vllm_cpu_seeded_chunks.apply()  # every rollout is seeded; a chunked prefill would kill the engine
         kwargs: dict[str, Any] = dict(
             model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=cfg.dtype, seed=cfg.seed,
             enforce_eager=cfg.enforce_eager, distributed_executor_backend=backend,

@@ -40,6 +40,7 @@ FEATURES = {
     "sparse_kv": "sparse KV (scheduler subclass, coordinator swap, model-runner hooks)",
     "cpu_moe_reload": "the CPU fused-MoE reload patch",
     "cpu_rotary": "the CPU rotary-embedding patch (DeepSeek / Kimi-K2 default RoPE)",
+    "cpu_seeded_chunks": "the CPU patch for seeded sampling of chunked prefills (no generator offset rewind)",
     "sparse_kv_mla": "sparse KV on the multi-head latent attention cache (the latent layer's dimensions, its KV "
                      "writer and its query, absorbed with W_UK_T)",
     "in_flight": "weights loaded between engine steps while requests run (asynchronous RL): each running sample's "
@@ -130,6 +131,9 @@ sparse_kv vllm.v1.core.sched.output:SchedulerOutput <{RIDER}> num_scheduled_toke
 sparse_kv vllm.v1.core.sched.output:CachedRequestData resumed_req_ids
 cpu_moe_reload vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod moe_kernel
     _setup_kernel(self,layer,w13,w2)
+cpu_seeded_chunks {RUNNER} input_batch
+    _bookkeeping_sync(self,scheduler_output,sampler_output,logits,hidden_states,num_scheduled_tokens)
+cpu_seeded_chunks vllm.v1.worker.gpu_input_batch:InputBatch generators
 cpu_rotary vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding forward_cpu(self,positions,query,key)
     forward_native(self,positions,query,key)
 in_flight vllm.v1.core.sched.scheduler:Scheduler requests reset_prefix_cache(self,reset_running_requests)
@@ -303,6 +307,11 @@ def output_token_counts(llm) -> dict[tuple[str, int], int]:
 # ---- worker: runner, model, weights, this project's state on the runner ---------------------------------
 def model_runner(worker):
     return worker.model_runner
+
+
+def model_runner_class() -> type:
+    """The V1 model runner class (the CPU runner subclasses it)."""
+    return _resolve(RUNNER)
 
 
 def model(runner) -> torch.nn.Module:
