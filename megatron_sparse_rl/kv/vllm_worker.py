@@ -35,6 +35,7 @@ import torch
 
 from megatron_sparse_rl.kv import latent
 from megatron_sparse_rl.kv import policies as P
+from megatron_sparse_rl.kv.query_window import QueryWindows, WritePlan
 from megatron_sparse_rl.kv.record import KVKeepRecord
 from megatron_sparse_rl.kv.settings import SparseKVSettings
 from megatron_sparse_rl.rollout import vllm_access
@@ -141,7 +142,7 @@ class _Request:
 
     dropped: int = 0
     kept_pos: torch.Tensor | None = None  # int64 [L, H, kept]: true positions of the front slots
-    queries: list = field(default_factory=list)  # per layer: [Hq, n, D] (window) or list of chunks (h2o)
+    queries: list = field(default_factory=list)  # h2o: per layer, the chunks [Hq, n, D] captured since compaction
     query_index: list = field(default_factory=list)  # h2o: stored index of each captured query
     acc: list = field(default_factory=list)  # h2o: per layer [H, kept] carried accumulated attention
 
@@ -151,6 +152,7 @@ class _Step:
     req_ids: list
     qsl: np.ndarray  # [num_reqs + 1] query start offsets
     stored_start: np.ndarray  # [num_reqs] stored index of each request's first scheduled token
+    plan: WritePlan | None = None  # R-KV / SnapKV: where this step's queries go (QueryWindows.plan, once per step)
 
 
 class SparseKVWorkerState:
@@ -186,6 +188,9 @@ class SparseKVWorkerState:
         self.dropped: dict[str, int] = {}
         self.step: _Step | None = None
         self.timing = dict.fromkeys(TIMING, 0.0)
+        # R-KV / SnapKV score with the last `window` queries: kept for all requests at once (H2O keeps every query)
+        self.windows = QueryWindows(len(self.layers), settings.window) if settings.policy in ("rkv", "snapkv") \
+            else None
         if settings.policy != "streamingllm":
             for li, layer in enumerate(self.layers):
                 self._wrap_forward(li, layer)
@@ -234,86 +239,107 @@ class SparseKVWorkerState:
 
     def _capture(self, li: int, query: torch.Tensor, w_uk: torch.Tensor | None) -> None:
         st = self.step
-        for row, rid in enumerate(st.req_ids):
+        if self.windows is not None:  # one gather and one write for every request of the step
+            if st.plan is None:
+                st.plan = self.windows.plan(st.req_ids, st.qsl)
+            if len(st.plan.token):
+                index = st.plan.token.to(query.device)
+                self.windows.write(li, st.plan, self._queries_at(query, index, w_uk))
+            return
+        for row, rid in enumerate(st.req_ids):  # H2O: every query, with its stored index
             a, b = int(st.qsl[row]), int(st.qsl[row + 1])
             if b <= a:
                 continue
             r = self.reqs.setdefault(rid, _Request())
-            q = self._queries(query, a, b, w_uk)  # [Hq, n, D] float32
             while len(r.queries) <= li:
-                r.queries.append([] if self.s.policy == "h2o" else None)
-            if self.s.policy == "h2o":
-                r.queries[li].append(q)
-                if li == 0:
-                    r.query_index.append(torch.arange(b - a) + int(st.stored_start[row]))
-            else:
-                prev = r.queries[li]
-                r.queries[li] = (q if prev is None else torch.cat([prev, q], dim=1))[:, -self.s.window:]
+                r.queries.append([])
+            r.queries[li].append(self._queries(query, a, b, w_uk))
+            if li == 0:
+                r.query_index.append(torch.arange(b - a) + int(st.stored_start[row]))
+
+    def _queries_at(self, query: torch.Tensor, index: torch.Tensor, w_uk: torch.Tensor | None) -> torch.Tensor:
+        """float32 [len(index), Hq, D]: the queries of the step's token rows `index` as the policies score them."""
+        if not self.latent:
+            return query[index].view(len(index), self.q_heads, self.head_dim).to(torch.float32)
+        q = query[index].to(torch.float32).transpose(0, 1)  # [heads, n, qk_nope + rope]
+        nope = self.dims.qk_nope
+        return latent.absorb_queries(q[..., :nope], q[..., nope:], w_uk.to(torch.float32)).transpose(0, 1)
 
     def _queries(self, query: torch.Tensor, a: int, b: int, w_uk: torch.Tensor | None) -> torch.Tensor:
-        """float32 [Hq, n, D]: the queries of tokens a..b-1 as the policies score them (R-KV, SnapKV: only the
-        last `window` are ever used, so only those are taken)."""
-        if self.s.policy != "h2o":
-            a = max(a, b - self.s.window)
-        if not self.latent:
-            return query[a:b].view(b - a, self.q_heads, self.head_dim).transpose(0, 1).to(torch.float32, copy=True)
-        q = query[a:b].to(torch.float32).transpose(0, 1)  # [heads, n, qk_nope + rope]
-        nope = self.dims.qk_nope
-        return latent.absorb_queries(q[..., :nope], q[..., nope:], w_uk.to(torch.float32))
+        """float32 [Hq, n, D]: the queries of tokens a..b-1 (H2O keeps every one)."""
+        return self._queries_at(query, torch.arange(a, b, device=query.device), w_uk).transpose(0, 1)
 
     # ---- compaction -----------------------------------------------------------------------------------
-    def _gather(self, flat: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor):
-        """[H, N, D] elements of the token slots `slots` [H, N] (stored indices) of every head."""
-        b = blocks[slots // self.block_size]
+    def _gather(self, index: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor):
+        """Index into a layer's flat cache [blocks, elements] of the elements of token slots `slots` [R, H, N]
+        (stored indices) of R requests whose blocks are `blocks` [R, blocks each]: ([R, H, N, 1], [R, H, N, D])."""
+        rows = torch.arange(blocks.shape[0], device=slots.device)[:, None, None]
+        b = blocks[rows, slots // self.block_size]
         o = slots % self.block_size
-        h = torch.arange(self.kv_heads, device=slots.device)[:, None, None]
+        h = torch.arange(self.kv_heads, device=slots.device)[None, :, None, None]
         return b[..., None], index[h, o[..., None], torch.arange(self.head_dim, device=slots.device)]
 
-    def _keep(self, li: int, r: _Request, flat: torch.Tensor, blocks: torch.Tensor, stored: int) -> torch.Tensor:
+    def _keep(self, li: int, rids: list[str], flat: torch.Tensor, blocks: torch.Tensor,
+              stored: int) -> torch.Tensor:
+        """int64 [R, H, budget]: the stored indices each request keeps. The score policies score the R requests
+        (same stored length) as one batch of R x H KV heads (each head's scores are its own); H2O carries
+        per-request sums, so it runs request by request."""
+        n, budget = len(rids), self.s.budget
         if self.s.policy == "streamingllm":
-            return P.streamingllm_keep(self.kv_heads, stored, self.s, blocks.device)
-        slots = torch.arange(stored, device=blocks.device).expand(self.kv_heads, stored)
-        keys = flat[self._gather(flat, self.kidx, blocks, slots)]  # [H, stored, D]
+            return P.streamingllm_keep(self.kv_heads, stored, self.s, blocks.device).expand(n, -1, -1)
+        slots = torch.arange(stored, device=blocks.device).expand(n, self.kv_heads, stored)
+        keys = flat[self._gather(self.kidx, blocks, slots)]  # [R, H, stored, D]
         if self.s.policy == "h2o":
-            queries = torch.cat(r.queries[li], dim=1)
-            prev = r.acc[li] if li < len(r.acc) else None
-            acc = P.h2o_scores(keys, queries, torch.cat(r.query_index), previous=prev, scale=self.scale)
-            keep = P.select_keep("h2o", keys, None, self.s, h2o_acc=acc)
-            while len(r.acc) <= li:
-                r.acc.append(None)
-            r.acc[li] = acc.gather(1, keep)
-            return keep
-        return P.select_keep(self.s.policy, keys, r.queries[li], self.s, scale=self.scale)
+            return torch.stack([self._h2o_keep(li, self.reqs[rid], keys[i]) for i, rid in enumerate(rids)])
+        queries = torch.cat([self.windows.get(li, rid)[:, -self.s.window:] for rid in rids])  # [R x Hq, W, D]
+        keep = P.select_keep(self.s.policy, keys.reshape(n * self.kv_heads, stored, -1), queries, self.s,
+                             scale=self.scale)
+        return keep.view(n, self.kv_heads, budget)
 
-    def _compact(self, rid: str, stored: int, budget: int) -> None:
-        block_ids = self.runner.block_ids(rid)
-        if len(block_ids) != -(-stored // self.block_size):
-            raise RuntimeError(f"sparse KV: worker holds {len(block_ids)} blocks for {stored} stored tokens of {rid}")
-        r = self.reqs.setdefault(rid, _Request())
-        blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.kidx.device)
-        dst = torch.arange(budget, device=blocks.device).expand(self.kv_heads, budget)
-        kept_pos = []
+    def _h2o_keep(self, li: int, r: _Request, keys: torch.Tensor) -> torch.Tensor:
+        queries = torch.cat(r.queries[li], dim=1)
+        prev = r.acc[li] if li < len(r.acc) else None
+        acc = P.h2o_scores(keys, queries, torch.cat(r.query_index), previous=prev, scale=self.scale)
+        keep = P.select_keep("h2o", keys, None, self.s, h2o_acc=acc)
+        while len(r.acc) <= li:
+            r.acc.append(None)
+        r.acc[li] = acc.gather(1, keep)
+        return keep
+
+    def _compact(self, rids: list[str], stored: int, budget: int) -> None:
+        """Compact requests `rids`, each holding `stored` tokens, to `budget`: per layer one scoring of them all
+        and one gather + scatter of their kept K/V (to the front slots), then each one's records and block table."""
+        tables = [self.runner.block_ids(rid) for rid in rids]
+        for rid, block_ids in zip(rids, tables):
+            if len(block_ids) != -(-stored // self.block_size):
+                raise RuntimeError(f"sparse KV: worker holds {len(block_ids)} blocks for {stored} stored tokens of "
+                                   f"{rid}")
+        reqs = [self.reqs.setdefault(rid, _Request()) for rid in rids]
+        blocks = torch.tensor(tables, dtype=torch.int64, device=self.kidx.device)
+        dst = torch.arange(budget, device=blocks.device).expand(len(rids), self.kv_heads, budget)
+        kept_pos = [[] for _ in rids]
         for li, layer in enumerate(self.layers):
             cache = _kv_cache(layer)
             flat = cache.view(cache.shape[0], -1)
             with self._timed("score_s"):
-                keep = self._keep(li, r, flat, blocks, stored)  # [H, budget] stored indices
+                keep = self._keep(li, rids, flat, blocks, stored)  # [R, H, budget] stored indices
             with self._timed("copy_s"):
                 for index in (i for i in (self.kidx, self.vidx) if i is not None):  # a latent cache has no V
-                    flat[self._gather(flat, index, blocks, dst)] = flat[self._gather(flat, index, blocks, keep)]
-            true_pos = torch.where(keep < (0 if r.kept_pos is None else r.kept_pos.shape[2]),
-                                   self._old_pos(r, li, keep), keep + r.dropped)
-            kept_pos.append(true_pos)
-        rec = self.records.setdefault(rid, {"lengths": [], "kept": [], "preempted": False})
-        rec["lengths"].append(stored + r.dropped)
-        r.kept_pos = torch.stack(kept_pos).cpu()
-        if self.s.record_keep:
-            rec["kept"].append(r.kept_pos.to(torch.int32))
-        r.dropped += stored - budget
-        if self.s.policy == "h2o":
-            r.queries, r.query_index = [[] for _ in self.layers], []
-        del block_ids[-(-budget // self.block_size):]
-        self.runner.set_table_row(rid, block_ids)
+                    flat[self._gather(index, blocks, dst)] = flat[self._gather(index, blocks, keep)]
+            for i, r in enumerate(reqs):
+                kept_pos[i].append(torch.where(keep[i] < (0 if r.kept_pos is None else r.kept_pos.shape[2]),
+                                               self._old_pos(r, li, keep[i]), keep[i] + r.dropped))
+        for rid, r, block_ids, pos in zip(rids, reqs, tables, kept_pos):
+            rec = self.records.setdefault(rid, {"lengths": [], "kept": [], "preempted": False})
+            rec["lengths"].append(stored + r.dropped)
+            r.kept_pos = torch.stack(pos).cpu()
+            if self.s.record_keep:
+                rec["kept"].append(r.kept_pos.to(torch.int32))
+            r.dropped += stored - budget
+            if self.s.policy == "h2o":
+                r.queries, r.query_index = [[] for _ in self.layers], []
+            del block_ids[-(-budget // self.block_size):]
+            self.runner.set_table_row(rid, block_ids)
 
     def take_timing(self) -> dict[str, float]:
         """The worker's sparse-KV time since the last call (`TIMING`), then reset."""
@@ -336,14 +362,21 @@ class SparseKVWorkerState:
         _, finished, resumed = vllm_access.step_requests(scheduler_output)
         for rid in finished:
             self.reqs.pop(rid, None)
+            if self.windows is not None:
+                self.windows.release(rid)
         for rid in resumed:
+            if self.windows is not None:
+                self.windows.release(rid)
             old = self.reqs.pop(rid, None)
             if old is not None and old.dropped and rid in self.records:
                 self.records[rid]["preempted"] = True
+        due: dict[tuple[int, int], list[str]] = {}  # requests due at this step, by (stored, budget): one batch each
         for rid, (stored, budget) in msg["compact"].items():
+            due.setdefault((stored, budget), []).append(rid)
+        for (stored, budget), rids in due.items():
             with self._timed("compact_s"):
-                self._compact(rid, stored, budget)
-            self.timing["compactions"] += 1
+                self._compact(rids, stored, budget)
+            self.timing["compactions"] += len(rids)
         self.dropped = msg["dropped"]
         for rid, d in self.dropped.items():
             if self.reqs[rid].dropped != d:

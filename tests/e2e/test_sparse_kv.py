@@ -185,8 +185,9 @@ def test_streamingllm_matches_transformers_reference(model_dir, streaming_run):
 @pytest.mark.parametrize("policy", ["rkv", "snapkv", "h2o"])
 def test_score_policy_matches_transformers_with_its_record(model_dir, policy):
     kv = KVConfig(policy=policy, budget=40, interval=24, window=8, block_size=32, record_keep=True)
-    with engine(model_dir, kv) as e:
-        batch = e.generate(PROMPTS[1:3], sampling(120, seed=3))
+    with engine(model_dir, kv) as e:  # two samples per prompt: each pair compacts at the same steps, as one batch
+        batch = e.generate(PROMPTS[1:3], sampling(120, n=2, seed=3))
+        assert e.sparse_kv_timing()["compactions"] == sum(r.num_compactions for r in batch.kv_keep)
     worst = 0.0
     for i, rec in enumerate(batch.kv_keep):
         tokens, p = row_tokens(batch, i), int(batch.prompt_lens[i])
