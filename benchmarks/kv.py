@@ -13,7 +13,8 @@ The block size defaults to 32, or 16 for an MLA model (the only one vLLM's CPU M
 Part 1: `--prompts` x `--max-tokens` with an ample pool: peak blocks in use (read from vLLM's BlockPool
 after every schedule) and tokens/s, dense vs sparse. Part 2: a fixed pool of `--pool-seqs` dense
 worst-case sequences; `--pool-prompts` x `--pool-max-tokens`: peak sequences running at once,
-preemptions, tokens/s, time to finish the batch (the issue's long-generation shape: `--pool-max-tokens 2048
+preemptions, requests waiting for admission and the pool's mean use per step, tokens/s, time to finish the batch
+(the long-generation shape: `--pool-max-tokens 2048
 --pool-seqs 4 --budget 128 --interval 128`). Dense uses vLLM's default scheduler; sparse uses the compaction scheduler with
 admission control. Each part also prints where the sparse engine's extra time went (`sparse overhead`:
 compactions split into scoring, K/V copy and records + block table, the per-step query capture of the score
@@ -54,7 +55,7 @@ def _prompts(n: int, length: int) -> list[list[int]]:
 
 def _measure(model_dir, kv, prompts, max_tokens, max_model_len, max_num_seqs):
     """(peak blocks, peak running, preemptions, generated tokens / s, wall s, mean running, the sparse worker's
-    time: `RolloutEngine.sparse_kv_timing`, None for a dense engine) of one run."""
+    time: `RolloutEngine.sparse_kv_timing`, None for a dense engine; mean waiting, mean pool use) of one run."""
     from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
     from megatron_sparse_rl.kv.probe import BlockUsageProbe
     from megatron_sparse_rl.rollout import RolloutEngine
@@ -77,7 +78,7 @@ def _measure(model_dir, kv, prompts, max_tokens, max_model_len, max_num_seqs):
         tokens = int(batch.response_lens.sum())
         timing = engine.sparse_kv_timing() if sparse else None
         return (probe.peak_blocks, probe.peak_running, probe.preemptions, tokens / wall, wall, probe.mean_running,
-                timing)
+                timing, probe.mean_waiting, probe.mean_blocks / max(probe.pool_blocks, 1))
     finally:
         engine.shutdown()
 
@@ -141,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  sequences running per step (mean, peak): dense {d[5]:.2f}, {d[1]} ({d[2]} preemptions: vLLM admits "
           f"optimistically, then recomputes); sparse {s[5]:.2f}, {s[1]} ({s[2]} preemptions); "
           f"sparse/dense mean = {s[5] / max(d[5], 1e-9):.2f}")
+    print(f"  waiting for admission per step (mean requests): dense {d[7]:.2f}, sparse {s[7]:.2f}; pool in use "
+          f"(mean blocks / pool): dense {d[8]:.2f}, sparse {s[8]:.2f}")
     print(f"  tokens/s: dense {d[3]:.1f}, sparse {s[3]:.1f}; sparse/dense = {s[3] / d[3]:.3f}")
     print(f"  time to finish the batch: dense {d[4]:.1f} s, sparse {s[4]:.1f} s; dense/sparse = {d[4] / s[4]:.2f}")
     print(_cost_line(s[6], s[4]))

@@ -6,7 +6,7 @@ Used by the sparse-KV tests and `msrl bench kv`.
 
     with BlockUsageProbe(engine) as probe:
         engine.generate(...)
-    probe.peak_blocks, probe.peak_running, probe.steps
+    probe.peak_blocks, probe.peak_running, probe.mean_waiting, probe.steps
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class BlockUsageProbe:
         self.pool = vllm_access.block_pool(self.scheduler)
         self.blocks: list[int] = []
         self.running: list[int] = []
+        self.waiting: list[int] = []
         self.preemptions = 0
 
     @property
@@ -40,6 +41,16 @@ class BlockUsageProbe:
         return sum(self.running) / max(len(self.running), 1)
 
     @property
+    def mean_waiting(self) -> float:
+        """Requests waiting (not admitted yet, or preempted) per step, averaged over the steps."""
+        return sum(self.waiting) / max(len(self.waiting), 1)
+
+    @property
+    def mean_blocks(self) -> float:
+        """Blocks in use per step, averaged over the steps."""
+        return sum(self.blocks) / max(len(self.blocks), 1)
+
+    @property
     def steps(self) -> int:
         return len(self.blocks)
 
@@ -50,6 +61,7 @@ class BlockUsageProbe:
     def _after_step(self, out) -> None:
         self.blocks.append(vllm_access.pool_usage(self.pool)[0])
         self.running.append(vllm_access.num_running(self.scheduler))
+        self.waiting.append(vllm_access.num_waiting(self.scheduler))
         self.preemptions += len(vllm_access.preempted_requests(out))
 
     def __exit__(self, *exc) -> None:

@@ -77,7 +77,7 @@ engine vllm.v1.engine.core_client:InprocClient engine_core shutdown
 engine vllm.v1.engine.core:EngineCore scheduler
 engine vllm.v1.worker.gpu_worker:Worker model_runner reload_weights
 engine {RUNNER} get_model(self) reload_weights(self,weights_iterator,weights_path,is_checkpoint_format)
-engine vllm.v1.core.sched.scheduler:Scheduler schedule running kv_cache_manager
+engine vllm.v1.core.sched.scheduler:Scheduler schedule running waiting kv_cache_manager
 engine vllm.v1.core.kv_cache_manager:KVCacheManager block_pool
 engine vllm.v1.core.block_pool:BlockPool num_gpu_blocks get_num_free_blocks
 engine vllm.v1.core.sched.output:SchedulerOutput preempted_req_ids
@@ -609,6 +609,11 @@ def unwrap_schedule(sched) -> None:
 
 def num_running(sched) -> int:
     return len(sched.running)
+
+
+def num_waiting(sched) -> int:
+    """Requests added but not running (not admitted yet, or preempted)."""
+    return len(sched.waiting)
 
 
 def require_version(patch: str, what_to_check: str) -> None:

@@ -9,6 +9,8 @@ With `rollout.kv.record_keep` the learner also recomputes pi_sparse exactly (the
 per-layer, per-head attention mask), which splits the mismatch after compression without that estimate:
   kv/k1_after_compression = kv/k1_sparse_numerics (log mu - log pi_sparse: engine vs learner kernels)
                           + kv/k1_sparse_compression (log pi_sparse - log pi_old: what the dropped KV changed).
+A compressed sample that vLLM preempted was recomputed densely from its tokens and went on sampling from a cache
+that is neither its compressed one nor a dense one: `drop_preempted` takes it out of the loss.
 """
 from __future__ import annotations
 
@@ -67,3 +69,12 @@ def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs
         "kv/k1_after_compression": k1_after,
         "kv/compression_logprob_delta": k1_after - k1_before if after.any() else 0.0,
     }
+
+
+def drop_preempted(mask: torch.Tensor, records) -> tuple[torch.Tensor, float]:
+    """(`mask` [B, T-1] with the rows of preempted compressed samples cleared, their share of the rows). Their
+    advantage still entered their group's baseline; only their own tokens stop training."""
+    flagged = torch.tensor([bool(r.preempted) for r in records], dtype=torch.bool)
+    if len(flagged) != mask.shape[0]:
+        raise ValueError(f"{len(flagged)} keep records for {mask.shape[0]} rows")
+    return mask & ~flagged[:, None], float(flagged.float().mean()) if len(flagged) else 0.0

@@ -109,12 +109,13 @@ def train_step(ctx: RunContext, batch, version: int = 0) -> dict[str, float]:
     if ctx.run.trainer.max_staleness:
         metrics.update(staleness_metrics(ctx, batch, prep, version))
     if ctx.run.rollout.kv.policy != "none":
-        from megatron_sparse_rl.training.sparse_kv import kv_metrics, sparse_logprobs
+        from megatron_sparse_rl.training.sparse_kv import drop_preempted, kv_metrics, sparse_logprobs
 
         kv = ctx.run.rollout.kv
         sparse = sparse_logprobs(ctx.learner, batch, prep.tokens, prep.sampling_support) if kv.record_keep else None
         metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.response_mask, kv.budget,
                                   sparse=sparse))
+        prep.mask, metrics["kv/preempted_dropped_frac"] = drop_preempted(prep.mask, batch.kv_keep)
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
         log.warning("skipping the update: the batch's k1 mismatch is over algorithm.corrections.batch_skip.max_k1")
     else:

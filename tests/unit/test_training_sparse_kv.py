@@ -54,3 +54,18 @@ def test_exact_recompute_splits_the_mismatch_after_compression():
     assert m["kv/k1_sparse_compression"] == pytest.approx((-0.5 - 1.5) / 2)
     assert m["kv/k1_sparse_numerics"] == pytest.approx(0.1 / 2)
     assert "kv/k1_sparse_numerics" not in kv_metrics(batch, old, rollout, mask, budget=2)
+
+
+def test_preempted_compressed_samples_leave_the_loss():
+    """A compressed sample vLLM preempted (recomputed densely, then sampled on) trains no token; the others keep
+    their mask as it was."""
+    from megatron_sparse_rl.kv.record import KVKeepRecord
+    from megatron_sparse_rl.training.sparse_kv import drop_preempted
+
+    mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
+    records = [KVKeepRecord(lengths=(5,)), KVKeepRecord(lengths=(5,), preempted=True), KVKeepRecord(lengths=())]
+    kept, frac = drop_preempted(mask, records)
+    assert kept.tolist() == [[True, True, False], [False, False, False], [True, True, True]]
+    assert frac == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="2 keep records for 3 rows"):
+        drop_preempted(mask, records[:2])
