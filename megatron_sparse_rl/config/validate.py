@@ -240,7 +240,6 @@ def _mla_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
     from megatron_sparse_rl.models.tiny_families import MLA_CPU_LATENT
 
     problems = []
-    kv = run.rollout.kv
     if not cuda and (spec.kv_lora_rank, spec.qk_rope_head_dim) != MLA_CPU_LATENT:
         names = ("model.tiny.kv_lora_rank + model.tiny.qk_rope_head_dim" if _from_tiny(run)
                  else "the model's kv_lora_rank + qk_rope_head_dim")
@@ -248,12 +247,20 @@ def _mla_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
         problems.append(f"{names} = {spec.kv_lora_rank} + {spec.qk_rope_head_dim} = {spec.latent_width} (the MLA "
                         f"latent) is not supported by vLLM's CPU MLA decode (no CUDA here); allowed: kv_lora_rank "
                         f"{lora} + qk_rope_head_dim {rope} = {lora + rope}")
-    if kv.policy != "none" and run.rollout.tensor_parallel_size != 1:
+    return problems + mla_rollout_problems(run.rollout, spec.architecture, cuda)
+
+
+def mla_rollout_problems(rollout: RolloutConfig, model: str, cuda: bool) -> list[str]:
+    """The rollout engine of a multi-head latent attention model (`model` names it): sparse KV compacts the latent
+    cache of single-rank engines only; vLLM's CPU MLA backend runs 16-token blocks. The one statement of these
+    rules: `validate` and `RolloutEngine` (before vLLM starts) both ask it."""
+    kv, problems = rollout.kv, []
+    if kv.policy != "none" and rollout.tensor_parallel_size != 1:
         problems.append(f"rollout.kv.policy = {kv.policy!r} with rollout.tensor_parallel_size = "
-                        f"{run.rollout.tensor_parallel_size}: sparse KV on the MLA latent cache runs on single-rank "
-                        f"engines ({spec.architecture} uses multi-head latent attention: every rank holds the shared "
-                        "latent rows and would score them with its own heads only); set rollout.tensor_parallel_size "
-                        "= 1 or rollout.kv.policy = 'none'")
+                        f"{rollout.tensor_parallel_size}: sparse KV on the MLA latent cache runs on single-rank "
+                        f"engines ({model} uses multi-head latent attention: every rank holds the shared latent rows "
+                        "and would score them with its own heads only); set rollout.tensor_parallel_size = 1 or "
+                        "rollout.kv.policy = 'none'")
     if not cuda and kv.block_size not in (None, 16):
         problems.append(f"rollout.kv.block_size = {kv.block_size}: vLLM's CPU MLA backend runs 16-token blocks only "
                         "(no CUDA here); leave it null or set 16")

@@ -15,7 +15,7 @@ the async or the sync variant to match `scheduler_config.async_scheduling` (CPU 
   requests and its own still fit the pool, so compressed requests are never preempted; a compressed
   request that is preempted anyway (admission control off) is recomputed densely by vLLM and flagged.
 Prefix caching must be off (compaction rewrites blocks in place). Outside its own inherited state (running and
-waiting queues, admission limit, requests), vLLM's objects are reached through `rollout/vllm_access.py`, which
+waiting queues, admission limit, requests), vLLM's objects are reached through `rollout/vllm_access/`, which
 lists and checks every attribute used here; the scheduler checks its live instance at construction.
 """
 from __future__ import annotations

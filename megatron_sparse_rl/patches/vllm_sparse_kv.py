@@ -40,7 +40,7 @@ def check_upstream() -> None:
 
     if vllm.__version__ != VLLM_VERSION:
         raise RuntimeError(f"patches.vllm_sparse_kv was written for vllm {VLLM_VERSION} (found {vllm.__version__}): "
-                           "re-check its hooks and the sparse_kv entries of megatron_sparse_rl/rollout/vllm_access.py")
+                           "re-check its hooks and the sparse_kv entries of megatron_sparse_rl/rollout/vllm_access/")
     vllm_access.check(features=("sparse_kv",))
 
 

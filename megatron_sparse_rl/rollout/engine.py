@@ -411,21 +411,16 @@ class RolloutEngine:
 
 
 def _mla_latent_checked(cfg: RolloutConfig, model_dir: Path, on_gpu: bool) -> int | None:
-    """The model's MLA latent width (`latent_kv_rank`, None for per-head attention). Sparse KV on the latent cache
-    is refused, before vLLM starts, where the worker could not compact it: an engine wider than one rank (each
-    rank would score the shared rows with its own heads) or, on CPU, a block size other than the 16 vLLM's MLA
-    backend forces."""
+    """The model's MLA latent width (`latent_kv_rank`, None for per-head attention); an MLA engine the worker could
+    not run (config/validate.py `mla_rollout_problems`: sparse KV on a multi-rank engine, a CPU block size other
+    than 16) is refused before vLLM starts."""
+    from megatron_sparse_rl.config.validate import mla_rollout_problems
+
     latent = latent_kv_rank(model_dir)
-    if cfg.kv.policy == "none" or latent is None:
-        return latent
-    what = (f"rollout.kv.policy = {cfg.kv.policy!r} on {model_dir} (multi-head latent attention, kv_lora_rank "
-            f"{latent}: one latent KV row per token and layer, shared by every head)")
-    if cfg.tensor_parallel_size != 1:
-        raise ValueError(f"{what}: rollout.tensor_parallel_size = {cfg.tensor_parallel_size}; sparse KV on the "
-                         "latent cache runs on single-rank engines: set it to 1 (or rollout.kv.policy: none)")
-    if not on_gpu and cfg.kv.block_size not in (None, 16):
-        raise ValueError(f"{what}: rollout.kv.block_size = {cfg.kv.block_size}; vLLM's CPU MLA backend runs "
-                         "16-token blocks only: leave it null or set 16")
+    if latent is not None:
+        problems = mla_rollout_problems(cfg, f"{model_dir} (kv_lora_rank {latent})", cuda=on_gpu)
+        if problems:
+            raise ValueError("; ".join(problems))
     return latent
 
 
