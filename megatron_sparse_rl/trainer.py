@@ -92,7 +92,9 @@ def _announce(ctx, counters: dict) -> None:
     log.info("run %s in %s, %s: %s (%.1fM parameters), %d RL steps, learner TP%d PP%d EP%d DP%d%s; full log: %s",
              ctx.owner.run_id[:8], ctx.run_dir, where, ctx.spec.architecture, ctx.spec.parameter_count() / 1e6,
              ctx.run.trainer.steps, lay.tp, lay.pp, lay.ep, lay.dp,
-             f" + {lay.rollout_ranks} rollout ranks" if lay.rollout_ranks else "", ctx.run_dir / "logs")
+             (f" + {lay.rollout_ranks} rollout ranks" if lay.rollout_ranks else "")
+             + (", asynchronous (trainer.max_staleness 1: the next batch sampled while this one trains)"
+                if ctx.run.trainer.max_staleness else ""), ctx.run_dir / "logs")
 
 
 def sft_stage(ctx, correct, counters: dict, report, probe) -> None:
