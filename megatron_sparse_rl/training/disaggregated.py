@@ -158,12 +158,15 @@ class RemoteEngine:
 
     def _command(self, *command) -> list:
         """Send `command` to every rollout rank, gather their answers (a rollout rank's error is raised here)."""
+        self._send(command)
+        return self._gather()
+
+    def _send(self, command: tuple) -> None:
         if not self.driver:
             raise RuntimeError(f"only learner rank {SRC} drives the rollout ranks (this is rank {dist.get_rank()})")
         if self.stopped:
             raise RuntimeError("the rollout ranks were stopped")
         self.group.broadcast_object(command, src=SRC)
-        return self._gather()
 
     def _gather(self) -> list:
         answers = self.group.gather_object(None, dst=SRC)
@@ -199,9 +202,7 @@ class RemoteEngine:
             raise RuntimeError("the rollout ranks are already sampling ahead: collect_ahead first")
         per_call = [self._parts(*call) for call in calls]
         per_engine = [[parts[e] for parts in per_call] for e in range(len(self.ranks) // self.engine_tp)]
-        if not self.driver or self.stopped:
-            raise RuntimeError(f"only learner rank {SRC} drives the rollout ranks, until they are stopped")
-        self.group.broadcast_object(("generate_ahead", per_engine, recompute), src=SRC)
+        self._send(("generate_ahead", per_engine, recompute))
         self.ahead = True
 
     def collect_ahead(self) -> tuple[list[RolloutBatch], dict[str, float]]:
@@ -265,14 +266,21 @@ def _handle(rr: RolloutRank, command: tuple):
     if op == "generate_ahead":
         return _sample_ahead(rr, command[1][rr.index // rr.engine_tp], recompute=command[2])
     if op == "sync":
-        from megatron_sparse_rl.weight_sync.disaggregated import receive_weights
-
-        receive_weights(rr.engine, rr.weights_group or rr.sync_group, src=SRC)
-        rr.engine.weight_version = command[1]
+        _receive(rr, command[1])
         return None
     if op == "probe":
         return torch.stack(rr.engine.prompt_logprobs(command[1]))
     raise ValueError(f"rollout rank {rr.rank}: unknown command {op!r}")
+
+
+def _receive(rr: RolloutRank, version: int | None) -> None:
+    """The weight stream from rank `SRC` into this rank's engine (checksummed, `receive_weights`), which then holds
+    `version` (None: the caller records it, as `RolloutEngine.update_in_flight` does)."""
+    from megatron_sparse_rl.weight_sync.disaggregated import receive_weights
+
+    receive_weights(rr.engine, rr.weights_group or rr.sync_group, src=SRC)
+    if version is not None:
+        rr.engine.weight_version = version
 
 
 class _Stopped(Exception):
@@ -299,12 +307,10 @@ def _sample_ahead(rr: RolloutRank, calls: list[tuple], *, recompute: bool) -> tu
             raise _Stopped
         loaded.append(True)
         start = time.perf_counter()
-        receive = lambda: receive_weights(rr.engine, rr.sync_group, src=SRC)  # noqa: E731
         if in_flight:
-            rr.engine.update_in_flight(receive, version, recompute=recompute)
+            rr.engine.update_in_flight(lambda: _receive(rr, None), version, recompute=recompute)
         else:
-            receive()
-            rr.engine.weight_version = version
+            _receive(rr, version)
         seconds["load_s"], seconds["in_flight"] = time.perf_counter() - start, float(in_flight)
 
     def between_steps() -> None:
@@ -322,7 +328,7 @@ def _sample_ahead(rr: RolloutRank, calls: list[tuple], *, recompute: bool) -> tu
             arrival.wait()
             if word[0] == AHEAD_STOP:
                 raise _Stopped from None
-            receive_weights(None, rr.sync_group, src=SRC)
+            receive_weights(None, rr.weights_group or rr.sync_group, src=SRC)  # drained, not loaded
         raise
     seconds["generate_s"] = time.perf_counter() - start - seconds["load_s"]
     if not loaded:
