@@ -18,7 +18,8 @@ gloo, TP1, every rank with one thread (megatron_sparse_rl/parallel/spawn.py).
   messages of the bucket size, timed until rank 1 acknowledges.
 
 Each mode prints one line with its ratio(s), then the time of each phase of its best sync (`SyncStats.phases`:
-export, pack, digest, transport, verify, rebuild, load; seconds and fraction of the sync), the logprob probe's
+export, pack, digest, transport, verify, rebuild, load; seconds and fraction of the sync; a disaggregated sync
+runs its two ends in two threads per rank, so there they may add up to more than the sync), the logprob probe's
 time (run after the syncs, not part of them), and the routed experts' export + load time per expert and layer
 (run with `--experts 16` and `--experts 64` to see that it does not grow with the expert count). Every number
 is the best of `--repeats`, and each ratio is taken from numbers measured in the same processes in one run. The engine's prompt logprobs of a probe are
@@ -81,6 +82,29 @@ def _learner_copy_bps(learner, repeats: int) -> float:
     return plain_copy_bytes_per_s([t.clone() for _, t in iter_hf_tensors(learner)], repeats)
 
 
+def repack_bytes_per_s(learner, repeats: int) -> tuple[float, int] | None:
+    """(bytes/s, bytes) of vLLM's CPU linear-kernel repack (the oneDNN handle every linear layer's weight is packed
+    into after a load, `dispatch_cpu_unquantized_gemm`) over the learner's 2-D non-expert projection weights, best
+    of `repeats`; None where vLLM has no oneDNN path (not a CPU build). A colocated sync into a CPU engine pays it
+    on every such byte: the handle holds a packed copy, so the weight cannot be copied in place."""
+    from vllm import _custom_ops as ops
+
+    from megatron_sparse_rl.weight_sync import iter_hf_tensors
+
+    if not (getattr(ops, "_supports_onednn", False) and hasattr(ops, "create_onednn_mm")):
+        return None
+    weights = [t.clone() for name, t in iter_hf_tensors(learner)
+               if t.dim() == 2 and name.endswith("proj.weight") and ".experts." not in name]
+    nbytes = sum(t.numel() * t.element_size() for t in weights)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in weights:
+            ops.create_onednn_mm(w.t(), 32)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best, nbytes
+
+
 def _engine(model_dir):
     from megatron_sparse_rl.config.rollout import RolloutConfig
     from megatron_sparse_rl.rollout import RolloutEngine
@@ -125,9 +149,10 @@ def colocated_worker(rank, world_size, model_dir, bucket_mb, repeats):
     diff = verify_logprobs(learner, engine, PROBE, tol=LOGPROB_TOL)
     probe_s = time.perf_counter() - start
     copy_bps = _learner_copy_bps(learner, repeats)
+    repack = repack_bytes_per_s(learner, repeats)
     engine.shutdown()
     return {"seconds": [s.seconds for s in syncs], "stats": _best(syncs), "copy_bps": copy_bps,
-            "diff": (before, diff), "probe_s": probe_s}
+            "diff": (before, diff), "probe_s": probe_s, "repack": repack}
 
 
 def _best(syncs):
@@ -236,9 +261,12 @@ def phase_line(who: str, stats) -> str:
 
     total = stats.seconds
     timed = {p: stats.phases.get(p, 0.0) for p in PHASES if stats.phases.get(p, 0.0) > 0}
-    timed["other"] = max(total - sum(timed.values()), 0.0)
+    busy = sum(timed.values())
+    if busy <= total:
+        timed["other"] = total - busy
     parts = ", ".join(f"{p} {sec:.3f} s ({sec / total:.0%})" for p, sec in timed.items())
-    return f"  {who} phases of its best sync ({total:.3f} s): {parts}"
+    overlap = f"; pipelined: the phases overlap, adding up to {busy:.3f} s ({busy / total:.0%})" if busy > total else ""
+    return f"  {who} phases of its best sync ({total:.3f} s): {parts}{overlap}"
 
 
 def expert_line(stats, args, what: str = "export + load") -> str:
@@ -258,7 +286,16 @@ def run_colocated(model_dir, args) -> str:
             f"plain copy {_gbps(out['copy_bps'])} = {nbytes / sec / out['copy_bps']:.4f}; "
             f"{_dlogprob(out['diff'])}\n{phase_line('colocated', out['stats'])}\n"
             f"  probe (after the sync, not in it): engine vs learner logprobs {out['probe_s']:.3f} s\n"
-            f"{expert_line(out['stats'], args)}")
+            f"{expert_line(out['stats'], args)}{_repack_line(out['repack'], out['copy_bps'])}")
+
+
+def _repack_line(repack, copy_bps: float) -> str:
+    if repack is None:
+        return ""
+    bps, nbytes = repack
+    return (f"\n  engine repack: vLLM's CPU oneDNN pack of the linear layers' weights ({nbytes / 2**20:.1f} MiB, not "
+            f"the experts) {_gbps(bps)} / plain copy = {bps / copy_bps:.4f}: paid per such byte by every sync into a "
+            "CPU engine (the kernel holds a packed copy, so no in-place fill)")
 
 
 def run_disaggregated(model_dir, args) -> str:

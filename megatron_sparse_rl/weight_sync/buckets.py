@@ -23,6 +23,7 @@ Each phase of a sync is timed with one `perf_counter` pair per tensor or bucket 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -58,21 +59,24 @@ class PhaseTimes:
     """Seconds per phase of one sync, accumulated with `perf_counter` pairs (never inside per-element loops), and
     the export + engine-load seconds of routed-expert tensors (`expert_seconds`)."""
 
-    __slots__ = ("seconds", "expert_seconds")
+    __slots__ = ("seconds", "expert_seconds", "_lock")
 
     def __init__(self):
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.expert_seconds = 0.0
+        self._lock = threading.Lock()  # a pipelined sync times its two ends from two threads (pipeline.py)
 
     def expert(self, name: str, seconds: float) -> None:
         """Count `seconds` spent on tensor `name` to the experts when it is a routed expert's."""
         if _ROUTED_EXPERT.search(name):
-            self.expert_seconds += seconds
+            with self._lock:
+                self.expert_seconds += seconds
 
     def add(self, phase: str, since: float) -> float:
         """Count `now - since` to `phase`; returns now (the start of whatever follows)."""
         now = time.perf_counter()
-        self.seconds[phase] += now - since
+        with self._lock:
+            self.seconds[phase] += now - since
         return now
 
 

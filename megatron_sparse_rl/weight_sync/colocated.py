@@ -5,10 +5,11 @@
 Every learner rank must call it (it runs collectives); `engine` may be None on ranks that own no
 engine: they take part in the gathers and drop the stream. What arrived is checked with
 `weight_sync/verify.py`. The stream reaches the engine through ONE
-`engine.load_weights` call fed lazily, bucket by bucket (`buckets.Feed`, as in a disaggregated sync), so at
-most one bucket (plus the tensor being gathered) is alive beyond the engine's own weights; each bucket is
-checksum-verified before its tensors are handed over. `stats.phases` holds the seconds per phase (export, pack,
-digest, verify, load; `buckets.PHASES`).
+`engine.load_weights` call fed lazily, bucket by bucket (`buckets.Feed`, as in a disaggregated sync); each bucket
+is checksum-verified before its tensors are handed over. The two ends are pipelined (weight_sync/pipeline.py): a
+thread exports (the learners' gathers), packs and digests bucket k+1 while the engine loads bucket k, so at most
+three buckets (plus the tensor being gathered) are alive beyond the engine's own weights. `stats.phases` holds the
+seconds per phase (export, pack, digest, verify, load; `buckets.PHASES`), which overlap.
 
 What the checksum covers here: each tensor's digest is taken over the exported bytes (`iter_hf_tensors`' tensor,
 made contiguous) and checked over the bucket bytes the engine is then given, i.e. the packing copy and the
@@ -22,6 +23,7 @@ import time
 
 from megatron_sparse_rl.weight_sync.buckets import Feed, PhaseTimes, SyncStats, pack_buckets, timed
 from megatron_sparse_rl.weight_sync.export import iter_hf_tensors
+from megatron_sparse_rl.weight_sync.pipeline import prefetched
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,8 @@ def sync_to_engine(learner, engine, *, bucket_mb: float = 256.0, verify: bool = 
     start = time.perf_counter()
     clock = PhaseTimes()
     buckets = pack_buckets(timed(iter_hf_tensors(learner), clock), bucket_mb=bucket_mb, clock=clock)
-    feed = Feed(buckets, verify=verify, corrupt=_corrupt, clock=clock)
+    # export, pack and digest bucket k+1 (a thread of its own) while the engine loads bucket k
+    feed = Feed(prefetched(buckets), verify=verify, corrupt=_corrupt, clock=clock)
     feed.load_into(engine)
     stats = feed.stats(time.perf_counter() - start)
     log.debug("weight sync: %d tensors, %.1f MB in %d buckets, %.3f s (%.1f MB/s)", stats.tensors,

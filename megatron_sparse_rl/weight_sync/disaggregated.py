@@ -20,8 +20,12 @@ full-shape, NaN-padded tensors for vLLM's loaders and raises if a loader copied 
 outside the slice it was sent).
 Without them every rank receives whole tensors and vLLM's loaders narrow them.
 
+Both ends are pipelined (weight_sync/pipeline.py): the sender exports, packs and digests bucket k+1 in a thread
+while bucket k is on the wire; the receiver receives bucket k+1 in a thread while the engine loads bucket k. Each
+side then holds at most three buckets (the one in use, one queued, the one being produced), and its phases overlap:
+they add up to more than the sync's wall time.
 Receive side: each bucket is checksum-verified (`verify_bucket`) before its tensors reach
-`engine.load_weights` (one call, fed lazily: at most one bucket beyond the engine's weights is alive).
+`engine.load_weights` (one call, fed lazily).
 `keep(name) -> bool` filters by name (default: all). Both sides return `SyncStats` whose `phases` hold the
 seconds per phase (sender: export, pack, digest, transport; receiver: transport, verify, rebuild, load).
 On a failed checksum the receiver drains the rest of the stream (the sender never blocks) and raises
@@ -40,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from megatron_sparse_rl.weight_sync.buckets import Bucket, Feed, PhaseTimes, SyncStats, group_tensors, seal, timed
 from megatron_sparse_rl.weight_sync.engine_shards import Cut, EngineShards, expand
 from megatron_sparse_rl.weight_sync.export import WeightSyncError, iter_hf_tensors
+from megatron_sparse_rl.weight_sync.pipeline import prefetched
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +90,8 @@ def send_weights(learner, group=None, *, src: int, bucket_mb: float = 256.0, sha
             nbytes, tensors = nbytes + tensor.numel() * tensor.element_size(), tensors + 1
         return SyncStats(nbytes, time.perf_counter() - start, 0, tensors, dict(clock.seconds), clock.expert_seconds)
     targets = list(shard_groups) if shards is not None else [group]
-    for target, bucket in _outgoing(learner, bucket_mb, shards, targets, clock):
+    # pack bucket k+1 (export, copy, digest: a thread of its own) while bucket k is on the wire
+    for target, bucket in prefetched(_outgoing(learner, bucket_mb, shards, targets, clock)):
         count, nbytes, tensors = count + 1, nbytes + bucket.payload, tensors + len(bucket.metas)
         sending = time.perf_counter()
         target.broadcast_object((bucket.index, bucket.metas, bucket.cuts), src=src)
@@ -158,7 +164,8 @@ def receive_weights(engine, group, *, src: int, verify: bool = True, keep: Calla
     """
     start = time.perf_counter()
     reads, clock = _SliceReads(), PhaseTimes()
-    feed = Feed(_receive_buckets(group, src, clock), verify=verify, keep=keep, rebuild=reads.rebuild,
+    # receive bucket k+1 (a thread of its own) while the engine loads bucket k
+    feed = Feed(prefetched(_receive_buckets(group, src, clock)), verify=verify, keep=keep, rebuild=reads.rebuild,
                 corrupt=_corrupt, clock=clock)
     feed.load_into(engine, watch=reads)
     if reads.bad:
