@@ -11,7 +11,7 @@ learner, vLLM engine) of --config (default configs/sparse_rl_compare.yaml):
                    pi_theta / pi_old with pi_old the learner's dense recompute; nothing corrects mu != pi_old);
   3. sparse_rl:    the same engine + algorithm.corrections.sparse_rl (rejection + reweighting).
 Seed s adds s to model.tiny.seed, learner.seed, rollout.seed (sampling, evaluation) and data.seed (prompt order)
-of the config; data.arithmetic.seed stays, so the held-out problems are the same for every seed.
+of the config; data.arithmetic.seed (data.chain.seed) stays, so the held-out problems are the same for every seed.
 Then each final model is evaluated on the held-out prompts, in this process, by three vLLM engines, each started
 once and given every model's weights in turn (`RolloutEngine.load_weights` from its hf_final): "dense"
 (rollout.kv.policy=none: the dense arm's engine), "sparse" (the config's rollout.kv: the sparse arms' engine),

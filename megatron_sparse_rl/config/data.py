@@ -10,11 +10,13 @@ from typing import Literal
 from megatron_sparse_rl.config.checks import require as _require
 
 ArithmeticOp = Literal["+", "-", "*"]
-DataSource = Literal["arithmetic", "jsonl", "parquet"]
+DataSource = Literal["arithmetic", "chain", "jsonl", "parquet"]
+BUILT_IN_SOURCES = ("arithmetic", "chain")
+"""The sources generated in-process (no file): each has its own section of `data` named like the source."""
 Template = Literal["plain", "chat"]
 RewardKind = Literal["exact", "math"]
 SCRATCHPAD_ANSWER_MARKER = "so"
-"""What precedes the final answer in a scratchpad response ("...,4+2+1=07 so 7633"): the generator writes it,
+"""What precedes the final answer in a worked response ("...,4+2+1=07 so 7633"): the generator writes it,
 the reward reads the answer after its last occurrence (`DataConfig.answer_marker`)."""
 
 
@@ -60,11 +62,42 @@ class ArithmeticConfig:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class ChainConfig:
+    """The built-in digit-chain task: a shift register over digits written state by state from a start number,
+    e.g. "47381=" -> "1:73815,2:38152,...(steps labelled states) so <last state>": each step drops the first digit
+    and appends (first + last) mod 10, so the working reads only its last 2 * width + 4 tokens: a long response
+    whose dependencies are recent, as in reasoning (see megatron_sparse_rl/data/chain.py)."""
+
+    width: int = 5
+    """Digits of the start number and of every state (3..8; 10**width distinct problems)."""
+    steps: int = 9
+    """States written before the answer, each labelled with its one-digit step number (1..9); a response is
+    steps * (width + 3) + width + 4 characters, <eos> included."""
+    train_size: int = 20000
+    """Distinct training problems."""
+    eval_size: int = 200
+    """Distinct held-out evaluation problems (none of them appears in train)."""
+    seed: int = 0
+    """Seed of the generator: the same seed and settings give the same problems, in the same order."""
+
+    def __post_init__(self) -> None:
+        _require(3 <= self.width <= 8, "data.chain.width", "must be in [3, 8]", self.width)
+        _require(1 <= self.steps <= 9, "data.chain.steps", "must be in [1, 9]", self.steps)
+        _require(self.train_size >= 1, "data.chain.train_size", "must be >= 1", self.train_size)
+        _require(self.eval_size >= 0, "data.chain.eval_size", "must be >= 0", self.eval_size)
+        _require(2 * (self.train_size + self.eval_size) <= 10 ** self.width, "data.chain.train_size",
+                 f"plus eval_size must be at most half of the 10**width = {10 ** self.width} start numbers",
+                 self.train_size)
+        _require(self.seed >= 0, "data.chain.seed", "must be >= 0", self.seed)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class DataConfig:
     """Where prompts (and their reference answers) come from, how they are templated and streamed."""
 
     source: DataSource = "arithmetic"
-    """arithmetic (built-in generator, see `arithmetic`), jsonl or parquet (files at `path`/`eval_path`)."""
+    """arithmetic or chain (built-in generators, see the sections of those names), jsonl or parquet (files at
+    `path`/`eval_path`)."""
     path: str = ""
     """Training prompts file (jsonl: one JSON object per line; parquet: a table); required for jsonl/parquet."""
     eval_path: str = ""
@@ -85,9 +118,11 @@ class DataConfig:
     """Seed of the per-epoch shuffle of the prompt stream."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """The synthetic arithmetic task (used when source is arithmetic)."""
+    chain: ChainConfig = field(default_factory=ChainConfig)
+    """The synthetic digit-chain task (used when source is chain)."""
 
     def __post_init__(self) -> None:
-        if self.source != "arithmetic":
+        if self.source not in BUILT_IN_SOURCES:
             _require(bool(self.path), "data.path", f"must be set when data.source is {self.source!r}", self.path)
         _require(bool(self.prompt_key), "data.prompt_key", "must be non-empty", self.prompt_key)
         _require(bool(self.answer_key), "data.answer_key", "must be non-empty", self.answer_key)
@@ -98,10 +133,11 @@ class DataConfig:
 
     @property
     def answer_marker(self) -> str:
-        """What the final answer follows in a response: `SCRATCHPAD_ANSWER_MARKER` for the scratchpad arithmetic
-        task, '' (the answer is the whole first line) otherwise. The trainer hands it to the reward."""
-        scratchpad = self.source == "arithmetic" and self.arithmetic.scratchpad
-        return SCRATCHPAD_ANSWER_MARKER if scratchpad else ""
+        """What the final answer follows in a response: `SCRATCHPAD_ANSWER_MARKER` for the worked tasks (scratchpad
+        arithmetic, the digit chain), '' (the answer is the whole first line) otherwise. The trainer hands it to
+        the reward."""
+        worked = self.source == "chain" or (self.source == "arithmetic" and self.arithmetic.scratchpad)
+        return SCRATCHPAD_ANSWER_MARKER if worked else ""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

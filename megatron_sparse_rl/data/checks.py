@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_sparse_rl.config.data import DataConfig
+from megatron_sparse_rl.config.data import BUILT_IN_SOURCES, DataConfig
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.data.datasets import DatasetError, all_too_long, encode_one, iter_prompts
 from megatron_sparse_rl.data.task import no_held_out_note
@@ -49,8 +49,8 @@ class SplitSummary:
 
 
 def _origin(cfg: DataConfig, split: Split) -> str:
-    if cfg.source == "arithmetic":
-        return "data.arithmetic"
+    if cfg.source in BUILT_IN_SOURCES:
+        return f"data.{cfg.source}"
     field, path = ("data.path", cfg.path) if split == "train" else ("data.eval_path", cfg.eval_path)
     return f"{field} {path!r}" if path else ""
 

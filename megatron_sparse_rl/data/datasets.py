@@ -28,9 +28,9 @@ from typing import Any, Generic, Iterator, Literal, Sequence, TypeVar
 import numpy as np
 
 from megatron_sparse_rl._optional import require
-from megatron_sparse_rl.config.data import DataConfig
+from megatron_sparse_rl.config.data import BUILT_IN_SOURCES, DataConfig
 from megatron_sparse_rl.config.loader import ConfigError
-from megatron_sparse_rl.data import arithmetic
+from megatron_sparse_rl.data import arithmetic, chain
 from megatron_sparse_rl.data.templates import encode_prompt
 from megatron_sparse_rl.data.types import Example, Prompt
 
@@ -171,9 +171,10 @@ def iter_prompts(cfg: DataConfig, split: Literal["train", "eval"]) -> Iterator[P
     if unset). A file's errors are prefixed with the config field that names it ("data.path: ...")."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
-    if cfg.source == "arithmetic":
+    if cfg.source in BUILT_IN_SOURCES:
         try:
-            train, held_out = arithmetic.generate(cfg.arithmetic)
+            train, held_out = (arithmetic.generate(cfg.arithmetic) if cfg.source == "arithmetic"
+                               else chain.generate(cfg.chain))
         except ValueError as e:
             raise DatasetError(str(e)) from None
         yield from (train if split == "train" else held_out)

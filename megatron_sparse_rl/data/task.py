@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from megatron_sparse_rl.config.data import DataConfig
+from megatron_sparse_rl.config.data import BUILT_IN_SOURCES, DataConfig
 from megatron_sparse_rl.data.datasets import PromptStream, encode_prompts, load_prompts
 from megatron_sparse_rl.data.types import Example
 
@@ -71,7 +71,7 @@ class Task:
 
 def no_held_out_note(cfg: DataConfig) -> str:
     """What happens when `cfg` has no held-out split (said by `build_task` and `msrl validate`)."""
-    why = "data.arithmetic.eval_size is 0" if cfg.source == "arithmetic" else "data.eval_path is unset"
+    why = f"data.{cfg.source}.eval_size is 0" if cfg.source in BUILT_IN_SOURCES else "data.eval_path is unset"
     return (f"{why}: evaluation and the weight-sync probe use the first train prompts, so eval/accuracy "
             "is measured on prompts the policy trains on (not held out)")
 
