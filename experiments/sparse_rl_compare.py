@@ -4,7 +4,8 @@ two sparse engines ("Sparse-RL evidence that holds up", item 2). Small scale, CP
 Per seed s (0 .. --seeds - 1) every run is a real `msrl train` (the trainer's `train(load_config(...))`, Megatron-Core
 learner, vLLM engine) of --config (default configs/sparse_rl_compare.yaml):
   0. warm start: model.tiny built with seed s (or the config's model.path), then --sft-steps SFT steps (dense
-     engine), exported to OUT/seed<s>/warm_start/hf_final (--sft-steps 0: the model itself); shared by the seed's
+     engine; with --sft-target A it stops once held-out accuracy reaches A), exported to
+     OUT/seed<s>/warm_start/hf_final (--sft-steps 0: the model itself); shared by the seed's
      three arms;
   1. dense:        rollout.kv.policy=none (full KV cache), no correction;
   2. naive_sparse: the config's sparse rollout.kv engine, no correction (samples from the sparse sampler mu, ratio
@@ -85,6 +86,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help=f"RL steps per run (default {FULL['steps']})")
     p.add_argument("--sft-steps", type=int,
                    help=f"SFT warm-start steps per seed (default {FULL['sft_steps']}; 0: the tiny random model)")
+    p.add_argument("--sft-target", type=float, default=0.0,
+                   help="stop a seed's SFT warm start once its held-out accuracy (dense engine, checked every "
+                        "trainer.sft.eval_every steps) reaches this, so that seeds start RL from comparable models "
+                        "(default 0: run all --sft-steps)")
     p.add_argument("--prompts-per-step", type=int, help="override trainer.prompts_per_step")
     p.add_argument("--eval-prompts", type=int, help="override trainer.eval_prompts (in-run and engine-only evaluation)")
     p.add_argument("--tight-budget", type=int, help="KV budget of the tight sparse evaluation (default: half the "
@@ -103,6 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              ("--window", args.window, 1)):
         if value < low:
             p.error(f"{flag} must be >= {low} (got {value})")
+    if not 0.0 <= args.sft_target <= 1.0:
+        p.error(f"--sft-target must be in [0, 1] (got {args.sft_target})")
     args.error = p.error
     return args
 
@@ -143,7 +150,7 @@ def plan(args, base) -> dict[int, list[Job]]:
             warm = seed_dir / "warm_start" / "hf_final"
             jobs[s].append(Job(f"seed{s}/warm_start", s, "warm_start", seed_dir / "warm_start", (
                 *common, *seeds, f"model.path={model}", "trainer.steps=0", f"trainer.sft.max_steps={args.sft_steps}",
-                "trainer.sft.target_accuracy=0", "rollout.kv.policy=none", OFF)))
+                f"trainer.sft.target_accuracy={args.sft_target}", "rollout.kv.policy=none", OFF)))
         for name, _, sets in ARMS:
             jobs[s].append(Job(f"seed{s}/{name}", s, name, seed_dir / name, (
                 *common, *seeds, f"model.path={warm}", "trainer.sft.max_steps=0", f"trainer.steps={args.steps}",
@@ -313,7 +320,9 @@ def summarize(args, base, tight: int, rows: list[dict], evals: list[dict], start
              if r["eval_own_final"] is not None and r[own[r["arm"]]] is not None]
     per_eval = [e["seconds"] for e in evals]
     setup = (f"{args.config.name}: {args.seeds} seed(s) per arm, {args.steps} RL steps per run after a "
-             f"{args.sft_steps}-step SFT warm start per seed (shared by its three arms); sparse arms: rollout.kv "
+             f"{args.sft_steps}-step SFT warm start per seed"
+             + (f" (stopped once held-out accuracy reached {args.sft_target})" if args.sft_target else "")
+             + f" (shared by its three arms); sparse arms: rollout.kv "
              f"policy={kv.policy} budget={kv.budget} window={kv.window} interval={kv.interval}; evaluation engines: "
              f"dense, sparse at budget {kv.budget}, tight at budget {tight}; "
              f"extra overrides: {' '.join(args.overrides) or 'none'}")
@@ -321,7 +330,7 @@ def summarize(args, base, tight: int, rows: list[dict], evals: list[dict], start
         "title": f"dense vs naive sparse vs Sparse-RL ({args.config.name}, {kv.policy} budget {kv.budget}, "
                  f"{args.seeds} seed(s))",
         "setup": setup, "config": str(args.config), "seeds": args.seeds, "steps": args.steps,
-        "sft_steps": args.sft_steps, "window": args.window, "overrides": args.overrides,
+        "sft_steps": args.sft_steps, "sft_target": args.sft_target, "window": args.window, "overrides": args.overrides,
         "kv": {"policy": kv.policy, "budget": kv.budget, "tight_budget": tight, "window": kv.window,
                "interval": kv.interval},
         "arms": arms, "labels": LABELS, "eval_modes": list(S.EVAL_MODES),

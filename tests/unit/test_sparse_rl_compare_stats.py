@@ -150,6 +150,10 @@ def test_plan_seeds_and_arm_overrides(tmp_path):
         assert run.data.arithmetic.seed == base.data.arithmetic.seed  # the same held-out problems
     assert runs["warm_start"].model.path == str(tmp_path / "seed1" / "model")
     assert runs["warm_start"].trainer.sft.max_steps == 5 and runs["warm_start"].rollout.kv.policy == "none"
+    assert runs["warm_start"].trainer.sft.target_accuracy == 0.0  # all --sft-steps unless --sft-target
+    args = C.parse_args(["--seeds", "2", "--sft-steps", "5", "--sft-target", "0.6", "--out", str(tmp_path)])
+    warm = load_config(C.CONFIG, C.plan(args, load_config(C.CONFIG))[0][0].sets)
+    assert (warm.trainer.sft.max_steps, warm.trainer.sft.target_accuracy) == (5, 0.6)
     for arm in ("dense", "naive_sparse", "sparse_rl"):
         assert runs[arm].model.path == str(tmp_path / "seed1" / "warm_start" / "hf_final")
         assert runs[arm].trainer.sft.max_steps == 0 and runs[arm].trainer.steps == 100
@@ -162,6 +166,7 @@ def test_plan_seeds_and_arm_overrides(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--seeds", "0"], "--seeds must be >= 1 (got 0)"),
     (["--steps", "0"], "--steps must be >= 1 (got 0)"),
+    (["--sft-target", "1.5"], "--sft-target must be in [0, 1] (got 1.5)"),
     (["--tight-budget", "4"], "--tight-budget 4 must be below the training budget"),
     (["--tight-budget", "1"], "rollout.kv.budget must be >= window (got 1 < 2)"),
     (["--set", "rollout.kv.policy=none"], "the sparse arms need a sparse rollout.kv.policy"),
