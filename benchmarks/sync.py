@@ -18,8 +18,8 @@ gloo, TP1, every rank with one thread (megatron_sparse_rl/parallel/spawn.py).
   messages of the bucket size, timed until rank 1 acknowledges.
 
 Each mode prints one line with its ratio(s), then the time of each phase of its best sync (`SyncStats.phases`:
-export, pack, digest, transport, verify, rebuild, load; seconds and fraction of the sync; a disaggregated sync
-runs its two ends in two threads per rank, so there they may add up to more than the sync), the logprob probe's
+export, pack, digest, transport, verify, rebuild, load; seconds and fraction of the sync; every sync runs its two
+ends in two threads per rank (weight_sync/pipeline.py), so they may add up to more than the sync), the logprob probe's
 time (run after the syncs, not part of them), and the routed experts' export + load time per expert and layer
 (run with `--experts 16` and `--experts 64` to see that it does not grow with the expert count). Every number
 is the best of `--repeats`, and each ratio is taken from numbers measured in the same processes in one run. The engine's prompt logprobs of a probe are

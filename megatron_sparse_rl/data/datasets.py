@@ -166,15 +166,18 @@ def read_parquet(path: str | Path, prompt_key: str = "prompt", answer_key: str =
     return list(iter_parquet(path, prompt_key, answer_key))
 
 
+_GENERATORS = {"arithmetic": arithmetic.generate, "chain": chain.generate}
+"""The in-process generator of each of `BUILT_IN_SOURCES`: its config section -> (train, eval) prompts."""
+
+
 def iter_prompts(cfg: DataConfig, split: Literal["train", "eval"]) -> Iterator[Prompt]:
     """The raw prompts of one split, streamed. jsonl/parquet read `path` (train) or `eval_path` (eval; none
     if unset). A file's errors are prefixed with the config field that names it ("data.path: ...")."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
     if cfg.source in BUILT_IN_SOURCES:
-        try:
-            train, held_out = (arithmetic.generate(cfg.arithmetic) if cfg.source == "arithmetic"
-                               else chain.generate(cfg.chain))
+        try:  # each built-in source reads the `data` section named like it
+            train, held_out = _GENERATORS[cfg.source](getattr(cfg, cfg.source))
         except ValueError as e:
             raise DatasetError(str(e)) from None
         yield from (train if split == "train" else held_out)

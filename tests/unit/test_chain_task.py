@@ -117,3 +117,11 @@ def test_chain_config_lengths_fit(tok, monkeypatch):
     kv = run.rollout.kv
     assert kv.policy != "none" and 0.25 <= kv.budget / response <= 0.5
     assert kv.budget + kv.interval - prompt <= response / 2  # most tokens come after the first compaction
+
+
+def test_every_built_in_source_has_a_generator_reading_its_section():
+    from megatron_sparse_rl.config.data import BUILT_IN_SOURCES
+    from megatron_sparse_rl.data.datasets import _GENERATORS
+
+    assert set(_GENERATORS) == set(BUILT_IN_SOURCES)
+    assert all(hasattr(DataConfig(), source) for source in BUILT_IN_SOURCES)
