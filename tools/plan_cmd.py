@@ -25,19 +25,21 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_sparse_rl.config.checks import finite, positive
+
     a = parser.add_argument
     a("model", help="bundled model name or HF model directory / config.json")
     a("--gpus", type=int, default=None, help="total GPUs of the learner (default: nodes * gpus-per-node)")
     a("--nodes", type=int, default=None, help="nodes (default: gpus / gpus-per-node)")
     a("--gpus-per-node", type=int, default=8, help="GPUs joined by NVLink in one node (TP stays inside one; EP "
       "groups and engines across nodes are flagged)")
-    a("--gpu-mem", type=float, required=True, metavar="GiB", help="memory of one GPU")
+    a("--gpu-mem", type=positive(float), required=True, metavar="GiB", help="memory of one GPU")
     a("--seq-len", type=int, default=32768, help="tokens per sequence (prompt + response), learner and rollout")
     a("--micro-batch", type=int, default=1)
     a("--recompute", choices=("full", "none"), default="full")
     a("--grad-dtype", choices=("fp32", "bf16"), default="fp32")
     a("--optimizer-offload", action="store_true", help="master weights + Adam states on the host")
-    a("--margin", type=float, default=0.10, metavar="FRACTION",
+    a("--margin", type=finite, default=0.10, metavar="FRACTION",
       help="headroom a layout should keep, as a fraction of GPU memory (default 0.10); tighter layouts rank lower")
     a("--top", type=int, default=8, help="fitting layouts to show")
     a("--layout", default=None, metavar="TP,PP,EP", help="also evaluate this one layout (e.g. 8,8,32)")

@@ -5,7 +5,9 @@ sub-config (never the root). Cross-component checks live in `validate.py`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Literal
 
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
@@ -15,6 +17,7 @@ from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.trainer import TrainerConfig
 from megatron_sparse_rl.config.checks import check as _check
+from megatron_sparse_rl.config.checks import require_finite
 
 
 QWEN_ARCHS = ("qwen3_moe", "qwen3")
@@ -198,8 +201,9 @@ class OptimizerConfig:
         _check(0 <= self.min_lr <= self.lr, f"learner.optimizer.min_lr must be in [0, lr={self.lr}] (got {self.min_lr})")
         _check(self.warmup_steps >= 0, f"learner.optimizer.warmup_steps must be >= 0 (got {self.warmup_steps})")
         _check(self.weight_decay >= 0, f"learner.optimizer.weight_decay must be >= 0 (got {self.weight_decay})")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
-               f"learner.optimizer.beta1/beta2 must be in [0, 1) (got {self.beta1}, {self.beta2})")
+        for name in ("beta1", "beta2"):
+            _check(0 <= getattr(self, name) < 1,
+                   f"learner.optimizer.{name} must be in [0, 1) (got {getattr(self, name)})")
         _check(self.eps > 0, f"learner.optimizer.eps must be > 0 (got {self.eps})")
         _check(self.clip_grad >= 0, f"learner.optimizer.clip_grad must be >= 0 (got {self.clip_grad})")
 
@@ -264,9 +268,35 @@ class LoggingConfig:
     tensorboard: bool = True
     """Also write TensorBoard event files (when tensorboard is installed)."""
     overwrite: bool = False
-    """Start a fresh run even when `dir` holds another run: that run's artifacts (run.json, metrics, plots,
-    TensorBoard events, logs, hf_final, its checkpoints) are removed first. Off: such a directory is refused
-    unless the run resumes it."""
+    """Start a fresh run even when `dir` holds a previous run: what that run recorded in its run.json that it wrote
+    (run.json, metrics, plots, TensorBoard events, logs, hf_final, the checkpoints carrying its id) is removed
+    first, nothing else; files no run recorded are refused instead. Off: such a directory is refused unless the
+    run resumes it."""
+
+    def __post_init__(self):
+        _check_run_dir(self.dir)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _check_run_dir(text: str) -> None:
+    """Refuse a `logging.dir` that cannot be a run's own directory: empty, the filesystem root, the home directory,
+    the current directory or one above it, this repository's root, or an existing file."""
+    allowed = ("allowed: a directory of its own for this run, new or holding only this run's files, e.g. "
+               "runs/my_run")
+    _check(bool(text.strip()), f"logging.dir must not be empty ({allowed})")
+    path = Path(os.path.abspath(text))
+    cwd, home = Path.cwd().resolve(), Path.home().resolve()
+    real = path.resolve()
+    named = {Path(real.anchor): "the filesystem root", home: "your home directory", cwd: "the current directory"}
+    if (REPO_ROOT / "setup.py").is_file():
+        named.setdefault(REPO_ROOT, "this repository's root")
+    what = named.get(real) or ("a directory above the current one" if real in cwd.parents else None)
+    _check(what is None, f"logging.dir {text!r} is {what}: a run writes, and logging.overwrite removes, its files "
+                         f"there ({allowed})")
+    _check(not path.exists() or path.is_dir(), f"logging.dir {text!r} is an existing file, not a directory "
+                                               f"({allowed})")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -297,3 +327,8 @@ class RunConfig:
     """Run directory and logs."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """Process layout for launchers."""
+
+    def __post_init__(self):
+        # Every float of the config must be finite (inf and nan are never meant); the sections' own range checks
+        # ran first, so this catches what they let through (an inf learning rate, clip, tolerance, ...).
+        require_finite(self)

@@ -14,6 +14,8 @@ s^2), 1F1B keeping `pp` micro-batches in flight on the first stage, fp32 logits 
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from math import ceil
 
@@ -47,6 +49,9 @@ class PlanOptions:
     A layout that fits with less ranks below every fitting layout that keeps it."""
 
     def __post_init__(self):
+        for name in ("gpu_mem_gib", "reserve_gib", "margin"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite (got {getattr(self, name)})")
         if self.gpus < 1 or self.gpus_per_node < 1 or self.gpu_mem_gib <= 0:
             raise ValueError(f"gpus and gpus_per_node must be >= 1 and gpu_mem_gib > 0 (got {self.gpus}, "
                              f"{self.gpus_per_node}, {self.gpu_mem_gib:g})")

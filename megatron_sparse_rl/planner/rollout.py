@@ -17,6 +17,8 @@ budget + interval latent rows per layer. Sparse KV on the MLA latent runs on sin
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from math import ceil
 
@@ -112,6 +114,9 @@ def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq
     """Weights, KV room and sequences per engine of `engine_gpus` GPUs, dense (`seq_len` tokens) and sparse
     (`budget` + `interval` tokens, or latent rows for MLA). The per-token values come from the model's spec
     (`kv_values_per_rank`: K and V of a rank's KV heads, or MLA's whole latent row)."""
+    for name, value in (("gpu_mem_gib", gpu_mem_gib), ("gpu_util", gpu_util), ("reserve_gib", reserve_gib)):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite (got {value})")
     weights = weight_bytes * shape.total_params() / engine_gpus / GiB
     free = max(0.0, gpu_mem_gib * gpu_util - weights - reserve_gib)
     sparse_tokens = min(seq_len, budget + interval)

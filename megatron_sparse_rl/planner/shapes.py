@@ -150,6 +150,15 @@ def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
     return _from_spec(name, get_adapter(cfg).spec_from_hf(cfg))
 
 
+class _NonFinite(ValueError):
+    pass
+
+
+def _no_constant(name: str):
+    """json's hook for the non-standard NaN / Infinity / -Infinity: a size is never one."""
+    raise _NonFinite(f"{name} is not a number a model config may hold (sizes must be finite)")
+
+
 def load_shape(model: str) -> ModelShape:
     """`model`: a bundled name (see bundled_models()), a model directory or a config.json path."""
     bundled = ASSETS / f"{model}.json"
@@ -159,7 +168,9 @@ def load_shape(model: str) -> ModelShape:
         raise ValueError(f"model {model!r} is neither a bundled config ({', '.join(bundled_models())}) "
                          "nor a model directory / config.json")
     try:
-        cfg = json.loads(file.read_text())
+        cfg = json.loads(file.read_text(), parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
+    except _NonFinite as e:
+        raise ValueError(f"{file}: {e}") from None
     return shape_from_config(cfg, model if bundled.is_file() else str(file))

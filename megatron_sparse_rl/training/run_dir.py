@@ -1,12 +1,17 @@
 """Who owns a run directory, so that two runs never mix: `run.json` in `logging.dir` names the run (a random id,
-written when a fresh run starts); every checkpoint it saves records that id (learner/integrity.py).
+written when a fresh run starts), the process running it (`holder`) and what the run writes there (`wrote`); every
+checkpoint it saves records that id (learner/integrity.py).
 
-At start (`claim`, before Megatron or vLLM start):
+At start (`claim`, rank 0, before Megatron or vLLM start), first the directory is locked (training/run_lock.py:
+an flock on the directory itself, held to the end of the run): a directory a live process holds is refused,
+naming that process; a holder that died (even by SIGKILL) released its lock, and its directory is taken over.
+Then:
 - the directory holds nothing of a run (or does not exist): a fresh run; `run.json` is written;
 - it holds this run's identity and `checkpoint.resume` is on: the run continues (from its own checkpoints only);
 - anything else (another run's metrics, checkpoints, exports, or a run to resume while `checkpoint.resume` is
   off) is refused, naming the directory, what is in it and the ways out: resume it, choose another
-  `logging.dir`, or `logging.overwrite=true` (removes the run artifacts listed in `ARTIFACTS`, nothing else).
+  `logging.dir`, or `logging.overwrite=true` (removes what the previous run recorded that it wrote: the names in
+  its `wrote`, the checkpoints carrying its id; files no run recorded are refused, never removed).
 
 A run that continues is checked against the config saved with its newest checkpoint (`check_resume`,
 training/resume_config.py): a change to what the resumed steps compute is refused, listing each as
@@ -22,7 +27,7 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatron_sparse_rl.config.loader import ConfigError, to_dict
@@ -30,6 +35,9 @@ from megatron_sparse_rl.config.schema import RunConfig
 from megatron_sparse_rl.learner.checkpoint import is_complete, read_config
 from megatron_sparse_rl.learner.integrity import owner_of
 from megatron_sparse_rl.training.resume_config import compare
+from megatron_sparse_rl.training.run_lock import (
+    DirLock, RunLockedError, describe, is_this_process, lock, this_process,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +63,12 @@ class RunDir:
     """True when the directory held this run already (`checkpoint.resume` on): its checkpoints may be resumed."""
     compared: Path | None = None
     """The checkpoint whose saved config `claim` compared with this run's (this run's newest complete one)."""
+    lock: DirLock | None = field(default=None, compare=False)
+    """The directory's lock, held by the process that claimed it until it exits (training/run_lock.py)."""
 
 
 def checkpoint_root(run: RunConfig) -> Path:
     return Path(run.checkpoint.dir) if run.checkpoint.dir else Path(run.logging.dir) / "checkpoints"
-
-
-def _read_id(path: Path) -> str | None:
-    try:
-        data = json.loads((path / RUN_FILE).read_text())
-        return str(data["run_id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _present(run_dir: Path, ckpt_root: Path) -> list[Path]:
@@ -101,42 +103,127 @@ def _remove(paths: list[Path]) -> None:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
-def _write_id(run_dir: Path, run: RunConfig) -> str:
-    run_id = uuid.uuid4().hex
-    record = {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": run.model.path}
+def _read_record(run_dir: Path) -> dict:
+    """`run.json` of the run that owns `run_dir` ({} when there is none or it cannot be read)."""
+    try:
+        record = json.loads((run_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _write_record(run_dir: Path, record: dict) -> None:
     tmp = run_dir / f".{RUN_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, run_dir / RUN_FILE)
-    return run_id
+
+
+def _new_record(run_dir: Path, run: RunConfig, ckpt_root: Path) -> dict:
+    """The run.json of a fresh run. It records what the run writes, none of which exists when it starts (a
+    directory holding any of it is refused or overwritten first): its artifacts by name (`wrote`), the checkpoints
+    by the run id in their manifests, and `made_checkpoint_dir` when it makes the checkpoint directory (so that the
+    temporary checkpoints in it are its own too)."""
+    made = not ckpt_root.exists() or (ckpt_root.is_dir() and not any(ckpt_root.iterdir()))
+    return {"run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": run.model.path,
+            "holder": this_process(), "wrote": list(ARTIFACTS), "made_checkpoint_dir": str(ckpt_root) if made else None}
+
+
+def _recorded(run_dir: Path, ckpt_root: Path, record: dict) -> list[Path]:
+    """What the run of `record` wrote, which `logging.overwrite` removes: the names it recorded (a run.json of an
+    older version, without them: the artifacts), the checkpoints carrying its id, and the temporary checkpoints in
+    a checkpoint directory it made."""
+    run_id = record.get("run_id")
+    if run_id is None:
+        return []
+    wrote = record.get("wrote", ARTIFACTS)
+    found = [run_dir / n for n in wrote if isinstance(n, str) and (run_dir / n).exists()]
+    if ckpt_root.is_dir():
+        found += [p for p in sorted(ckpt_root.glob(CHECKPOINT_GLOB)) if owner_of(p) == str(run_id)]
+        made = record.get("made_checkpoint_dir", str(run_dir / "checkpoints") if "wrote" not in record else None)
+        if made == str(ckpt_root):
+            found += sorted(ckpt_root.glob(f".{CHECKPOINT_GLOB}"))
+    return found
+
+
+def _overwrite(run_dir: Path, ckpt_root: Path, record: dict, present: list[Path]) -> None:
+    """`logging.overwrite`: remove what the previous run recorded that it wrote. Anything else a fresh run would
+    mix with (files without a run.json, another run's checkpoints) is refused before anything is removed."""
+    ours = _recorded(run_dir, ckpt_root, record)
+    others = [p for p in present if p not in ours]
+    if others:
+        raise RunDirError(
+            f"logging.dir {str(run_dir)!r} holds files no run recorded in its {RUN_FILE} that it wrote ("
+            + ", ".join(str(p) for p in others[:6]) + (f" and {len(others) - 6} more" if len(others) > 6 else "")
+            + "): logging.overwrite removes only a previous run's own files, never anyone else's. Move them away, "
+            "or start this run in another directory (--set logging.dir=...)")
+    log.warning("logging.overwrite: removing what the previous run wrote: %s", ", ".join(map(str, ours)))
+    _remove(ours)
+
+
+def _made_dirs(run_dir: Path) -> list[Path]:
+    """Make `run_dir` (and missing parents); the directories made, deepest first (removed again on a refusal)."""
+    made, p = [], run_dir
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return made
 
 
 def claim(run: RunConfig) -> RunDir:
-    """Decide whether this run starts fresh or continues (rank 0 only; see the module docstring). Raises
-    RunDirError, having written and removed nothing, when the directory belongs to something else."""
-    run_dir, ckpts = Path(run.logging.dir), checkpoint_root(run)
+    """Lock `logging.dir` (training/run_lock.py), then decide whether this run starts fresh or continues (rank 0
+    only; see the module docstring). Raises RunDirError, having written and removed nothing, when a live process
+    holds the directory or it belongs to something else."""
+    run_dir = Path(run.logging.dir)
+    made = _made_dirs(run_dir)
+    try:
+        held = lock(run_dir, lambda: _read_record(run_dir).get("holder"))
+    except RunLockedError as e:
+        raise RunDirError(str(e)) from None
+    try:
+        return replace(_decide(run, run_dir, checkpoint_root(run)), lock=held)
+    except BaseException:
+        held.release()
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _decide(run: RunConfig, run_dir: Path, ckpts: Path) -> RunDir:
+    """Fresh run or continuation of the run `run.json` names, with `run_dir` locked; refusals write nothing."""
+    record = _read_record(run_dir)
+    holder = record.get("holder")
+    if holder and not is_this_process(holder):
+        log.info("logging.dir %s: its last holder, %s, is no longer running (its lock was free)", run_dir,
+                 describe(holder))
     present = _present(run_dir, ckpts)
-    run_id = _read_id(run_dir)
     if present and run.logging.overwrite:
-        log.warning("logging.overwrite: removing the previous run's artifacts: %s", ", ".join(map(str, present)))
-        _remove(present)
-        present, run_id = [], None
+        _overwrite(run_dir, ckpts, record, present)
+        present, record = _present(run_dir, ckpts), {}
+    run_id = None if record.get("run_id") is None else str(record["run_id"])
     if run_id is not None and run.checkpoint.resume:
         foreign = _foreign_checkpoints(ckpts, run_id)
         if foreign:
             raise _refusal(run_dir, foreign, f"holds checkpoints in {str(ckpts)!r} that run {run_id} did not write")
         newest = (own_checkpoints(ckpts, run_id) or [None])[-1]
+        compared = [] if newest is None else check_resume(newest, run)
+        _write_record(run_dir, {**record, "holder": this_process()})
         if newest is None:
             log.warning("resuming run %s in %s from the start: it has no checkpoint in %s yet", run_id[:8], run_dir,
                         ckpts)
         else:
-            announce_resume(run_id, newest, check_resume(newest, run))
+            announce_resume(run_id, newest, compared)
         return RunDir(run_dir, ckpts, run_id, resuming=True, compared=newest)
     if present:
         why = ("holds a previous run and checkpoint.resume is off" if run_id is not None
                else "holds another run's files")
         raise _refusal(run_dir, present, why)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return RunDir(run_dir, ckpts, _write_id(run_dir, run), resuming=False)
+    record = _new_record(run_dir, run, ckpts)
+    _write_record(run_dir, record)
+    return RunDir(run_dir, ckpts, record["run_id"], resuming=False)
 
 
 def check_resume(checkpoint: Path, run: RunConfig) -> list[str]:

@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.learner.finite import require_finite
 from megatron_sparse_rl.learner.sft import make_sft_loss
 from megatron_sparse_rl.training import rollout as R
 from megatron_sparse_rl.training import update as U
@@ -121,6 +122,9 @@ def train_step(ctx: RunContext, batch, version: int = 0) -> dict[str, float]:
     else:
         metrics.update(U.update(ctx.learner, prep, algo, updates=ctx.run.trainer.updates_per_rollout,
                                 dp_group=ctx.dp_group))
+        # host floats already (no extra sync); raised before this step's weights are synced, saved or exported
+        require_finite({"loss": metrics["loss/value"], "grad norm": metrics["train/grad_norm"]},
+                       f"RL step {version + 1}")
     seconds = time.perf_counter() - t0
     metrics["time/train_s"] = seconds
     metrics["train/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(seconds, 1e-9)
@@ -200,8 +204,9 @@ def evaluate(ctx: RunContext, correct, n: int) -> float:
     return total / max(count, 1.0)
 
 
-def sft_step(ctx: RunContext) -> dict[str, float]:
-    """One supervised step on reference answers (prompt tokens masked out of the loss)."""
+def sft_step(ctx: RunContext, step: int | None = None) -> dict[str, float]:
+    """One supervised step (number `step`, for messages) on reference answers (prompt tokens masked out of the
+    loss). A non-finite loss or gradient norm stops the run (NonFiniteError naming the step)."""
     from megatron_sparse_rl.data import encode_sft
 
     cfg = ctx.run.trainer.sft
@@ -217,4 +222,6 @@ def sft_step(ctx: RunContext) -> dict[str, float]:
     with ctx.learner.scoring_temperature(1.0):  # supervised: the model itself, not the sampling temperature
         out = ctx.learner.train_step(tokens, make_sft_loss(mask, n_global), lr=cfg.lr,
                                      lengths=[len(r.input_ids) for r in rows])
-    return {"sft/loss": _global_sum(ctx, [out["loss"]])[0]}
+    loss = _global_sum(ctx, [out["loss"]])[0]
+    require_finite({"loss": loss, "grad norm": out["grad_norm"]}, "SFT step" + (f" {step}" if step else ""))
+    return {"sft/loss": loss}

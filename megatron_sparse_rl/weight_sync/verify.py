@@ -5,7 +5,9 @@ learner's own `forward_logprobs` (an independent implementation), one comparison
     diff = compare_engines(learner, probe_tokens, tol, engine_logprobs)       # any engines: rows -> {who: logprobs}
 
 Every learner rank calls them (the learner forward is collective); a rank that compares nothing passes
-`engine` / `engine_logprobs` None and gets None. Above `tol` they raise WeightSyncError naming the engine.
+`engine` / `engine_logprobs` None and gets None. Above `tol` they raise WeightSyncError naming the engine. When the
+learner itself is at fault (its weights, or its probe logprobs, are not finite: the training diverged), every rank
+raises NonFiniteError saying so instead: that is not a bad weight sync.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.learner.finite import NonFiniteError, nonfinite_parameters, weights_message
 from megatron_sparse_rl.weight_sync.export import WeightSyncError
 
 EngineLogprobs = Callable[[list[list[int]]], dict[str, torch.Tensor]]
@@ -38,16 +41,33 @@ def compare_engines(learner, tokens, tol: float, engine_logprobs: EngineLogprobs
     rows = _probe_rows(tokens)
     with learner.scoring_temperature(1.0):
         ours = learner.forward_logprobs(rows)["logprobs"].float()
+    if not torch.isfinite(ours).all():  # the same on every rank: all of them raise
+        _learner_not_finite(learner, "")
     if engine_logprobs is None:
         return None
     worst = 0.0
     for who, theirs in engine_logprobs(rows.tolist()).items():
         diff = (theirs.float() - ours).abs().max().item()
         if not diff <= tol:
+            _learner_not_finite(learner, f"{who}: engine logprobs differ from the learner's by {diff:.3e} on the "
+                                         "probe, but ")
             raise WeightSyncError(f"{who}: engine logprobs differ from the learner's by {diff:.3e} on the probe "
                                   f"(tolerance {tol:.1e}): the weight sync moved wrong weights")
         worst = max(worst, diff)
     return worst
+
+
+def _learner_not_finite(learner, prefix: str) -> None:
+    """Raise NonFiniteError when the learner's weights (or, they being finite, its probe logprobs; `prefix` empty)
+    are not finite; return when the learner is fine."""
+    model = getattr(learner, "model", None)  # a stand-in learner (tests) has only forward_logprobs
+    found = nonfinite_parameters(model) if model is not None else []
+    if not found and prefix:
+        return
+    cause = weights_message(found) if found else ("the learner's probe logprobs are not finite (its weights are, "
+                                                  "but its forward overflows)")
+    raise NonFiniteError(f"weight-sync probe: {prefix}{cause}; the training diverged, the weight sync is not at "
+                         "fault. Lower the learning rate (learner.optimizer.lr, trainer.sft.lr)")
 
 
 def verify_logprobs(learner, engine, tokens, tol: float) -> float | None:
