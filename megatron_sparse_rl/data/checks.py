@@ -4,10 +4,11 @@
 `check_data(cfg)` streams every record of the train and eval splits once through the dataset readers'
 own parsing (`datasets.iter_prompts`: the rules are defined there, once) and holds none of them. The first
 problem raises `DatasetError` (`DatasetMissing` when a file does not exist) naming the config field, the
-file and the line (or row): a missing file, an empty one, undecodable bytes, bad JSON, a missing or
-repeated field, a wrong type, a parquet path that does not exist. It reads and writes nothing else.
-Given the run's tokenizer it also applies the `data.max_prompt_tokens` rule to every prompt;
-`check_tokenizer` checks that tokenizer itself.
+file and the line (or row): a missing file, an empty one, undecodable bytes, bad or pathologically nested
+JSON, a missing or repeated field, a wrong type, a whitespace-only prompt, an empty answer, a parquet path
+that does not exist. It reads and writes nothing else. Given the run's tokenizer it also applies the
+`data.max_prompt_tokens` rule to every prompt and refuses characters of a prompt or an answer that the
+tokenizer cannot encode (file:line and the characters); `check_tokenizer` checks that tokenizer itself.
 
     from megatron_sparse_rl.data import check_data
     for split in check_data(run.data):        # DatasetError: "data.path: runs/x.jsonl:3: not valid JSON (...)"

@@ -1,12 +1,16 @@
 """Prompt datasets (JSONL, parquet, the built-in arithmetic task), encoding, and the resumable stream.
 
-- JSONL: one JSON object per line, UTF-8, with `data.prompt_key` (a non-empty string) and
-  `data.answer_key` (a string or a number; numbers become their decimal text). Blank lines are ignored.
-  Any other problem (undecodable bytes, bad JSON, not an object, a missing key, a key given twice, a
-  wrong type) raises `DatasetError` naming the file and the 1-based line number; an empty file and a
-  file that does not exist (`DatasetMissing`) are errors too. Nothing is skipped silently.
+- JSONL: one JSON object per line, UTF-8, with `data.prompt_key` (a string that is not only whitespace) and
+  `data.answer_key` (a non-blank string, or a finite number, which becomes the decimal numeral a response writes:
+  19.0 -> "19", 1e-07 -> "0.0000001"). Blank lines are ignored. Any other problem (undecodable bytes, bad or
+  pathologically nested JSON, not an object, a missing key, a key given twice, a wrong type, an empty answer)
+  raises `DatasetError` naming the file and the 1-based line number; an empty file and a file that does not
+  exist (`DatasetMissing`) are errors too. Nothing is skipped silently.
 - Parquet: read with pyarrow one record batch at a time (an ImportError says how to install it when
   absent); the same checks, reported with the 1-based row number.
+- A prompt or answer holding characters the run's tokenizer cannot encode (it would read them as its unknown
+  token): `DatasetError` naming the line and the characters (`encode_one`, so `msrl validate` and `build_task`,
+  which `msrl train` runs before Megatron and vLLM start, both refuse it).
 - Prompts longer than `data.max_prompt_tokens` after templating: `DatasetError` naming the line
   (on_long_prompt="error"), or dropped and counted (on_long_prompt="skip"; the count is returned by
   `encode_prompts` and held by `PromptStream.skipped` for the trainer to log).
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Generic, Iterator, Literal, Sequence, TypeVar
 
@@ -31,7 +36,7 @@ from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.data import BUILT_IN_SOURCES, DataConfig
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.data import arithmetic, chain
-from megatron_sparse_rl.data.templates import encode_prompt
+from megatron_sparse_rl.data.templates import encode_prompt, unknown_characters
 from megatron_sparse_rl.data.types import Example, Prompt
 
 T = TypeVar("T")
@@ -66,11 +71,28 @@ def _record(obj: Any, where: str, prompt_key: str, answer_key: str) -> Prompt:
     prompt, answer = obj[prompt_key], obj[answer_key]
     if not isinstance(prompt, str) or not prompt:
         raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty string (got {prompt!r})")
+    if not prompt.strip():
+        raise DatasetError(f"{where}: {prompt_key!r} is only whitespace (got {prompt!r}): there is no problem to "
+                           "pose")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise DatasetError(f"{where}: {answer_key!r} must be a string or a number (got {answer!r})")
     if isinstance(answer, float) and not math.isfinite(answer):
         raise DatasetError(f"{where}: {answer_key!r} must be finite (got {answer!r})")
-    return Prompt(text=prompt, answer=str(answer), source=where)
+    if isinstance(answer, str) and not answer.strip():
+        raise DatasetError(f"{where}: {answer_key!r} is empty (got {answer!r}): it would reward a response that "
+                           "answers nothing")
+    return Prompt(text=prompt, answer=answer if isinstance(answer, str) else number_text(answer), source=where)
+
+
+def number_text(value: int | float) -> str:
+    """A dataset's number as the decimal numeral a response writes: 19 -> "19", 19.0 -> "19", 0.5 -> "0.5",
+    1e-07 -> "0.0000001" (no exponent, no fraction ending in zeros, no "-0")."""
+    if isinstance(value, int):
+        return str(value)
+    text = format(Decimal(repr(value)), "f")  # repr: the shortest text that reads back as this float
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
 
 
 def _existing_file(path: str | Path) -> Path:
@@ -104,6 +126,9 @@ def _parse_json(line: str, where: str, keys: tuple[str, str]) -> Any:
         return json.loads(line, object_pairs_hook=no_repeated_keys)
     except json.JSONDecodeError as e:
         raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:  # the parser recurses once per level: a line of "[[[[..." exhausts the stack
+        raise DatasetError(f"{where}: JSON nested too deeply to read (a record is an object of a prompt and an "
+                           "answer)") from None
 
 
 def iter_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> Iterator[Prompt]:
@@ -197,10 +222,28 @@ def load_prompts(cfg: DataConfig, split: Literal["train", "eval"]) -> list[Promp
     return list(iter_prompts(cfg, split))
 
 
+def _check_encodable(prompt: Prompt, tokenizer, ids: list[int]) -> None:
+    """`DatasetError` naming the line and the characters when the prompt (whose templated `ids` are given) or the
+    answer holds characters `tokenizer` reads as its unknown token: the model would see <unk> where the data says
+    something, and could never write such an answer."""
+    for what, text in (("prompt", prompt.text), ("answer", prompt.answer)):
+        if what == "prompt" and getattr(tokenizer, "unk_token_id", None) not in ids:
+            continue  # the usual case, decided from the ids already made
+        chars = unknown_characters(tokenizer, text)
+        if chars:
+            shown = ", ".join(f"{c!r} (U+{ord(c):04X})" if len(c) == 1 else repr(c) for c in chars[:5])
+            more = f" and {len(chars) - 5} more" if len(chars) > 5 else ""
+            raise DatasetError(f"{prompt.source}: the {what} holds {shown}{more}, which the model's tokenizer "
+                               f"cannot encode (it would read {tokenizer.unk_token!r}); remove or replace them, or "
+                               "use a model whose tokenizer covers them")
+
+
 def encode_one(prompt: Prompt, tokenizer, cfg: DataConfig) -> Example | None:
     """The templated, tokenized prompt; None when it is over `cfg.max_prompt_tokens` and
-    on_long_prompt="skip"; `DatasetError` naming its line when on_long_prompt="error"."""
+    on_long_prompt="skip"; `DatasetError` naming its line when on_long_prompt="error", or when the prompt or
+    the answer holds characters the tokenizer cannot encode."""
     text, ids = encode_prompt(tokenizer, prompt.text, cfg.template)
+    _check_encodable(prompt, tokenizer, ids)
     if len(ids) <= cfg.max_prompt_tokens:
         return Example(prompt=text, answer=prompt.answer, ids=tuple(ids), difficulty=prompt.difficulty,
                        source=prompt.source, solution=prompt.solution)

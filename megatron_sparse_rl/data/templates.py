@@ -42,6 +42,24 @@ def encode_prompt(tokenizer, text: str, template: str) -> tuple[str, list[int]]:
     return templated, list(ids)
 
 
+def unknown_characters(tokenizer, text: str) -> list[str]:
+    """The distinct pieces of `text`, in order, that `tokenizer` encodes as its unknown token (e.g. "é" for the
+    character tokenizer); [] for a tokenizer without one (byte-level BPE encodes every character)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return []
+    fast = bool(getattr(tokenizer, "is_fast", False))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
+    ids = list(enc["input_ids"])
+    if unk not in ids:
+        return []
+    if fast:
+        pieces = [text[a:b] for i, (a, b) in zip(ids, enc["offset_mapping"]) if i == unk]
+    else:  # a slow tokenizer has no offsets: ask character by character
+        pieces = [c for c in text if unk in tokenizer(c, add_special_tokens=False)["input_ids"]]
+    return list(dict.fromkeys(p for p in pieces if p))
+
+
 def encode_sft(tokenizer, example: Example) -> SFTExample:
     """The encoded prompt's ids + the SFT target's ids + eos, with the loss on the target and eos only. The target
     is `example.sft_target`: the worked solution when the task has one (scratchpad arithmetic), else the answer.

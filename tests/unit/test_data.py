@@ -136,7 +136,25 @@ def test_jsonl_reads_records_and_numbers(tmp_path):
     assert [(p.text, p.answer) for p in read_jsonl(g, "q", "a")] == [("3*3=", "9")]
 
 
+def test_numeric_answers_become_the_numeral_a_response_writes(tmp_path):
+    from megatron_sparse_rl.config.data import RewardConfig
+    from megatron_sparse_rl.rewards import make_scorer
+
+    # JSON number -> the decimal text a model writes (hand-written): no ".0", no exponent, no "-0"
+    cases = [("19.0", "19"), ("19", "19"), ("-7.0", "-7"), ("2.50", "2.5"), ("1e-07", "0.0000001"),
+             ("1E20", "100000000000000000000"), ("-0.0", "0"), ("0.1", "0.1"), ("123456789.125", "123456789.125")]
+    f = write(tmp_path / "n.jsonl", [f'{{"prompt": "q{i}", "answer": {num}}}' for i, (num, _) in enumerate(cases)])
+    assert [p.answer for p in read_jsonl(f)] == [text for _, text in cases]
+    responses = [text for _, text in cases]
+    assert make_scorer(RewardConfig())(responses, [p.answer for p in read_jsonl(f)]) == [1.0] * len(cases)
+    # the same numbers given as strings in the data compare by value in the reward
+    g = write(tmp_path / "s.jsonl", ['{"prompt": "q", "answer": "19.0"}', '{"prompt": "r", "answer": "19.00"}'])
+    assert make_scorer(RewardConfig())(["19", "19"], [p.answer for p in read_jsonl(g)]) == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("bad, message", [
+    ('{"prompt": "2+2=", "answer": ""}', "'answer' is empty (got '')"),
+    ('{"prompt": "   ", "answer": "4"}', "'prompt' is only whitespace (got '   ')"),
     ('{"prompt": "2+2=", "answer": "4"', "not valid JSON"),
     ('["2+2=", "4"]', "expected a JSON object"),
     ('{"prompt": "2+2="}', "missing key 'answer'"),

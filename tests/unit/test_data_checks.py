@@ -66,6 +66,13 @@ FAILURES = {
     "wrong type": ("bad.jsonl", b'{"prompt": "1+1=", "answer": [2]}\n', "jsonl",
                    ":1: 'answer' must be a string or a number (got [2])"),
     "parquet path that does not exist": ("gone.parquet", None, "parquet", "does not exist"),
+    "whitespace-only prompt": ("bad.jsonl", GOOD + b'{"prompt": " \\t\\n ", "answer": "1"}\n', "jsonl",
+                               ":2: 'prompt' is only whitespace (got ' \\t\\n ')"),
+    "empty answer": ("bad.jsonl", GOOD + b'{"prompt": "1+2=", "answer": ""}\n', "jsonl", ":2: 'answer' is empty"),
+    "blank answer": ("bad.jsonl", b'{"prompt": "1+2=", "answer": "  "}\n' + GOOD, "jsonl",
+                     ":1: 'answer' is empty (got '  ')"),
+    "pathologically nested JSON": ("bad.jsonl", GOOD + b"[" * 100_000 + b"]" * 100_000 + b"\n", "jsonl",
+                                   ":2: JSON nested too deeply to read"),
 }
 
 
@@ -137,6 +144,32 @@ def test_summary_counts_records_and_prompt_lengths(tmp_path, tok):
         check_data(dataclasses.replace(cfg, on_long_prompt="skip", max_prompt_tokens=3), tok)
 
 
+def test_characters_the_tokenizer_cannot_encode_are_named_with_their_line(tmp_path, tok):
+    """The character tokenizer knows lowercase letters, digits and a little punctuation: "é" and "X" would be read
+    as <unk>; `check_data` (msrl validate) and `build_task` (msrl train) name the line and the characters."""
+    f = jsonl(tmp_path, "t.jsonl", GOOD + '{"prompt": "café+1=", "answer": "2"}\n'.encode())
+    g = jsonl(tmp_path, "u.jsonl", GOOD * 2 + b'{"prompt": "1+1=", "answer": "X"}\n')
+    before = snapshot(tmp_path)
+    for path, line, what, shown in ((f, 2, "prompt", "'é' (U+00E9)"), (g, 3, "answer", "'X' (U+0058)")):
+        cfg = DataConfig(source="jsonl", path=str(path))
+        check_data(cfg)  # without a tokenizer there is nothing to check against
+        for call in (lambda: check_data(cfg, tok), lambda: build_task(cfg, tok)):
+            with pytest.raises(DatasetError) as err:
+                call()
+            assert f"{path}:{line}: the {what} holds {shown}, which the model's tokenizer cannot encode" \
+                in str(err.value) and "'<unk>'" in str(err.value)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_byte_level_tokenizer_has_no_unknown_characters():
+    from megatron_sparse_rl.data.templates import unknown_characters
+
+    class ByteLevel:  # a tokenizer without an unknown token (GPT-2 style byte-level BPE) encodes every character
+        unk_token_id = None
+
+    assert unknown_characters(ByteLevel(), "café ∑") == []
+
+
 def test_arithmetic_settings_are_checked_too():
     with pytest.raises(DatasetError, match=r"data.arithmetic.train_size \+ eval_size = 40 is more than half"):
         check_data(DataConfig(arithmetic=ArithmeticConfig(ops=("+",), max_digits=1, train_size=30, eval_size=10)))
@@ -191,6 +224,20 @@ def test_train_reports_a_bad_data_file_before_anything_starts(tmp_path):
     assert "Traceback" not in done.stdout + done.stderr
     assert f"error: data.path: {bad}:2: missing key 'answer'" in done.stderr
     assert snapshot(tmp_path) == before  # no run directory, no tiny model: Megatron and vLLM never started
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_validate_and_train_name_a_character_the_tokenizer_cannot_encode(tmp_path, command):
+    bad = jsonl(tmp_path, "bad.jsonl", GOOD + '{"prompt": "1+½=", "answer": "2"}\n'.encode())
+    before = snapshot(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "tools.cli", command, TINY_MOE,
+                           *sets(tmp_path, "data.source=jsonl", f"data.path={bad}")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert f"error: {bad}:2: the prompt holds '½' (U+00BD), which the model's tokenizer cannot encode" \
+        in done.stderr
+    assert snapshot(tmp_path) == before  # train: no run directory, no tiny model, nothing started
 
 
 def test_validate_prints_the_data_and_what_evaluation_uses(tmp_path, capsys, monkeypatch):

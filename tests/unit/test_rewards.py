@@ -31,6 +31,37 @@ def test_exact_answer(response, answer, expected):
 
 
 @pytest.mark.parametrize("response, answer, expected", [
+    # decimal numerals by value: the zeros that end a fraction do not count
+    ("19", "19.0", 1.0), ("19", "19.00", 1.0), ("19.0", "19", 1.0), ("19.50<eos>", "19.5", 1.0), ("-3", "-3.0", 1.0),
+    ("0.5", "0.50", 1.0), ("0", "0.0", 1.0), ("19.01", "19.1", 0.0), ("190", "19.0", 0.0), ("1.9", "19", 0.0),
+    # not decimal numerals, so text as before: leading zeros, signs, separators, exponents, fractions, a bare point
+    ("019", "19.0", 0.0), ("+19", "19", 0.0), ("1,9", "19", 0.0), ("1e1", "10", 0.0), ("1/2", "0.5", 0.0),
+    ("19.", "19", 0.0), (".5", "0.5", 0.0), ("-0", "0", 0.0), ("19.0a", "19", 0.0),
+])
+def test_exact_answer_compares_decimal_numerals_by_value(response, answer, expected):
+    assert exact_answer(response, answer) == expected
+    assert numeric_answer(response, answer) >= expected  # the math fallback accepts at least as much
+
+
+def test_arithmetic_scores_are_unchanged():
+    """The built-in task's answers are integers without a point: a response scores as under plain text equality
+    (the rule before), except that a point and zeros after the right digits now match too."""
+    from megatron_sparse_rl.config.data import ArithmeticConfig
+    from megatron_sparse_rl.data.arithmetic import generate
+
+    train, held_out = generate(ArithmeticConfig(ops=("+", "-", "*"), max_digits=3, negative_results=True,
+                                                train_size=300, eval_size=50))
+    for p in train + held_out:
+        a = p.answer
+        wrong = str(int(a) + 1)
+        for response in (a, f"{a}<eos>", f" {a} ", "0" + a, "+" + a, a + "0", a[:-1], wrong, f"{a},0", f"{a}e0",
+                         f"{a}.", f"{a}.5", f"{wrong}.0", "", f"{a}\n{wrong}"):
+            assert exact_answer(response, a) == (1.0 if extract_answer(response) == a else 0.0), (response, a)
+        for response in (f"{a}.0", f"{a}.000<eos>"):
+            assert exact_answer(response, a) == 1.0
+
+
+@pytest.mark.parametrize("response, answer, expected", [
     ("0.50", "1/2", 1.0), ("1,000", "1000", 1.0), ("-3", "-3.0", 1.0), ("19", "20", 0.0), ("abc", "abc", 1.0),
     ("abc", "1", 0.0), ("1/0", "1", 0.0),
 ])
@@ -69,6 +100,12 @@ def test_shaping_partial_credit_and_format_penalty():
     assert scorer(["129", "", "139", "39"], ["139", "139", "139", "139"]) == pytest.approx([1 / 3, -0.25, 1.0, 1 / 3])
     assert make_scorer(cfg, shaping=False)(["129", "", "139"], ["139", "139", "139"]) == [0.0, 0.0, 1.0]
     assert make_scorer(RewardConfig())(["129", ""], ["139", "139"]) == [0.0, 0.0]  # shaping off by default
+
+
+def test_partial_credit_reads_a_numeric_reference_without_its_ending_zeros():
+    scorer = make_scorer(RewardConfig(partial_credit=0.5))
+    # "18" vs "19.0" -> "18" vs "19": the tens digit matches, 1 of 2 -> 0.5 * 1/2; "19" is right -> 1.0
+    assert scorer(["18", "19", "29.00"], ["19.0", "19.0", "19"]) == pytest.approx([0.25, 1.0, 0.25])
 
 
 @pytest.mark.parametrize("kwargs, message", [
