@@ -116,9 +116,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def tight_budget(kv, requested: int | None) -> int:
     """The tight evaluation budget: `requested`, or half of kv.budget raised to the least the config's rules allow
-    (budget >= window; > sinks for streamingllm). ValueError when it is not below kv.budget or breaks those rules."""
+    (budget >= window; >= sinks + window for streamingllm). ValueError when it is not below kv.budget or breaks those
+    rules."""
     if requested is None:
-        least = max(kv.window, kv.sinks + 1 if kv.policy == "streamingllm" else 1)
+        least = kv.window + (kv.sinks if kv.policy == "streamingllm" else 0)
         requested = max(kv.budget // 2, least)
         if requested >= kv.budget:
             raise ValueError(f"no budget below rollout.kv.budget={kv.budget} is valid for {kv.policy} with window "

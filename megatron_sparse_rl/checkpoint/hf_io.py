@@ -38,7 +38,7 @@ def _quantisation(model_dir: Path) -> fp8.BlockFp8 | None:
         return None
     try:
         cfg = json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: deep nesting
         raise ValueError(f"{config}: not a readable config.json ({e})") from None
     return fp8.BlockFp8.from_config(cfg, str(config)) if isinstance(cfg, dict) else None
 
@@ -53,7 +53,7 @@ class HFCheckpoint:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as e:
                 raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
         elif (self.dir / "model.safetensors").is_file():
             weight_map = {name: "model.safetensors" for name in self._keys(self.dir / "model.safetensors")}

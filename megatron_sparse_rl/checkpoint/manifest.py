@@ -76,7 +76,7 @@ def read_manifest(mcore_dir: str | Path) -> dict | None:
         return None
     try:
         doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: deep nesting
         raise ValueError(f"{path}: unreadable conversion manifest ({e})") from None
     if doc.get("format") != FORMAT or doc.get("version") != VERSION or not isinstance(doc.get("tensors"), dict):
         raise ValueError(f"{path}: not a {FORMAT} v{VERSION} manifest")

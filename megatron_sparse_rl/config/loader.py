@@ -147,6 +147,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"override {key.strip()}=...: {_TOO_DEEP}") from None
     return parts, value
 
 
@@ -166,14 +168,24 @@ def merge_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+_TOO_DEEP = ("nested too deeply to read (the YAML parser recurses once per level and ran out of stack); a run "
+             "config is a mapping of sections a few levels deep")
+
+
 def read_yaml(path: str | Path) -> dict:
+    """The mapping in the YAML file `path`; ConfigError naming the file when it is missing, unreadable, not valid
+    YAML, pathologically nested, or not a mapping."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: {_TOO_DEEP}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read as UTF-8 text ({e})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

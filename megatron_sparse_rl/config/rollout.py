@@ -14,6 +14,25 @@ KVPolicy = Literal["none", "rkv", "snapkv", "h2o", "streamingllm"]
 KVPooling = Literal["max", "avg"]
 RolloutDtype = Literal["float32", "bfloat16"]
 LogprobsMode = Literal["processed", "raw"]
+GREEDY_BELOW = 1e-5
+"""vLLM decodes greedily below this temperature (vllm/sampling_params.py `_SAMPLING_EPS`, 0.32) and refuses n > 1."""
+MIN_SAMPLED_TEMPERATURE = 1e-2
+"""vLLM raises any temperature in (0, 0.01) to 0.01 with a warning (`_MAX_TEMP`, 0.32), while the learner would score
+at the temperature written: so a temperature is 0 (greedy) or at least this."""
+
+
+def check_temperature(temperature: float, field: str, *, n: int = 1, n_field: str = "") -> None:
+    """Raise ValueError naming `field` (and `n_field`) when the engine would not sample at `temperature` as written:
+    below 0, in (0, MIN_SAMPLED_TEMPERATURE) (vLLM samples at 0.01 instead), or greedy (0) with `n` > 1 samples."""
+    _require(temperature >= 0, field, "must be >= 0", temperature)
+    if temperature < GREEDY_BELOW and n > 1:
+        raise ValueError(f"{field} = {temperature:g} (greedy) with {n_field} = {n}: greedy decoding gives every "
+                         f"sample of a group the same response (vLLM refuses n > 1 when greedy, and each group's "
+                         f"advantages would be 0); set {field} >= {MIN_SAMPLED_TEMPERATURE:g}, or {n_field} = 1")
+    if 0 < temperature < MIN_SAMPLED_TEMPERATURE:
+        raise ValueError(f"{field} must be 0 (greedy) or >= {MIN_SAMPLED_TEMPERATURE:g} (got {temperature:g}): vLLM "
+                         f"samples any temperature below {MIN_SAMPLED_TEMPERATURE:g} at {MIN_SAMPLED_TEMPERATURE:g} "
+                         "(and treats one below 1e-05 as greedy), while the learner scores at the temperature written")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -23,7 +42,8 @@ class SamplingConfig:
     n: int = 4
     """Samples per prompt (the GRPO group size); each prompt gives n rows sharing one group id."""
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy decoding."""
+    """Softmax temperature: 0 means greedy decoding (then n must be 1), else at least 0.01 (vLLM samples any smaller
+    one at 0.01 while the learner would score at the value written)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
     top_k: int = -1
@@ -37,7 +57,7 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         _require(self.n >= 1, "rollout.sampling.n", "must be >= 1", self.n)
-        _require(self.temperature >= 0, "rollout.sampling.temperature", "must be >= 0", self.temperature)
+        check_temperature(self.temperature, "rollout.sampling.temperature", n=self.n, n_field="rollout.sampling.n")
         _require(0 < self.top_p <= 1, "rollout.sampling.top_p", "must be in (0, 1]", self.top_p)
         _require(self.top_k == -1 or self.top_k >= 1, "rollout.sampling.top_k", "must be -1 (off) or >= 1",
                  self.top_k)
@@ -65,7 +85,8 @@ class KVConfig:
     interval: int = 128
     """Compact when the stored length reaches budget + interval (amortises the compaction cost)."""
     sinks: int = 4
-    """streamingllm: first tokens always kept (attention sinks)."""
+    """streamingllm: first tokens always kept (attention sinks); the budget must hold them and the window
+    (budget >= sinks + window)."""
     pooling: KVPooling = "max"
     """rkv, snapkv: 1-D pooling of the importance scores over neighbouring tokens: max or avg."""
     kernel: int = 7
@@ -100,6 +121,11 @@ class KVConfig:
         _require(self.sinks >= 0, "rollout.kv.sinks", "must be >= 0", self.sinks)
         if self.policy == "streamingllm" and self.budget <= self.sinks:
             raise ValueError(f"rollout.kv.budget must be > sinks for streamingllm (got {self.budget} <= {self.sinks})")
+        if self.policy == "streamingllm" and self.budget < self.sinks + self.window:
+            raise ValueError(f"rollout.kv.budget must be >= sinks + window for streamingllm (got {self.budget} < "
+                             f"{self.sinks} + {self.window}): it keeps the {self.sinks} sinks and the last budget - "
+                             f"sinks = {self.budget - self.sinks} tokens, fewer than the {self.window} most recent "
+                             "tokens rollout.kv.window promises; raise rollout.kv.budget or lower sinks or window")
         _require(self.pooling in get_args(KVPooling), "rollout.kv.pooling", f"must be one of {list(get_args(KVPooling))}",
                  self.pooling)
         _require(self.kernel >= 1 and self.kernel % 2 == 1, "rollout.kv.kernel", "must be an odd integer >= 1",

@@ -68,8 +68,8 @@ def read_hf_config(path: str | Path) -> dict:
     if not file.is_file():
         raise FileNotFoundError(f"no Hugging Face config.json at {str(file)!r}")
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: "[[[[..." nesting
         raise ValueError(f"{file}: not valid JSON ({e})") from None
 
 

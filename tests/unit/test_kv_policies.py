@@ -155,7 +155,7 @@ def test_h2o_matches_reference_and_accumulates_across_calls():
 
 def test_streamingllm_keeps_sinks_and_recent():
     keys, _ = data(4)
-    p = P.PolicyParams(budget=10, sinks=4)
+    p = P.PolicyParams(budget=10, sinks=4, window=6)  # the budget holds the sinks and the window
     keep = P.select_keep("streamingllm", keys, None, p)
     assert keep.shape == (HKV, 10)
     for h in range(HKV):

@@ -122,7 +122,7 @@ def test_summary_markdown_and_atomic_write(tmp_path):
     (dict(policy="rkv", budget=4, window=2, interval=2), 2),  # configs/sparse_rl_compare.yaml
     (dict(policy="rkv", budget=32, window=8, interval=8), 16),  # configs/sparse_rl_scratchpad.yaml
     (dict(policy="snapkv", budget=8, window=6), 6),  # half is below the window: raised to it
-    (dict(policy="streamingllm", budget=8, window=2, sinks=4), 5),  # streamingllm: above the sinks
+    (dict(policy="streamingllm", budget=8, window=2, sinks=4), 6),  # streamingllm: the sinks and the window
 ])
 def test_default_tight_budget_is_half_raised_to_the_config_rules(kv, want):
     assert C.tight_budget(KVConfig(**kv), None) == want
