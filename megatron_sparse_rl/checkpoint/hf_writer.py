@@ -22,6 +22,7 @@ import torch
 
 from megatron_sparse_rl.checkpoint.hf_io import INDEX
 from megatron_sparse_rl.checkpoint.manifest import copy_side_files, tensor_digest
+from megatron_sparse_rl.models import get_adapter
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,14 @@ class ShardedSafetensorsWriter:
 def export_config(cfg: dict, dtype: str | None = None) -> tuple[dict, list[str]]:
     """The config.json of an exported checkpoint made from `cfg` (a copy), and what was changed: no
     `quantization_config` (the weights are written dequantised), `num_nextn_predict_layers` 0 (the MTP layers
-    of a release checkpoint are not part of the model and are not written) and, given `dtype` (e.g. "float32"),
-    the dtype the weights are written in."""
+    of a release checkpoint are not part of the model and are not written), the keys the model adapter assumes that
+    `cfg` lacks (`GPTAdapter.config_defaults`: DeepSeek-V3's router, which vLLM needs) and, given `dtype` (e.g.
+    "float32"), the dtype the weights are written in."""
     out, changes = dict(cfg), []
+    if defaults := get_adapter(out).config_defaults(out):
+        out.update(defaults)
+        changes.append(f"{', '.join(f'{k}: {v!r}' for k, v in defaults.items())} added: what the model was built "
+                       "with (absent, vLLM would read the model differently)")
     if dtype is not None:
         keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["dtype"]
         for key in keys:

@@ -32,6 +32,12 @@ class GPTAdapter:
     def spec_from_hf(self, cfg: dict) -> ModelSpec:
         raise NotImplementedError
 
+    def config_defaults(self, cfg: dict) -> dict[str, Any]:
+        """Keys the config.json `cfg` leaves out that the engine would read differently from this adapter, with
+        the values the adapter assumes; the engine is started with them (vLLM's hf_overrides) and an export writes
+        them, the user's file is never written. Empty for most families."""
+        return {}
+
     def mtp_layer_names(self, spec: ModelSpec, names) -> list[str]:
         """The names among `names` of multi-token-prediction layers, which import skips (none in this family)."""
         return []

@@ -70,6 +70,12 @@ class DeepseekSpec(ModelSpec):
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 ROPE_TYPES = ("default", "yarn")
+RELEASE_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+"""The router of DeepSeek-V3's (and Kimi-K2's) released config.json: sigmoid scores, top-k chosen with
+`e_score_correction_bias`. It is what this adapter builds and what transformers' DeepseekV3 model computes, but
+transformers' `DeepseekV3Config` does not write these keys, and vLLM reads their absence as softmax scores and no
+bias (then fails on the checkpoint's bias tensors): absent keys are filled with these values (`config_defaults`),
+other values are refused."""
 
 
 def _rope(cfg: dict) -> dict:
@@ -91,8 +97,22 @@ def _rope(cfg: dict) -> dict:
     return out
 
 
+def _check_router(cfg: dict) -> None:
+    """NotImplementedError naming the config.json key when the router it describes is not DeepSeek-V3's."""
+    release = ", ".join(f"{k}: {v!r}" for k, v in RELEASE_ROUTER.items())
+    for key, value in RELEASE_ROUTER.items():
+        if cfg.get(key) is not None and cfg[key] != value:
+            raise NotImplementedError(f"config.json: {key} {cfg[key]!r} is not supported: the DeepSeek-V3 adapter "
+                                      f"builds the released router ({release}); remove the key or set it to {value!r}")
+
+
 class DeepseekV3Adapter(GPTAdapter):
     architecture = "DeepseekV3ForCausalLM"
+
+    def config_defaults(self, cfg: dict) -> dict[str, Any]:
+        """The release router keys (`RELEASE_ROUTER`) `cfg` lacks, e.g. in a config.json written by transformers'
+        `DeepseekV3Config`, with the release values the adapter builds."""
+        return {k: v for k, v in RELEASE_ROUTER.items() if cfg.get(k) is None}
 
     def spec_from_hf(self, cfg: dict) -> DeepseekSpec:
         if cfg.get("model_type") in MODEL_TYPES:  # Kimi-K2 ships this architecture under its own model_type
@@ -102,6 +122,7 @@ class DeepseekV3Adapter(GPTAdapter):
                                               # absent, transformers would default it to 1536: say it explicitly
                                               "q_lora_rank"))
         _check_act(cfg)
+        _check_router(cfg)
         n, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
         experts, topk = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
         shared = cfg.get("n_shared_experts") or 0

@@ -35,6 +35,7 @@ import torch
 from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
 from megatron_sparse_rl.config.validate import resolve_rollout
+from megatron_sparse_rl.models import engine_config_defaults
 from megatron_sparse_rl.rollout import vllm_access
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
 from megatron_sparse_rl.rollout.versions import VersionLog
@@ -174,6 +175,8 @@ class RolloutEngine:
             kwargs["num_gpu_blocks_override"] = cfg.kv.pool_blocks
         if self.sparse_kv:
             kwargs.update(_sparse_kv_engine_args(cfg))
+        if (self.model_dir / "config.json").is_file():  # keys the adapter assumes that the file lacks (not written)
+            kwargs["hf_overrides"] = engine_config_defaults(self.model_dir)
         with _keep_torch_threading():
             self._llm = LLM(**kwargs)
         vllm_access.check(self._llm, features=features)  # the live engine core, scheduler and model runner
