@@ -5,8 +5,9 @@ tensor at fault, and for a tensor the shape expected from the model config and t
                                                      # tensors its files hold
     check_hf_tensors(ckpt, adapter, spec, config)    # headers (no data read) against the config: names,
                                                      # shapes, dtypes
-    meta = check_torch_dist_files(mcore)             # complete; .metadata, metadata.json and common.pt read;
-                                                     # every shard file present and as long as .metadata says
+    meta = check_torch_dist_files(mcore)             # complete; .metadata, metadata.json and common.pt read
+                                                     # (pickles through safe_load.py's allowlists); every shard
+                                                     # file present and as long as .metadata says
     check_saved_tensors(mcore, meta, expected, config)   # torch_dist shapes/dtypes against the built model's
     damaged_torch_dist_file(mcore, meta)             # after a failed load: the file whose data does not read
 
@@ -33,9 +34,10 @@ import torch
 
 from megatron_sparse_rl.checkpoint import fp8
 from megatron_sparse_rl.checkpoint.hf_io import DTYPE_CODES, HFCheckpoint, skip_mtp_layers
+from megatron_sparse_rl.checkpoint.safe_load import (TORCH_DIST_METADATA, UnsafeFileError, check_byte_items,
+                                                     load_torch_file, read_dcp_metadata)
 
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
-TORCH_DIST_METADATA = ".metadata"  # torch.distributed.checkpoint's FileSystemWriter metadata file
 _SHOWN = 3  # problems quoted in one message (the count says how many there are)
 
 
@@ -110,28 +112,31 @@ def check_hf_tensors(ckpt: HFCheckpoint, adapter, spec, config: Path) -> None:
 def check_torch_dist_files(mcore: Path):
     """A complete torch_dist checkpoint whose metadata and common files read and whose every shard file holds
     the bytes the metadata places in it. Returns the torch.distributed.checkpoint Metadata."""
-    from megatron_sparse_rl.learner.checkpoint import COMMON, is_complete
+    from megatron_sparse_rl.learner.checkpoint import COMMON, has_common_state, is_complete
 
     if not mcore.is_dir():
         raise FileNotFoundError(f"{str(mcore)!r} is not a directory")
-    if not is_complete(mcore) or not (mcore / COMMON).is_file():
+    if not is_complete(mcore) or not has_common_state(mcore):
         raise FileNotFoundError(f"{str(mcore)!r} is not a complete Megatron checkpoint (no COMPLETE marker or "
                                 f"{COMMON})")
     meta = _read_metadata(mcore)
     _check_megatron_files(mcore)
     _check_shard_sizes(mcore, meta)
+    check_byte_items(mcore, meta)  # Megatron's ShardedObjects, pickles inside the shard files
     return meta
 
 
 def _read_metadata(mcore: Path):
-    from torch.distributed.checkpoint import FileSystemReader
+    """The torch_dist metadata, unpickled through the allowlist of `safe_load.py` (never a bare pickle.load)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = mcore / TORCH_DIST_METADATA
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (the torch_dist metadata)")
     try:
-        meta = FileSystemReader(str(mcore)).read_metadata()
+        meta = read_dcp_metadata(path)
+    except UnsafeFileError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unreadable metadata is a damaged file
         raise ValueError(f"{path}: damaged torch_dist metadata ({type(e).__name__}: {e})") from None
     if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
@@ -140,7 +145,7 @@ def _read_metadata(mcore: Path):
 
 
 def _check_megatron_files(mcore: Path) -> None:
-    """Megatron's dist_checkpointing config (metadata.json) and common state (common.pt), read as it reads them."""
+    """Megatron's dist_checkpointing config (metadata.json) and common state (common.pt, through the allowlist)."""
     from megatron.core.dist_checkpointing.core import CONFIG_FNAME
     from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
@@ -156,7 +161,9 @@ def _check_megatron_files(mcore: Path) -> None:
     if backend != "torch_dist":
         raise ValueError(f"{config}: sharded_backend {backend!r}; only torch_dist checkpoints convert")
     try:
-        torch.load(common, map_location="cpu")
+        load_torch_file(common)  # weights_only, through the allowlist
+    except UnsafeFileError:
+        raise
     except Exception as e:  # noqa: BLE001 - EOFError, UnpicklingError, RuntimeError: a damaged file
         raise ValueError(f"{common}: damaged Megatron common state ({type(e).__name__}: {e})") from None
 

@@ -39,6 +39,7 @@ from megatron_sparse_rl.checkpoint.gather import iter_full_tensors, ownership
 from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
 from megatron_sparse_rl.checkpoint.hf_writer import ShardedSafetensorsWriter, parse_size, write_side_files
 from megatron_sparse_rl.checkpoint.progress import TransferProgress, report_phase
+from megatron_sparse_rl.checkpoint.safe_load import UnsafeFileError
 from megatron_sparse_rl.checkpoint.shard import (build_shard, dir_bytes, load_model_only, save_model_only,
                                                  sharded_shapes)
 from megatron_sparse_rl.learner.params import load_full_tensors, local_params
@@ -70,7 +71,23 @@ def _clean(out: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
+def _check_out(out: Path, overwrite: bool, inputs: list) -> None:
+    """Refuse an output that would replace, or be written into or around, an input (any of the paths a conversion
+    writes: `out`, its staging and its `.old` copy), compared after resolving symlinks; then an existing `out`
+    without `overwrite`. Runs before anything is written."""
+    written = [out, _staging(out), _staging(out).with_name(f".{_staging(out).name}.tmp"),
+               out.with_name(f".{out.name}.old")]  # `out` first: a relation it has is the one named
+    for given in (Path(p) for p in inputs if p is not None):
+        inp = given.resolve()
+        for path in written:
+            target = path.resolve()
+            relation = ("is" if target == inp else "is inside" if inp in target.parents
+                        else "contains" if target in inp.parents else None)
+            if relation:
+                where = "" if path == out else f" (through the conversion's temporary path {str(path)!r})"
+                raise ValueError(f"output {str(out)!r}{where} {relation} the input {str(given)!r} (resolved: "
+                                 f"{str(target)!r} and {str(inp)!r}); a conversion never writes into, over or "
+                                 "around its own input: choose an output outside it")
     if out.exists() and not overwrite:
         raise FileExistsError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
     if out.exists() and not out.is_dir():
@@ -164,7 +181,7 @@ def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1,
     """Convert the HF checkpoint at `hf_dir` into a torch_dist checkpoint at `out_dir` (see module doc).
     Rank 0 prints progress lines to `progress` (default stderr)."""
     hf_dir, out = Path(hf_dir), Path(out_dir).absolute()
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, [hf_dir])
     adapter, spec = load_spec(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
     if verify and ckpt.fp8 is not None:
@@ -238,7 +255,7 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
     manifest and read-back. Rank 0 prints
     progress lines to `progress` (default stderr)."""
     mcore, out = Path(mcore_dir), Path(out_dir).absolute()
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, [mcore, hf_config_dir])
     max_bytes = parse_size(max_shard_size)
     meta = check_torch_dist_files(mcore)
     _check_digests(mcore)
@@ -305,6 +322,8 @@ def _load(holder, mcore: Path, meta, layout: str) -> None:
         cause = e
         if isinstance(e, CheckpointException) and e.failures:
             cause = next(iter(e.failures.values()))[0]  # (exception, traceback) of the first failing rank
+        if isinstance(cause, UnsafeFileError):  # a pickle outside the allowlists (patches/torch_dist_safe_load.py)
+            raise cause from None
         raise ValueError(f"{mcore}: cannot load the torch_dist checkpoint at {layout} "
                          f"({type(cause).__name__}: {cause})") from e
 

@@ -81,7 +81,7 @@ def _unwrap(model):
 
 def _default_scheduler_state() -> dict:
     """The LR-schedule state a fresh Learner with the default LearnerConfig saves at step 0 (what
-    `load_learner` expects in common_state.pt); built with Megatron's scheduler over a stand-in optimizer
+    `load_learner` expects in common_state.json); built with Megatron's scheduler over a stand-in optimizer
     because a conversion has no optimizer."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -101,7 +101,7 @@ def save_model_only(model, path: Path) -> None:
     `path` must not exist). Same files as `learner/checkpoint.py:save_learner` at step 0, less the RNG states."""
     from megatron.core import dist_checkpointing
 
-    from megatron_sparse_rl.learner.checkpoint import COMMON, DONE
+    from megatron_sparse_rl.learner.checkpoint import DONE, write_common_state
 
     path = Path(path)
     if dist.get_rank() == 0:
@@ -109,16 +109,21 @@ def save_model_only(model, path: Path) -> None:
     dist.barrier()
     dist_checkpointing.save({"model": _unwrap(model).sharded_state_dict()}, str(path))
     if dist.get_rank() == 0:
-        torch.save({"step": 0, "scheduler": _default_scheduler_state(), "extra": {},
-                    "world_size": dist.get_world_size()}, path / COMMON)
+        write_common_state(path, {"step": 0, "scheduler": _default_scheduler_state(), "extra": {},
+                                  "world_size": dist.get_world_size()})
         (path / DONE).write_text("ok\n")
     dist.barrier()
 
 
 def load_model_only(model, path: Path) -> None:
-    """Load the model part of a torch_dist checkpoint (saved at any layout) into `model`."""
+    """Load the model part of a torch_dist checkpoint (saved at any layout) into `model`. Its pickles are read
+    through the allowlists of `safe_load.py` (`patches/torch_dist_safe_load.py`); the conversion's checks
+    (`checks.py:check_torch_dist_files`) have read each of them that way before."""
     from megatron.core import dist_checkpointing
 
+    from megatron_sparse_rl.patches import torch_dist_safe_load
+
+    torch_dist_safe_load.apply()
     inner = _unwrap(model)
     state = dist_checkpointing.load({"model": inner.sharded_state_dict()}, str(path))
     inner.load_state_dict(state["model"])

@@ -2,7 +2,8 @@
 
 The learner's next-token log-probabilities (every rank takes part) are compared on rank 0 with those of
 `AutoModelForCausalLM.from_pretrained(hf_dir)` in float32; a difference above the tolerance raises on
-every rank.
+every rank. transformers reads the safetensors files only (`use_safetensors=True`), never a pickled
+`pytorch_model.bin` that may sit beside them.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def hf_logprobs(hf_dir, tokens: torch.Tensor) -> torch.Tensor:
     """log p(token t+1 | <= t) from HF transformers (float32 forward, float64 softmax): [B, S-1]."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, use_safetensors=True)
     with torch.no_grad():
         logits = model(tokens).logits[:, :-1].double()
     return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]

@@ -8,6 +8,13 @@ checkpoint is recognised before it is loaded. A run's checkpoint also holds the 
     save_learner(learner, "runs/x/checkpoints/step_000010", extra={"data_position": 640}, config=to_dict(run))
     extra = load_learner(learner, "runs/x/checkpoints/step_000010")
     saved = read_config("runs/x/checkpoints/step_000010")   # the config dict, None when saved without one
+
+No file of ours runs code when read: the step, LR schedule and extra state are JSON (`common_state.json`), each
+rank's RNG states safetensors plus JSON (`rng_rank*.safetensors`). Megatron's files (`.metadata`, `common.pt`, the
+byte items in `*.distcp`) are pickles: `load_learner` reads every one through `checkpoint/safe_load.py`'s
+allowlists before loading, and loads with `patches/torch_dist_safe_load.py` applied, so a file needing anything
+else is refused by name (UnsafeFileError). Checkpoints written before these formats (`common_state.pt`,
+`rng_rank*.pt`) still load, with torch.load(weights_only=True).
 """
 from __future__ import annotations
 
@@ -24,16 +31,32 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-COMMON = "common_state.pt"
+COMMON = "common_state.json"
+COMMON_FORMAT = "msrl-common-state"
+RNG_FORMAT = "msrl-rng-state"
+LEGACY_COMMON = "common_state.pt"  # the torch.save formats of checkpoints written before the JSON/safetensors ones
 DONE = "COMPLETE"
 CONFIG = "run_config.json"
 
 
-def _rng_state() -> dict:
-    from megatron.core import tensor_parallel
+def rng_file(path: Path, rank: int, legacy: bool = False) -> Path:
+    return path / f"rng_rank{rank:05d}.{'pt' if legacy else 'safetensors'}"
 
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+def _save_rng(file: Path) -> None:
+    """This process's python, numpy, torch and Megatron-tracker RNG states: tensors in safetensors, the python and
+    numpy states as JSON in its metadata (every value an int or a float, which JSON keeps exactly)."""
+    from megatron.core import tensor_parallel
+    from safetensors.torch import save_file
+
+    version, keys, gauss = random.getstate()
+    kind, np_keys, pos, has_gauss, cached = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state()}
+    for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+        tensors[f"tracker.{name}"] = state.detach().cpu().clone()
+    save_file(tensors, str(file), metadata={
+        "format": RNG_FORMAT, "python": json.dumps([version, list(keys), gauss]),
+        "numpy": json.dumps([kind, np_keys.tolist(), pos, has_gauss, cached])})
 
 
 def _set_rng_state(state: dict) -> None:
@@ -43,6 +66,88 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _read_rng(file: Path) -> dict:
+    """The states `_save_rng` wrote, in the form `_set_rng_state` takes."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if meta.get("format") != RNG_FORMAT:
+            raise ValueError(f"no \"format\": \"{RNG_FORMAT}\" in its metadata")
+        version, keys, gauss = json.loads(meta["python"])
+        kind, np_keys, pos, has_gauss, cached = json.loads(meta["numpy"])
+        return {"python": (version, tuple(keys), gauss),
+                "numpy": (kind, np.asarray(np_keys, dtype=np.uint32), pos, has_gauss, cached),
+                "torch": tensors.pop("torch"), "tracker": {k.removeprefix("tracker."): v for k, v in tensors.items()}}
+    except Exception as e:  # noqa: BLE001 - SafetensorError, KeyError, ValueError: a damaged file
+        raise ValueError(f"{file}: damaged RNG state ({type(e).__name__}: {e})") from None
+
+
+def _numpy_rng_types() -> tuple:
+    """What a numpy RNG state pickles as (the legacy rng_rank*.pt files): an array of uint32 and its dtype."""
+    from numpy.dtypes import UInt32DType
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _reconstruct
+    return (_reconstruct, np.ndarray, np.dtype, UInt32DType)
+
+
+def _load_rng(path: Path, rank: int) -> bool:
+    """Restore this rank's RNG states from the checkpoint at `path`; False when it holds none for this rank."""
+    from megatron_sparse_rl.checkpoint.safe_load import load_torch_file
+
+    if (file := rng_file(path, rank)).is_file():
+        _set_rng_state(_read_rng(file))
+    elif (file := rng_file(path, rank, legacy=True)).is_file():
+        _set_rng_state(load_torch_file(file, allow=_numpy_rng_types()))
+    else:
+        return False
+    return True
+
+
+def write_common_state(path: Path, state: dict) -> None:
+    """Write `state` (step, scheduler, extra, world_size) as `<path>/common_state.json`. Refuses what JSON would
+    not give back as it was (a tuple, a non-string key, an object), naming the file."""
+    payload = {"format": COMMON_FORMAT, **state}
+    try:
+        text = json.dumps(payload, indent=1)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{path / COMMON}: the common state must be JSON data ({e})") from None
+    if repr(json.loads(text)) != repr(payload):
+        raise TypeError(f"{path / COMMON}: the common state would not read back as saved (a tuple or a non-string "
+                        "key): use lists and string keys")
+    (path / COMMON).write_text(text + "\n")
+
+
+def read_common_state(path: str | Path) -> dict:
+    """The common state of the checkpoint at `path` (`common_state.json`, or a legacy `common_state.pt` read with
+    weights_only=True). A damaged file raises ValueError, one needing code UnsafeFileError, both naming it."""
+    from megatron_sparse_rl.checkpoint.safe_load import load_torch_file
+
+    path = Path(path)
+    file, legacy = path / COMMON, path / LEGACY_COMMON
+    if not file.is_file() and legacy.is_file():
+        data = load_torch_file(legacy)
+        if not isinstance(data, dict) or "step" not in data:
+            raise ValueError(f"{legacy}: damaged common state (no step)")
+        return data
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: unreadable common state ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != COMMON_FORMAT or "step" not in data:
+        raise ValueError(f"{file}: not a checkpoint common state (format {COMMON_FORMAT!r} with a step)")
+    return data
+
+
+def has_common_state(path: str | Path) -> bool:
+    return (Path(path) / COMMON).is_file() or (Path(path) / LEGACY_COMMON).is_file()
 
 
 def _sharded_state(learner, is_loading: bool, with_optimizer: bool) -> dict:
@@ -74,10 +179,10 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
         tmp.mkdir(parents=True)
     dist.barrier()
     dist_checkpointing.save(_sharded_state(learner, is_loading=False, with_optimizer=learner.step > 0), str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_rank{rank:05d}.pt")
+    _save_rng(rng_file(tmp, rank))
     if rank == 0:
-        torch.save({"step": learner.step, "scheduler": learner.scheduler.state_dict(), "extra": extra or {},
-                    "world_size": dist.get_world_size()}, tmp / COMMON)
+        write_common_state(tmp, {"step": learner.step, "scheduler": learner.scheduler.state_dict(),
+                                 "extra": extra or {}, "world_size": dist.get_world_size()})
         if config is not None:
             (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         if hf_files is not None:
@@ -122,13 +227,19 @@ def read_config(path: str | Path) -> dict | None:
 
 
 def load_learner(learner, path: str | Path, *, load_optimizer: bool = True, load_rng: bool = True) -> dict:
-    """Load a checkpoint saved at any parallel layout into `learner`; returns the saved extra state."""
+    """Load a checkpoint saved at any parallel layout into `learner`; returns the saved extra state. Every pickle
+    in it is read through the allowlists first (a file needing anything else raises UnsafeFileError naming it)."""
     from megatron.core import dist_checkpointing
+
+    from megatron_sparse_rl.checkpoint.safe_load import check_checkpoint_files
+    from megatron_sparse_rl.patches import torch_dist_safe_load
 
     path = Path(path)
     if not is_complete(path):
         raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {DONE} marker)")
-    common = torch.load(path / COMMON, weights_only=False)
+    torch_dist_safe_load.apply()
+    check_checkpoint_files(path)
+    common = read_common_state(path)
     with_optimizer = load_optimizer and common["step"] > 0
     state = dist_checkpointing.load(_sharded_state(learner, True, with_optimizer), str(path))
     learner.model.module.load_state_dict(state["model"])
@@ -137,8 +248,7 @@ def load_learner(learner, path: str | Path, *, load_optimizer: bool = True, load
     learner.step = common["step"]
     if common["step"] > 0:  # resuming a run continues its schedule; a step-0 (e.g. converted) checkpoint
         learner.scheduler.load_state_dict(common["scheduler"])  # leaves this learner's configured one
-    rng_file = path / f"rng_rank{dist.get_rank():05d}.pt"
-    if load_rng and rng_file.is_file() and common.get("world_size") == dist.get_world_size():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    if load_rng and common.get("world_size") == dist.get_world_size():
+        _load_rng(path, dist.get_rank())
     log.info("loaded checkpoint %s (step %d)", path, learner.step)
     return common["extra"]
