@@ -42,11 +42,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(summary: dict) -> int:
-    """Print the run's summary; 0 when RL improved the held-out accuracy over the warm start (or the run was
-    preempted and checkpointed: --resume continues it), 1 when it did not or either accuracy is unknown."""
-    if summary.get("preempted"):
-        print(f"\npreempted; checkpoint {summary.get('checkpoint')} (--resume continues from it)")
-        return 0
+    """Print the run's summary; 0 when RL improved the held-out accuracy over the warm start, 1 when it did not or
+    either accuracy is unknown, EXIT_STOPPED (75) when the run was stopped (Ctrl-C, SIGTERM, preemption) and
+    checkpointed: --resume continues it."""
+    if summary.get("stopped"):
+        from megatron_sparse_rl.training.stops import EXIT_STOPPED
+
+        print(f"\nstopped ({summary['stopped']}) at {summary.get('at')}; checkpoint {summary.get('checkpoint')} "
+              "(`python -m megatron_sparse_rl.demo --resume` continues from it)")
+        return EXIT_STOPPED
     before, after = summary.get("warm_start_accuracy"), summary.get("final_accuracy")
     print(f"\nheld-out accuracy: {_acc(before)} after the SFT warm-start -> {_acc(after)} after "
           f"{summary['rl_steps']} RL steps ({summary['seconds']:.0f} s)")

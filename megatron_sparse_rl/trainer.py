@@ -19,22 +19,30 @@ from megatron_sparse_rl.training import steps as S
 from megatron_sparse_rl.training.context import build_context, open_metrics
 from megatron_sparse_rl.training.disaggregated import RolloutRank, serve
 from megatron_sparse_rl.training.report import Reporter
+from megatron_sparse_rl.training.stops import StopSignals
 
 log = logging.getLogger(__name__)
 
 
 def train(run: RunConfig) -> dict:
+    """Run the loop; a SIGTERM / SIGINT stops it at the next step boundary with a checkpoint (training/stops.py):
+    the summary then has "stopped" (the reason) and "checkpoint"."""
     cfg = run.trainer
-    ctx = build_context(run, total_steps=max(cfg.steps * cfg.updates_per_rollout, 1))
-    if isinstance(ctx, RolloutRank):  # disaggregated: serve learner rank 0 until it says stop
-        return serve(ctx)
+    stops = StopSignals(timeout_s=cfg.stop_timeout_s).install()
     try:
-        return rl_loop(ctx)
-    finally:  # the engines (local, or the rollout ranks) stop on every way out, errors included
-        ctx.placement.shutdown()
+        ctx = build_context(run, total_steps=max(cfg.steps * cfg.updates_per_rollout, 1))
+        if isinstance(ctx, RolloutRank):  # disaggregated: serve learner rank 0 until it says stop
+            stops.role = "rollout rank"
+            return serve(ctx)
+        try:
+            return rl_loop(ctx, stops)
+        finally:  # the engines (local, or the rollout ranks) stop on every way out, errors included
+            ctx.placement.shutdown()
+    finally:
+        stops.uninstall()
 
 
-def rl_loop(ctx) -> dict:
+def rl_loop(ctx, stops: StopSignals) -> dict:
     cfg, run = ctx.run.trainer, ctx.run
     from megatron_sparse_rl.rewards import make_scorer
 
@@ -42,6 +50,9 @@ def rl_loop(ctx) -> dict:
     score = make_scorer(run.reward, answer_marker=marker)
     correct = make_scorer(run.reward, shaping=False, answer_marker=marker)
     counters = state.resume_run(ctx) or {"sft_step": 0, "rl_step": 0, "sft_done": cfg.sft.max_steps == 0}
+    why = state.stop_requested(ctx, stops)
+    if why:  # asked during start-up: nothing new to checkpoint
+        return _stopped(ctx, why, counters, None)
     _announce(ctx, counters)
     open_metrics(ctx, counters.pop("metrics_records", 0))  # a fresh run starts a fresh metrics.jsonl
     report = Reporter(ctx, total=cfg.steps)
@@ -53,7 +64,9 @@ def rl_loop(ctx) -> dict:
     report.scalars(S.sync_step(ctx, 0, probe, version=counters["rl_step"]), step=counters["rl_step"], phase="sync")
     counters["syncs"] = counters["syncs"] if resumed else 1
     if not counters["sft_done"]:
-        sft_stage(ctx, correct, counters, report, probe)
+        why = sft_stage(ctx, correct, counters, report, probe, stops)
+        if why:
+            return _stopped(ctx, why, counters, state.save_run(ctx, counters))
         if run.checkpoint.save_every:
             state.save_run(ctx, counters)
     if counters["rl_step"] == 0:
@@ -76,10 +89,24 @@ def rl_loop(ctx) -> dict:
         # a checkpoint drops the batch sampled ahead: a resumed run samples that step again, under its weights
         if run.checkpoint.save_every and (step + 1) % run.checkpoint.save_every == 0:
             state.save_run(ctx, counters, task_state)
-        if state.preemption_requested(ctx):
-            log.warning("preemption requested: checkpointing at step %d and exiting", step + 1)
-            return {"rank": ctx.rank, "preempted": True, "checkpoint": str(state.save_run(ctx, counters, task_state))}
+        why = state.stop_requested(ctx, stops)
+        if why:
+            if ctx.is_main:
+                log.warning("%s: checkpointing after RL step %d and exiting", why, step + 1)
+            return _stopped(ctx, why, counters, state.save_run(ctx, counters, task_state))
     return report.finish(counters)
+
+
+def _stopped(ctx, why: str, counters: dict, checkpoint) -> dict:
+    """The summary of a run stopped on request (tools/train_cmd.py exits EXIT_STOPPED with it); rank 0 says where
+    it stopped and records it for the launcher (logs/stop.json)."""
+    where = f"RL step {counters['rl_step']}, SFT step {counters['sft_step']}"
+    if ctx.is_main:
+        state.record_stop(ctx, why, where, checkpoint)
+        log.warning("stopped (%s) at %s; %s; run the same command again to resume", why, where,
+                    f"checkpoint {checkpoint}" if checkpoint else "no new checkpoint (stopped before the first step)")
+    return {"rank": ctx.rank, "stopped": why, "preempted": why.startswith("preemption"), "at": where,
+            "checkpoint": str(checkpoint) if checkpoint else None}
 
 
 def _announce(ctx, counters: dict) -> None:
@@ -97,11 +124,12 @@ def _announce(ctx, counters: dict) -> None:
                 if ctx.run.trainer.max_staleness else ""), ctx.run_dir / "logs")
 
 
-def sft_stage(ctx, correct, counters: dict, report, probe) -> None:
-    """Supervised warm-start until `trainer.sft.max_steps` or the target held-out accuracy."""
+def sft_stage(ctx, correct, counters: dict, report, probe, stops: StopSignals) -> str | None:
+    """Supervised warm-start until `trainer.sft.max_steps` or the target held-out accuracy; returns why it stopped
+    early on request (a stop signal or preemption, checked after every step), else None."""
     cfg = ctx.run.trainer.sft
     while counters["sft_step"] < cfg.max_steps:
-        metrics = S.sft_step(ctx)
+        metrics = S.sft_step(ctx, counters["sft_step"] + 1)
         counters["sft_step"] += 1
         if counters["sft_step"] % cfg.eval_every == 0 or counters["sft_step"] == cfg.max_steps:
             metrics.update(S.sync_step(ctx, counters["syncs"], probe))
@@ -110,6 +138,10 @@ def sft_stage(ctx, correct, counters: dict, report, probe) -> None:
             report.scalars(metrics, step=counters["sft_step"], phase="sft")
             if cfg.target_accuracy and metrics["eval/accuracy"] >= cfg.target_accuracy:
                 break
+        why = state.stop_requested(ctx, stops)
+        if why:
+            return why
     counters["sft_done"] = True
     report.scalars(S.sync_step(ctx, counters["syncs"], probe), step=counters["sft_step"], phase="sync")
     counters["syncs"] += 1
+    return None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from megatron_sparse_rl.config.checks import check as _check
+from megatron_sparse_rl.config.rollout import check_temperature
 
 
 InFlightKV = Literal["keep", "recompute"]
@@ -50,7 +51,8 @@ class TrainerConfig:
     """Held-out prompts per evaluation."""
     eval_temperature: float = 1.0
     """Sampling temperature of evaluation: accuracy is the mean correctness of `eval_samples` samples per
-    held-out prompt (the expected reward of the policy, which RL optimises); 0 = greedy decoding."""
+    held-out prompt (the expected reward of the policy, which RL optimises); 0 = greedy decoding, else at least 0.01
+    (vLLM samples any smaller one at 0.01)."""
     eval_samples: int = 4
     """Samples per held-out prompt (1 when eval_temperature is 0)."""
     sync_bucket_mb: float = 64.0
@@ -72,6 +74,10 @@ class TrainerConfig:
     in_flight_kv: InFlightKV = "keep"
     """With max_staleness 1, the KV cache of requests running when new weights arrive: "keep" (computed by the
     previous weights) or "recompute" (vLLM recomputes prompt + tokens so far under the new weights)."""
+    stop_timeout_s: float = 300.0
+    """After SIGTERM / SIGINT the run finishes the step in flight, checkpoints and exits 75 (stopped, resumable); if
+    that has not happened within this many seconds, it exits at once without a checkpoint (docs/runs.md). `msrl
+    launch local` gives torchrun's workers this long (plus a margin) before it kills them."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm-start stage."""
 
@@ -82,7 +88,7 @@ class TrainerConfig:
                f"trainer.updates_per_rollout must be >= 1 (got {self.updates_per_rollout})")
         _check(self.eval_every >= 0, f"trainer.eval_every must be >= 0 (got {self.eval_every})")
         _check(self.eval_prompts >= 1, f"trainer.eval_prompts must be >= 1 (got {self.eval_prompts})")
-        _check(self.eval_temperature >= 0, f"trainer.eval_temperature must be >= 0 (got {self.eval_temperature})")
+        check_temperature(self.eval_temperature, "trainer.eval_temperature")  # 0 samples once (greedy)
         _check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
         _check(self.sync_bucket_mb > 0, f"trainer.sync_bucket_mb must be > 0 (got {self.sync_bucket_mb})")
         _check(self.verify_sync_every >= 0, f"trainer.verify_sync_every must be >= 0 (got {self.verify_sync_every})")
@@ -90,5 +96,7 @@ class TrainerConfig:
                f"batch while training; the pipeline holds one batch) (got {self.max_staleness})")
         _check(self.in_flight_kv in get_args(InFlightKV),
                f"trainer.in_flight_kv must be one of {list(get_args(InFlightKV))} (got {self.in_flight_kv!r})")
+        _check(10 <= self.stop_timeout_s <= 86400,
+               f"trainer.stop_timeout_s must be in [10, 86400] seconds (got {self.stop_timeout_s})")
         _check(self.verify_sync_tol is None or self.verify_sync_tol > 0,
                f"trainer.verify_sync_tol must be > 0 or null (got {self.verify_sync_tol})")

@@ -110,13 +110,15 @@ def build_context(run: RunConfig, total_steps: int):
     from megatron_sparse_rl.config import validate
     from megatron_sparse_rl.config.summary import run_summary
     from megatron_sparse_rl.config.validate import resolve
-    from megatron_sparse_rl.data import build_task, check_data
+    from megatron_sparse_rl.data import build_task
     from megatron_sparse_rl.models import load_spec
     from megatron_sparse_rl.observability.logging import attach_log_file, init_logging
     from megatron_sparse_rl.parallel import ParallelLayout
+    from megatron_sparse_rl.parallel.world import on_rank0
     from megatron_sparse_rl.patches import megatron_cpu
     from megatron_sparse_rl.training import disaggregated as D
     from megatron_sparse_rl.training import placement as P
+    from megatron_sparse_rl.training.preflight import check_files
     from megatron_sparse_rl.weight_sync.engine_shards import EngineShards
 
     rank, world = init_world(run.parallel)
@@ -124,7 +126,9 @@ def build_context(run: RunConfig, total_steps: int):
     spec = validate(run, world)
     summary = run_summary(run, spec, world) if rank == 0 else []  # says what the model resolves (max_model_len)
     run = resolve(run, spec)  # every rank's engine and records see the values left to the model filled in
-    check_data(run.data)  # every record, before Megatron and vLLM start: a bad line is named in seconds
+    # `msrl validate`'s file checks (model files, tokenizer, directories, every data record and prompt length),
+    # before Megatron and vLLM start: a bad file or line is named in seconds, the same error on every rank
+    on_rank0(lambda: check_files(run, spec))
     _warn_truncated_support(run)
     megatron_cpu.apply()
     owner = _claim_run_dir(run)

@@ -24,6 +24,8 @@ ALLOWED = (
     "trainer.steps", "trainer.eval_every", "trainer.eval_prompts", "trainer.eval_temperature", "trainer.eval_samples",
     # the learner -> engine weight transport and its check
     "trainer.sync_bucket_mb", "trainer.sync_engine_slices", "trainer.verify_sync_every", "trainer.verify_sync_tol",
+    # how a stop request is honoured
+    "trainer.stop_timeout_s",
     # where and how the run is kept and logged
     "checkpoint", "logging",
     # the layout: checkpoints reshard on load; another layout changes rounding and which rank draws which sample

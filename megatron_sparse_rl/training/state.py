@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.loader import to_dict
 from megatron_sparse_rl.learner.checkpoint import is_complete, load_learner, save_learner
+from megatron_sparse_rl.learner.finite import require_finite_weights
 from megatron_sparse_rl.learner.integrity import owner_of, verify_files
 from megatron_sparse_rl.training import run_dir
 from megatron_sparse_rl.training.context import RunContext
@@ -41,18 +43,35 @@ def save_run(ctx: RunContext, counters: dict, task_state: dict | None = None) ->
             raise RunDirError(f"checkpoint {str(path)!r} was not written by this run ({ctx.owner.run_id}); "
                               "refusing to treat it as this run's")
         return path
+    require_finite_weights(ctx.learner, "checkpoint", group=ctx.groups.learner)  # never a checkpoint of NaN weights
     if ctx.writer is not None:
         counters = {**counters, "metrics_records": ctx.writer.records}
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    save_learner(ctx.learner, path, extra={"counters": counters, "task": task_state or ctx.task.state_dict()},
-                 owner=ctx.owner.run_id, config=to_dict(ctx.run), hf_files=ctx.model_dir)
+    with _writing(path, "checkpoint", cleanup=path.with_name(f".{path.name}.tmp") if ctx.is_main else None):
+        save_learner(ctx.learner, path, extra={"counters": counters, "task": task_state or ctx.task.state_dict()},
+                     owner=ctx.owner.run_id, config=to_dict(ctx.run), hf_files=ctx.model_dir)
     if ctx.is_main:
         for old in own_checkpoints(ctx)[:-ctx.run.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return path
+
+
+@contextmanager
+def _writing(path: Path, what: str, *, cleanup: Path | None):
+    """Name `path` in an OSError raised while writing it (a full disk's error names no file) as a RunDirError, after
+    removing the partial temporary directory `cleanup` (nothing half-written is left behind)."""
+    try:
+        yield
+    except OSError as e:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        detail = e.strerror or str(e)
+        at = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        raise RunDirError(f"could not write the {what} {str(path)!r}: {detail}{at}; nothing of it was kept "
+                          "(free space or fix permissions there, then run the same command again to resume)") from e
 
 
 def newest_intact(ctx: RunContext) -> Path | None:
@@ -96,17 +115,38 @@ def resume_run(ctx: RunContext) -> dict | None:
     return extra["counters"]
 
 
-def preemption_requested(ctx: RunContext) -> bool:
-    """True on every learner rank once the launcher's preemption file ($MSRL_PREEMPT_FILE, written by the sbatch
-    script on SIGUSR1) exists: the trainer then checkpoints and exits so the requeued job resumes."""
+def stop_requested(ctx: RunContext, stops) -> str | None:
+    """Why the run should stop at this step boundary, the same answer on every learner rank, or None: a stop signal
+    (training/stops.py `StopSignals`) on any learner rank, or the launcher's preemption file ($MSRL_PREEMPT_FILE,
+    written by the sbatch script on SIGUSR1). With several learner ranks this is one collective per boundary."""
     flag = os.environ.get("MSRL_PREEMPT_FILE")
-    if not flag:
-        return False
-    import torch
+    preempted = bool(flag) and ctx.is_main and Path(flag).exists()
+    local = 2.0 if stops.requested() else 1.0 if preempted else 0.0
+    if dist.get_world_size(ctx.groups.learner) > 1:  # learner ranks only (rollout ranks are serving)
+        import torch
 
-    hit = torch.tensor([float(ctx.is_main and Path(flag).exists())])
-    dist.broadcast(hit, src=0, group=ctx.groups.learner)  # learner ranks only (rollout ranks are serving)
-    return bool(hit.item())
+        agreed = torch.tensor([local])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ctx.groups.learner)
+        local = agreed.item()
+    if local == 2.0:
+        return f"{stops.name or 'a stop signal'} received"
+    return f"preemption requested ({flag})" if local == 1.0 else None
+
+
+STOP_RECORD = Path("logs") / "stop.json"
+"""Where rank 0 of a run stopped on request records why, where and its checkpoint (read by `msrl launch local`)."""
+
+
+def record_stop(ctx: RunContext, why: str, where: str, checkpoint: Path | None) -> Path:
+    """Write the stop record (temp file, then rename)."""
+    import json
+
+    path = ctx.run_dir / STOP_RECORD
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"stopped": why, "at": where, "checkpoint": str(checkpoint) if checkpoint else None,
+                               "pid": os.getpid()}) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def export_hf(ctx: RunContext, out: Path) -> Path | None:
@@ -116,20 +156,22 @@ def export_hf(ctx: RunContext, out: Path) -> Path | None:
     from megatron_sparse_rl.learner.checkpoint import param_dtype_name
     from megatron_sparse_rl.weight_sync import iter_hf_tensors
 
+    require_finite_weights(ctx.learner, "hf_final", group=ctx.groups.learner)
     tmp = out.with_name(f".{out.name}.tmp")
     writer = None
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         writer = ShardedSafetensorsWriter(tmp, 2 << 30)
-    for name, tensor in iter_hf_tensors(ctx.learner):
-        if writer is not None:
-            writer.add(name, tensor)
-    if ctx.is_main:
-        writer.finish()
-        write_side_files(ctx.model_dir, tmp, dtype=param_dtype_name(ctx.learner))  # config.json states the dtype
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+    with _writing(out, "final Hugging Face export", cleanup=tmp if ctx.is_main else None):
+        for name, tensor in iter_hf_tensors(ctx.learner):
+            if writer is not None:
+                writer.add(name, tensor)
+        if ctx.is_main:
+            writer.finish()
+            write_side_files(ctx.model_dir, tmp, dtype=param_dtype_name(ctx.learner))  # config.json: the dtype
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
     dist.barrier()
     return out if ctx.is_main else None

@@ -126,6 +126,37 @@ def test_resume_after_kill_gives_the_same_metrics(straight, tmp_path, model_dir)
     _assert_same_steps(straight[0], run_dir, (3, 4))
 
 
+def test_sigterm_stops_at_a_step_boundary_checkpoints_and_resumes_exactly(straight, tmp_path, model_dir):
+    """SIGTERM to `msrl train` mid-run: the step in flight finishes, a checkpoint of it is written, the run says so
+    and exits 75 (stopped, resumable) without exporting hf_final; running it again continues from there and gives
+    the uninterrupted run's metrics."""
+    run_dir = tmp_path / "stopped"
+    proc = subprocess.Popen(_args(run_dir, model_dir, 4), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and 1 not in _rl(_records(run_dir)):
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (rc {proc.returncode}) before it could be stopped")
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    assert time.time() - sent < 120
+    done = sorted(_rl(_records(run_dir)))
+    assert done in ([1], [1, 2]), done  # the boundary after the step in flight (or the one just reached)
+    stopped = done[-1]
+    assert "SIGTERM received" in err and f"checkpointing after RL step {stopped}" in err
+    assert json.loads(out[out.index("{"):])["stopped"] == "SIGTERM received"
+    assert (run_dir / "checkpoints" / f"step_{stopped:06d}_sft_000003" / "MANIFEST.json").is_file()
+    assert json.loads((run_dir / "logs" / "stop.json").read_text())["at"] == f"RL step {stopped}, SFT step 3"
+    assert not (run_dir / "hf_final").exists()
+    resumed = subprocess.run(_args(run_dir, model_dir, 4), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"step_{stopped:06d}" in resumed.stderr and "resumed from" in resumed.stderr
+    _assert_same_steps(straight[0], run_dir, range(stopped + 1, 5))
+
+
 def _assert_same_steps(want_dir: Path, got_dir: Path, steps) -> None:
     """The resumed run's RL records equal the uninterrupted run's at `steps` (timings aside), each step is logged
     once, and the sync probe ran after the same steps (its every-N schedule survived the restart)."""

@@ -251,20 +251,22 @@ def test_validate_prints_the_data_and_what_evaluation_uses(tmp_path, capsys, mon
 
 
 def test_validate_checks_the_model_and_directories_a_config_points_to(tmp_path, capsys, monkeypatch):
-    import torch
-    from safetensors.torch import save_file
+    import shutil
 
     from megatron_sparse_rl.config.schema import TinyModelConfig
-    from megatron_sparse_rl.config.validate import tiny_hf_config
+    from megatron_sparse_rl.config.validate import tiny_fields, tiny_hf_config
+    from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
     monkeypatch.chdir(ROOT)
-    (tmp_path / "run").write_text("a file where the run directory goes")
-    argv = ["validate", TINY_MOE, *sets(tmp_path, "model.tiny=null")]
+    # a file where the run directory's parent goes (a file at logging.dir itself is refused with the config)
+    (tmp_path / "blocker").write_text("a file where the run directory's parent goes")
+    run_dir = tmp_path / "blocker" / "run"
+    argv = ["validate", TINY_MOE, *sets(tmp_path, "model.tiny=null", f"logging.dir={run_dir}")]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: 3 problems:")
     assert f"model.path {str(tmp_path / 'model')!r} does not exist (and model.tiny is not set)" in err
-    assert f"logging.dir {str(tmp_path / 'run')!r} exists and is not a directory" in err
+    assert f"logging.dir {str(run_dir)!r} cannot be created: {str(tmp_path / 'blocker')!r} is not a writable" in err
     assert "checkpoint.dir (default <logging.dir>/checkpoints)" in err
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(tiny_hf_config(TinyModelConfig())))
@@ -272,9 +274,11 @@ def test_validate_checks_the_model_and_directories_a_config_points_to(tmp_path, 
     assert "no model.safetensors or model.safetensors.index.json" in capsys.readouterr().err
     assert cli.main([*argv, "--no-files"]) == 0  # the config alone, e.g. a cluster path on a laptop
     assert "files: not checked (--no-files)" in capsys.readouterr().out
-    save_file({"lm_head.weight": torch.zeros(64, 64)}, str(tmp_path / "model" / "model.safetensors"))
+    # the weights of that model, without its tokenizer files
+    full = build_tiny_hf_model(tmp_path / "full", arch=TinyModelConfig().arch, **tiny_fields(TinyModelConfig()))
+    shutil.copy(full / "model.safetensors", tmp_path / "model" / "model.safetensors")
     assert cli.main(argv) == 2  # transformers would build an empty tokenizer here, and every prompt would be []
     assert "its tokenizer encodes '12+7=' to no tokens" in capsys.readouterr().err
     char_tok.build_tokenizer(tmp_path / "model")
-    (tmp_path / "run").unlink()
+    (tmp_path / "blocker").unlink()
     assert cli.main(argv) == 0 and capsys.readouterr().out.rstrip().endswith("ok")

@@ -114,6 +114,10 @@ def test_summary_exit_code_and_message(capsys, summary, code, message):
     assert (captured.err == "") == (code == 0)
 
 
-def test_a_preempted_run_says_how_to_continue(capsys):
-    assert demo.report({"rank": 0, "preempted": True, "checkpoint": "runs/x/checkpoints/step_000002"}) == 0
-    assert "--resume continues" in capsys.readouterr().out
+def test_a_stopped_run_says_how_to_continue(capsys):
+    """Preempted or stopped by a signal: exit 75 (stopped, resumable) and the way to continue."""
+    summary = {"rank": 0, "stopped": "SIGINT received", "preempted": False, "at": "RL step 2, SFT step 3",
+               "checkpoint": "runs/x/checkpoints/step_000002"}
+    assert demo.report(summary) == 75
+    out = capsys.readouterr().out
+    assert "--resume` continues" in out and "SIGINT received" in out and "runs/x/checkpoints/step_000002" in out

@@ -1,0 +1,152 @@
+"""The checks of the files a run points to, shared by `msrl validate` and `msrl train` (which runs them on rank 0,
+before Megatron or vLLM start, so a bad file is named in seconds and never as a traceback mid-run). They read and
+write nothing else.
+
+- the model directory: config.json, every safetensors shard named by the index present and readable, every tensor's
+  name, shape and dtype against the model config (headers only; an fp8 release's scales included), an fp8 release
+  the engine cannot serve on this machine, a tokenizer that loads, encodes and fits the model's vocabulary;
+- the run and checkpoint directories: directories, writable or creatable;
+- the data: every record (`check_data`: file and line of the first problem), and every templated prompt short
+  enough for the engine (`rollout.max_model_len`, a response needs one position at least).
+
+    lines = check_files(run, spec)     # ConfigError listing every problem; else the data summary lines
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_sparse_rl.config import ConfigError
+
+
+def _model_problems(model, spec, cuda: bool) -> list[str]:
+    """The model directory the learner and engines load (only a non-directory path when model.tiny builds it)."""
+    from megatron_sparse_rl.checkpoint.hf_io import INDEX, HFCheckpoint
+
+    path, where = Path(model.path), f"model.path {model.path!r}"
+    if model.tiny is not None and not (path / "config.json").is_file():
+        if path.exists() and not path.is_dir():
+            return [f"{where} exists and is not a directory (model.tiny builds the model there)"]
+        return []
+    if not path.exists():
+        return [f"{where} does not exist (and model.tiny is not set): point it at a Hugging Face model "
+                "directory, or set model.tiny to build a tiny one; --no-files checks the config alone"]
+    if not (path / "config.json").is_file():
+        return [f"{where} has no config.json" + ("" if path.is_dir() else " (it is not a directory)")]
+    try:
+        weights = HFCheckpoint(path)
+    except (FileNotFoundError, ValueError) as e:
+        return [f"{where}: {e}"]
+    missing = sorted({f for f in weights.weight_map.values() if not (path / f).is_file()})
+    if missing:
+        return [f"{where}: {len(missing)} weight files named in {INDEX} are missing, e.g. {missing[0]!r}"]
+    return _tensor_problems(weights, where, spec, cuda)
+
+
+def _tensor_problems(weights, where: str, spec, cuda: bool) -> list[str]:
+    """Shards readable, tensors as the config implies (fp8 scales included), and an fp8 release only where an
+    engine can serve it."""
+    from megatron_sparse_rl.checkpoint.checks import check_hf_files, check_hf_tensors
+    from megatron_sparse_rl.models import load_spec
+
+    try:
+        check_hf_files(weights)
+        adapter, model_spec = load_spec(weights.dir)
+        check_hf_tensors(weights, adapter, spec or model_spec, weights.dir / "config.json")
+    except (FileNotFoundError, ValueError) as e:
+        return [f"{where}: {e}"]
+    if weights.fp8 is not None and not cuda:
+        return [f"{where} is a block-wise fp8 checkpoint (config.json quantization_config), which vLLM serves on "
+                "GPUs only: on this CPU machine write a dequantised copy first (`msrl convert hf-to-mcore` then "
+                "`msrl convert mcore-to-hf`, docs/conversion.md) and point model.path at it"]
+    return []
+
+
+def _tokenizer(model, spec):
+    """The run's tokenizer, checked: the model directory's, or the character tokenizer model.tiny will write."""
+    from megatron_sparse_rl.data.checks import check_tokenizer
+
+    if model.tiny is not None and not (Path(model.path) / "config.json").is_file():
+        from megatron_sparse_rl.data.tokenizer import character_tokenizer
+
+        return character_tokenizer()
+    from megatron_sparse_rl.data import load_tokenizer
+
+    where = f"model.path {model.path!r}"
+    try:
+        tokenizer = load_tokenizer(model.path)
+    except Exception as e:  # transformers raises OSError, ValueError, ... for a missing or broken tokenizer
+        raise ConfigError(f"{where}: no tokenizer AutoTokenizer can load ({type(e).__name__}: {e})") from None
+    check_tokenizer(tokenizer, where, spec.vocab_size if spec is not None else None)
+    return tokenizer
+
+
+def dir_problems(field: str, path: Path) -> list[str]:
+    """A directory the run writes into: a writable directory, or creatable (its nearest existing parent is)."""
+    if path.exists():
+        if not path.is_dir():
+            return [f"{field} {str(path)!r} exists and is not a directory"]
+        return [] if os.access(path, os.W_OK | os.X_OK) else [f"{field} {str(path)!r} is not writable"]
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return [f"{field} {str(path)!r} cannot be created: {str(parent)!r} is not a writable directory"]
+    return []
+
+
+def _prompt_length_problem(run, tokenizer) -> str | None:
+    """The first templated prompt the engine cannot take (vLLM needs prompt length < max_model_len), with its file
+    and line; checked only when data.max_prompt_tokens does not already keep prompts that short."""
+    from megatron_sparse_rl.data.datasets import encode_one, iter_prompts
+
+    limit, data = run.rollout.max_model_len, run.data
+    if tokenizer is None or limit is None or data.max_prompt_tokens < limit:
+        return None
+    for split in ("train", "eval"):
+        for prompt in iter_prompts(data, split):
+            example = encode_one(prompt, tokenizer, data)
+            if example is not None and len(example.ids) >= limit:
+                return (f"{prompt.source}: the templated prompt is {len(example.ids)} tokens, but "
+                        f"rollout.max_model_len is {limit}, which must leave room for one response token at least: "
+                        f"raise rollout.max_model_len, or set data.max_prompt_tokens below {limit} (with "
+                        "data.on_long_prompt: skip to drop such prompts)")
+    return None
+
+
+def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
+    """Check the files `run` points to (reading them, writing nothing); the data lines of the summary.
+    `spec` is the model's ModelSpec from `validate` (None when unknown); `run` as resolved (`resolve`) where
+    max_model_len comes from the model.
+
+    Raises ConfigError listing every problem: model directory, run and checkpoint directories, the data.
+    """
+    from megatron_sparse_rl.data import DatasetError, check_data
+    from megatron_sparse_rl.data.checks import summary_lines
+
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    problems = _model_problems(run.model, spec, cuda)
+    tokenizer = None
+    if not problems:
+        try:
+            tokenizer = _tokenizer(run.model, spec)
+        except ConfigError as e:
+            problems.append(str(e))
+    problems += dir_problems("logging.dir", Path(run.logging.dir))
+    if run.checkpoint.dir:
+        problems += dir_problems("checkpoint.dir", Path(run.checkpoint.dir))
+    else:
+        problems += dir_problems("checkpoint.dir (default <logging.dir>/checkpoints)",
+                                 Path(run.logging.dir) / "checkpoints")
+    lines = []
+    try:
+        lines = summary_lines(check_data(run.data, tokenizer), run.data)
+        problems += [p for p in [_prompt_length_problem(run, tokenizer)] if p]
+    except DatasetError as e:
+        problems.append(str(e))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
+    return lines
