@@ -161,6 +161,7 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
             enable_prefix_caching=False,  # the sparse-KV integration rewrites blocks in place
             use_tqdm_on_load=False,  # vLLM logs the load time; a progress bar per (re)start only clutters the console
+            load_format="safetensors",  # never a pickled *.bin from the model directory (it could run code)
         )
         kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
         if self.on_gpu:
