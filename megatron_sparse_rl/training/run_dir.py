@@ -229,7 +229,12 @@ def _decide(run: RunConfig, run_dir: Path, ckpts: Path) -> RunDir:
 def check_resume(checkpoint: Path, run: RunConfig) -> list[str]:
     """Compare the config saved with `checkpoint` with `run`'s (training/resume_config.py). Raises RunDirError
     listing every change to what the resumed steps compute (`path: old -> new`) unless
-    `checkpoint.allow_config_change`; returns the lines saying what was compared, for `announce_resume`."""
+    `checkpoint.allow_config_change`; returns the lines saying what was compared, for `announce_resume`.
+    First every pickle a load of it would read goes through the allowlists (checkpoint/safe_load.py), so a file
+    that needs code is refused here, at claim time, before Megatron or vLLM start."""
+    from megatron_sparse_rl.checkpoint.safe_load import check_checkpoint_files
+
+    check_checkpoint_files(checkpoint)
     try:
         saved = read_config(checkpoint)
     except ValueError as e:

@@ -195,6 +195,33 @@ def test_resume_skips_a_corrupted_newest_checkpoint(straight, tmp_path, model_di
     _assert_same_steps(straight[0], run_dir, (3, 4))
 
 
+def test_resume_refuses_a_checkpoint_file_that_would_run_code(straight, tmp_path, model_dir):
+    """The newest checkpoint's .metadata carries a pickle payload and its manifest was rewritten to match (whoever
+    writes the payload can): the resume is refused at start-up naming the file, exit 2, no traceback, the payload
+    never runs and nothing in the directory changes."""
+    import pickle
+    import shutil
+
+    from megatron_sparse_rl.learner.integrity import digest_files, owner_of, write_manifest
+    from tests.snapshot import snapshot
+    from tests.unit.test_safe_load import PAYLOAD, Payload
+
+    run_dir = tmp_path / "poisoned"
+    shutil.copytree(straight[0], run_dir)
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    meta = pickle.loads((newest / ".metadata").read_bytes())
+    meta.storage_meta = Payload(tmp_path / "MARKER")
+    (newest / ".metadata").write_bytes(pickle.dumps(meta))
+    write_manifest(newest, digest_files(newest), owner=owner_of(newest))
+    before = snapshot(run_dir)
+    resumed = subprocess.run(_args(run_dir, model_dir, 4), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert f"error: {newest / '.metadata'}: refused to load" in resumed.stderr and PAYLOAD in resumed.stderr
+    assert "Traceback" not in resumed.stderr
+    assert not (tmp_path / "MARKER").exists()
+    assert snapshot(run_dir) == before
+
+
 def _run_id(run_dir: Path) -> str:
     return json.loads((run_dir / "run.json").read_text())["run_id"]
 
