@@ -1,19 +1,24 @@
-"""Local launch: `torchrun --standalone --nproc-per-node N -m <launch.program> CONFIG --set ...`.
+"""Local launch: torchrun (launch/torchrun.py) on one node, its store on 127.0.0.1 only.
 
     cmd = local_command("configs/tiny_moe_tp2ep2.yaml", nproc=4, program="tools.cli train", overrides=[])
-    rc = subprocess.call(cmd)
+    # [python, -m, launch.torchrun, --nnodes=1, --node-rank=0, --master-addr=127.0.0.1, --master-port=0,
+    #  --nproc-per-node=4, -m, tools.cli, train, CONFIG, --set, ...]
 
-`--standalone` lets torchrun pick a free rendezvous port, so runs of several users on one machine do not
-collide. torchrun is run as `python -m torch.distributed.run` with this interpreter (no PATH lookup).
+`--master-port=0` picks a free rendezvous port, so runs of several users on one machine do not collide; the
+store listens on loopback only (stock torchrun's `--standalone` would serve it on every interface). torchrun is
+run with this interpreter (no PATH lookup).
 """
 from __future__ import annotations
 
 import sys
 
+RENDEZVOUS = ("--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=0")
+"""One node, static rendezvous on a free loopback port (launch/torchrun.py binds it)."""
+
 
 def local_command(config: str, *, nproc: int, program: str, overrides: list[str]) -> list[str]:
     """The command line of a one-machine run with `nproc` ranks."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "launch.torchrun", *RENDEZVOUS, f"--nproc-per-node={nproc}",
            "-m", *program.split(), config]
     for o in overrides:
         cmd += ["--set", o]

@@ -4,10 +4,11 @@
     (as a launch program: --set launch.program=launch.probe)
 
 Every rank loads and validates the config for the world it finds (RANK / WORLD_SIZE / MASTER_ADDR /
-MASTER_PORT from torchrun or the sbatch script), joins a gloo process group through that rendezvous and
-all-gathers (rank, host). Rank 0 then writes `<logging.dir>/metrics.jsonl` (temp file, then rename), like
-the trainer. With `--hold S` the ranks wait up to S seconds for $MSRL_PREEMPT_FILE (the sbatch script's
-preemption request), record a `preempted` line and exit 0, as the trainer does after its checkpoint.
+MASTER_PORT from torchrun or the sbatch script), joins a gloo world through that rendezvous as the trainer
+does (parallel/world.py) and all-gathers (rank, host). Rank 0 then writes `<logging.dir>/metrics.jsonl` (temp
+file, then rename), like the trainer. With `--hold S` the ranks wait up to S seconds for $MSRL_PREEMPT_FILE (the
+sbatch script's preemption request), record a `preempted` line and exit 0, as the trainer does after its
+checkpoint.
 """
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from megatron_sparse_rl.config import load_config, validate
+    from megatron_sparse_rl.config.schema import ParallelConfig
+    from megatron_sparse_rl.parallel.world import join_world
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run = load_config(args.config, args.overrides)
     validate(run, world)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_world(ParallelConfig(backend="gloo"))  # as the trainer joins: its store listens on MASTER_ADDR only
     seen = [None] * world
     dist.all_gather_object(seen, {"rank": rank, "host": socket.gethostname(),
                                   "local_rank": int(os.environ.get("LOCAL_RANK", 0))})

@@ -4,10 +4,11 @@
     job_id, rc = submit(write_script(script, launch_log_dir), wait=True)
 
 The script: one `#SBATCH` header from `launch.slurm`; rendezvous on the first node of the allocation (its
-hostname from `scontrol show hostnames`, a free port picked there unless `rdzv_port` is set); `srun` of
-torchrun (one task per node, static rendezvous with node rank = SLURM_NODEID, so ranks follow node order
-and the learner/rollout split by rank range is deterministic) or of the ranks directly (one task per
-rank, RANK = SLURM_PROCID with block distribution). With `requeue`, SLURM sends USR1 to the batch shell
+hostname from `scontrol show hostnames`, or its address on `launch.slurm.interface`; a free port picked there
+unless `rdzv_port` is set), whose store listens on that address only; `srun` of torchrun (launch/torchrun.py:
+one task per node, static rendezvous with node rank = SLURM_NODEID, so ranks follow node order and the
+learner/rollout split by rank range is deterministic) or of the ranks directly (one task per rank, RANK =
+SLURM_PROCID with block distribution). With `requeue`, SLURM sends USR1 to the batch shell
 `signal_seconds` before the end (or on `scancel --signal=USR1 --batch`); the trap touches
 $MSRL_PREEMPT_FILE, which the trainer polls at step boundaries: it saves a checkpoint and exits, then
 the script runs `scontrol requeue` and the next run resumes from that checkpoint.
@@ -24,6 +25,11 @@ from megatron_sparse_rl.config.launch import LaunchConfig
 
 FREE_PORT = ("\"$PYTHON\" -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); "
              "print(s.getsockname()[1])'")
+# the IPv4 address of the interface named by $1 on this node (SIOCGIFADDR; stdlib only), nothing if it has none
+IFACE_ADDR = ("\"$PYTHON\" -c 'import fcntl, socket, struct, sys; "
+              "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+              "print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, "
+              "struct.pack(\"256s\", sys.argv[1].encode()))[20:24]))'")
 
 
 def resolve_paths(run, launch: LaunchConfig, workdir: str | None = None) -> dict[str, str]:
@@ -76,7 +82,7 @@ def _srun(launch: LaunchConfig, workdir: str) -> str:
     args += list(s.extra_srun)
     if s.mode == "torchrun":
         args.append("--ntasks-per-node=1")
-        task = ('exec "$0" -m torch.distributed.run --nnodes="$SLURM_NNODES" '
+        task = ('exec "$0" -m launch.torchrun --nnodes="$SLURM_NNODES" '
                 f'--nproc-per-node={p} --node-rank="$SLURM_NODEID" '
                 '--master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" -m "$@"')
     else:
@@ -85,6 +91,20 @@ def _srun(launch: LaunchConfig, workdir: str) -> str:
                 f'LOCAL_WORLD_SIZE={p}; exec "$0" -m "$@"')
     return " ".join(shlex.quote(a) for a in args) + f" \\\n  bash -c {shlex.quote(task)} " \
         '"$PYTHON" "${PROGRAM[@]}" &'
+
+
+def _master_addr(interface: str) -> list[str]:
+    """Lines setting MASTER_ADDR, where node 0's rendezvous store listens (launch/torchrun.py, srun mode's rank 0)
+    and the other nodes connect: the first node's hostname, or its address on `launch.slurm.interface` (the batch
+    script runs on the first node), which gloo and NCCL then use too unless `launch.slurm.env` names theirs."""
+    if not interface:
+        return ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)']
+    q = shlex.quote(interface)
+    return [f"MASTER_ADDR=$({IFACE_ADDR} {q} 2>/dev/null)  # launch.slurm.interface",
+            f'[ -n "$MASTER_ADDR" ] || {{ echo "msrl: launch.slurm.interface = {interface}: no IPv4 address on '
+            f'$(hostname)" >&2; exit 2; }}',
+            f'export GLOO_SOCKET_IFNAME="${{GLOO_SOCKET_IFNAME:-{interface}}}" '
+            f'NCCL_SOCKET_IFNAME="${{NCCL_SOCKET_IFNAME:-{interface}}}"']
 
 
 def _layout_comment(launch: LaunchConfig) -> str:
@@ -117,7 +137,7 @@ def render_sbatch(run, launch: LaunchConfig, config_path: str | Path, overrides:
     port = str(s.rdzv_port) if s.rdzv_port else f"$({FREE_PORT})"
     lines += [
         f"PYTHON={shlex.quote(paths['python'])}  # {job_python(launch, Path(paths['workdir']))[1]}",
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        *_master_addr(s.interface),
         f"MASTER_PORT={port}",
         f"MSRL_PREEMPT_FILE={shlex.quote(paths['log_dir'])}/preempt-$SLURM_JOB_ID",
         "export MASTER_ADDR MASTER_PORT MSRL_PREEMPT_FILE",

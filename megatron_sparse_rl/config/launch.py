@@ -22,6 +22,7 @@ from megatron_sparse_rl.config.checks import check as _check
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IFNAME = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,15}$")  # Linux: IFNAMSIZ - 1 bytes, no '/', ':' or space
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -49,6 +50,11 @@ class SlurmConfig:
     srun: one task per rank, RANK/LOCAL_RANK/WORLD_SIZE set from SLURM_PROCID/LOCALID/NTASKS."""
     rdzv_port: int = 0
     """Rendezvous port on the first node (0 = pick a free port there when the job starts)."""
+    interface: str = ""
+    """Network interface (e.g. 'ib0') the job's sockets listen on and the nodes talk over: the rendezvous store
+    listens on the first node's address on it only (MASTER_ADDR), and gloo and NCCL use it (GLOO_SOCKET_IFNAME,
+    NCCL_SOCKET_IFNAME, unless `env` sets them). '' = the first node's hostname and the address it resolves to
+    there; gloo and NCCL then pick their own."""
     venv: str = ""
     """Python virtual environment on the nodes, whose bin/python the ranks run ('' = see `launch.python`)."""
     container_image: str = ""
@@ -81,6 +87,9 @@ class SlurmConfig:
         _check(self.cpus_per_task >= 0, f"launch.slurm.cpus_per_task must be >= 0 (got {self.cpus_per_task})")
         _check(self.rdzv_port == 0 or 1024 <= self.rdzv_port <= 65535,
                f"launch.slurm.rdzv_port must be 0 (pick a free one) or in [1024, 65535] (got {self.rdzv_port})")
+        _check(self.interface == "" or bool(_IFNAME.match(self.interface)),
+               f"launch.slurm.interface must be a network interface name (up to 15 letters, digits, '_', '.', '-'; "
+               f"`ip link` lists them) or '' (got {self.interface!r})")
         _check(self.signal_seconds >= 10,
                f"launch.slurm.signal_seconds must be >= 10 (got {self.signal_seconds})")
         for opt in self.extra_sbatch + self.extra_srun:

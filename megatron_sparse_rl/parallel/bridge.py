@@ -12,13 +12,14 @@ with `new_group`, which every rank of that world must enter. One default world p
 it as it expects: Megatron's collectives stay among the learner ranks, vLLM's among the rollout ranks, and no
 rank mirrors the other library's group creation.
 
-`split` replaces the launcher's world (it must hold no other group yet): global rank 0 serves a new TCPStore,
-publishes its address over the old world, the old world is destroyed, and each role initialises its world from
-its own prefix of that store (learner ranks keep their global ranks; rollout rank L + i becomes rank i of the
-rollout world). A `Bridge` is a gloo group over a list of global ranks, built from the same store; only its
-members construct it (gloo connects them through the store), so it needs no default world. Its collectives are
-the few the weight sync and the command loop use. Global rank 0 serves the store: it must outlive the other
-ranks' use of it (the disaggregated trainer's "stop" waits for the rollout ranks' last answer).
+`split` replaces the launcher's world (it must hold no other group yet): global rank 0 serves a new TCPStore on
+$MASTER_ADDR only (where the ranks reach the launcher's store: 127.0.0.1 on one machine), publishes its address
+over the old world, the old world is destroyed, and each role initialises its world from its own prefix of that
+store (learner ranks keep their global ranks; rollout rank L + i becomes rank i of the rollout world). A `Bridge`
+is a gloo group over a list of global ranks, built from the same store; only its members construct it (gloo
+connects them through the store), so it needs no default world. Its collectives are the few the weight sync and
+the command loop use. Global rank 0 serves the store: it must outlive the other ranks' use of it (the
+disaggregated trainer's "stop" waits for the rollout ranks' last answer).
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron_sparse_rl.parallel.ports import LOOPBACK, store_client, store_server
 
 _TAG = 0
 
@@ -118,12 +121,12 @@ class SplitWorld:
         if not 0 < learner_ranks < world:
             raise ValueError(f"split: {learner_ranks} learner ranks must leave at least one rank of the world of "
                              f"{world} for the rollout ranks")
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout) if rank == 0 else None
+        host = os.environ.get("MASTER_ADDR", LOOPBACK)  # the launcher's store address: the one the ranks reach
+        store = store_server(host, world_size=world, timeout=timeout) if rank == 0 else None
         box = [(host, store.port) if store is not None else None]
         dist.broadcast_object_list(box, src=0)
         if store is None:
-            store = dist.TCPStore(box[0][0], box[0][1], is_master=False, wait_for_workers=False, timeout=timeout)
+            store = store_client(box[0][0], box[0][1], world_size=world, timeout=timeout)
         dist.barrier()
         dist.destroy_process_group()
         learner = rank < learner_ranks

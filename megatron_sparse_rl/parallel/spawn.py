@@ -5,12 +5,13 @@ launcher through checkpoint/launch.py).
     results = run_ranks(fn, world_size=2, args=(x,), timeout=300)
 
 `fn(rank, world_size, *args)` must be a module-level function of an importable module (it is pickled into
-spawned processes). Each rank joins a world on a free loopback port (parallel/world.py `join_world`; gloo by
-default, `backend="auto"` picks nccl with one GPU per rank when CUDA is there), destroyed after `fn`. With
+spawned processes). Each rank joins a world (parallel/world.py `join_world`; gloo by default, `backend="auto"`
+picks nccl with one GPU per rank when CUDA is there), destroyed after `fn`. As torchrun's agent does, this
+process serves the world's store, on 127.0.0.1 only (bound before any rank starts, so no other job can take the
+port in between), and tells the ranks so (TORCHELASTIC_USE_AGENT_STORE): every rank is its client. With
 `threads=1` (the default) a rank runs with OMP_NUM_THREADS=1 and one torch thread (on a small machine ranks would
 otherwise fight over the cores). A failure on any rank raises `RankFailed` here with that rank's error and
-traceback; a hang past `timeout` kills every rank. A rendezvous port taken between `free_port()` and the bind
-(other jobs on the machine) is retried, twice.
+traceback; a hang past `timeout` kills every rank.
 """
 from __future__ import annotations
 
@@ -21,13 +22,7 @@ import queue
 import traceback
 from typing import Any, Callable
 
-from megatron_sparse_rl.parallel.ports import free_port
-
-_PORT_TAKEN = "port taken"
-
-
-class _PortTaken(Exception):
-    pass
+from megatron_sparse_rl.parallel.ports import LOOPBACK, store_server
 
 
 class RankFailed(RuntimeError):
@@ -41,8 +36,8 @@ class RankFailed(RuntimeError):
 
 def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, backend: str,
                threads: int | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
     if threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
@@ -54,13 +49,7 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, 
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        try:
-            join_world(ParallelConfig(backend=backend))
-        except Exception as e:  # noqa: BLE001 - a taken port is retried by the parent
-            if "EADDRINUSE" in str(e):
-                results.put((rank, False, _PORT_TAKEN))
-                return
-            raise
+        join_world(ParallelConfig(backend=backend))
         # plain pickle bytes: torch's queue reductions share memory that dies with this process
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent with its traceback
@@ -74,19 +63,10 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float | None = 300, *,
               backend: str = "gloo", threads: int | None = 1) -> list[Any]:
     """[fn's return value on rank 0, rank 1, ...] (see the module docstring)."""
-    for _ in range(3):
-        try:
-            return _run_once(fn, world_size, args, timeout, backend, threads)
-        except _PortTaken:
-            continue
-    raise RuntimeError("could not bind a free rendezvous port in 3 attempts")
-
-
-def _run_once(fn, world_size: int, args: tuple, timeout: float | None, backend: str, threads: int | None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, backend, threads))
+    store = store_server(LOOPBACK, world_size=world_size)  # lives until every rank has ended (below)
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store.port, args, results, backend, threads))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -97,8 +77,6 @@ def _run_once(fn, world_size: int, args: tuple, timeout: float | None, backend: 
                 rank, ok, out = results.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(f"{world_size} ranks did not finish in {timeout} s (ranks done: {sorted(outs)})")
-            if not ok and out == _PORT_TAKEN:
-                raise _PortTaken()
             if not ok:  # the other ranks may be stuck in a collective with the failed one: killed below
                 raise RankFailed(rank, *out)
             outs[rank] = pickle.loads(out)
@@ -107,4 +85,5 @@ def _run_once(fn, world_size: int, args: tuple, timeout: float | None, backend: 
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        del store
     return [outs[r] for r in range(world_size)]

@@ -8,6 +8,12 @@ runs a step on rank 0 and raises its error on every rank.
 'auto' is nccl with CUDA and gloo without; 'nccl' and 'gloo' are kept as named. A backend this machine
 cannot run (nccl without CUDA) is a ConfigError naming the field before any process group starts; so is a
 world someone already started on another backend than the one the config names.
+
+Where the world's sockets listen (docs/launch.md "What listens where"): a world of one serves its store on
+127.0.0.1; under torchrun (`msrl launch local`, the SLURM script's torchrun mode) and `run_ranks` the launcher
+serves it and every rank is a client; otherwise (srun mode) rank 0 serves it on $MASTER_ADDR only. When every
+rank runs on this machine, gloo and NCCL listen on the loopback interface unless GLOO_SOCKET_IFNAME /
+NCCL_SOCKET_IFNAME name one.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.config.schema import ParallelConfig
-from megatron_sparse_rl.parallel.ports import free_port
+from megatron_sparse_rl.parallel.ports import LOOPBACK, loopback_socket_env, store_client, store_server
 
 
 def resolve_backend(backend: str, cuda: bool | None = None) -> str:
@@ -53,12 +59,37 @@ def join_world(cfg: ParallelConfig) -> tuple[int, int]:
     if problem:
         raise ConfigError(problem)
     if "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+        store = store_server(LOOPBACK, world_size=1)
+        os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(store.port), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
+    else:
+        store = _rank0_store()
+    if os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE"):  # every rank is on this machine
+        os.environ.update(loopback_socket_env(os.environ))
     if backend == "nccl":  # one GPU per local rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    if store is None:  # the launcher serves the store (torchrun's agent, run_ranks): env:// connects to it
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _rank0_store():
+    """The store of a world a launcher started from the environment: None when the launcher serves it (torchrun
+    says so with TORCHELASTIC_USE_AGENT_STORE; env:// then makes every rank a client) or names no address (env://
+    then says what is missing); else rank 0 serves it on $MASTER_ADDR:$MASTER_PORT only (torch's env:// would
+    listen on every interface) and the other ranks connect to it."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    addr, port, world = (os.environ.get(v, "") for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"))
+    if not (addr and port.isdigit() and world.isdigit()):
+        return None
+    if os.environ["RANK"] == "0":
+        remote = os.environ.get("LOCAL_WORLD_SIZE", world) != world  # ranks on other machines connect to it
+        return store_server(addr, int(port), world_size=int(world), remote=remote)
+    return store_client(addr, int(port), world_size=int(world))
 
 
 def on_rank0(fn: Callable[[], object]):

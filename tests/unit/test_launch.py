@@ -1,12 +1,15 @@
-"""`msrl launch`: rendered sbatch scripts (bash -n, counts, requeue), launch config errors, local command."""
+"""`msrl launch`: rendered sbatch scripts (bash -n, counts, requeue, the rendezvous address and interface), launch
+config errors, local command."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from launch.checks import check_launch
@@ -69,6 +72,9 @@ def test_rendered_script_parses_and_counts(tmp_path, launch, parallel, nodes, ta
     assert f"--nodes={nodes}" in srun and f"--ntasks-per-node={tasks}" in srun
     if launch["slurm"].get("mode", "torchrun") == "torchrun":
         assert f"--nproc-per-node={launch['nproc_per_node']}" in script and '--node-rank="$SLURM_NODEID"' in script
+        # node 0's agent serves the store on $MASTER_ADDR only (launch/torchrun.py), not stock torchrun's
+        assert 'exec "$0" -m launch.torchrun --nnodes="$SLURM_NNODES"' in script
+        assert "torch.distributed.run" not in script
     else:
         assert 'RANK="$SLURM_PROCID"' in script and "--container-image=nvcr.io/x:1" in srun
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
@@ -119,6 +125,8 @@ def test_bad_launch_configs_error_clearly(tmp_path, launch, parallel, message):
     ({"slurm": {"time": "forever"}}, "launch.slurm.time must look like"),
     ({"slurm": {"partiton": "p"}}, "unknown key launch.slurm.partiton (did you mean launch.slurm.partition?)"),
     ({"slurm": {"extra_sbatch": ["constraint=h100"]}}, "must be single options starting with '-'"),
+    ({"slurm": {"interface": "ib0; rm -rf ~"}}, "launch.slurm.interface must be a network interface name"),
+    ({"slurm": {"interface": "a-name-of-16-chr"}}, "launch.slurm.interface must be a network interface name"),
 ])
 def test_launch_fields_check_themselves(tmp_path, launch, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -137,8 +145,12 @@ def test_local_dry_run_command(tmp_path, capsys):
     path = _cfg(tmp_path, model={"path": str(tmp_path / "m"), "tiny": {}}, parallel={"tp": 2, "sequence_parallel": True})
     assert cli.main(["launch", "local", "--nproc", "2", str(path), "--dry-run", "--set", "learner.seed=3"]) == 0
     out = capsys.readouterr().out.split()
-    assert out[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    assert out[5:9] == ["-m", "tools.cli", "train", str(path)]
+    # torchrun with its store on loopback only (launch/torchrun.py; stock --standalone serves every interface)
+    assert out[:3] == [sys.executable, "-m", "launch.torchrun"]
+    assert out[3:8] == ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=0",
+                        "--nproc-per-node=2"]
+    assert "--standalone" not in out and not any(o.startswith("--rdzv") for o in out)
+    assert out[8:12] == ["-m", "tools.cli", "train", str(path)]
     assert "learner.seed=3" in out and "launch.nproc_per_node=2" in out
     assert cli.main(["launch", "local", "--nproc", "3", str(path), "--dry-run"]) == 2  # tp=2 does not divide 3
 
@@ -175,3 +187,44 @@ def test_conflicting_interpreters_exit_2_and_write_nothing(tmp_path, monkeypatch
     assert cli.main(["launch", "slurm", str(path)]) == 2  # not a dry run: it would write and submit
     assert message in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no log dir, no script
+
+
+def _rendezvous_lines(script: str) -> str:
+    """The script's lines from `PYTHON=` up to the MASTER_PORT line: where the rendezvous address comes from."""
+    lines = script.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("PYTHON="))
+    end = next(i for i, line in enumerate(lines) if line.startswith("MASTER_PORT="))
+    return "\n".join(lines[start:end])
+
+
+@pytest.mark.parametrize("mode", ["torchrun", "srun"])
+def test_the_rendezvous_listens_on_the_named_interface(tmp_path, mode):
+    lo = next(n for n, addrs in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addrs))
+    script = _render(tmp_path, launch={"nodes": 2, "nproc_per_node": 2,
+                                       "slurm": {"partition": "p", "mode": mode, "interface": lo}})
+    _bash_n(script, tmp_path)
+    assert 'MASTER_ADDR=$(scontrol show hostnames' not in script
+    assert "export MASTER_ADDR MASTER_PORT" in script
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    shown = 'echo "$MASTER_ADDR $GLOO_SOCKET_IFNAME $NCCL_SOCKET_IFNAME"'
+    r = subprocess.run(["bash", "-c", _rendezvous_lines(script) + "\n" + shown], capture_output=True, text=True,
+                       env=env)
+    assert (r.returncode, r.stdout.split()) == (0, ["127.0.0.1", lo, lo]), r.stderr  # the address psutil names
+    kept = subprocess.run(["bash", "-c", _rendezvous_lines(script) + "\n" + shown], capture_output=True, text=True,
+                          env={**env, "NCCL_SOCKET_IFNAME": "ib1"})
+    assert kept.stdout.split() == ["127.0.0.1", lo, "ib1"]  # a value the job already has is kept
+
+
+def test_an_interface_missing_on_the_first_node_stops_the_script(tmp_path):
+    script = _render(tmp_path, launch={"nodes": 2, "slurm": {"partition": "p", "interface": "nosuchif0"}})
+    marker = tmp_path / "ranks-started"
+    r = subprocess.run(["bash", "-c", _rendezvous_lines(script) + f"\ntouch {marker}"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2
+    assert "msrl: launch.slurm.interface = nosuchif0: no IPv4 address on" in r.stderr
+    assert not marker.exists()  # nothing after it ran
+
+
+def test_without_an_interface_the_first_hostname_is_the_rendezvous(tmp_path):
+    script = _render(tmp_path, launch={"nodes": 2, "slurm": {"partition": "p"}})
+    assert "SOCKET_IFNAME" not in script  # gloo and NCCL pick their own, as before

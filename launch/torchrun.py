@@ -1,0 +1,63 @@
+"""torchrun whose rendezvous store listens on --master-addr only: what `msrl launch local` and the SLURM script's
+torchrun mode run instead of `python -m torch.distributed.run`, with the same arguments.
+
+    python -m launch.torchrun --nnodes=1 --node-rank=0 --master-addr=127.0.0.1 --master-port=0 \\
+        --nproc-per-node=2 -m tools.cli train CONFIG
+
+Stock torchrun's agent serves its TCPStore on every interface whatever --master-addr says (`--standalone`'s
+c10d store too, and the second store it shares with the workers). Here the agent of node 0 serves the store
+first, on --master-addr only (parallel/ports.py `store_server`), and torch's static rendezvous, which asks for a
+multi-tenant store on the same port of the same process, shares that one instead of binding its own.
+`--master-port=0` picks a free port (one node only: the other nodes could not learn it). The workers are the
+store's clients (torchrun tells them so with TORCHELASTIC_USE_AGENT_STORE), so the launch itself listens on
+that one address; what the ranks open is parallel/world.py's business. Only the static rendezvous is taken: the
+other backends (`--standalone`, c10d, etcd) create their stores where this module cannot bind them.
+"""
+from __future__ import annotations
+
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+def _one_node(args) -> bool:
+    return str(args.nnodes) in ("1", "1:1")
+
+
+def argument_problem(args) -> str | None:
+    """Why parsed torchrun arguments cannot run with a store bound to --master-addr, or None."""
+    if args.standalone or args.rdzv_backend != "static" or args.rdzv_endpoint:
+        return ("only the static rendezvous binds its store to one address: pass --nnodes, --node-rank, "
+                "--master-addr and --master-port, not --standalone, --rdzv-backend or --rdzv-endpoint")
+    if args.master_port is None:
+        return "--master-port is required (0: a free port, on one node only)"
+    if args.master_port == 0 and not _one_node(args):
+        return f"--master-port=0 works on one node only (--nnodes={args.nnodes}): the other nodes must know the port"
+    return None
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.run import parse_args, run
+
+    from megatron_sparse_rl.parallel.ports import store_server
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    problem = argument_problem(args)
+    if problem:
+        print(f"launch.torchrun: {problem}", file=sys.stderr)
+        return 2
+    store = None  # node 0: served here until the run ends, before torch's rendezvous asks for it
+    if args.node_rank == 0:
+        try:
+            store = store_server(args.master_addr, args.master_port, remote=not _one_node(args))
+        except OSError as e:
+            print(f"launch.torchrun: --master-addr/--master-port: {e}", file=sys.stderr)
+            return 1
+        args.master_port = store.port
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
