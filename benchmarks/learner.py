@@ -12,7 +12,8 @@ support of 32 ids per response token) goes through the trainer's learner step (`
 
 Printed, each as back-to-back pairs against the plain step (no correction, no mask), the order alternating,
 median and range of the per-pair time ratios (a shared CPU's noise shows in the range):
-- all corrections on (TIS, MIS, veto, IcePop, OPSM, Sparse-RL; the pure tensor math of DESIGN.md says ~0);
+- all corrections on (TIS, MIS, veto, IcePop, OPSM, Sparse-RL; elementwise tensor math, expected ~0 of
+  the step; docs/algorithms.md, "Cost");
   also the time of `apply_corrections` alone, timed around its call, as a share of the step;
 - keep-sampling-mask on (the support mask built per micro-batch and applied in both forwards);
 - every micro-batch at the batch's full width, rows in order (the learner without length grouping/trimming;

@@ -1,4 +1,5 @@
-"""`msrl bench KIND [...]`: benchmarks that print ratios (DESIGN.md, "Performance").
+"""`msrl bench KIND [...]`: benchmarks that print ratios (measured results: docs/sparse_kv.md, docs/weight_sync.md,
+docs/algorithms.md "Cost", docs/routing.md, docs/conversion.md, docs/async.md).
 
     msrl bench kv [--budget 128 --max-tokens 1024 ...]     sparse vs dense KV blocks, admitted sequences, tokens/s
     msrl bench sync [--mode both --bucket-mb 64 ...]       weight sync bytes/s over plain copy bytes/s (~100M params)

@@ -14,7 +14,7 @@ import argparse
 import importlib
 import sys
 
-# name -> one-line help (DESIGN.md's CLI list); the implementation is the module tools/<name>_cmd.py.
+# name -> one-line help (README.md, "Commands"); the implementation is the module tools/<name>_cmd.py.
 COMMANDS: dict[str, str] = {
     "train": "run the RL loop (and the sft stage when configured)",
     "validate": "check a config without starting anything",

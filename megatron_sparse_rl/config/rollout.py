@@ -72,7 +72,7 @@ class KVConfig:
     """Fixed-budget KV cache compression during rollout (Sparse-RL); "none" keeps the dense cache.
 
     The one KV schema: the settings vLLM carries to its scheduler and workers (`kv.settings.SparseKVSettings`)
-    and the policies' knobs (`kv.policies.PolicyParams`) are this class. The policies live in
+    are this class, and the policies take it as their knobs. The policies live in
     `megatron_sparse_rl.kv.policies`; the vLLM integration that applies them and frees blocks in
     `megatron_sparse_rl.kv` (see docs/sparse_kv.md)."""
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_sparse_rl.config.rollout import KVConfig
 from megatron_sparse_rl.kv import policies as P
 
 
@@ -112,7 +113,7 @@ def latent_h2o_scores(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tens
     return P.h2o_scores(rows, absorb_queries(q_nope, q_pe, w_uk), query_index, prev, scale=scale)[0]
 
 
-def select_latent(policy: str, latent: torch.Tensor, k_pe: torch.Tensor, p: P.PolicyParams, *,
+def select_latent(policy: str, latent: torch.Tensor, k_pe: torch.Tensor, p: KVConfig, *,
                   q_nope: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
                   w_uk: torch.Tensor | None = None, scale: float | None = None,
                   h2o_acc: torch.Tensor | None = None) -> torch.Tensor:

@@ -34,14 +34,8 @@ POLICIES = tuple(p for p in get_args(KVPolicy) if p != "none")
 
 
 # The policies' knobs (budget, window, sinks, pooling, kernel, rkv_lambda, rkv_threshold) are fields of the one
-# KV schema, `rollout.kv`: a `KVConfig` (or the `SparseKVSettings` vLLM carries) is what the policies take.
-# Built directly where no run config exists (tests, benchmarks): `PolicyParams(budget=16, window=8)`.
-PolicyParams = KVConfig
-
-
-def params_from_config(kv_cfg: KVConfig) -> PolicyParams:
-    """The policy knobs of `rollout.kv`: the config itself (every KVConfig is a PolicyParams)."""
-    return kv_cfg
+# KV schema, `rollout.kv`: a `KVConfig` (or the `SparseKVSettings` subclass vLLM carries) is what the policies
+# take. Built directly where no run config exists (tests, benchmarks): `KVConfig(budget=16, window=8)`.
 
 
 def _group(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -77,7 +71,7 @@ def _logits(keys: torch.Tensor, queries: torch.Tensor, scale: float | None = Non
     return dots / math.sqrt(keys.shape[-1]) if scale is None else dots * scale
 
 
-def rkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams, *,
+def rkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: KVConfig, *,
                scale: float | None = None) -> torch.Tensor:
     """R-KV score of the candidates (every entry but the last `window`): float32 [kv_heads, T - window].
 
@@ -102,7 +96,7 @@ def rkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams, *,
     return p.rkv_lambda * imp - (1.0 - p.rkv_lambda) * red
 
 
-def snapkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: PolicyParams, *,
+def snapkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: KVConfig, *,
                   scale: float | None = None) -> torch.Tensor:
     """SnapKV score of the candidates: float32 [kv_heads, T - window].
 
@@ -147,13 +141,13 @@ def _top_plus_recent(scores: torch.Tensor, t: int, budget: int, recent: int) -> 
     return torch.cat([top, tail], dim=-1).sort(dim=-1).values
 
 
-def streamingllm_keep(kv_heads: int, t: int, p: PolicyParams, device=None) -> torch.Tensor:
+def streamingllm_keep(kv_heads: int, t: int, p: KVConfig, device=None) -> torch.Tensor:
     """StreamingLLM: the first `sinks` and the last (budget - sinks) entries, same for every head."""
     keep = torch.cat([torch.arange(p.sinks), torch.arange(t - (p.budget - p.sinks), t)]).to(device)
     return keep.expand(kv_heads, p.budget).clone()
 
 
-def select_keep(policy: str, keys: torch.Tensor, queries: torch.Tensor | None, p: PolicyParams, *,
+def select_keep(policy: str, keys: torch.Tensor, queries: torch.Tensor | None, p: KVConfig, *,
                 h2o_acc: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """int64 [kv_heads, budget]: ascending stored indices each KV head keeps out of keys' T (> budget).
 

@@ -160,7 +160,7 @@ class SparseKVWorkerState:
 
     def __init__(self, runner, settings: SparseKVSettings):
         vllm_access.check_instance(runner, ("sparse_kv",))
-        self.runner, self.s = vllm_access.RunnerKV(runner), settings
+        self.runner, self.settings = vllm_access.RunnerKV(runner), settings
         groups = self.runner.groups
         if len(groups) != 1:
             raise RuntimeError(f"sparse KV supports one KV cache group (got {len(groups)})")
@@ -284,23 +284,23 @@ class SparseKVWorkerState:
         """int64 [R, H, budget]: the stored indices each request keeps. The score policies score the R requests
         (same stored length) as one batch of R x H KV heads (each head's scores are its own); H2O carries
         per-request sums, so it runs request by request."""
-        n, budget = len(rids), self.s.budget
-        if self.s.policy == "streamingllm":
-            return P.streamingllm_keep(self.kv_heads, stored, self.s, blocks.device).expand(n, -1, -1)
+        n, budget = len(rids), self.settings.budget
+        if self.settings.policy == "streamingllm":
+            return P.streamingllm_keep(self.kv_heads, stored, self.settings, blocks.device).expand(n, -1, -1)
         slots = torch.arange(stored, device=blocks.device).expand(n, self.kv_heads, stored)
         keys = flat[self._gather(self.kidx, blocks, slots)]  # [R, H, stored, D]
-        if self.s.policy == "h2o":
+        if self.settings.policy == "h2o":
             return torch.stack([self._h2o_keep(li, self.reqs[rid], keys[i]) for i, rid in enumerate(rids)])
-        queries = torch.cat([self.windows.get(li, rid)[:, -self.s.window:] for rid in rids])  # [R x Hq, W, D]
-        keep = P.select_keep(self.s.policy, keys.reshape(n * self.kv_heads, stored, -1), queries, self.s,
-                             scale=self.scale)
+        queries = torch.cat([self.windows.get(li, rid)[:, -self.settings.window:] for rid in rids])  # [R x Hq, W, D]
+        keep = P.select_keep(self.settings.policy, keys.reshape(n * self.kv_heads, stored, -1), queries,
+                             self.settings, scale=self.scale)
         return keep.view(n, self.kv_heads, budget)
 
     def _h2o_keep(self, li: int, r: _Request, keys: torch.Tensor) -> torch.Tensor:
         queries = torch.cat(r.queries[li], dim=1)
         prev = r.acc[li] if li < len(r.acc) else None
         acc = P.h2o_scores(keys, queries, torch.cat(r.query_index), previous=prev, scale=self.scale)
-        keep = P.select_keep("h2o", keys, None, self.s, h2o_acc=acc)
+        keep = P.select_keep("h2o", keys, None, self.settings, h2o_acc=acc)
         while len(r.acc) <= li:
             r.acc.append(None)
         r.acc[li] = acc.gather(1, keep)
@@ -333,10 +333,10 @@ class SparseKVWorkerState:
             rec = self.records.setdefault(rid, {"lengths": [], "kept": [], "preempted": False})
             rec["lengths"].append(stored + r.dropped)
             r.kept_pos = torch.stack(pos).cpu()
-            if self.s.record_keep:
+            if self.settings.record_keep:
                 rec["kept"].append(r.kept_pos.to(torch.int32))
             r.dropped += stored - budget
-            if self.s.policy == "h2o":
+            if self.settings.policy == "h2o":
                 r.queries, r.query_index = [[] for _ in self.layers], []
             del block_ids[-(-budget // self.block_size):]
             self.runner.set_table_row(rid, block_ids)
@@ -422,6 +422,6 @@ class SparseKVWorkerState:
             rec = (self.records.pop(rid, None) if rid is not None else None) or \
                 {"lengths": [], "kept": [], "preempted": False}
             out[key] = KVKeepRecord(lengths=tuple(rec["lengths"]),
-                                    kept=tuple(rec["kept"]) if self.s.record_keep else None,
+                                    kept=tuple(rec["kept"]) if self.settings.record_keep else None,
                                     preempted=rec["preempted"])
         return out

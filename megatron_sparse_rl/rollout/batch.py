@@ -2,7 +2,7 @@
 
 Rows are samples (n per prompt, consecutive, sharing a group id). Sequences are stored right-padded:
 prompt ids [B, P] with `prompt_lens`, response ids [B, R] with a boolean `response_mask`, and the
-sampler's `rollout_logprobs` [B, R] (0 where masked). Names follow DESIGN.md's data contract.
+sampler's `rollout_logprobs` [B, R] (0 where masked). Reward, learner and corrections read these names.
 `sequences()` gives the concatenated prompt + response form a learner forward takes.
 """
 from __future__ import annotations

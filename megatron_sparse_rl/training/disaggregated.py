@@ -1,4 +1,4 @@
-"""Disaggregated placement (DESIGN.md "Process model"): learner ranks [0, L) train, rollout ranks [L, L + R)
+"""Disaggregated placement (docs/launch.md, "Disaggregated placement"): learner ranks [0, L) train, rollout ranks [L, L + R)
 run R / t vLLM engines of t = rollout.tensor_parallel_size consecutive ranks each and serve commands from
 learner rank 0 (t > 1: vLLM's external_launcher; every rank of an engine runs every command).
 

@@ -1,5 +1,5 @@
 """Where the rollout engines are, as one object built at set-up (training/context.py `build_context`); the
-training steps call it and never ask which one they have (DESIGN.md "Second wave").
+training steps call it and never ask which one they have (README.md, "Layout": seams between components).
 
     out = placement.generate(work)              # work(engine, dp_rank) -> this rank's data share's result
     ahead = placement.generate_ahead(calls, finish)  # asynchronous RL: sample while the learner trains

@@ -214,16 +214,15 @@ def test_score_policy_matches_transformers_with_its_record(model_dir, policy):
 def assert_keep_sets_follow_policy(policy, kv, events, qk):
     """At each compaction, the policy applied to the transformers reference's keys (of the entries the
     engine held, per KV head) and last `window` queries picks the positions the engine recorded."""
-    from megatron_sparse_rl.kv.policies import params_from_config, select_keep
+    from megatron_sparse_rl.kv.policies import select_keep
 
-    params = params_from_config(kv)
     prev = None
     for tc, kept in events:
         for li, (q, k) in qk.items():
             held = [sorted(set(range(tc)) if prev is None else set(prev[li][h]) | set(range(prev_tc, tc)))
                     for h in range(k.shape[0])]
             keys = torch.stack([k[h, held[h]] for h in range(k.shape[0])])
-            keep = select_keep(policy, keys, q[:, tc - kv.window: tc], params)
+            keep = select_keep(policy, keys, q[:, tc - kv.window: tc], kv)
             for h in range(k.shape[0]):
                 assert [held[h][j] for j in keep[h].tolist()] == kept[li][h], (policy, tc, li, h)
         prev, prev_tc = kept, tc

@@ -122,20 +122,19 @@ def assert_latent_keep_sets(model_dir, policy, kv, events, qk, latents):
     from safetensors.torch import load_file
 
     from megatron_sparse_rl.kv.latent import select_latent
-    from megatron_sparse_rl.kv.policies import params_from_config
     from megatron_sparse_rl.models.tiny_families import deepseek_config_kwargs
 
     c = deepseek_config_kwargs()
     heads, nope, v, lora = c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
     weights = load_file(model_dir / "model.safetensors")
-    params, scale = params_from_config(kv), _scaling(model_dir)
+    scale = _scaling(model_dir)
     prev = None
     for tc, kept in events:
         for li, (q, k) in qk.items():
             held = sorted(set(range(tc)) if prev is None else set(prev[li][0]) | set(range(prev_tc, tc)))
             w_uk = weights[f"model.layers.{li}.self_attn.kv_b_proj.weight"].view(heads, nope + v, lora)[:, :nope]
             window = q[:, tc - kv.window: tc]
-            keep = select_latent(policy, latents[li][held], k[0, held, nope:], params, q_nope=window[..., :nope],
+            keep = select_latent(policy, latents[li][held], k[0, held, nope:], kv, q_nope=window[..., :nope],
                                  q_pe=window[..., nope:], w_uk=w_uk, scale=scale)
             assert [held[j] for j in keep.tolist()] == kept[li][0], (policy, tc, li)
         prev, prev_tc = kept, tc

@@ -79,7 +79,9 @@ def test_short_run_logs_finite_metrics_and_artifacts(straight):
 
 def test_kl_to_the_reference_model(straight):
     """algorithm.kl.coef > 0: a frozen copy of the initial model scores every batch; after SFT moved the policy
-    away from it, the KL term is positive (exactly 0 would mean the reference moved too)."""
+    away from it, the KL term is positive (exactly 0 would mean the reference moved too). The run's records hold
+    only the step means, not the logprobs; the value the trainer logs as loss/kl_ref is checked against a float64
+    recomputation of one batch in tests/unit/test_update_kl_ref.py (the same `update` path)."""
     for rec in _rl(_records(straight[0])).values():
         assert math.isfinite(rec["loss/kl_ref"]) and rec["loss/kl_ref"] > 1e-3
 

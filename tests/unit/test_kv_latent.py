@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
+from megatron_sparse_rl.config.rollout import KVConfig
 from megatron_sparse_rl.kv import latent as L
-from megatron_sparse_rl.kv.policies import PolicyParams
 
 H, NOPE, R, ROPE = 4, 32, 512, 64
 SCALE = 1.3 / math.sqrt(NOPE + ROPE)  # a YaRN-like mscale^2 on top of 1/sqrt(qk_head_dim)
@@ -122,7 +122,7 @@ def test_absorbed_attention_equals_decompressed():
     (1, 120, 16, "max", 7), (2, 200, 64, "avg", 5), (3, 100, 32, "max", 1)])
 def test_rkv_matches_decompressed_reference(seed, t, budget, pooling, kernel, dtype):
     x = data(seed, t, q=12, dtype=dtype)
-    p = PolicyParams(budget=budget, window=8, pooling=pooling, kernel=kernel)
+    p = KVConfig(budget=budget, window=8, pooling=pooling, kernel=kernel)
     keep = call(x, "rkv", p)
     assert keep.dtype == torch.int64 and keep.shape == (budget,)
     assert keep.tolist() == ref_rkv(x, p)
@@ -132,7 +132,7 @@ def test_rkv_redundancy_spares_most_recent_copy():
     """Redundancy alone (lambda 0): of the near-duplicate rows 3, 5, 20 the newest (20) is unpenalised, so
     dropping two rows drops the older copies 3 and 5."""
     x = data(4, 120, q=8)
-    p = PolicyParams(budget=118, window=8, rkv_lambda=0.0, kernel=1)
+    p = KVConfig(budget=118, window=8, rkv_lambda=0.0, kernel=1)
     keep = call(x, "rkv", p).tolist()
     assert keep == ref_rkv(x, p)
     assert sorted(set(range(120)) - set(keep)) == [3, 5]
@@ -142,7 +142,7 @@ def test_rkv_redundancy_spares_most_recent_copy():
 @pytest.mark.parametrize("seed,t,budget,pooling,kernel", [(5, 150, 16, "avg", 5), (6, 180, 48, "max", 7)])
 def test_snapkv_matches_decompressed_reference(seed, t, budget, pooling, kernel, dtype):
     x = data(seed, t, q=8, dtype=dtype)
-    p = PolicyParams(budget=budget, window=8, pooling=pooling, kernel=kernel)
+    p = KVConfig(budget=budget, window=8, pooling=pooling, kernel=kernel)
     assert call(x, "snapkv", p).tolist() == ref_snapkv(x, p)
 
 
@@ -150,7 +150,7 @@ def test_snapkv_matches_decompressed_reference(seed, t, budget, pooling, kernel,
 def test_h2o_matches_decompressed_reference_and_accumulates(dtype):
     t = 140
     x = data(7, t, dtype=dtype)
-    p = PolicyParams(budget=40, window=8)
+    p = KVConfig(budget=40, window=8)
     args = (x["q_nope"], x["q_pe"], x["w_uk"], x["latent"], x["k_pe"], SCALE)
     full = L.latent_h2o_scores(*args, torch.arange(t))
     ref = ref_h2o_acc(x, torch.arange(t))
@@ -169,7 +169,7 @@ def test_h2o_matches_decompressed_reference_and_accumulates(dtype):
 
 def test_streamingllm_is_positional():
     x = data(8, 100, q=8)
-    p = PolicyParams(budget=20, sinks=4)
+    p = KVConfig(budget=20, sinks=4)
     assert L.select_latent("streamingllm", x["latent"], x["k_pe"], p).tolist() == [0, 1, 2, 3] + list(range(84, 100))
 
 
@@ -177,7 +177,7 @@ def test_streamingllm_is_positional():
 @pytest.mark.parametrize("t", [30, 64])
 def test_budget_at_least_length_keeps_everything_in_order(policy, t):
     x = data(9, t, q=8)
-    keep = call(x, policy, PolicyParams(budget=64, window=8), h2o_acc=torch.rand(t, dtype=torch.float64))
+    keep = call(x, policy, KVConfig(budget=64, window=8), h2o_acc=torch.rand(t, dtype=torch.float64))
     assert keep.tolist() == list(range(t))
 
 
@@ -194,7 +194,7 @@ def test_budget_at_least_length_keeps_everything_in_order(policy, t):
 def test_bad_shapes_name_the_argument(change, name):
     x = data(10, 80, q=8)
     y = {**x, **change(x)}
-    p = PolicyParams(budget=16, window=8)
+    p = KVConfig(budget=16, window=8)
     with pytest.raises(ValueError, match=name):
         call(y, "rkv", p)
     with pytest.raises(ValueError, match=name):
@@ -203,7 +203,7 @@ def test_bad_shapes_name_the_argument(change, name):
 
 def test_bad_arguments_raise():
     x = data(11, 80, q=8)
-    p = PolicyParams(budget=16, window=8)
+    p = KVConfig(budget=16, window=8)
     with pytest.raises(ValueError, match="h2o_acc must be"):
         L.select_latent("h2o", x["latent"], x["k_pe"], p, h2o_acc=torch.zeros(79))
     with pytest.raises(ValueError, match="h2o_acc must be"):

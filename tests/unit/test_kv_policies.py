@@ -114,14 +114,14 @@ def ref_h2o(keys, queries, p):
 @pytest.mark.parametrize("pooling,kernel", [("max", 7), ("avg", 5), ("max", 1)])
 def test_rkv_matches_reference(pooling, kernel):
     keys, queries = data(1)
-    p = P.PolicyParams(budget=16, window=8, pooling=pooling, kernel=kernel)
+    p = KVConfig(budget=16, window=8, pooling=pooling, kernel=kernel)
     scores = P.rkv_scores(keys, queries, p)
     keep = P.select_keep("rkv", keys, queries, p)
     for h, (ref_score, ref_keep) in enumerate(ref_rkv(keys, queries, p)):
         assert torch.allclose(scores[h].double(), torch.tensor(ref_score, dtype=torch.float64), atol=1e-6, rtol=1e-5)
         assert keep[h].tolist() == ref_keep
     # the redundancy term: among the near-duplicate keys 3, 5, 20 the most recent copy (20) is not penalised
-    p_red = P.PolicyParams(budget=16, window=8, rkv_lambda=0.0)
+    p_red = KVConfig(budget=16, window=8, rkv_lambda=0.0)
     red_score = P.rkv_scores(keys, queries, p_red)
     assert (red_score[:, 20] > red_score[:, 3]).all()
 
@@ -129,7 +129,7 @@ def test_rkv_matches_reference(pooling, kernel):
 @pytest.mark.parametrize("pooling,kernel", [("avg", 5), ("max", 7)])
 def test_snapkv_matches_reference(pooling, kernel):
     keys, queries = data(2)
-    p = P.PolicyParams(budget=12, window=8, pooling=pooling, kernel=kernel)
+    p = KVConfig(budget=12, window=8, pooling=pooling, kernel=kernel)
     scores = P.snapkv_scores(keys, queries, p)
     keep = P.select_keep("snapkv", keys, queries[:, -8:], p)
     for h, (ref_score, ref_keep) in enumerate(ref_snapkv(keys, queries, p)):
@@ -139,7 +139,7 @@ def test_snapkv_matches_reference(pooling, kernel):
 
 def test_h2o_matches_reference_and_accumulates_across_calls():
     keys, queries = data(3)
-    p = P.PolicyParams(budget=14, window=4)
+    p = KVConfig(budget=14, window=4)
     full = P.h2o_scores(keys, queries, torch.arange(T))
     # the same sums in two pieces: queries 0..24 over keys 0..24, then 25..39 carrying the first piece
     first = P.h2o_scores(keys[:, :25], queries[:, :25], torch.arange(25))
@@ -155,7 +155,7 @@ def test_h2o_matches_reference_and_accumulates_across_calls():
 
 def test_streamingllm_keeps_sinks_and_recent():
     keys, _ = data(4)
-    p = P.PolicyParams(budget=10, sinks=4, window=6)  # the budget holds the sinks and the window
+    p = KVConfig(budget=10, sinks=4, window=6)  # the budget holds the sinks and the window
     keep = P.select_keep("streamingllm", keys, None, p)
     assert keep.shape == (HKV, 10)
     for h in range(HKV):
@@ -165,7 +165,7 @@ def test_streamingllm_keeps_sinks_and_recent():
 def test_gqa_groups_are_consecutive_query_heads():
     """Queries of the other KV group must not change a head's choice."""
     keys, queries = data(5)
-    p = P.PolicyParams(budget=12, window=8)
+    p = KVConfig(budget=12, window=8)
     base = P.select_keep("snapkv", keys, queries[:, -8:], p)
     other = queries.clone()
     other[2:] = torch.randn_like(other[2:])  # query heads 2, 3 belong to KV head 1
@@ -175,7 +175,7 @@ def test_gqa_groups_are_consecutive_query_heads():
 
 def test_select_keep_errors():
     keys, queries = data(6)
-    p = P.PolicyParams(budget=12, window=8)
+    p = KVConfig(budget=12, window=8)
     with pytest.raises(ValueError, match="more entries than the budget"):
         P.select_keep("snapkv", keys[:, :12], queries, p)
     with pytest.raises(ValueError, match="needs the last 8 queries"):
@@ -199,7 +199,7 @@ def test_kv_config_rejects(kwargs, message):
         KVConfig(**kwargs)
 
 
-def test_params_from_config_defaults():
-    p = P.params_from_config(KVConfig(policy="rkv", budget=128))
+def test_kv_config_policy_defaults():
+    p = KVConfig(policy="rkv", budget=128)
     assert (p.budget, p.window, p.sinks, p.pooling, p.kernel, p.rkv_lambda, p.rkv_threshold) == \
         (128, 8, 4, "max", 7, 0.1, 0.5)

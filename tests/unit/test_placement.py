@@ -1,0 +1,134 @@
+"""The placements (training/placement.py) with stand-in engines: which engine calls each step method makes,
+with what arguments, and what it returns. No vLLM, no Megatron; `shares_of` runs in a gloo world of one.
+
+    .venv/bin/python -m pytest -q tests/unit/test_placement.py
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from megatron_sparse_rl import weight_sync
+from megatron_sparse_rl.training.placement import Colocated, ColocatedSharedEngine, Disaggregated, Placement
+
+
+class StandInEngine:
+    """The engine surface the colocated placements touch: pad_id, weight_version, shutdown()."""
+
+    pad_id = 7
+
+    def __init__(self):
+        self.weight_version, self.calls = 0, []
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+class StandInRemote:
+    """training/disaggregated.py `RemoteEngine`'s surface the disaggregated placement calls."""
+
+    pad_id = 5
+    driver = True
+
+    def __init__(self, batches):
+        self.batches, self.calls = batches, []
+
+    def generate_ahead(self, calls, *, recompute):
+        self.calls.append(("generate_ahead", calls, recompute))
+
+    def collect_ahead(self):
+        self.calls.append(("collect_ahead",))
+        return self.batches, {"engine_s": 1.5}
+
+    def sync_weights(self, learner, *, bucket_mb, version):
+        self.calls.append(("sync_weights", learner, bucket_mb, version))
+        return "stats"
+
+    def probe_logprobs(self, tokens):
+        raise AssertionError("not called in these tests")
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+def _groups(dp_rank=0):
+    return SimpleNamespace(tp_rank=0, pp_rank=0, dp_rank=dp_rank, model_parallel=None, learner=None)
+
+
+def _recording_work(seen):
+    def work(engine, d):
+        seen.append((engine, d))
+        return f"share {d}"
+    return work
+
+
+def test_colocated_runs_work_once_on_its_engine_for_its_share():
+    engine, seen = StandInEngine(), []
+    placement = Colocated(engine, _groups(dp_rank=3), model_parallel=1)
+    assert isinstance(placement, Placement) and placement.pad_id == 7
+    assert placement.generate(_recording_work(seen)) == "share 3"
+    assert seen == [(engine, 3)]
+
+
+def test_colocated_sync_and_verify_hand_its_engine_to_weight_sync(monkeypatch):
+    engine, learner, calls = StandInEngine(), object(), []
+    monkeypatch.setattr(weight_sync, "sync_to_engine",
+                        lambda lrn, eng, *, bucket_mb: calls.append(("sync", lrn, eng, bucket_mb)) or "stats")
+    monkeypatch.setattr(weight_sync, "verify_logprobs",
+                        lambda lrn, eng, tokens, tol: calls.append(("verify", lrn, eng, tokens, tol)) or 0.25)
+    placement = Colocated(engine, _groups(), model_parallel=1)
+    assert placement.sync(learner, bucket_mb=64, version=4) == "stats"
+    assert engine.weight_version == 4  # the engine now holds the weights of 4 RL steps
+    assert placement.verify(learner, "probe", 1e-3) == 0.25
+    assert calls == [("sync", learner, engine, 64), ("verify", learner, engine, "probe", 1e-3)]
+    placement.shutdown()
+    assert engine.calls == [("shutdown",)]
+
+
+def test_colocated_does_not_sample_ahead():
+    with pytest.raises(NotImplementedError, match="needs the disaggregated placement"):
+        Colocated(StandInEngine(), _groups(), model_parallel=1).generate_ahead([], lambda b, d: b)
+
+
+def test_a_shared_engine_runs_every_share_in_order_and_keeps_its_own():
+    engine, seen = StandInEngine(), []
+    placement = ColocatedSharedEngine(engine, _groups(dp_rank=2), model_parallel=1, shares=(0, 2, 5))
+    assert placement.generate(_recording_work(seen)) == "share 2"
+    assert seen == [(engine, 0), (engine, 2), (engine, 5)]  # every rank of the engine makes the same calls
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_shares_of_an_engine_in_a_world_of_one(world_of_one):
+    assert ColocatedSharedEngine.shares_of(dp_rank=0, engine_tp=1) == (0,)
+
+
+def test_disaggregated_runs_every_share_through_the_remote_engines():
+    remote, seen = StandInRemote(batches=[]), []
+    placement = Disaggregated(remote, _groups(dp_rank=1), dp=3, learner_ranks=1)
+    assert placement.pad_id == 5
+    assert placement.generate(_recording_work(seen)) == "share 1"
+    assert seen == [(remote, 0), (remote, 1), (remote, 2)]
+    learner = object()
+    assert placement.sync(learner, bucket_mb=32, version=2) == "stats"
+    placement.shutdown()
+    assert remote.calls == [("sync_weights", learner, 32, 2), ("shutdown",)]
+
+
+def test_disaggregated_samples_ahead_and_finishes_after_the_sync():
+    remote = StandInRemote(batches=["batch 0", "batch 1"])
+    placement = Disaggregated(remote, _groups(dp_rank=1), dp=2, learner_ranks=1, recompute_kv=True)
+    calls = [("prompts 0",), ("prompts 1",)]
+    result = placement.generate_ahead(calls, lambda batch, d: f"{batch} finished by {d}")
+    assert remote.calls == [("generate_ahead", calls, True)]  # started at once, nothing collected yet
+    placement.sync(None, bucket_mb=8, version=1)
+    assert result() == ("batch 1 finished by 1", {"engine_s": 1.5})
+    assert [c[0] for c in remote.calls] == ["generate_ahead", "sync_weights", "collect_ahead"]
