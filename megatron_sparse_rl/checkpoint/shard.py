@@ -101,7 +101,8 @@ def save_model_only(model, path: Path) -> None:
     `path` must not exist). Same files as `learner/checkpoint.py:save_learner` at step 0, less the RNG states."""
     from megatron.core import dist_checkpointing
 
-    from megatron_sparse_rl.learner.checkpoint import DONE, write_common_state
+    from megatron_sparse_rl.learner.checkpoint import write_common_state
+    from megatron_sparse_rl.learner.integrity import DONE
 
     path = Path(path)
     if dist.get_rank() == 0:

@@ -29,13 +29,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.learner.integrity import DONE
+
 log = logging.getLogger(__name__)
 
 COMMON = "common_state.json"
 COMMON_FORMAT = "msrl-common-state"
 RNG_FORMAT = "msrl-rng-state"
 LEGACY_COMMON = "common_state.pt"  # the torch.save formats of checkpoints written before the JSON/safetensors ones
-DONE = "COMPLETE"
 CONFIG = "run_config.json"
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_sparse_rl.learner.checkpoint import DONE
-
 MANIFEST = "MANIFEST.json"
+DONE = "COMPLETE"
+"""The marker written last into a checkpoint, after its manifest: the checkpoint is complete."""
 FORMAT = "msrl-checkpoint-manifest"
 _CHUNK = 8 << 20
 
