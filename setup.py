@@ -34,8 +34,8 @@ setup(
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": ["msrl = tools.cli:main"],
-        # vLLM calls general plugins in every process it starts (engine core, workers): the sparse-KV runner
-        # hooks then exist in multi-process engines too; they are no-ops for engines without sparse KV.
-        "vllm.general_plugins": ["msrl_sparse_kv = megatron_sparse_rl.patches.vllm_sparse_kv:apply"],
+        # vLLM calls general plugins in every process it starts (engine core, workers), for every user of the
+        # environment: the plugin is inert unless one of our sparse-KV engines asked for it (kv/vllm_plugin.py).
+        "vllm.general_plugins": ["msrl_sparse_kv = megatron_sparse_rl.kv.vllm_plugin:plugin"],
     },
 )

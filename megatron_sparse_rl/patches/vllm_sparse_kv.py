@@ -18,7 +18,8 @@ and method signature the integration patches, overrides or reads (runner, schedu
 attention backend), fails loudly on any difference, and is idempotent. Requires the V1 model runner (on GPU
 set VLLM_USE_V2_MODEL_RUNNER=0; the CPU runner is V1).
 In a multi-process vLLM the workers apply it through the `vllm.general_plugins` entry point
-`msrl_sparse_kv` (setup.py), which vLLM calls in every process it starts; `VLLM_PLUGINS` selects plugins.
+`msrl_sparse_kv` (setup.py, megatron_sparse_rl.kv.vllm_plugin), which vLLM calls in every process it starts and
+which acts only in the processes of an engine that asked for it; `VLLM_PLUGINS` selects plugins.
 """
 from __future__ import annotations
 

@@ -455,11 +455,13 @@ def _call_on_worker(worker, fn):
 
 def _sparse_kv_engine_args(cfg: RolloutConfig) -> dict[str, Any]:
     """vLLM arguments of a sparse-KV engine: its scheduler, the settings both sides read, the runner patch."""
+    from megatron_sparse_rl.kv import vllm_plugin
     from megatron_sparse_rl.kv.settings import SparseKVSettings
     from megatron_sparse_rl.kv.vllm_scheduler import SparseKVScheduler
     from megatron_sparse_rl.patches import vllm_sparse_kv
 
     vllm_sparse_kv.apply()
+    vllm_plugin.request()  # the engine's spawned processes install the hooks through the entry point
     return dict(scheduler_cls=SparseKVScheduler,
                 additional_config=SparseKVSettings.from_kv_config(cfg.kv).to_additional_config())
 

@@ -59,9 +59,9 @@ def generate(model_dir, policies: list[str], tmp_path, multiprocess: bool) -> di
 def test_entry_point_is_what_vllm_loads():
     from vllm.plugins import load_plugins_by_group
 
-    from megatron_sparse_rl.patches import vllm_sparse_kv
+    from megatron_sparse_rl.kv import vllm_plugin
 
-    assert load_plugins_by_group("vllm.general_plugins")["msrl_sparse_kv"] is vllm_sparse_kv.apply
+    assert load_plugins_by_group("vllm.general_plugins")["msrl_sparse_kv"] is vllm_plugin.plugin
 
 
 def test_spawned_engine_core_compacts_like_the_in_process_engine(tmp_path):
