@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
@@ -40,14 +40,21 @@ def token_hash(tokens: torch.Tensor | Sequence[int]) -> int:
     return zlib.crc32(t.numpy().tobytes())
 
 
+def _join(how: str, **kw):
+    """A `RouteStore` field that says how `RouteStore.concat` joins it: "rows" (tensors concatenated in order: per-token
+    indices, per-sequence hashes), "offsets" (re-based on the rows before) or "shared" (describes the whole store:
+    every part must agree)."""
+    return field(metadata={"join": how}, **kw)
+
+
 @dataclass(frozen=True)
 class RouteStore:
-    indices: torch.Tensor
-    offsets: torch.Tensor
-    token_hash: torch.Tensor
-    num_experts: int
-    layers: tuple[int, ...]
-    source: str = "unknown"
+    indices: torch.Tensor = _join("rows")
+    offsets: torch.Tensor = _join("offsets")
+    token_hash: torch.Tensor = _join("rows")
+    num_experts: int = _join("shared")
+    layers: tuple[int, ...] = _join("shared")
+    source: str = _join("shared", default="unknown")
 
     def __post_init__(self):
         if self.indices.dim() != 3:
@@ -117,6 +124,27 @@ class RouteStore:
         flat = torch.cat(parts) if parts else self.indices[:0]
         return RouteStore(indices=flat, offsets=lens, token_hash=self.token_hash[rows] if rows else self.token_hash[:0],
                           num_experts=self.num_experts, layers=self.layers, source=self.source)
+
+    @classmethod
+    def concat(cls, parts: Sequence["RouteStore"]) -> "RouteStore":
+        """The sequences of `parts` in order, one store. Each field is joined as its `_join` kind says (a field that
+        names none fails here, so a new one cannot be left out)."""
+        if not parts:
+            raise RoutingError("RouteStore.concat needs at least one store")
+        values = {}
+        for f in sorted(fields(cls), key=lambda f: f.metadata.get("join") != "shared"):  # disagreement named first
+            got, how = [getattr(p, f.name) for p in parts], f.metadata.get("join")
+            if how == "rows":
+                values[f.name] = torch.cat(got)
+            elif how == "offsets":
+                values[f.name] = torch.cat([torch.zeros(1, dtype=torch.int64)] + [p.lengths for p in parts]).cumsum(0)
+            elif how == "shared":
+                if any(v != got[0] for v in got):
+                    raise RoutingError(f"RouteStore.concat: the stores disagree on {f.name} ({got})")
+                values[f.name] = got[0]
+            else:
+                raise NotImplementedError(f"RouteStore.{f.name} names no join kind (rows, offsets, shared) for concat")
+        return cls(**values)
 
     @property
     def nbytes(self) -> int:

@@ -7,7 +7,8 @@ sampler's `rollout_logprobs` [B, R] (0 where masked). Reward, learner and correc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 import torch
@@ -21,6 +22,27 @@ def pad_rows(rows: list[list[int]] | list[list[float]], pad: float, dtype: torch
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=dtype)
     return out
+
+
+class Join(Enum):
+    """How `RolloutBatch.concat` joins one field of several batches. Every field names its kind (`_joined`), so a
+    new field cannot be left out of the concat. An optional field is None in all parts or set in all."""
+
+    ROWS = "rows"
+    """[B, ...] tensors concatenated along the rows; a tuple of B entries (or other sequence) concatenated."""
+    PROMPT = "prompt"
+    """[B, P] right-padded after `prompt_lens`: each row cut to its length and re-padded to the longest."""
+    RESPONSE = "response"
+    """[B, ..., R] right-padded after the response lengths (last axis): re-padded to the longest response."""
+    OWN = "own"
+    """An object with its own `concat(parts)` (RouteStore, SamplingSupport: packed per sequence)."""
+    SUMMED = "summed"
+    """A dict describing the sampling call, not rows: summed key by key; None if any part lacks it."""
+
+
+def _joined(how: Join, *, default: Any = MISSING, pad_id: bool = False):
+    """A `RolloutBatch` field joined as `how`; `pad_id`: re-padded with the pad token (else zero or False)."""
+    return field(default=default, metadata={"join": how, "pad_id": pad_id})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,20 +74,20 @@ class RolloutBatch:
                       not in this process.
     """
 
-    prompt_ids: torch.Tensor
-    prompt_lens: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    rollout_logprobs: torch.Tensor
-    finish_reasons: tuple[str, ...]
-    group_ids: torch.Tensor
-    reward: torch.Tensor | None = None
-    sampling_mask: Any | None = None
-    routed_experts: Any | None = None
-    kv_keep: Any | None = None
-    rescored_logprobs: torch.Tensor | None = None
-    token_version: torch.Tensor | None = None
-    kv_usage: dict[str, float] | None = None
+    prompt_ids: torch.Tensor = _joined(Join.PROMPT, pad_id=True)
+    prompt_lens: torch.Tensor = _joined(Join.ROWS)
+    response_ids: torch.Tensor = _joined(Join.RESPONSE, pad_id=True)
+    response_mask: torch.Tensor = _joined(Join.RESPONSE)
+    rollout_logprobs: torch.Tensor = _joined(Join.RESPONSE)
+    finish_reasons: tuple[str, ...] = _joined(Join.ROWS)
+    group_ids: torch.Tensor = _joined(Join.ROWS)
+    reward: torch.Tensor | None = _joined(Join.ROWS, default=None)
+    sampling_mask: Any | None = _joined(Join.OWN, default=None)
+    routed_experts: Any | None = _joined(Join.OWN, default=None)
+    kv_keep: Any | None = _joined(Join.ROWS, default=None)
+    rescored_logprobs: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
+    token_version: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
+    kv_usage: dict[str, float] | None = _joined(Join.SUMMED, default=None)
 
     def __post_init__(self) -> None:
         b = self.prompt_ids.shape[0]
@@ -139,3 +161,43 @@ class RolloutBatch:
             else:
                 raise NotImplementedError(f"RolloutBatch.select cannot subset field {f.name!r} yet")
         return RolloutBatch(**values)
+
+    @classmethod
+    def concat(cls, parts: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+        """The rows of `parts` in order, one batch: each field joined as its `Join` says (ragged fields re-padded to
+        the widest part, token ids with `pad_id`). One part is returned as it is."""
+        if len(parts) == 1:
+            return parts[0]
+        lens = {Join.PROMPT: [p.prompt_lens for p in parts], Join.RESPONSE: [p.response_lens for p in parts]}
+        values = {}
+        for f in fields(cls):
+            how, got = f.metadata.get("join"), [getattr(p, f.name) for p in parts]
+            if how is None:
+                raise NotImplementedError(f"RolloutBatch.{f.name} names no Join: say how concat joins it")
+            if how is Join.SUMMED:
+                values[f.name] = None if any(v is None for v in got) else {k: sum(v[k] for v in got) for k in got[0]}
+            elif all(v is None for v in got):
+                values[f.name] = None
+            elif any(v is None for v in got):
+                raise ValueError(f"RolloutBatch.concat: some parts carry {f.name} and some do not")
+            elif how is Join.OWN:
+                values[f.name] = type(got[0]).concat(got)
+            elif how is Join.ROWS:
+                values[f.name] = torch.cat(got) if isinstance(got[0], torch.Tensor) else sum((tuple(v) for v in got), ())
+            else:
+                values[f.name] = _repad(got, lens[how], pad_id if f.metadata["pad_id"] else 0)
+        return cls(**values)
+
+
+def _repad(parts: list[torch.Tensor], lens: list[torch.Tensor], pad: int) -> torch.Tensor:
+    """Tensors [b_i, ..., W_i] whose row r holds lens_i[r] entries on the last axis, as one [sum b_i, ..., W] tensor:
+    W the longest row (at least 1), `pad` after each row's entries."""
+    width = max([int(n.max()) for n in lens if n.numel()] + [1])
+    out = []
+    for t, n in zip(parts, lens):
+        wide = torch.full((*t.shape[:-1], width), pad, dtype=t.dtype)
+        w = min(width, t.shape[-1])
+        wide[..., :w] = t[..., :w]
+        keep = (torch.arange(width)[None, :] < n[:, None]).view(n.shape[0], *[1] * (t.dim() - 2), width)
+        out.append(wide.masked_fill(~keep, pad))
+    return torch.cat(out)

@@ -47,8 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
-from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
-from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
+from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.weight_sync import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -81,65 +80,6 @@ def split_prompts(n: int, parts: int) -> list[range]:
     for i in range(parts):
         bounds.append(bounds[-1] + base + (i < extra))
     return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
-
-
-def _concat_routes(stores: list):
-    from moe.storage import RouteStore
-
-    if any(s is None for s in stores):
-        raise ValueError("some rollout ranks returned routes and some did not")
-    lens = torch.cat([torch.zeros(1, dtype=torch.int64)] + [s.lengths for s in stores]).cumsum(0)
-    first = stores[0]
-    return RouteStore(indices=torch.cat([s.indices for s in stores]), offsets=lens,
-                      token_hash=torch.cat([s.token_hash for s in stores]), num_experts=first.num_experts,
-                      layers=first.layers, source=first.source)
-
-
-def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
-    """The rows of `parts` in order, one batch (re-padded to the widest part)."""
-    if len(parts) == 1:
-        return parts[0]
-
-    def rows(name: str, pad, dtype) -> torch.Tensor:
-        out = []
-        for p in parts:
-            lens = p.prompt_lens if name == "prompt_ids" else p.response_mask.sum(dim=1)
-            out += [row[:n].tolist() for row, n in zip(getattr(p, name), lens.tolist())]
-        return pad_rows(out, pad, dtype)
-
-    response_ids = rows("response_ids", pad_id, torch.long)
-    lens = torch.cat([p.response_mask.sum(dim=1) for p in parts])
-    kv = [p.kv_keep for p in parts]
-    rescored = None
-    if any(p.rescored_logprobs is not None for p in parts):
-        if any(p.rescored_logprobs is None for p in parts):
-            raise ValueError("concat_batches: some parts carry rescored_logprobs and some do not")
-        width = response_ids.shape[1]
-        rescored = torch.cat([torch.nn.functional.pad(p.rescored_logprobs, (0, width - p.rescored_logprobs.shape[2]))
-                              for p in parts])
-    return RolloutBatch(
-        prompt_ids=rows("prompt_ids", pad_id, torch.long), prompt_lens=torch.cat([p.prompt_lens for p in parts]),
-        response_ids=response_ids, response_mask=torch.arange(response_ids.shape[1])[None, :] < lens[:, None],
-        rollout_logprobs=rows("rollout_logprobs", 0.0, torch.float32),
-        finish_reasons=sum((p.finish_reasons for p in parts), ()),
-        group_ids=torch.cat([p.group_ids for p in parts]),
-        routed_experts=None if all(p.routed_experts is None for p in parts)
-        else _concat_routes([p.routed_experts for p in parts]),
-        kv_keep=None if all(k is None for k in kv) else sum((tuple(k) for k in kv), ()),
-        sampling_mask=None if all(p.sampling_mask is None for p in parts)
-        else SamplingSupport.concat([p.sampling_mask for p in parts]),
-        rescored_logprobs=rescored,
-        token_version=None if any(p.token_version is None for p in parts) else rows("token_version", 0, torch.long),
-        kv_usage=_sum_usage([p.kv_usage for p in parts]),
-    )
-
-
-def _sum_usage(usages: list[dict | None]) -> dict | None:
-    """The engines' KV pool usage as one pool (blocks, running requests and preemptions summed); None if any
-    engine could not report it."""
-    if not usages or any(u is None for u in usages):
-        return None
-    return {k: sum(u[k] for u in usages) for k in usages[0]}
 
 
 class RemoteEngine:
@@ -181,7 +121,7 @@ class RemoteEngine:
         """As RolloutEngine.generate, the prompts split across the engines (seeds as one engine's); each engine
         re-scores its own rows (`rescore`)."""
         answers = self._command("generate", self._parts(prompt_token_ids, sampling, group_ids, rescore))
-        return concat_batches([a for a in answers if a is not None], self.pad_id)
+        return RolloutBatch.concat([a for a in answers if a is not None], self.pad_id)
 
     def _parts(self, prompt_token_ids, sampling: SamplingConfig, group_ids, rescore: int) -> list[tuple]:
         """One generate call cut into one part per engine (prompt slices; seeds as one engine's)."""
@@ -211,7 +151,7 @@ class RemoteEngine:
         answers = [a for a in self._gather() if a is not None]  # raises a rollout rank's error
         self.ahead = False
         calls = len(answers[0][0])
-        batches = [concat_batches([a[0][c] for a in answers if a[0][c] is not None], self.pad_id)
+        batches = [RolloutBatch.concat([a[0][c] for a in answers if a[0][c] is not None], self.pad_id)
                    for c in range(calls)]
         return batches, {k: max(a[1][k] for a in answers) for k in answers[0][1]}
 

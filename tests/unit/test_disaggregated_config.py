@@ -18,7 +18,7 @@ from launch.load import load_run
 from megatron_sparse_rl.config import ConfigError, RunConfig, validate
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
 from megatron_sparse_rl.rollout.batch import RolloutBatch
-from megatron_sparse_rl.training.disaggregated import concat_batches, split_prompts
+from megatron_sparse_rl.training.disaggregated import split_prompts
 from tools import cli
 
 
@@ -116,7 +116,7 @@ def _hand_batch() -> RolloutBatch:
 
 def test_concat_batches_rebuilds_the_rows_and_padding():
     whole = _hand_batch()
-    joined = concat_batches([whole.select([0]), whole.select([1, 2])], pad_id=0)
+    joined = RolloutBatch.concat([whole.select([0]), whole.select([1, 2])], pad_id=0)
     for name in ("prompt_ids", "prompt_lens", "response_ids", "response_mask", "rollout_logprobs", "group_ids"):
         assert torch.equal(getattr(joined, name), getattr(whole, name)), name
     assert joined.finish_reasons == whole.finish_reasons
@@ -132,7 +132,7 @@ def test_concat_batches_joins_routes_and_kv_records():
     routes = [torch.tensor([[[0, 1]]] * n) for n in (3, 6, 3)]  # [tokens, 1 layer, top-2], tokens = prompt + response
     store = RouteStore.from_sequences(routes, [list(range(n)) for n in (3, 6, 3)], num_experts=4, layers=[0])
     whole = replace(whole, routed_experts=store, kv_keep=("a", "b", "c"))
-    joined = concat_batches([whole.select([0, 1]), whole.select([2])], pad_id=0)
+    joined = RolloutBatch.concat([whole.select([0, 1]), whole.select([2])], pad_id=0)
     assert torch.equal(joined.routed_experts.offsets, store.offsets)
     assert torch.equal(joined.routed_experts.indices, store.indices)
     assert torch.equal(joined.routed_experts.token_hash, store.token_hash)
@@ -149,6 +149,6 @@ def test_concat_batches_joins_sampling_supports():
                               counts=tuple(torch.tensor(c, dtype=torch.int32) for c in ([2], [0, 1, 0], [1, 1])),
                               ids=tuple(torch.tensor(i, dtype=torch.int32) for i in ([3, 11], [13], [15, 16])))
     whole = replace(whole, sampling_mask=support)
-    joined = concat_batches([whole.select([0]), whole.select([1, 2])], pad_id=0)
+    joined = RolloutBatch.concat([whole.select([0]), whole.select([1, 2])], pad_id=0)
     for r in range(3):
         assert torch.equal(joined.sampling_mask.local_mask([r], 5, 0, 20), support.local_mask([r], 5, 0, 20))

@@ -26,6 +26,23 @@ def test_packed_uint8_no_padding():
     assert torch.equal(s.select([1, 0]).sequence(0).long(), b)
 
 
+def test_concat_joins_every_field_as_one_store_of_all_sequences():
+    """concat of two stores equals the store packed from all their sequences at once (the reference), field by
+    field; a field added to RouteStore fails here until concat and this test know it."""
+    from dataclasses import fields
+
+    routes = [torch.randint(0, 8, (n, 2, 2)) for n in (5, 3, 4)]
+    joined = RouteStore.concat([_store(routes[:2]), _store(routes[2:])])
+    want = _store(routes)
+    assert {f.name for f in fields(RouteStore)} == {"indices", "offsets", "token_hash", "num_experts", "layers",
+                                                    "source"}
+    assert torch.equal(joined.indices, want.indices) and joined.offsets.tolist() == [0, 5, 8, 12]
+    assert torch.equal(joined.offsets, want.offsets) and torch.equal(joined.token_hash, want.token_hash)
+    assert (joined.num_experts, joined.layers, joined.source) == (8, (0, 1), "x")
+    with pytest.raises(RoutingError, match="disagree on layers"):
+        RouteStore.concat([_store(routes[:1]), _store([routes[1][:, :1]], layers=(1,))])
+
+
 def test_dtype_by_expert_count():
     assert index_dtype(256) == torch.uint8 and index_dtype(257) == torch.uint16
     s = _store([torch.tensor([[[300, 1]]])], experts=512, layers=(3,))
