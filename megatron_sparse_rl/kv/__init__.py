@@ -6,7 +6,7 @@
 - `record`: the `KVKeepRecord` returned per sample in `RolloutBatch.kv_keep` and the attention mask
   that replays it.
 - `vllm_scheduler`, `vllm_worker`: the vLLM 0.32.0 integration (compaction with real block freeing),
-  installed by `megatron_sparse_rl.patches.vllm_sparse_kv.apply()`; `vllm_plugin`: the vLLM entry point that
+  installed by `megatron_sparse_rl.kv.vllm_hooks.apply()`; `vllm_plugin`: the vLLM entry point that
   installs it in an engine's spawned processes, inert unless our engine asked for it.
 Importing this package imports neither vLLM nor the integration.
 """

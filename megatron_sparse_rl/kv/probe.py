@@ -10,7 +10,7 @@ Used by the sparse-KV tests and `msrl bench kv`.
 """
 from __future__ import annotations
 
-from megatron_sparse_rl.rollout import vllm_access
+from megatron_sparse_rl import vllm_access
 
 
 class BlockUsageProbe:

@@ -4,7 +4,7 @@ vLLM calls every `vllm.general_plugins` entry point in every process it starts (
 for every user of the Python environment this package is installed in. `plugin()` therefore does nothing unless
 the process's environment carries `REQUEST_ENV=1`, which `request()` sets in the process that builds a sparse-KV
 engine (rollout/engine.py `_sparse_kv_engine_args`, before vLLM starts): the engine's spawned processes inherit
-it and install the runner hooks of megatron_sparse_rl.patches.vllm_sparse_kv. A vLLM started by anyone else
+it and install the runner hooks of megatron_sparse_rl.kv.vllm_hooks. A vLLM started by anyone else
 finds no request and is left exactly as it was: nothing is imported or patched and nothing is raised, whatever
 its version. Asked for, a failed check raises: a sparse engine whose workers lack the hooks would ignore its
 compactions silently.
@@ -40,6 +40,6 @@ def plugin() -> None:
         logger.debug("msrl_sparse_kv plugin: not requested by a megatron_sparse_rl engine (%s unset), inert",
                      REQUEST_ENV)
         return
-    from megatron_sparse_rl.patches import vllm_sparse_kv
+    from megatron_sparse_rl.kv import vllm_hooks
 
-    vllm_sparse_kv.apply()
+    vllm_hooks.apply()

@@ -15,7 +15,7 @@ the async or the sync variant to match `scheduler_config.async_scheduling` (CPU 
   requests and its own still fit the pool, so compressed requests are never preempted; a compressed
   request that is preempted anyway (admission control off) is recomputed densely by vLLM and flagged.
 Prefix caching must be off (compaction rewrites blocks in place). Outside its own inherited state (running and
-waiting queues, admission limit, requests), vLLM's objects are reached through `rollout/vllm_access/`, which
+waiting queues, admission limit, requests), vLLM's objects are reached through `vllm_access/`, which
 lists and checks every attribute used here; the scheduler checks its live instance at construction.
 """
 from __future__ import annotations
@@ -27,8 +27,9 @@ from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinatorNoPrefixCache
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from megatron_sparse_rl import vllm_access
+from megatron_sparse_rl.kv import vllm_hooks
 from megatron_sparse_rl.kv.settings import CONFIG_KEY, SparseKVSettings
-from megatron_sparse_rl.rollout import vllm_access
 
 logger = logging.getLogger(__name__)
 
@@ -190,14 +191,12 @@ class SparseKVScheduler:
     """vLLM `scheduler_cls`: builds the sync or async sparse-KV scheduler to match the engine's config."""
 
     def __new__(cls, *args: Any, **kwargs: Any):
-        from megatron_sparse_rl.patches import vllm_sparse_kv
-
-        if not vllm_sparse_kv.is_applied():
+        if not vllm_hooks.is_applied():
             # the compaction commands would reach a runner without the hooks and be silently ignored
             raise RuntimeError("sparse KV: the model-runner hooks are not installed in this vLLM process; the "
                                "vllm.general_plugins entry point msrl_sparse_kv must load (is it excluded by "
                                "VLLM_PLUGINS? is megatron_sparse_rl pip-installed?), or call "
-                               "megatron_sparse_rl.patches.vllm_sparse_kv.apply() before the engine starts")
+                               "megatron_sparse_rl.kv.vllm_hooks.apply() before the engine starts")
         vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
         variant = _AsyncSparseKVScheduler if vllm_config.scheduler_config.async_scheduling else _SyncSparseKVScheduler
         obj = variant.__new__(variant)

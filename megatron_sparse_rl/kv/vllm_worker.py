@@ -1,7 +1,7 @@
 """Worker side of the sparse-KV integration (vLLM 0.32.0 V1 model runner, used by the CPU runner too).
 
 `SparseKVWorkerState` is owned by one model runner (`vllm_access.runner_state`, created by the runner
-patch in megatron_sparse_rl.patches.vllm_sparse_kv on the first step); it reaches the runner only through
+patch in megatron_sparse_rl.kv.vllm_hooks on the first step); it reaches the runner only through
 `vllm_access.RunnerKV` and the accessor's layer functions. Per step:
 - `before_update_states` (before vLLM's `_update_states`, which zeroes newly allocated blocks that may
   be the tail blocks just freed): for each compaction command, score the cached keys with the policy,
@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from megatron_sparse_rl import vllm_access
 from megatron_sparse_rl.kv import latent
 from megatron_sparse_rl.kv import policies as P
 from megatron_sparse_rl.kv.query_window import QueryWindows, WritePlan
 from megatron_sparse_rl.kv.record import KVKeepRecord
 from megatron_sparse_rl.kv.settings import SparseKVSettings
-from megatron_sparse_rl.rollout import vllm_access
 
 logger = logging.getLogger(__name__)
 

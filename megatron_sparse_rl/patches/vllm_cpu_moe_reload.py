@@ -36,14 +36,14 @@ from __future__ import annotations
 import functools
 import logging
 
+from megatron_sparse_rl import vllm_access
+
 logger = logging.getLogger(__name__)
 
 _MARK = "_msrl_cpu_moe_reload_patched"
 
 
 def _target():
-    from megatron_sparse_rl.rollout import vllm_access
-
     vllm_access.require_version("vllm_cpu_moe_reload", "check whether UnquantizedFusedMoEMethod._setup_kernel still "
                                 "skips fused_experts.process_weights_after_loading on weight updates")
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
@@ -64,8 +64,6 @@ def apply() -> bool:
 
     Raises RuntimeError when the installed vLLM is not 0.32.0 or the patched method is missing.
     """
-    from megatron_sparse_rl.rollout import vllm_access
-
     cls = _target()
     if not vllm_access.is_cpu_platform():
         return False

@@ -21,7 +21,7 @@ linear, NTK scaling...) are covered too.
 It must be applied BEFORE the model is built: a vLLM custom op binds its platform forward when constructed
 (`CustomOp.dispatch_forward`), so modules built earlier keep the unpatched method. `RolloutEngine` applies it
 on CPU before starting vLLM. Idempotent; checks the vLLM version (0.32.0) and, through
-`megatron_sparse_rl.rollout.vllm_access` (feature "cpu_rotary"), the methods it wraps. `revert()` exists for tests
+`megatron_sparse_rl.vllm_access` (feature "cpu_rotary"), the methods it wraps. `revert()` exists for tests
 that demonstrate the gap.
 """
 from __future__ import annotations
@@ -29,14 +29,14 @@ from __future__ import annotations
 import functools
 import logging
 
+from megatron_sparse_rl import vllm_access
+
 logger = logging.getLogger(__name__)
 
 _MARK = "_msrl_cpu_rotary_patched"
 
 
 def _target():
-    from megatron_sparse_rl.rollout import vllm_access
-
     vllm_access.require_version("vllm_cpu_rotary", "check whether RotaryEmbedding.forward_cpu still rotates 3-D "
                                 "[tokens, heads, rot_dim] inputs wrongly")
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
@@ -55,8 +55,6 @@ def apply() -> bool:
 
     Raises RuntimeError when the installed vLLM is not 0.32.0, VLLMInternalsError when a wrapped method changed.
     """
-    from megatron_sparse_rl.rollout import vllm_access
-
     cls = _target()
     if not vllm_access.is_cpu_platform():
         return False

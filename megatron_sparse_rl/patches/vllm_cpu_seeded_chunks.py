@@ -26,14 +26,14 @@ from __future__ import annotations
 import functools
 import logging
 
+from megatron_sparse_rl import vllm_access
+
 logger = logging.getLogger(__name__)
 
 _MARK = "_msrl_cpu_seeded_chunks_patched"
 
 
 def _target():
-    from megatron_sparse_rl.rollout import vllm_access
-
     vllm_access.require_version("vllm_cpu_seeded_chunks", "check whether GPUModelRunner._bookkeeping_sync still "
                                 "rewinds seeded generators with set_offset, which CPU generators do not have")
     vllm_access.check(features=("cpu_seeded_chunks",))
@@ -47,8 +47,6 @@ def is_applied() -> bool:
 
 def apply() -> bool:
     """Install the patch (idempotent). Returns True when installed (CPU platform), False elsewhere."""
-    from megatron_sparse_rl.rollout import vllm_access
-
     cls = _target()
     if not vllm_access.is_cpu_platform():
         return False

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
+from megatron_sparse_rl import vllm_access
 from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
 from megatron_sparse_rl.config.validate import resolve_rollout
 from megatron_sparse_rl.models import engine_config_defaults
-from megatron_sparse_rl.rollout import vllm_access
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
 from megatron_sparse_rl.rollout.versions import VersionLog
 
@@ -458,9 +458,9 @@ def _sparse_kv_engine_args(cfg: RolloutConfig) -> dict[str, Any]:
     from megatron_sparse_rl.kv import vllm_plugin
     from megatron_sparse_rl.kv.settings import SparseKVSettings
     from megatron_sparse_rl.kv.vllm_scheduler import SparseKVScheduler
-    from megatron_sparse_rl.patches import vllm_sparse_kv
+    from megatron_sparse_rl.kv import vllm_hooks
 
-    vllm_sparse_kv.apply()
+    vllm_hooks.apply()
     vllm_plugin.request()  # the engine's spawned processes install the hooks through the entry point
     return dict(scheduler_cls=SparseKVScheduler,
                 additional_config=SparseKVSettings.from_kv_config(cfg.kv).to_additional_config())

@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from megatron_sparse_rl.rollout import vllm_access
+from megatron_sparse_rl import vllm_access
 from megatron_sparse_rl.rollout.step_capture import StepCapture
 from moe.storage import RouteStore, RoutingError
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_sparse_rl.rollout import vllm_access
+from megatron_sparse_rl import vllm_access
 from megatron_sparse_rl.rollout.routes import moe_layout
 from moe.storage import RouteStore, RoutingError
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sparse_rl.rollout import vllm_access
+from megatron_sparse_rl import vllm_access
 from megatron_sparse_rl.rollout.step_capture import StepCapture
 
 

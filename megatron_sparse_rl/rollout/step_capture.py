@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from megatron_sparse_rl.rollout import vllm_access
+from megatron_sparse_rl import vllm_access
 
 
 class StepCapture:

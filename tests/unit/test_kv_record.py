@@ -60,11 +60,11 @@ def test_settings_round_trip_through_additional_config():
 
 def test_vllm_patch_checks_every_hook_and_is_idempotent():
     pytest.importorskip("vllm")
-    from megatron_sparse_rl.patches import vllm_sparse_kv
+    from megatron_sparse_rl.kv import vllm_hooks
 
-    vllm_sparse_kv.check_upstream()
-    assert vllm_sparse_kv.apply() and vllm_sparse_kv.apply()
-    assert vllm_sparse_kv.is_applied()
+    vllm_hooks.check_upstream()
+    assert vllm_hooks.apply() and vllm_hooks.apply()
+    assert vllm_hooks.is_applied()
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     assert not getattr(GPUModelRunner._update_states._msrl_original, "_msrl_sparse_kv_patched", False)

@@ -1,4 +1,4 @@
-"""`rollout.vllm_access.check`: passes on the installed vLLM; a missing or changed internal fails naming the vLLM
+"""`vllm_access.check`: passes on the installed vLLM; a missing or changed internal fails naming the vLLM
 version, the piece and the feature that needs it (simulated by removing or replacing it, or with stand-ins).
 
     .venv/bin/python -m pytest -q tests/unit/test_vllm_access.py
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_sparse_rl.rollout import vllm_access
-from megatron_sparse_rl.rollout.vllm_access import Need, VLLMInternalsError
+from megatron_sparse_rl import vllm_access
+from megatron_sparse_rl.vllm_access import Need, VLLMInternalsError
 
 vllm = pytest.importorskip("vllm")
 

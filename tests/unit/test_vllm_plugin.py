@@ -26,11 +26,11 @@ def runner_cls():
     pytest.importorskip("vllm")
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from megatron_sparse_rl.patches import vllm_sparse_kv
+    from megatron_sparse_rl.kv import vllm_hooks
 
-    vllm_sparse_kv.revert()
+    vllm_hooks.revert()
     yield GPUModelRunner
-    vllm_sparse_kv.revert()
+    vllm_hooks.revert()
 
 
 def _methods(cls) -> dict:

@@ -12,7 +12,7 @@ here too.
 `NEEDS` holds every class, attribute and method (with its leading parameter names) relied on, per feature.
 `check(llm, features=...)` verifies them, and with an engine its live engine core, scheduler and model runner;
 a `VLLMInternalsError` names the installed vLLM version, the missing or changed piece and the feature. It runs
-at `RolloutEngine` start, in the sparse-KV plugin entry point of every vLLM process (patches/vllm_sparse_kv.py)
+at `RolloutEngine` start, in the sparse-KV plugin entry point of every vLLM process (kv/vllm_hooks.py)
 and when a capture attaches (`check(features=("sparse_kv",))` needs no engine). An attribute counts as present
 when the class or a base defines or annotates it, or one of their methods assigns `self.<name>`.
 """
@@ -224,7 +224,7 @@ def _fail(piece: str, problem: str, feature: str):
     import vllm
 
     raise VLLMInternalsError(f"vLLM {vllm.__version__}: {piece} {problem}; needed for {FEATURES[feature]} "
-                             f"(megatron_sparse_rl/rollout/vllm_access/ was written for vLLM {VLLM_VERSION})")
+                             f"(megatron_sparse_rl/vllm_access/ was written for vLLM {VLLM_VERSION})")
 
 
 def _walk(obj, label: str, *names: str):
@@ -459,7 +459,7 @@ def is_cpu_platform() -> bool:
 
 
 # the layers' and the scheduler messages' accessors live in layers.py (module size); callers reach them here
-from megatron_sparse_rl.rollout.vllm_access.layers import (  # noqa: E402,F401
+from megatron_sparse_rl.vllm_access.layers import (  # noqa: E402,F401
     MoELayer, moe_layers, set_route_callback, RunnerKV, layer_kv,
     write_kv, is_latent_layer, LatentDims, latent_dims, write_latent,
     on_latent_query, on_attention_query, set_rider, rider, step_requests,

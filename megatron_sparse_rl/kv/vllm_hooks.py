@@ -1,4 +1,4 @@
-"""Patch: sparse (fixed-budget, compacted) KV cache inside vLLM 0.32.0's V1 model runner.
+"""The worker half of the sparse-KV integration: hooks in vLLM 0.32.0's V1 model runner (a patch of upstream code).
 
 The gap it covers
 -----------------
@@ -13,7 +13,7 @@ needed); the worker half needs three hooks in `GPUModelRunner` (which `CPUModelR
 The hooks are no-ops for an engine whose VllmConfig has no `additional_config["msrl_sparse_kv"]`, so
 dense engines in the same process are untouched.
 
-`apply()` checks the vLLM version and, through megatron_sparse_rl.rollout.vllm_access, every class, attribute
+`apply()` checks the vLLM version and, through megatron_sparse_rl.vllm_access, every class, attribute
 and method signature the integration patches, overrides or reads (runner, scheduler, coordinator, block table,
 attention backend), fails loudly on any difference, and is idempotent. Requires the V1 model runner (on GPU
 set VLLM_USE_V2_MODEL_RUNNER=0; the CPU runner is V1).
@@ -26,7 +26,9 @@ from __future__ import annotations
 import functools
 import logging
 
-from megatron_sparse_rl.rollout import vllm_access
+from megatron_sparse_rl import vllm_access
+from megatron_sparse_rl.kv.settings import SparseKVSettings
+from megatron_sparse_rl.kv.vllm_worker import SparseKVWorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +38,12 @@ _MARK = "_msrl_sparse_kv_patched"
 
 def check_upstream() -> None:
     """Raise RuntimeError unless vLLM is 0.32.0 and every piece the integration relies on exists with the
-    expected parameters (the "sparse_kv" entries of megatron_sparse_rl.rollout.vllm_access.NEEDS)."""
+    expected parameters (the "sparse_kv" entries of megatron_sparse_rl.vllm_access.NEEDS)."""
     import vllm
 
     if vllm.__version__ != VLLM_VERSION:
-        raise RuntimeError(f"patches.vllm_sparse_kv was written for vllm {VLLM_VERSION} (found {vllm.__version__}): "
-                           "re-check its hooks and the sparse_kv entries of megatron_sparse_rl/rollout/vllm_access/")
+        raise RuntimeError(f"kv.vllm_hooks was written for vllm {VLLM_VERSION} (found {vllm.__version__}): "
+                           "re-check its hooks and the sparse_kv entries of megatron_sparse_rl/vllm_access/")
     vllm_access.check(features=("sparse_kv",))
 
 
@@ -49,13 +51,9 @@ def _state(runner):
     """The runner's SparseKVWorkerState, created on first use; None for a dense engine."""
     state = vllm_access.runner_state(runner, default=False)
     if state is False:
-        from megatron_sparse_rl.kv.settings import SparseKVSettings
-
         settings = SparseKVSettings.from_vllm_config(runner.vllm_config)
         state = None
         if settings is not None:
-            from megatron_sparse_rl.kv.vllm_worker import SparseKVWorkerState
-
             state = SparseKVWorkerState(runner, settings)
         vllm_access.set_runner_state(runner, state)
     return state
