@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.config import load_config, to_dict, validate
     from megatron_sparse_rl.config.summary import run_summary
-    from megatron_sparse_rl.config.validate import resolve
+    from megatron_sparse_rl.config.resolve import resolve
     from megatron_sparse_rl.training.preflight import check_files
 
     cfg = load_config(args.config, args.overrides)

@@ -1,5 +1,5 @@
-"""Run configuration: frozen dataclasses (schema.py), a strict YAML loader (loader.py) and the
-cross-component checks (validate.py).
+"""Run configuration: frozen dataclasses (schema.py), a strict YAML loader (loader.py), the
+cross-component checks (validate.py) and the runtime values resolved from the model (resolve.py).
 
     from megatron_sparse_rl.config import load_config, validate
     run = load_config("configs/tiny_moe.yaml", overrides=["learner.optimizer.lr=3e-5"])

@@ -158,7 +158,7 @@ class RolloutConfig:
     """Longest prompt + response, in tokens. None = what the model supports: its max_position_embeddings, capped to
     the longest sequence one engine rank's KV cache holds when rollout.kv_cache_gb sizes it (vLLM refuses to start
     an engine whose cache cannot hold one sequence of max_model_len). Resolved once from the model's config.json
-    (or model.tiny) by `config.validate.resolve`; a value set here must not exceed max_position_embeddings."""
+    (or model.tiny) by `config.resolve.resolve`; a value set here must not exceed max_position_embeddings."""
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory vLLM may take (on CPU: of host memory, checked at start-up)."""
     enforce_eager: bool = True
@@ -196,7 +196,7 @@ class RolloutConfig:
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1",
                  self.tensor_parallel_size)
         _require(self.seed >= 0, "rollout.seed", "must be >= 0", self.seed)
-        # None: checked against the value resolved from the model (config/validate.py)
+        # None: checked against the value resolved from the model (config/resolve.py)
         if self.max_model_len is not None and self.sampling.max_tokens >= self.max_model_len:
             raise ValueError(f"rollout.sampling.max_tokens must be < rollout.max_model_len "
                              f"(got {self.sampling.max_tokens} >= {self.max_model_len})")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from megatron_sparse_rl.config.resolve import describe_max_model_len
 from megatron_sparse_rl.config.schema import RunConfig
 
 
@@ -53,7 +54,6 @@ def _engines(ranks: int, engine_tp: int) -> str:
 
 def model_lines(run: RunConfig, spec) -> list[str]:
     """The model's architecture, size, dtypes and the engine's context (rollout.max_model_len as resolved)."""
-    from megatron_sparse_rl.config.validate import describe_max_model_len
     from megatron_sparse_rl.models.deepseek import DeepseekSpec
 
     m = run.model

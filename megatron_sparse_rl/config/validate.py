@@ -6,60 +6,20 @@ CPU attention (MLA models: the latent width, no sparse KV) and against what its 
 shape against the world size, rollout sampling against the algorithm.
 
     spec = validate(run, world_size=4)   # ModelSpec (or None); ConfigError listing every problem
-    run = resolve(run, spec)             # the values left to the model filled in (rollout.max_model_len)
+    run = resolve(run, spec)             # config/resolve.py: the values left to the model filled in
 
 The model's shapes come from `config.json` at `model.path` when it exists, otherwise from `model.tiny`
-(the same config dict `models/tiny.py` would write, derived here without building any weights).
-Heavy modules (torch, models, parallel) are imported inside functions: importing the config package
-stays cheap and cannot form an import cycle with `parallel.layout`, which imports the schema.
+(the config dict `models/tiny_config.py` derives, the one the tiny builder would write, without building weights).
+models/ and torch are imported inside functions: importing the config package stays free of torch.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 from megatron_sparse_rl.config.loader import ConfigError
+from megatron_sparse_rl.config.resolve import max_model_len, max_model_len_origin
 from megatron_sparse_rl.config.rollout import RolloutConfig
-from megatron_sparse_rl.config.schema import MLA_ARCHS, RunConfig, TinyModelConfig
-
-
-def tiny_hf_config(tiny: TinyModelConfig) -> dict:
-    """The Hugging Face config dict the tiny builder of `tiny.arch` would write (no weights, no transformers):
-    models/tiny.py's `hf_config_kwargs` (Qwen3) or models/tiny_families.py's `deepseek_config_kwargs`
-    (DeepSeek-V3), plus the keys transformers fills in with their defaults.
-
-    `tests/unit/test_config_validate.py` checks the resulting ModelSpec against a model really built.
-    """
-    from megatron_sparse_rl.models.tiny import hf_config_kwargs
-    from megatron_sparse_rl.models.tiny_families import deepseek_config_kwargs
-
-    common = {"hidden_act": "silu", "attention_bias": False}
-    if tiny.arch in MLA_ARCHS:
-        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common,
-                **deepseek_config_kwargs(**tiny_fields(tiny, seed=False))}
-    family, kwargs = hf_config_kwargs(tiny.arch, **tiny_fields(tiny, seed=False))
-    return {"architectures": ["Qwen3MoeForCausalLM" if family == "qwen3_moe" else "Qwen3ForCausalLM"],
-            "model_type": family, **common, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-            **kwargs}
-
-
-_QWEN_KWARGS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "topk", "moe_ffn", "ffn", "init_std")
-_DEEPSEEK_KWARGS = {
-    "hidden": "hidden", "layers": "layers", "heads": "heads", "experts": "experts", "topk": "topk",
-    "moe_ffn": "moe_ffn", "ffn": "ffn", "kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank",
-    "qk_nope_head_dim": "qk_nope", "qk_rope_head_dim": "qk_rope", "v_head_dim": "v_head",
-    "first_k_dense": "first_k_dense", "shared_experts": "shared", "n_group": "n_group", "topk_group": "topk_group",
-    "rope_type": "rope", "init_std": "init_std",
-}
-"""`model.tiny` field -> keyword of `deepseek_config_kwargs` / `build_tiny_deepseek`."""
-
-
-def tiny_fields(tiny: TinyModelConfig, *, seed: bool = True) -> dict:
-    """`model.tiny` as the keyword arguments of its builder, less `arch` and (without `seed`) the seed:
-    `build_tiny_hf_model` for the Qwen3 archs, `build_tiny_deepseek` (= `deepseek_config_kwargs` + seed) for
-    deepseek_v3."""
-    names = _DEEPSEEK_KWARGS if tiny.arch in MLA_ARCHS else {n: n for n in _QWEN_KWARGS}
-    return {kw: getattr(tiny, n) for n, kw in names.items()} | ({"seed": tiny.seed} if seed else {})
+from megatron_sparse_rl.config.schema import RunConfig
 
 
 def _has_config(run: RunConfig) -> bool:
@@ -74,6 +34,7 @@ def model_spec(run: RunConfig):
     """
     from megatron_sparse_rl.models import get_adapter
     from megatron_sparse_rl.models.spec import read_hf_config
+    from megatron_sparse_rl.models.tiny_config import tiny_hf_config
 
     model = run.model
     if not model.path and model.tiny is None:
@@ -90,80 +51,6 @@ def model_spec(run: RunConfig):
         return get_adapter(source).spec_from_hf(source)
     except (ValueError, NotImplementedError, KeyError) as e:
         raise ConfigError(f"{where}: cannot read the model architecture: {e}") from None
-
-
-_CACHE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-"""Bytes per cached value: vLLM's KV cache dtype "auto" is the engine's dtype (`rollout.dtype`)."""
-_DEFAULT_BLOCK = 128
-"""vLLM's largest default KV block (CPU; GPU and CPU MLA use 16, which divides it): a max_model_len capped by the
-cache is counted in blocks of this many tokens (or rollout.kv.block_size), so one sequence of it fills whole blocks
-whichever default vLLM picks."""
-
-
-def kv_bytes_per_token(spec, rollout: RolloutConfig) -> int:
-    """KV-cache bytes one token takes on one engine rank, all layers, in `rollout.dtype`: MLA's latent row
-    (kv_lora_rank + qk_rope_head_dim values, kept whole on every engine TP rank), else K and V of the KV heads of
-    one engine TP rank (a head is replicated when there are fewer heads than ranks)."""
-    return spec.num_layers * spec.kv_values_per_rank(rollout.tensor_parallel_size) * _CACHE_DTYPE_BYTES[rollout.dtype]
-
-
-def max_model_len(rollout: RolloutConfig, spec) -> int | None:
-    """`rollout.max_model_len` resolved against the model (`spec`; None when the model is not known here).
-
-    Set: that value. None: the model's max_position_embeddings, capped, when `rollout.kv_cache_gb` sizes the KV
-    cache, to the longest sequence that cache holds on one engine rank (whole KV blocks, less the one block vLLM's
-    block pool holds back), since vLLM refuses to start an engine whose cache cannot hold one sequence of
-    max_model_len (vllm/v1/core/kv_cache_utils.py `get_kv_cache_configs`). With kv_cache_gb None
-    (GPU, sized from gpu_memory_utilization) the size is only known once vLLM has loaded the model: the model's
-    positions are used, uncapped. Returns None when the value is unset and the model unknown.
-    """
-    if rollout.max_model_len is not None or spec is None:
-        return rollout.max_model_len
-    if rollout.kv_cache_gb is None:
-        return spec.max_position_embeddings
-    block = rollout.kv.block_size or _DEFAULT_BLOCK
-    blocks = rollout.kv_cache_gb * 2**30 // (block * kv_bytes_per_token(spec, rollout)) - 1  # less the null block
-    return min(spec.max_position_embeddings, max(blocks, 0) * block)
-
-
-def _max_model_len_origin(rollout: RolloutConfig, spec) -> str:
-    """Where a max_model_len resolved from the model comes from, for messages and summaries; '' when the config
-    sets it (or the model is unknown)."""
-    if rollout.max_model_len is not None or spec is None:
-        return ""
-    if max_model_len(rollout, spec) == spec.max_position_embeddings:
-        return "the model's max_position_embeddings"
-    return (f"the longest sequence rollout.kv_cache_gb = {rollout.kv_cache_gb} GiB holds on one engine rank at "
-            f"{kv_bytes_per_token(spec, rollout):,} bytes per token; the model's max_position_embeddings is "
-            f"{spec.max_position_embeddings}")
-
-
-def describe_max_model_len(rollout: RolloutConfig, spec) -> str:
-    """The resolved value and where it comes from, for summaries: "2048 (the model's max_position_embeddings)",
-    "8192 (set)"."""
-    value = max_model_len(rollout, spec)
-    if value is None:
-        return "unknown here (unset: the model's max_position_embeddings, whose config.json is not here)"
-    return f"{value} ({_max_model_len_origin(rollout, spec) or 'set'})"
-
-
-def resolve(run: RunConfig, spec) -> RunConfig:
-    """`run` with the values it leaves to the model filled in from `spec` (`rollout.max_model_len`; see
-    `max_model_len`). `run` itself when nothing is left or the model is unknown (spec None). Call it after
-    `validate`, which checks the resolved values (resolving re-runs the dataclass checks, which raise ValueError)."""
-    if run.rollout.max_model_len is not None or spec is None:
-        return run
-    return replace(run, rollout=replace(run.rollout, max_model_len=max_model_len(run.rollout, spec)))
-
-
-def resolve_rollout(rollout: RolloutConfig, model_dir: str | Path) -> RolloutConfig:
-    """`rollout` with max_model_len resolved from the model at `model_dir` (its config.json): for an engine built
-    outside a run (tests, benchmarks); a run's engines get the config `resolve` filled in."""
-    if rollout.max_model_len is not None:
-        return rollout
-    from megatron_sparse_rl.models import load_spec
-
-    return replace(rollout, max_model_len=max_model_len(rollout, load_spec(model_dir)[1]))
 
 
 def _layout_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[str]:
@@ -224,7 +111,7 @@ def _model_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
 def _resolved_len_problems(rollout: RolloutConfig, spec) -> list[str]:
     """The dataclass's own `sampling.max_tokens < max_model_len` check, on a max_model_len resolved from the model
     (a value set in the config was checked when the config loaded)."""
-    origin = _max_model_len_origin(rollout, spec)
+    origin = max_model_len_origin(rollout, spec)
     resolved = max_model_len(rollout, spec)
     if origin and rollout.sampling.max_tokens >= resolved:
         fix = ("lower rollout.sampling.max_tokens" if resolved == spec.max_position_embeddings
@@ -301,7 +188,7 @@ def _rollout_algorithm_problems(run: RunConfig, world_size: int, spec) -> list[s
                         "(the kept token ids must be recorded at sampling time)")
     kv, context = run.rollout.kv, max_model_len(run.rollout, spec)  # None: unset, and the model unknown here
     if kv.policy != "none" and context is not None and kv.budget >= context:
-        origin = _max_model_len_origin(run.rollout, spec)
+        origin = max_model_len_origin(run.rollout, spec)
         problems.append(f"rollout.kv.budget = {kv.budget} must be < rollout.max_model_len = {context}"
                         + (f" (unset: {origin})" if origin else "")
                         + f", or rollout.kv.policy={kv.policy!r} never compresses")

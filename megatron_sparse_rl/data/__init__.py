@@ -1,6 +1,6 @@
 """Prompt data: the built-in arithmetic task, JSONL/parquet datasets, templates, the resumable stream,
 `build_task`, which the trainer consumes, and `check_data`, which checks every record before a run starts.
-The character tokenizer lives in `tokenizer.py`. See docs/data.md.
+The character tokenizer of the tiny models lives in `models/char_tokenizer.py`. See docs/data.md.
 """
 from megatron_sparse_rl.data.arithmetic import generate as generate_arithmetic
 from megatron_sparse_rl.data.datasets import (DatasetError, DatasetMissing, PromptStream, encode_prompts,

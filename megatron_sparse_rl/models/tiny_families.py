@@ -1,7 +1,7 @@
 """Tiny random Hugging Face Mixtral and DeepSeek-V3-style checkpoints, built with transformers' own classes.
 
 Like `models/tiny.py` (Qwen3): config.json, model.safetensors, generation_config.json and the character
-tokenizer of `data/tokenizer.py`, so transformers and the adapters load them as they would a hub model.
+tokenizer of `models/char_tokenizer.py`, so transformers and the adapters load them as they would a hub model.
 
     python -c "from megatron_sparse_rl.models.tiny_families import build_tiny_mixtral as b; print(b('/tmp/mx'))"
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_sparse_rl.data import tokenizer as char_tok
+from megatron_sparse_rl.models import char_tokenizer as char_tok
 
 
 def _common(hidden: int, layers: int, heads: int, kv_heads: int, init_std: float, max_position: int) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from megatron_sparse_rl.data.tokenizer import EOS
+from megatron_sparse_rl.models.char_tokenizer import EOS
 
 _STOPS = (EOS, "\n")
 _DECIMAL = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")

@@ -12,7 +12,7 @@ import threading
 from typing import Callable
 
 from megatron_sparse_rl._optional import _has
-from megatron_sparse_rl.data.tokenizer import EOS
+from megatron_sparse_rl.models.char_tokenizer import EOS
 from megatron_sparse_rl.rewards.exact import numeric_answer
 
 log = logging.getLogger(__name__)

@@ -71,7 +71,7 @@ def ensure_model(run: RunConfig, rank: int) -> Path:
         if run.model.tiny is None:
             raise FileNotFoundError(f"model.path {str(path)!r} has no config.json (and model.tiny is not set)")
         from megatron_sparse_rl.config.schema import MLA_ARCHS
-        from megatron_sparse_rl.config.validate import tiny_fields
+        from megatron_sparse_rl.models.tiny_config import tiny_fields
         from megatron_sparse_rl.models.tiny import build_tiny_hf_model
         from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
 
@@ -109,7 +109,7 @@ def build_context(run: RunConfig, total_steps: int):
 
     from megatron_sparse_rl.config import validate
     from megatron_sparse_rl.config.summary import run_summary
-    from megatron_sparse_rl.config.validate import resolve
+    from megatron_sparse_rl.config.resolve import resolve
     from megatron_sparse_rl.data import build_task
     from megatron_sparse_rl.models import load_spec
     from megatron_sparse_rl.observability.logging import attach_log_file, init_logging

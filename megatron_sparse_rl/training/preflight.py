@@ -67,7 +67,7 @@ def _tokenizer(model, spec):
     from megatron_sparse_rl.data.checks import check_tokenizer
 
     if model.tiny is not None and not (Path(model.path) / "config.json").is_file():
-        from megatron_sparse_rl.data.tokenizer import character_tokenizer
+        from megatron_sparse_rl.models.char_tokenizer import character_tokenizer
 
         return character_tokenizer()
     from megatron_sparse_rl.data import load_tokenizer

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_sparse_rl.config.data import ChainConfig, DataConfig, RewardConfig
 from megatron_sparse_rl.data import build_task, check_data, encode_sft
-from megatron_sparse_rl.data import tokenizer as char_tok
+from megatron_sparse_rl.models import char_tokenizer as char_tok
 from megatron_sparse_rl.data.chain import generate, worked_chain
 from megatron_sparse_rl.rewards import make_scorer
 

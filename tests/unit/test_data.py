@@ -13,7 +13,7 @@ import pytest
 from megatron_sparse_rl.config.data import ArithmeticConfig, DataConfig, RewardConfig
 from megatron_sparse_rl.data import (DatasetError, PromptStream, SIMPLE_CHAT_FORMAT, build_task, encode_prompts,
                                      encode_sft, generate_arithmetic, load_prompts, read_jsonl, read_parquet)
-from megatron_sparse_rl.data import tokenizer as char_tok
+from megatron_sparse_rl.models import char_tokenizer as char_tok
 from megatron_sparse_rl.data.arithmetic import problem_space_size
 
 

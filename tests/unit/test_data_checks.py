@@ -19,7 +19,7 @@ import pytest
 from megatron_sparse_rl.config.data import ArithmeticConfig, DataConfig
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.data import DatasetError, DatasetMissing, build_task, check_data
-from megatron_sparse_rl.data import tokenizer as char_tok
+from megatron_sparse_rl.models import char_tokenizer as char_tok
 from tests.snapshot import snapshot
 from tools import cli
 
@@ -254,7 +254,7 @@ def test_validate_checks_the_model_and_directories_a_config_points_to(tmp_path, 
     import shutil
 
     from megatron_sparse_rl.config.schema import TinyModelConfig
-    from megatron_sparse_rl.config.validate import tiny_fields, tiny_hf_config
+    from megatron_sparse_rl.models.tiny_config import tiny_fields, tiny_hf_config
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
     monkeypatch.chdir(ROOT)

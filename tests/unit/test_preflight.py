@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_sparse_rl.config import ConfigError, load_config
-from megatron_sparse_rl.config.validate import resolve, validate
+from megatron_sparse_rl.config.resolve import resolve
+from megatron_sparse_rl.config.validate import validate
 from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 from megatron_sparse_rl.training.preflight import check_files
 from tests.unit.test_fp8_import import GATE, QUANT, _variant, plain, stored, write_checkpoint  # noqa: F401

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from megatron_sparse_rl.data import tokenizer as char_tok
+from megatron_sparse_rl.models import char_tokenizer as char_tok
 from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
 

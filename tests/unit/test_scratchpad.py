@@ -15,7 +15,7 @@ import pytest
 
 from megatron_sparse_rl.config.data import ArithmeticConfig, DataConfig, RewardConfig
 from megatron_sparse_rl.data import build_task, encode_sft, generate_arithmetic
-from megatron_sparse_rl.data import tokenizer as char_tok
+from megatron_sparse_rl.models import char_tokenizer as char_tok
 from megatron_sparse_rl.rewards import extract_answer, make_scorer
 
 ROOT = Path(__file__).resolve().parents[2]

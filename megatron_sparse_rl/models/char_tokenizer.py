@@ -9,7 +9,7 @@ It is saved as a Hugging Face tokenizer directory (tokenizer.json + tokenizer_co
 `transformers.AutoTokenizer` and vLLM load as a fast tokenizer.
 
 Build one by hand:
-    python -c "from megatron_sparse_rl.data.tokenizer import build_tokenizer; print(build_tokenizer('/tmp/tok'))"
+    python -c "from megatron_sparse_rl.models.char_tokenizer import build_tokenizer; print(build_tokenizer('/tmp/tok'))"
 """
 from __future__ import annotations
 
