@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from megatron_sparse_rl.config.degrees import ParallelDegrees
 from megatron_sparse_rl.config.resolve import describe_max_model_len
 from megatron_sparse_rl.config.schema import RunConfig
 
@@ -21,10 +22,8 @@ def run_summary(run: RunConfig, spec, world_size: int) -> list[str]:
     """Human-readable lines describing `run` on `world_size` ranks (`spec`: the model's ModelSpec, None when its
     config.json is not reachable here). `run` is checked (`validate`); its rollout.max_model_len may still be unset
     (the summary says what it resolves to)."""
-    from megatron_sparse_rl.parallel.layout import ParallelLayout
-
     rollout = run.launch.rollout_world_size
-    layout = ParallelLayout.from_config(run.parallel, world_size - rollout, rollout_ranks=rollout)
+    layout = ParallelDegrees.from_config(run.parallel, world_size - rollout, rollout_ranks=rollout)
     lines = model_lines(run, spec)
     who = "world" if not rollout else "learner ranks"
     lines.append(f"layout: {who} {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}; "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_sparse_rl.config.degrees import ParallelDegrees
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.config.resolve import max_model_len, max_model_len_origin
 from megatron_sparse_rl.config.rollout import RolloutConfig
@@ -55,15 +56,13 @@ def model_spec(run: RunConfig):
 
 def _layout_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[str]:
     """Problems of the parallel layout over the LEARNER ranks (all of `world_size` when colocated)."""
-    from megatron_sparse_rl.parallel.layout import ParallelLayout
-
     rollout = run.launch.rollout_world_size
     learners = world_size - rollout
     if learners < 1:
         return [f"a disaggregated run needs at least one learner rank: world size {world_size} - "
                 f"{rollout} rollout ranks (launch.rollout_ranks / launch.rollout_nodes) = {learners}"]
     try:
-        layout = ParallelLayout.from_config(run.parallel, learners, rollout_ranks=rollout, cuda=cuda)
+        layout = ParallelDegrees.from_config(run.parallel, learners, rollout_ranks=rollout, cuda=cuda)
     except ValueError as e:
         where = f"learner ranks = world size {world_size} - {rollout} rollout ranks = {learners}: " if rollout else ""
         return [where + str(e)]

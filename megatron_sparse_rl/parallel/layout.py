@@ -30,9 +30,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_sparse_rl.config.degrees import ParallelDegrees
 from megatron_sparse_rl.config.schema import ParallelConfig
-from megatron_sparse_rl.models.spec import ModelSpec
-from megatron_sparse_rl.parallel.world import join_world, resolve_backend
+from megatron_sparse_rl.parallel.world import join_world
 
 
 @dataclass(frozen=True)
@@ -56,77 +56,12 @@ class ParallelGroups:
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-    dp: int
-    world_size: int
-    sequence_parallel: bool = False
-    backend: str = "gloo"
-    rollout_ranks: int = 0
-    """Disaggregated placement: ranks [world_size, world_size + rollout_ranks) own engines, not the model
-    (`world_size` counts the learner ranks only). 0: every rank is a learner rank."""
+class ParallelLayout(ParallelDegrees):
+    """Validated parallel degrees (config/degrees.py `ParallelDegrees`: `from_config`, `check_model`) and the
+    groups this rank initialises over them."""
+
     _split: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """This process's side of the split world once `initialize()` ran (disaggregated only): {"world": SplitWorld}."""
-
-    @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int, rollout_ranks: int = 0, *,
-                    cuda: bool | None = None) -> "ParallelLayout":
-        """`world_size`: the learner ranks (all ranks when colocated); `rollout_ranks`: engine-only ranks after them;
-        `cuda`: whether the ranks that will run this layout have CUDA (resolves backend 'auto'); None = this
-        machine (a CPU login node checking a GPU job passes True)."""
-        if world_size < 1:
-            raise ValueError(f"world size must be >= 1 (got {world_size})")
-        if rollout_ranks < 0:
-            raise ValueError(f"rollout_ranks must be >= 0 (got {rollout_ranks})")
-        model_parallel = cfg.tp * cfg.pp
-        if world_size % model_parallel:
-            raise ValueError(
-                f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {cfg.tp} * {cfg.pp} = "
-                f"{model_parallel}; use a world size that is a multiple of {model_parallel}"
-            )
-        per_stage = world_size // cfg.pp
-        if per_stage % (cfg.ep * cfg.etp):
-            raise ValueError(
-                f"world size / parallel.pp = {per_stage} is not divisible by parallel.ep * parallel.etp = "
-                f"{cfg.ep} * {cfg.etp}; expert parallel groups must tile each pipeline stage"
-            )
-        backend = resolve_backend(cfg.backend, cuda)
-        if backend == "gloo" and cfg.etp > 1:
-            raise ValueError("parallel.etp > 1 needs NCCL: gloo cannot do the uneven all-gather it uses (got etp="
-                             f"{cfg.etp}, backend gloo)")
-        return cls(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, dp=world_size // model_parallel,
-                   world_size=world_size, sequence_parallel=cfg.sequence_parallel, backend=backend,
-                   rollout_ranks=rollout_ranks)
-
-    def check_model(self, spec: ModelSpec) -> None:
-        """Raise ValueError if this layout cannot shard `spec`."""
-        problems = []
-        if spec.num_heads % self.tp:
-            problems.append(f"parallel.tp={self.tp} must divide the attention heads ({spec.num_heads})")
-        if spec.num_kv_heads % self.tp:
-            problems.append(f"parallel.tp={self.tp} must divide the KV heads ({spec.num_kv_heads})")
-        if spec.vocab_size % self.tp:
-            problems.append(f"parallel.tp={self.tp} must divide the vocabulary size ({spec.vocab_size})")
-        if spec.num_layers % self.pp:
-            problems.append(f"parallel.pp={self.pp} must divide the layer count ({spec.num_layers})")
-        if spec.is_moe:
-            if spec.num_experts % self.ep:
-                problems.append(f"parallel.ep={self.ep} must divide the expert count ({spec.num_experts})")
-            if spec.moe_ffn_hidden_size % self.etp:
-                problems.append(f"parallel.etp={self.etp} must divide the expert FFN size ({spec.moe_ffn_hidden_size})")
-            if self.tp > 1 and not self.sequence_parallel:
-                problems.append(f"parallel.sequence_parallel must be true with parallel.tp={self.tp} on an MoE model "
-                                "(Megatron-Core refuses to train MoE under TP without it)")
-        elif self.ep > 1:
-            problems.append(f"parallel.ep={self.ep} needs an MoE model ({spec.architecture} has no routed experts)")
-        has_dense_mlp = not all(spec.moe_layers) if spec.moe_layers else True
-        if has_dense_mlp and spec.ffn_hidden_size % self.tp:
-            problems.append(f"parallel.tp={self.tp} must divide the FFN size ({spec.ffn_hidden_size})")
-        if problems:
-            raise ValueError("parallel layout does not fit the model: " + "; ".join(problems))
 
     def is_learner_rank(self, rank: int | None = None) -> bool:
         """Whether global `rank` (default: this process) holds the model: ranks [0, world_size) of the launcher's

@@ -22,6 +22,7 @@ import queue
 import traceback
 from typing import Any, Callable
 
+from megatron_sparse_rl.config.schema import ParallelConfig
 from megatron_sparse_rl.parallel.ports import LOOPBACK, store_server
 
 
@@ -40,11 +41,10 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, 
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
     if threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    import torch
+    import torch  # here, after OMP_NUM_THREADS is set for this rank
     import torch.distributed as dist
 
-    from megatron_sparse_rl.config.schema import ParallelConfig
-    from megatron_sparse_rl.parallel.world import join_world
+    from megatron_sparse_rl.parallel.world import join_world  # imports torch
 
     if threads is not None:
         torch.set_num_threads(threads)

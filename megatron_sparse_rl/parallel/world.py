@@ -23,16 +23,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.config.degrees import resolve_backend
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.config.schema import ParallelConfig
 from megatron_sparse_rl.parallel.ports import LOOPBACK, loopback_socket_env, store_client, store_server
-
-
-def resolve_backend(backend: str, cuda: bool | None = None) -> str:
-    """`parallel.backend` -> the torch.distributed backend for ranks with (`cuda`; None: this machine's) CUDA."""
-    if backend == "auto":
-        return "nccl" if (torch.cuda.is_available() if cuda is None else cuda) else "gloo"
-    return backend
 
 
 def backend_problem(backend: str) -> str | None:

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from math import ceil
 
+from megatron_sparse_rl.config.degrees import ParallelDegrees
 from megatron_sparse_rl.planner.recipes import Recipe, published_recipe
 from megatron_sparse_rl.planner.shapes import ModelShape
 
@@ -150,14 +151,12 @@ _LIMITS_PREFIX = "parallel layout does not fit the model: "
 
 
 def learner_limits(shape: ModelShape, tp: int, pp: int, ep: int, gpus: int) -> tuple[str, ...]:
-    """What this project's learner refuses in a layout Megatron could run (its own check, ParallelLayout.check_model:
+    """What this project's learner refuses in a layout Megatron could run (its own check, ParallelDegrees.check_model:
     pp must divide the layers, tp the vocabulary, ...); () when it runs it."""
     if shape.spec is None:
         return ()
-    from megatron_sparse_rl.parallel.layout import ParallelLayout
-
-    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=1, dp=gpus // (tp * pp), world_size=gpus,
-                            sequence_parallel=tp > 1)
+    layout = ParallelDegrees(tp=tp, pp=pp, ep=ep, etp=1, dp=gpus // (tp * pp), world_size=gpus,
+                             sequence_parallel=tp > 1)
     try:
         layout.check_model(shape.spec)
     except ValueError as e:

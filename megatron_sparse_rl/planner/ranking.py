@@ -17,7 +17,7 @@ from megatron_sparse_rl.planner.shapes import ModelShape
 TIERS = ("fits with the margin, runs here", "fits TIGHT, runs here", "fits with the margin, NOT IN THIS LEARNER",
          "fits TIGHT, NOT IN THIS LEARNER", "does not fit")
 """The classes a layout ranks in, best first (tier() gives a layout's index). TIGHT: headroom below the margin;
-NOT IN THIS LEARNER: Megatron could run it, this project's learner refuses it (ParallelLayout.check_model)."""
+NOT IN THIS LEARNER: Megatron could run it, this project's learner refuses it (ParallelDegrees.check_model)."""
 
 
 def _pow2_upto(n: int) -> list[int]:
