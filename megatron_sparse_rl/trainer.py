@@ -71,16 +71,13 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
             state.save_run(ctx, counters)
     if counters["rl_step"] == 0:
         report.warm_start(S.evaluate(ctx, correct, cfg.eval_prompts))
-    ahead = None  # trainer.max_staleness 1: (batch, metrics) of the next step, sampled while this step trained
     for step in range(counters["rl_step"], cfg.steps):
-        (batch, metrics), ahead = ahead or S.rollout_step(ctx, step, score, correct), None
+        batch, metrics = S.next_batch(ctx, step, score, correct)  # sampled ahead during the last step, or now
         task_state = ctx.task.state_dict()  # a checkpoint after this step resumes with the next step's prompts
-        finish = S.rollout_ahead(ctx, step + 1, score, correct) if cfg.max_staleness and step + 1 < cfg.steps else None
+        if cfg.max_staleness and step + 1 < cfg.steps:  # the placement holds it; the sync below collects it
+            S.sample_ahead(ctx, step + 1, score, correct)
         metrics.update(S.train_step(ctx, batch, version=step))
-        metrics.update(S.sync_step(ctx, counters["syncs"], probe, version=step + 1, verify=finish is None))
-        if finish is not None:  # the rollout ranks took the weights while sampling; now they answer probes again
-            ahead = finish()
-            metrics.update(S.verify_step(ctx, counters["syncs"], probe))
+        metrics.update(S.sync_step(ctx, counters["syncs"], probe, version=step + 1))
         counters["syncs"] += 1
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
             metrics["eval/accuracy"] = S.evaluate(ctx, correct, cfg.eval_prompts)

@@ -2,9 +2,11 @@
 training steps call it and never ask which one they have (README.md, "Layout": seams between components).
 
     out = placement.generate(work)              # work(engine, dp_rank) -> this rank's data share's result
-    ahead = placement.generate_ahead(calls, finish)  # asynchronous RL: sample while the learner trains
-    stats = placement.sync(learner, bucket_mb=256, version=v)   # weights as version v (while sampling ahead: in flight)
-    out = ahead()                                # finish(batch, dp_rank) of this rank's share, and the engines' times
+    placement.sample_ahead(calls, finish)       # asynchronous RL: sample while the learner trains; held here
+    stats = placement.sync(learner, bucket_mb=256, version=v)   # weights as version v (while sampling ahead: in
+                                                # flight, then the batch sampled ahead is collected)
+    ahead = placement.take_ahead()              # that batch (AheadBatch: finish(batch, dp_rank) of this rank's
+                                                # share, the engines' times), once; None when none was sampled
     diff = placement.verify(learner, probe, tol)  # None on a rank that compares nothing
     placement.shutdown()                         # idempotent; on every way out of the learner loop
 
@@ -20,11 +22,13 @@ which rank runs it, so the three placements give the same results:
   engine in each call), and keeps its own.
 - `Disaggregated`: the engines live on the rollout ranks (training/disaggregated.py); learner rank 0 runs
   `work` for every share through them and broadcasts the results over the learner ranks. It alone samples ahead
-  (`generate_ahead`, trainer.max_staleness 1, docs/async.md): config validation refuses the others.
+  (`sample_ahead`, trainer.max_staleness 1, docs/async.md): config validation refuses the others.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -32,6 +36,26 @@ import torch.distributed as dist
 T = TypeVar("T")
 Work = Callable[[Any, int], T]
 """(engine, data-parallel rank) -> that share's result (a rollout batch, an accuracy sum, ...)."""
+
+
+@dataclass
+class AheadBatch:
+    """A rollout sampled ahead (asynchronous RL, trainer.max_staleness 1), held by the placement from `sample_ahead`
+    to `take_ahead`. The `sync` after `sample_ahead` reaches the engines while they sample, then collects it."""
+
+    finish: Callable[[Any, int], Any]
+    """finish(batch of share d, d) -> that share's result (on the rank that drives the engines)."""
+    result: Any = None
+    """This rank's share's finish(...), once collected."""
+    engine_s: dict[str, float] | None = None
+    """The engines' seconds once collected: generate_s (sampling), wait_s (for the weights after sampling), load_s,
+    in_flight (1 when the weights arrived between engine steps)."""
+    learner_wait_s: float = 0.0
+    """How long the learner waited for the batch after the sync (collecting and finishing it)."""
+
+    @property
+    def collected(self) -> bool:
+        return self.engine_s is not None
 
 
 class Placement:
@@ -44,15 +68,20 @@ class Placement:
 
     def sync(self, learner, *, bucket_mb: float, version: int = 0):
         """Learner weights -> the engines (checksummed), which then hold weight version `version` (the RL steps
-        trained; RolloutBatch.token_version); returns weight_sync's `SyncStats`."""
+        trained; RolloutBatch.token_version); returns weight_sync's `SyncStats`. While the engines sample ahead
+        (`sample_ahead`) the weights reach them in flight, and the batch is collected before it returns."""
         raise NotImplementedError
 
-    def generate_ahead(self, calls: list[tuple], finish: Callable[[Any, int], T]) -> Callable[[], tuple[T, dict]]:
+    def sample_ahead(self, calls: list[tuple], finish: Callable[[Any, int], Any]) -> None:
         """Start sampling calls[d] ((prompt ids, sampling, group ids, rescore), data-parallel share d) and return at
-        once; the next `sync` reaches the engines while they sample. The returned function, called after that sync
-        by every learner rank, gives (finish(batch of share d, d) of this rank's share, the engines' seconds)."""
+        once; the placement holds the batch (`AheadBatch`). The next `sync` reaches the engines while they sample and
+        then collects it; `take_ahead` hands it over. Every learner rank calls it."""
         raise NotImplementedError(f"{type(self).__name__} does not sample ahead: asynchronous RL "
                                   "(trainer.max_staleness > 0) needs the disaggregated placement")
+
+    def take_ahead(self) -> AheadBatch | None:
+        """The batch sampled ahead, collected by the last `sync`, handed over once; None when none was sampled."""
+        return None
 
     def verify(self, learner, tokens, tol: float) -> float | None:
         """Max |engine - learner| prompt logprobs on the probe over the engines this rank compares (None when it
@@ -130,6 +159,7 @@ class Disaggregated(Placement):
         self.remote, self.groups, self.dp, self.learner_ranks = remote, groups, dp, learner_ranks
         self.pad_id = remote.pad_id
         self.recompute_kv = recompute_kv  # trainer.in_flight_kv = recompute
+        self._ahead: AheadBatch | None = None  # the batch sampled ahead, from sample_ahead to take_ahead
 
     def _from_driver(self, out: list | None) -> Any:
         """Learner rank 0's per-share results `out`; this rank's share."""
@@ -142,20 +172,33 @@ class Disaggregated(Placement):
     def generate(self, work: Work) -> T:
         return self._from_driver([work(self.remote, d) for d in range(self.dp)] if self.remote.driver else None)
 
-    def generate_ahead(self, calls: list[tuple], finish: Callable[[Any, int], T]) -> Callable[[], tuple[T, dict]]:
+    def sample_ahead(self, calls: list[tuple], finish: Callable[[Any, int], Any]) -> None:
+        if self._ahead is not None:
+            raise RuntimeError("a batch sampled ahead is still held: take_ahead first")
         if self.remote.driver:
             self.remote.generate_ahead(calls, recompute=self.recompute_kv)
+        self._ahead = AheadBatch(finish)
 
-        def result() -> tuple[T, dict]:
-            out = None
-            if self.remote.driver:
-                batches, seconds = self.remote.collect_ahead()
-                out = [(finish(batch, d), seconds) for d, batch in enumerate(batches)]
-            return self._from_driver(out)
-        return result
+    def take_ahead(self) -> AheadBatch | None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not ahead.collected:
+            raise RuntimeError("take_ahead before the sync that collects the batch sampled ahead")
+        return ahead
 
     def sync(self, learner, *, bucket_mb: float, version: int = 0):
-        return self.remote.sync_weights(learner, bucket_mb=bucket_mb, version=version)
+        stats = self.remote.sync_weights(learner, bucket_mb=bucket_mb, version=version)
+        if self._ahead is not None and not self._ahead.collected:  # the engines took these weights while sampling
+            self._collect(self._ahead)
+        return stats
+
+    def _collect(self, ahead: AheadBatch) -> None:
+        """Wait for the batch sampled ahead; after it the rollout ranks answer commands (probes) again."""
+        start, out = time.perf_counter(), None
+        if self.remote.driver:
+            batches, seconds = self.remote.collect_ahead()
+            out = [(ahead.finish(batch, d), seconds) for d, batch in enumerate(batches)]
+        ahead.result, ahead.engine_s = self._from_driver(out)
+        ahead.learner_wait_s = time.perf_counter() - start
 
     def verify(self, learner, tokens, tol: float) -> float | None:
         from megatron_sparse_rl.weight_sync import compare_engines

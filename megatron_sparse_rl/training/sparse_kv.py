@@ -10,12 +10,15 @@ per-layer, per-head attention mask), which splits the mismatch after compression
   kv/k1_after_compression = kv/k1_sparse_numerics (log mu - log pi_sparse: engine vs learner kernels)
                           + kv/k1_sparse_compression (log pi_sparse - log pi_old: what the dropped KV changed).
 A compressed sample that vLLM preempted was recomputed densely from its tokens and went on sampling from a cache
-that is neither its compressed one nor a dense one: `drop_preempted` takes it out of the loss.
+that is neither its compressed one nor a dense one: `drop_preempted` takes it out of the loss (training/update.py
+`prepare` applies it to every batch that carries keep records).
 """
 from __future__ import annotations
 
 import torch
 
+from megatron_sparse_rl.kv.record import batch_attention_mask
+from megatron_sparse_rl.learner.extras import ForwardExtras
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 
 
@@ -24,9 +27,6 @@ def sparse_logprobs(learner, batch: RolloutBatch, tokens: torch.Tensor,
     """pi_sparse [B, T-1]: the learner's logprobs under what the engine's sparse cache kept (None when no
     sample was compacted), renormalised over `sampling_support` when given, like pi_old. Needs the full
     records (`rollout.kv.record_keep`)."""
-    from megatron_sparse_rl.kv.record import batch_attention_mask
-    from megatron_sparse_rl.learner.extras import ForwardExtras
-
     allowed = batch_attention_mask(batch.kv_keep, tokens.shape[1] - 1)
     if allowed is None:
         return None

@@ -16,6 +16,7 @@ from megatron_sparse_rl.learner.sft import make_sft_loss
 from megatron_sparse_rl.training import rollout as R
 from megatron_sparse_rl.training import update as U
 from megatron_sparse_rl.training.context import RunContext
+from megatron_sparse_rl.training.sparse_kv import kv_metrics, sparse_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,8 @@ def _global_sum(ctx: RunContext, values: list[float]) -> list[float]:
 
 
 def _rescore(ctx: RunContext) -> int:
-    algo = ctx.run.algorithm
-    return algo.old_logprobs_samples if algo.old_logprobs == "engine_mean" else 0
+    """The engine re-scorings per sequence algorithm.old_logprobs' source needs (0: none)."""
+    return U.old_logprob_source(ctx.run.algorithm).rescorings(ctx.run.algorithm)
 
 
 def _seed(ctx: RunContext, step: int, dp_rank: int) -> int:
@@ -53,26 +54,30 @@ def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
     return batch, _rollout_metrics(ctx, batch, is_correct, time.perf_counter() - t0)
 
 
-def rollout_ahead(ctx: RunContext, step: int, score, correct):
+def sample_ahead(ctx: RunContext, step: int, score, correct) -> None:
     """Asynchronous RL: start step `step`'s rollout (the same prompts and seeds as `rollout_step`) on the engines and
-    return at once. The returned function, called after the next weight sync (which reaches the engines while they
-    sample), gives (batch, metrics) as `rollout_step` does; time/rollout_s is then the engines' sampling time and
-    async/* add the learner's wait for the batch and the engines' wait and load times."""
+    return at once. The placement holds it; the next weight sync reaches the engines while they sample and then
+    collects it, and `next_batch` hands it over."""
     examples, dp = ctx.task.next_train(ctx.run.trainer.prompts_per_step), ctx.layout.dp
     calls = [R.request(examples[d::dp], ctx.run.rollout.sampling, seed=_seed(ctx, step, d), rescore=_rescore(ctx))
              for d in range(dp)]
-    result = ctx.placement.generate_ahead(
+    ctx.placement.sample_ahead(
         calls, lambda batch, d: R.scored(batch, ctx.tokenizer, examples[d::dp], score=score, correct=correct))
 
-    def finish() -> tuple:
-        waiting = time.perf_counter()
-        (batch, is_correct), engine = result()
-        metrics = _rollout_metrics(ctx, batch, is_correct, engine["generate_s"])
-        metrics.update({"async/learner_wait_s": time.perf_counter() - waiting,
-                        "async/engine_wait_s": engine["wait_s"], "async/engine_load_s": engine["load_s"],
-                        "async/in_flight_update": engine["in_flight"]})
-        return batch, metrics
-    return finish
+
+def next_batch(ctx: RunContext, step: int, score, correct) -> tuple:
+    """Step `step`'s batch with rewards and rollout metrics (global): the one sampled ahead during the previous step
+    when the placement holds it, else sampled now (`rollout_step`). For a batch sampled ahead time/rollout_s is the
+    engines' sampling time and async/* add the learner's wait for the batch and the engines' wait and load times."""
+    ahead = ctx.placement.take_ahead()
+    if ahead is None:
+        return rollout_step(ctx, step, score, correct)
+    (batch, is_correct), engine = ahead.result, ahead.engine_s
+    metrics = _rollout_metrics(ctx, batch, is_correct, engine["generate_s"])
+    metrics.update({"async/learner_wait_s": ahead.learner_wait_s,
+                    "async/engine_wait_s": engine["wait_s"], "async/engine_load_s": engine["load_s"],
+                    "async/in_flight_update": engine["in_flight"]})
+    return batch, metrics
 
 
 def _rollout_metrics(ctx: RunContext, batch, is_correct, seconds: float) -> dict[str, float]:
@@ -110,13 +115,10 @@ def train_step(ctx: RunContext, batch, version: int = 0) -> dict[str, float]:
     if ctx.run.trainer.max_staleness:
         metrics.update(staleness_metrics(ctx, batch, prep, version))
     if ctx.run.rollout.kv.policy != "none":
-        from megatron_sparse_rl.training.sparse_kv import drop_preempted, kv_metrics, sparse_logprobs
-
         kv = ctx.run.rollout.kv
         sparse = sparse_logprobs(ctx.learner, batch, prep.tokens, prep.sampling_support) if kv.record_keep else None
         metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.response_mask, kv.budget,
                                   sparse=sparse))
-        prep.mask, metrics["kv/preempted_dropped_frac"] = drop_preempted(prep.mask, batch.kv_keep)
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
         log.warning("skipping the update: the batch's k1 mismatch is over algorithm.corrections.batch_skip.max_k1")
     else:
@@ -136,10 +138,10 @@ def staleness_metrics(ctx: RunContext, batch, prep, version: int) -> dict[str, f
     (mean, max, share of stale tokens) and the k1 mismatch (log mu - log pi_old) of fresh and of stale tokens.
     `mismatch/k1_staleness` = stale share x (k1 stale - k1 fresh) estimates the staleness term of the split
     log mu - log pi_old = numerics + compression + staleness, taking the fresh tokens' k1 as the rest's."""
-    if batch.token_version is None:
+    if prep.token_version is None:
         raise ValueError("trainer.max_staleness > 0 needs RolloutBatch.token_version from the engines")
     mask = prep.response_mask.bool()
-    lag = (version - U._aligned(batch, batch.token_version, mask.shape).double())[mask]
+    lag = (version - prep.token_version.double())[mask]
     k1 = (prep.rollout_logprobs - prep.old_logprobs).double()[mask]
     stale = lag > 0
     n, lag_sum, n_stale, k1_fresh, k1_stale = _global_sum(ctx, [float(mask.sum()), float(lag.sum()),
@@ -155,16 +157,14 @@ def staleness_metrics(ctx: RunContext, batch, prep, version: int) -> dict[str, f
             "mismatch/k1_stale": stale_mean, "mismatch/k1_staleness": n_stale / max(n, 1.0) * (stale_mean - fresh_mean)}
 
 
-def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None, version: int = 0, *,
-              verify: bool = True) -> dict[str, float]:
+def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None, version: int = 0) -> dict[str, float]:
     """Learner -> engine weights (weight version `version`), checksummed; logprob parity on a probe after the first
-    sync and every N (`verify_step`; `verify` False: the caller runs it later, after collecting a rollout sampled
-    ahead)."""
+    sync and every N (`verify_step`). While the engines sample ahead the placement's sync reaches them in flight and
+    then collects that batch, so they answer the probe after it."""
     cfg = ctx.run.trainer
     stats = ctx.placement.sync(ctx.learner, bucket_mb=cfg.sync_bucket_mb, version=version)
     metrics = {"time/sync_s": stats.seconds, "sync/bytes_per_s": stats.bytes_per_s}
-    if verify:
-        metrics.update(verify_step(ctx, n_syncs, probe))
+    metrics.update(verify_step(ctx, n_syncs, probe))
     return metrics
 
 

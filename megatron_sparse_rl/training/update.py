@@ -1,11 +1,16 @@
-"""The learner side of one RL step: align the rollout with the learner's token layout, recompute the old
-(dense) logprobs, compute advantages and off-policy corrections, and run the policy-gradient updates.
+"""The learner side of one RL step: align the rollout with the learner's token layout, take the old logprobs from
+their source (`OLD_LOGPROB_SOURCES`, keyed by algorithm.old_logprobs), compute advantages and off-policy
+corrections, and run the policy-gradient updates.
+
+    prep = prepare(learner, batch, cfg, pad_id=pad, dp_group=dp)   # final: every mask applied, every per-token tensor
+    metrics = update(learner, prep, cfg, updates=2, dp_group=dp)
 
 Layout: `tokens` [B, T] is prompt + response, right-padded; learner outputs [B, T-1] where column t scores
 token t + 1; `mask` [B, T-1] marks the scored response tokens.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,13 +25,18 @@ from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig
 from megatron_sparse_rl.learner.extras import ForwardExtras
 from megatron_sparse_rl.rollout.batch import RolloutBatch
+from megatron_sparse_rl.training.sparse_kv import drop_preempted
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreparedBatch:
+    """One rank's batch as the updates and the step's metrics read it (`prepare`'s result, final: nobody changes a
+    mask after it), every per-token tensor in the learner's shifted layout [B, T-1]."""
+
     tokens: torch.Tensor
+    """int [B, T]: prompt + response, right-padded."""
     mask: torch.Tensor
-    """bool [B, T-1]: response tokens kept for training (after corrections)."""
+    """bool [B, T-1]: response tokens kept for training (after the corrections and the preempted-sample drop)."""
     old_logprobs: torch.Tensor
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
@@ -44,6 +54,8 @@ class PreparedBatch:
     """bool [B, T-1]: every response token, before corrections."""
     sampling_support: Any = None
     """rollout.sampling_mask.SamplingSupport the learner renormalises over (algorithm.keep_sampling_mask)."""
+    token_version: torch.Tensor | None = None
+    """float [B, T-1]: the weight version that sampled each response token (RolloutBatch.token_version), or None."""
 
 
 def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,30 +73,84 @@ def _aligned(batch: RolloutBatch, values: torch.Tensor, shape) -> torch.Tensor:
     return aligned
 
 
-def old_policy(learner, batch: RolloutBatch, cfg: AlgorithmConfig, tokens, mask, rollout_lp, lengths, support):
-    """(pi_old [B, T-1] from `cfg.old_logprobs`, the routing outcome the updates replay, metrics).
+@dataclass(frozen=True)
+class OldPolicyInputs:
+    """What a pi_old source reads: the batch and its learner layout (`align_rollout`)."""
 
-    learner: the dense recompute (R2 records its routes, R3 replays the engine's); engine: the sampler's mu
-    (no learner forward); engine_mean: logsumexp of the engine's n re-scorings minus log n (no learner
-    forward). `old_logprobs/learner_forwards` counts the recompute (1 or 0 per step)."""
+    batch: RolloutBatch
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    lengths: torch.Tensor
+    support: Any
+    """The sampling support pi_old is renormalised over (`sampling_keep`), or None."""
+
+
+OldPolicy = Callable[[Any, OldPolicyInputs], tuple[torch.Tensor, Any, dict[str, float]]]
+"""(learner, inputs) -> (pi_old [B, T-1], the routing outcome the updates replay, metrics)."""
+
+
+def _learner_recompute(learner, x: OldPolicyInputs):
+    """The learner's dense recompute (R2 records its routes, R3 replays the engine's)."""
     routing = learner.routing
-    if cfg.old_logprobs == "learner":
-        request = routing.old_forward(batch.routed_experts) if routing else None
-        out = learner.forward_logprobs(tokens, lengths=lengths,
-                                       extras=ForwardExtras(sampling_support=support, routes=request))
-        old = routing.after_old_forward(out.get("routing"), batch.routed_experts) if routing else None
-        return out["logprobs"], old, {"old_logprobs/learner_forwards": 1.0}
-    old = routing.without_old_forward(batch.routed_experts) if routing else None
-    metrics = {"old_logprobs/learner_forwards": 0.0}
-    if cfg.old_logprobs == "engine":
-        return rollout_lp.clone(), old, metrics
+    request = routing.old_forward(x.batch.routed_experts) if routing else None
+    out = learner.forward_logprobs(x.tokens, lengths=x.lengths,
+                                   extras=ForwardExtras(sampling_support=x.support, routes=request))
+    old = routing.after_old_forward(out.get("routing"), x.batch.routed_experts) if routing else None
+    return out["logprobs"], old, {"old_logprobs/learner_forwards": 1.0}
+
+
+def _no_learner_forward(learner, x: OldPolicyInputs):
+    routing = learner.routing
+    return routing.without_old_forward(x.batch.routed_experts) if routing else None
+
+
+def _sampler(learner, x: OldPolicyInputs):
+    """The sampler's own logprobs mu (no learner forward)."""
+    return x.rollout_logprobs.clone(), _no_learner_forward(learner, x), {"old_logprobs/learner_forwards": 0.0}
+
+
+def _engine_mean(learner, x: OldPolicyInputs):
+    """logsumexp of the engine's n re-scorings minus log n (no learner forward)."""
+    batch, old = x.batch, _no_learner_forward(learner, x)
     if batch.rescored_logprobs is None:
         raise ValueError("algorithm.old_logprobs = engine_mean but the rollout batch carries no engine re-scorings "
                          "(RolloutBatch.rescored_logprobs); the rollout step must ask the engine for them")
-    scorings = torch.stack([_aligned(batch, batch.rescored_logprobs[:, j], mask.shape)
+    scorings = torch.stack([_aligned(batch, batch.rescored_logprobs[:, j], x.mask.shape)
                             for j in range(batch.rescored_logprobs.shape[1])])
-    old_lp, spread = engine_mean_logprobs(scorings, mask)
-    return old_lp, old, {**metrics, **_scalar_metrics(spread)}
+    old_lp, spread = engine_mean_logprobs(scorings, x.mask)
+    return old_lp, old, {"old_logprobs/learner_forwards": 0.0, **_scalar_metrics(spread)}
+
+
+@dataclass(frozen=True)
+class OldLogprobSource:
+    """One value of algorithm.old_logprobs: how pi_old is computed, and what the rollout brings for it."""
+
+    old_policy: OldPolicy
+    rescores: bool = False
+    """The engine re-scores every sampled sequence algorithm.old_logprobs_samples times (rescored_logprobs)."""
+
+    def rescorings(self, cfg: AlgorithmConfig) -> int:
+        """The re-scorings per sequence the rollout asks the engine for."""
+        return cfg.old_logprobs_samples if self.rescores else 0
+
+
+OLD_LOGPROB_SOURCES: dict[str, OldLogprobSource] = {
+    "learner": OldLogprobSource(_learner_recompute),
+    "engine": OldLogprobSource(_sampler),
+    "engine_mean": OldLogprobSource(_engine_mean, rescores=True),
+}
+"""algorithm.old_logprobs (config/algorithm.py `OldLogprobsSource`) -> its source; `old_logprobs/learner_forwards`
+counts the learner recompute (1 or 0 per step)."""
+
+
+def old_logprob_source(cfg: AlgorithmConfig) -> OldLogprobSource:
+    """The source algorithm.old_logprobs names; KeyError listing the choices otherwise."""
+    try:
+        return OLD_LOGPROB_SOURCES[cfg.old_logprobs]
+    except KeyError:
+        raise KeyError(f"unknown algorithm.old_logprobs {cfg.old_logprobs!r}; "
+                       f"choices: {sorted(OLD_LOGPROB_SOURCES)}") from None
 
 
 def _scalar_metrics(metrics: dict[str, torch.Tensor], prefix: str = "") -> dict[str, float]:
@@ -110,7 +176,7 @@ def _support_metrics(keep) -> dict[str, float]:
 
 def _rollout_time(cfg: CorrectionsConfig) -> CorrectionsConfig:
     """The corrections applied once at rollout time: all enabled ones but OPSM, whose rule uses the current
-    pi_theta and so runs in every update's loss (`_loss_fn`)."""
+    pi_theta and so runs in every update's loss (`make_loss`)."""
     return replace(cfg, opsm=replace(cfg.opsm, enabled=False)) if cfg.opsm.enabled else cfg
 
 
@@ -124,15 +190,18 @@ def _opsm_frac_at_old(cfg: CorrectionsConfig, rollout_lp, old_lp, mask, advantag
 
 def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, dp_group,
             reference=None) -> PreparedBatch:
-    """Old logprobs (dense recompute), advantages and corrections for this rank's rollout batch. With the
-    learner's routing (`learner.routing`) the old forward records (R2) or replays the engine's (R3) routes; with
-    algorithm.keep_sampling_mask, pi_old (and later pi_theta) is renormalised over the sampler's support."""
+    """Old logprobs (from algorithm.old_logprobs' source), advantages, corrections and every mask for this rank's
+    rollout batch; the result is final. With the learner's routing (`learner.routing`) the old forward records (R2)
+    or replays the engine's (R3) routes; with algorithm.keep_sampling_mask, pi_old (and later pi_theta) is
+    renormalised over the sampler's support. A batch with sparse-KV keep records (rollout.kv.policy) leaves its
+    preempted compressed samples out of the loss (training/sparse_kv.py `drop_preempted`)."""
     if batch.reward is None:
         raise ValueError("the rollout batch has no rewards; score it before the update")
     tokens, mask, rollout_lp = align_rollout(batch, pad_id)
     lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
     support = sampling_keep(batch, cfg)
-    old_lp, old, source_metrics = old_policy(learner, batch, cfg, tokens, mask, rollout_lp, lengths, support)
+    old_lp, old, source_metrics = old_logprob_source(cfg).old_policy(
+        learner, OldPolicyInputs(batch, tokens, mask, rollout_lp, lengths, support))
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
     corr = apply_corrections(_rollout_time(cfg.corrections), old_lp, rollout_lp, mask, advantages=advantages,
                              group=dp_group)
@@ -151,9 +220,13 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
         if reference is None:
             raise ValueError("algorithm.kl.coef > 0 needs reference logprobs, but no reference model was built")
         ref_lp = reference.forward_logprobs(tokens, lengths=lengths)["logprobs"]
-    return PreparedBatch(tokens, mask & corr.keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
+    keep = mask & corr.keep
+    if batch.kv_keep is not None:
+        keep, metrics["kv/preempted_dropped_frac"] = drop_preempted(keep, batch.kv_keep)
+    versions = None if batch.token_version is None else _aligned(batch, batch.token_version, mask.shape)
+    return PreparedBatch(tokens, keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
-                         response_mask=mask, sampling_support=support)
+                         response_mask=mask, sampling_support=support, token_version=versions)
 
 
 def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group) -> dict[str, float]:
@@ -161,13 +234,13 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
     (all data-parallel ranks) token or sequence count of each mini-batch. Returns mean metrics. With the
     learner's routing, every update forward (and recompute backward) replays `prep.routes`. OPSM
     (algorithm.corrections.opsm) is applied here, in every micro-batch's loss with the current policy
-    (`_loss_fn`), and reported as `opsm/masked_seq_frac`."""
+    (`make_loss`), and reported as `opsm/masked_seq_frac`."""
     totals: dict[str, float] = {}
     routing_out: dict[str, float] = {}
     rows = torch.arange(prep.tokens.shape[0])
     for chunk in rows.chunk(updates):
         norm = loss_normalizer(prep.mask[chunk], cfg.loss.aggregation, group=dp_group)
-        loss_fn = _loss_fn(prep, chunk, cfg, norm)
+        loss_fn = make_loss(prep, chunk, cfg, norm)
         routes = prep.routes.select(chunk) if prep.routes is not None else None
         request = learner.routing.update(routes) if learner.routing else None
         support = prep.sampling_support.select(chunk) if prep.sampling_support is not None else None
@@ -178,10 +251,10 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
                 routing_out[k] = float(v)
             else:
                 totals[k] = totals.get(k, 0.0) + v
-    return {**_reduce(totals, updates, dp_group), **routing_out}
+    return {**reduce_metrics(totals, updates, dp_group), **routing_out}
 
 
-def _loss_fn(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, norm: torch.Tensor):
+def make_loss(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, norm: torch.Tensor):
     """learner.train_step's loss for the mini-batch rows `chunk`: loss_fn(logprobs [b, T-1], entropy [b, T-1],
     index [b] rows of the chunk) -> (loss, metrics). With OPSM on, the sequences its rule drops under this
     micro-batch's current (detached) logprobs leave the policy term (not the KL term, which DeepSeek-V3.2 keeps
@@ -216,7 +289,7 @@ def _loss_fn(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, nor
     return loss_fn
 
 
-def _reduce(totals: dict[str, float], updates: int, dp_group) -> dict[str, float]:
+def reduce_metrics(totals: dict[str, float], updates: int, dp_group) -> dict[str, float]:
     keys = sorted(totals)
     values = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:

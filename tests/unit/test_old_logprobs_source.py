@@ -158,3 +158,14 @@ def test_engine_mean_without_rescorings_is_an_error_not_a_fallback():
 def test_rescored_logprobs_of_the_wrong_shape_are_refused():
     with pytest.raises(ValueError, match=r"RolloutBatch\.rescored_logprobs must have shape \(2, n, 3\)"):
         _batch(torch.zeros(2, 2, 4))
+
+
+def test_every_configurable_source_has_one_table_entry_and_only_engine_mean_asks_for_rescorings():
+    from typing import get_args
+
+    from megatron_sparse_rl.config.algorithm import OldLogprobsSource
+
+    assert set(U.OLD_LOGPROB_SOURCES) == set(get_args(OldLogprobsSource))
+    cfg = {s: AlgorithmConfig(old_logprobs=s, old_logprobs_samples=3) for s in U.OLD_LOGPROB_SOURCES}
+    assert {s: U.old_logprob_source(c).rescorings(c) for s, c in cfg.items()} == \
+        {"learner": 0, "engine": 0, "engine_mean": 3}

@@ -89,7 +89,7 @@ def test_colocated_sync_and_verify_hand_its_engine_to_weight_sync(monkeypatch):
 
 def test_colocated_does_not_sample_ahead():
     with pytest.raises(NotImplementedError, match="needs the disaggregated placement"):
-        Colocated(StandInEngine(), _groups(), model_parallel=1).generate_ahead([], lambda b, d: b)
+        Colocated(StandInEngine(), _groups(), model_parallel=1).sample_ahead([], lambda b, d: b)
 
 
 def test_a_shared_engine_runs_every_share_in_order_and_keeps_its_own():
@@ -127,8 +127,10 @@ def test_disaggregated_samples_ahead_and_finishes_after_the_sync():
     remote = StandInRemote(batches=["batch 0", "batch 1"])
     placement = Disaggregated(remote, _groups(dp_rank=1), dp=2, learner_ranks=1, recompute_kv=True)
     calls = [("prompts 0",), ("prompts 1",)]
-    result = placement.generate_ahead(calls, lambda batch, d: f"{batch} finished by {d}")
+    placement.sample_ahead(calls, lambda batch, d: f"{batch} finished by {d}")
     assert remote.calls == [("generate_ahead", calls, True)]  # started at once, nothing collected yet
-    placement.sync(None, bucket_mb=8, version=1)
-    assert result() == ("batch 1 finished by 1", {"engine_s": 1.5})
+    placement.sync(None, bucket_mb=8, version=1)  # the placement holds the batch; the sync collects it
+    ahead = placement.take_ahead()
+    assert (ahead.result, ahead.engine_s) == ("batch 1 finished by 1", {"engine_s": 1.5})
     assert [c[0] for c in remote.calls] == ["generate_ahead", "sync_weights", "collect_ahead"]
+    assert placement.take_ahead() is None  # handed over once

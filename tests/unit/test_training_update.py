@@ -10,7 +10,7 @@ import torch
 from megatron_sparse_rl.algorithms import loss_normalizer
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig, OPSMConfig
 from megatron_sparse_rl.rollout.batch import RolloutBatch
-from megatron_sparse_rl.training.update import PreparedBatch, _loss_fn, _reduce, align_rollout, prepare
+from megatron_sparse_rl.training.update import PreparedBatch, align_rollout, make_loss, prepare, reduce_metrics
 
 
 def test_rollout_logprobs_land_on_the_learner_positions_that_score_them():
@@ -56,7 +56,7 @@ def test_opsm_masks_in_the_update_with_the_current_policy_and_keeps_the_normalis
     chunk = torch.arange(3)
     norm = loss_normalizer(prep.mask[chunk], OPSM_ON.loss.aggregation)  # 9 tokens: the masked row still counts
     x = torch.tensor(lp, requires_grad=True)
-    loss, metrics = _loss_fn(prep, chunk, OPSM_ON, norm)(x, torch.zeros_like(x), torch.arange(3))
+    loss, metrics = make_loss(prep, chunk, OPSM_ON, norm)(x, torch.zeros_like(x), torch.arange(3))
     loss.backward()
 
     # float64 reference: drift_i = mean_t (log mu - log pi_theta); drop i iff A_i < 0 and drift_i > 0.5; GRPO
@@ -74,7 +74,7 @@ def test_opsm_masks_in_the_update_with_the_current_policy_and_keeps_the_normalis
     assert (x.grad[0] == 0).all() and (x.grad[1] != 0).any()  # row 0: no loss, no gradient; row 1 (A > 0) kept
     assert float(metrics["opsm/masked_seqs"]) == 1.0 and float(metrics["opsm/seqs"]) == 3.0
     totals = {k: float(v) for k, v in metrics.items()} | {"loss": loss.item(), "grad_norm": 0.0, "lr": 0.0}
-    assert _reduce(totals, 1, None)["opsm/masked_seq_frac"] == pytest.approx(1 / 3)
+    assert reduce_metrics(totals, 1, None)["opsm/masked_seq_frac"] == pytest.approx(1 / 3)
 
 
 class _FixedLearner:
@@ -105,3 +105,29 @@ def test_prepare_leaves_opsm_to_the_updates():
     assert prep.advantages[0] < 0 < prep.advantages[1]
     assert prep.metrics["opsm/masked_seq_frac_at_pi_old"] == pytest.approx(0.5)
     assert "opsm/masked_seq_frac" not in prep.metrics  # the updates report the mask they applied
+
+
+def test_prepare_is_final_it_drops_preempted_compressed_samples_and_aligns_token_versions():
+    """A sparse-KV batch's preempted compressed sample leaves the mask prepare returns (no caller changes it); the
+    per-token weight versions come back in the learner layout."""
+    from dataclasses import FrozenInstanceError
+
+    from megatron_sparse_rl.kv.record import KVKeepRecord
+
+    batch = RolloutBatch(
+        prompt_ids=torch.tensor([[1, 5], [1, 6]]), prompt_lens=torch.tensor([2, 2]),
+        response_ids=torch.tensor([[7, 8, 2], [4, 4, 2]]), response_mask=torch.ones(2, 3, dtype=torch.bool),
+        rollout_logprobs=torch.tensor([[-0.5, -0.6, -0.7], [-0.2, -0.3, -0.4]]),
+        finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]), reward=torch.tensor([0.0, 1.0]),
+        kv_keep=(KVKeepRecord(lengths=(3,), preempted=True), KVKeepRecord(lengths=())),
+        token_version=torch.tensor([[0, 0, 1], [0, 1, 1]]),
+    )
+    _, mask, mu = align_rollout(batch, pad_id=0)
+    prep = prepare(_FixedLearner(mu.clone()), batch, AlgorithmConfig(), pad_id=0, dp_group=None)
+    assert mask.tolist() == [[False, True, True, True]] * 2
+    assert prep.mask.tolist() == [[False] * 4, [False, True, True, True]]  # row 0 was preempted
+    assert torch.equal(prep.response_mask, mask)  # every response token, for the metrics
+    assert prep.metrics["kv/preempted_dropped_frac"] == pytest.approx(0.5)
+    assert prep.token_version.tolist() == [[0, 0, 0, 1], [0, 0, 1, 1]]
+    with pytest.raises(FrozenInstanceError):
+        prep.mask = mask
