@@ -12,11 +12,15 @@ multi-tenant store on the same port of the same process, shares that one instead
 store's clients (torchrun tells them so with TORCHELASTIC_USE_AGENT_STORE), so the launch itself listens on
 that one address; what the ranks open is parallel/world.py's business. Only the static rendezvous is taken: the
 other backends (`--standalone`, c10d, etcd) create their stores where this module cannot bind them.
+A stop signal ends it with one line and 128 + the signal number, after torch has passed the signal to the ranks and
+waited up to --shutdown-timeout for them (training/stops.py: they checkpoint and exit), not with a traceback.
 """
 from __future__ import annotations
 
+import signal
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
@@ -55,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"launch.torchrun: --master-addr/--master-port: {e}", file=sys.stderr)
             return 1
         args.master_port = store.port
-    run(args)
+    try:
+        run(args)
+    except SignalException as e:  # torch has passed the signal to the ranks and waited for them (--shutdown-timeout)
+        print(f"launch.torchrun: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
+        return 128 + e.sigval
     return 0
 
 

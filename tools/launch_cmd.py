@@ -7,14 +7,15 @@
 The config is checked first (layout against the learner/rollout GPUs, partition, one rank per GPU, and
 `msrl validate`'s checks, which see the learner ranks of a disaggregated run); every problem exits 2
 naming the field. `--set launch.rollout_ranks=R` makes a local run disaggregated (the last R ranks run
-engines). docs/launch.md
-describes the rendered script.
+engines). docs/launch.md describes the rendered script.
+
+A local launch stops like `msrl train`: SIGTERM or Ctrl-C reaches every rank once (launch/supervise.py), the run
+checkpoints at the next step boundary and the launch exits 75 (stopped, resumable); a second signal ends it at once.
 """
 from __future__ import annotations
 
 import argparse
 import shlex
-import subprocess
 import sys
 
 
@@ -53,11 +54,15 @@ def _local(args) -> int:
     check_launch(run, launch, slurm=False)
     validate(run, launch.world_size)
     cmd = local_command(args.config, nproc=launch.nproc_per_node, program=launch.program,
-                        overrides=job_overrides(overrides))
+                        overrides=job_overrides(overrides), stop_timeout_s=run.trainer.stop_timeout_s)
     print(" ".join(shlex.quote(c) for c in cmd), flush=True)
     if args.dry_run:
         return 0
-    return subprocess.call(cmd)
+    from pathlib import Path
+
+    from launch.supervise import supervise
+
+    return supervise(cmd, run_dir=Path(run.logging.dir))
 
 
 def _slurm(args) -> int:

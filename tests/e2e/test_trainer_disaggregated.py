@@ -101,7 +101,7 @@ def one_plus_one(tmp_path_factory, model_dir):
     sync = ["trainer.max_staleness=0"]  # the synchronous loop, said explicitly: compared with colocated below
     first = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3, env={"MSRL_PREEMPT_FILE": str(flag)},
                     extra=sync)
-    assert first.returncode == 0, first.stderr[-4000:]
+    assert first.returncode == 75, first.stderr[-4000:]  # stopped, resumable
     rl_after_first = sorted(r["step"] for r in _records(run_dir) if r["phase"] == "rl")
     resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3, extra=sync)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -155,8 +155,8 @@ def test_same_run_as_colocated(one_plus_one, model_dir, tmp_path):
 
 
 def test_preempted_run_stops_every_rank_and_resumes(one_plus_one):
-    """The preemption path: the first launch checkpoints after its first step and exits 0 on every rank (the
-    rollout rank is stopped, not left waiting); the second resumes and finishes (checked by the tests above,
+    """The preemption path: the first launch checkpoints after its first step, every rank exits (the rollout rank
+    is stopped, not left waiting) and the launch exits 75 (stopped, resumable); the second resumes and finishes (checked by the tests above,
     whose run this is, and the colocated comparison covers the resumed steps)."""
     run_dir, first, rl_after_first, resumed = one_plus_one
     assert '"preempted": true' in first.stdout
@@ -242,6 +242,41 @@ def test_async_run_trains_each_token_at_most_one_version_stale_and_resumes_after
     assert len(diffs) >= 7 and max(diffs) < TOL, diffs
     print("async: in-flight updates at steps", [s for s in ahead if rl[s]["async/in_flight_update"]],
           "stale token share", [round(rl[s]["async/stale_frac"], 3) for s in ahead])
+
+
+def test_sigterm_to_an_async_launch_stops_every_rank_with_a_checkpoint_and_resumes(tmp_path, model_dir):
+    """SIGTERM to `msrl launch local` (the launcher alone, as `kill` sends it) of an asynchronous 1 + 1 run: every
+    rank hears it once, the learner finishes the step in flight and checkpoints it (the batch sampled ahead is
+    dropped), every process of the launch exits, and the launch exits 75; the same command resumes from that
+    checkpoint and logs every step once."""
+    import psutil
+
+    run_dir = tmp_path / "stopped"
+    extra = ["trainer.max_staleness=1", "checkpoint.save_every=0"]
+    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"),
+           "--nproc", "2", "--set", *_sets(run_dir, model_dir, rollout_ranks=1, steps=4, extra=extra)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and 1 not in _rl_steps(run_dir):
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (rc {proc.returncode}) before it could be stopped")
+        time.sleep(0.1)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-4000:]
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, f"processes of the launch still running: {alive}"
+    done = _rl_steps(run_dir)
+    assert done in ([1], [1, 2]), done
+    stopped = done[-1]
+    assert f"checkpoint {run_dir / 'checkpoints' / f'step_{stopped:06d}_sft_000002'}" in err
+    assert not (run_dir / "hf_final").exists()
+    resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=4, extra=extra)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stderr and f"step_{stopped:06d}" in resumed.stderr
+    assert _rl_steps(run_dir) == [1, 2, 3, 4]
 
 
 @pytest.fixture(scope="module")

@@ -150,7 +150,8 @@ def test_local_dry_run_command(tmp_path, capsys):
     assert out[3:8] == ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=0",
                         "--nproc-per-node=2"]
     assert "--standalone" not in out and not any(o.startswith("--rdzv") for o in out)
-    assert out[8:12] == ["-m", "tools.cli", "train", str(path)]
+    assert out[8] == "--shutdown-timeout=330"  # trainer.stop_timeout_s 300 for the ranks' checkpoint, + 30 s
+    assert out[9:13] == ["-m", "tools.cli", "train", str(path)]
     assert "learner.seed=3" in out and "launch.nproc_per_node=2" in out
     assert cli.main(["launch", "local", "--nproc", "3", str(path), "--dry-run"]) == 2  # tp=2 does not divide 3
 
