@@ -57,7 +57,7 @@ def evaluate(targets: list[Target], rollouts: dict[str, Any], cache_dir: Path,
     """Every target under every rollout config of `rollouts` ({mode: RolloutConfig}). Returns one record per
     (target, mode): seed, arm, mode, accuracy, samples, compactions, load_s (weights), seconds (load + generate),
     and the start-up seconds of each mode's engine."""
-    from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
+    from megatron_sparse_rl.formats.hf_io import HFCheckpoint
     from megatron_sparse_rl.rollout import RolloutEngine
 
     tasks: dict[int, tuple] = {}

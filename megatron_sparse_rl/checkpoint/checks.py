@@ -19,7 +19,7 @@ and stacking (fused layer norms, stacked experts) are Megatron's own facts.
 Tensor dtypes allowed: bfloat16, float16, float32 (`WEIGHT_DTYPES`), which the converter casts without loss.
 float64 would lose bits on the way through the Megatron parameters; an integer or bool tensor where a weight
 belongs is a wrong file. Either is refused, naming the tensor. fp8 (F8_E4M3) weights are allowed only in a
-block-wise quantised checkpoint (config.json `quantization_config`, `checkpoint/fp8.py`), each with its
+block-wise quantised checkpoint (config.json `quantization_config`, `formats/fp8.py`), each with its
 `<name>_scale_inv` of the ceil-divided shape; the reader dequantises them exactly to float32. Tensors of the
 multi-token-prediction layers such a release checkpoint carries are skipped (`hf_io.skip_mtp_layers`).
 """
@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_sparse_rl.checkpoint import fp8
-from megatron_sparse_rl.checkpoint.hf_io import DTYPE_CODES, HFCheckpoint, skip_mtp_layers
-from megatron_sparse_rl.checkpoint.safe_load import (TORCH_DIST_METADATA, UnsafeFileError, check_byte_items,
-                                                     load_torch_file, read_dcp_metadata)
+from megatron_sparse_rl.formats import fp8
+from megatron_sparse_rl.formats.hf_io import DTYPE_CODES, HFCheckpoint, skip_mtp_layers
+from megatron_sparse_rl.formats.safe_load import (TORCH_DIST_METADATA, UnsafeFileError, check_byte_items,
+                                                  load_torch_file, read_dcp_metadata)
+from megatron_sparse_rl.learner.checkpoint import COMMON, has_common_state, is_complete
 
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 _SHOWN = 3  # problems quoted in one message (the count says how many there are)
@@ -112,8 +113,6 @@ def check_hf_tensors(ckpt: HFCheckpoint, adapter, spec, config: Path) -> None:
 def check_torch_dist_files(mcore: Path):
     """A complete torch_dist checkpoint whose metadata and common files read and whose every shard file holds
     the bytes the metadata places in it. Returns the torch.distributed.checkpoint Metadata."""
-    from megatron_sparse_rl.learner.checkpoint import COMMON, has_common_state, is_complete
-
     if not mcore.is_dir():
         raise FileNotFoundError(f"{str(mcore)!r} is not a directory")
     if not is_complete(mcore) or not has_common_state(mcore):

@@ -32,20 +32,26 @@ from typing import Callable, TextIO
 import torch
 import torch.distributed as dist
 
-from megatron_sparse_rl.checkpoint import manifest as M
 from megatron_sparse_rl.checkpoint.checks import (check_hf_files, check_hf_tensors, check_saved_tensors,
                                                   check_torch_dist_files, damaged_torch_dist_file)
 from megatron_sparse_rl.checkpoint.gather import iter_full_tensors, ownership
-from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
-from megatron_sparse_rl.checkpoint.hf_writer import ShardedSafetensorsWriter, parse_size, write_side_files
 from megatron_sparse_rl.checkpoint.progress import TransferProgress, report_phase
-from megatron_sparse_rl.checkpoint.safe_load import UnsafeFileError
 from megatron_sparse_rl.checkpoint.shard import (build_shard, dir_bytes, load_model_only, save_model_only,
                                                  sharded_shapes)
+from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, ParallelConfig
+from megatron_sparse_rl.formats import manifest as M
+from megatron_sparse_rl.formats.hf_io import HFCheckpoint
+from megatron_sparse_rl.formats.hf_writer import ShardedSafetensorsWriter, parse_size, write_side_files
+from megatron_sparse_rl.formats.safe_load import UnsafeFileError
+from megatron_sparse_rl.learner.integrity import read_manifest as read_file_digests
+from megatron_sparse_rl.learner.integrity import verify_files
+from megatron_sparse_rl.learner.learner import Learner
 from megatron_sparse_rl.learner.params import load_full_tensors, local_params
 from megatron_sparse_rl.models import load_spec
 from megatron_sparse_rl.models.tensor_map import to_hf, to_mcore
+from megatron_sparse_rl.parallel import ParallelLayout
 from megatron_sparse_rl.parallel.world import on_rank0
+from megatron_sparse_rl.patches import megatron_cpu
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +110,6 @@ def _publish(stage: Path, out: Path) -> None:
 
 
 def _layout(spec, tp: int, ep: int, pp: int, etp: int):
-    from megatron_sparse_rl.config.schema import ParallelConfig
-    from megatron_sparse_rl.parallel import ParallelLayout
-
     layout = ParallelLayout.from_config(ParallelConfig(tp=tp, ep=ep, pp=pp, etp=etp, sequence_parallel=tp > 1),
                                         dist.get_world_size())
     layout.check_model(spec)
@@ -116,14 +119,9 @@ def _layout(spec, tp: int, ep: int, pp: int, etp: int):
 def _build(model_dir: Path, layout, dtype: str, verify: bool):
     """The model shard alone (a `ModelShard`), or a full Learner when `verify` needs its forward pass (the HF
     model that --verify compares with is loaded whole anyway). Both have `.model` and `.groups`."""
-    from megatron_sparse_rl.patches import megatron_cpu
-
     megatron_cpu.apply()
     if not verify:
         return build_shard(model_dir, layout, dtype)
-    from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
-    from megatron_sparse_rl.learner.learner import Learner
-
     adapter, spec = load_spec(model_dir)
     groups = layout.initialize()
     return Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir), dtype=dtype),
@@ -239,9 +237,6 @@ def _target_dtypes(manifest: dict | None, hf_cfg: dict, param_dtype: str) -> Cal
 def _check_digests(mcore: Path) -> None:
     """A checkpoint saved by training carries every file's sha256 (learner/integrity.py): a bit flip inside
     tensor data, which the structural checks cannot see, is named here before anything is built."""
-    from megatron_sparse_rl.learner.integrity import read_manifest as read_file_digests
-    from megatron_sparse_rl.learner.integrity import verify_files
-
     if read_file_digests(mcore) is not None and (problems := verify_files(mcore)):
         raise ValueError(f"{mcore}: damaged checkpoint files:\n  " + "\n  ".join(problems))
 

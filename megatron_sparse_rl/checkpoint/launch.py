@@ -7,22 +7,22 @@ nccl with CUDA, one GPU per rank). Under torchrun/srun (WORLD_SIZE set) call `in
 """
 from __future__ import annotations
 
+from math import lcm
 from typing import Callable
+
+from megatron_sparse_rl.config.schema import ParallelConfig
+from megatron_sparse_rl.parallel.spawn import RankFailed, run_ranks
+from megatron_sparse_rl.parallel.world import join_world
 
 
 def min_world_size(tp: int, ep: int, pp: int = 1, etp: int = 1) -> int:
     """Smallest world that fits the layout: a multiple of tp*pp whose per-stage part EP*ETP divides."""
-    from math import lcm
-
     return pp * lcm(tp, ep * etp)
 
 
 def init_from_env() -> None:
     """Join torchrun's/srun's world from the environment (a no-op if already joined): nccl with CUDA (one GPU per
     local rank), gloo without (parallel/world.py)."""
-    from megatron_sparse_rl.config.schema import ParallelConfig
-    from megatron_sparse_rl.parallel.world import join_world
-
     join_world(ParallelConfig(backend="auto"))
 
 
@@ -34,8 +34,6 @@ def run_local(fn: Callable, world_size: int, args: tuple = (), timeout: float | 
     """Run `fn(*args)` on `world_size` spawned ranks (parallel/spawn.py); returns the error messages ([] when
     every rank succeeded): `Type: message` for the input errors conversion raises (ValueError, OSError,
     RuntimeError), the traceback for anything else."""
-    from megatron_sparse_rl.parallel.spawn import RankFailed, run_ranks
-
     try:
         run_ranks(_call, world_size, args=(fn, args), timeout=timeout, backend="auto", threads=None)
     except RankFailed as e:

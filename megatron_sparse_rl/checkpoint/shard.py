@@ -19,8 +19,14 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.config.schema import LearnerConfig
+from megatron_sparse_rl.learner.checkpoint import write_common_state
+from megatron_sparse_rl.learner.integrity import DONE
+from megatron_sparse_rl.learner.model import build_gpt_model
+from megatron_sparse_rl.models import load_spec
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
+from megatron_sparse_rl.patches import torch_dist_safe_load
 
 
 @dataclass
@@ -34,10 +40,6 @@ class ModelShard:
 
 def build_shard(model_dir, layout, dtype: str) -> ModelShard:
     """Initialise `layout`'s process groups and build this rank's GPTModel shard (random init)."""
-    from megatron_sparse_rl.config.schema import LearnerConfig
-    from megatron_sparse_rl.learner.model import build_gpt_model
-    from megatron_sparse_rl.models import load_spec
-
     adapter, spec = load_spec(model_dir)
     groups = layout.initialize()
     # Every tensor is overwritten by the load that follows, so the random init (about 90% of the build time on
@@ -83,9 +85,7 @@ def _default_scheduler_state() -> dict:
     """The LR-schedule state a fresh Learner with the default LearnerConfig saves at step 0 (what
     `load_learner` expects in common_state.json); built with Megatron's scheduler over a stand-in optimizer
     because a conversion has no optimizer."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from megatron_sparse_rl.config.schema import LearnerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # megatron: imported when used
 
     o = LearnerConfig().optimizer
     decay = max(1, o.warmup_steps + 1)  # a converter "run" has total_steps=1, as Learner(total_steps=1)
@@ -99,10 +99,7 @@ def _default_scheduler_state() -> dict:
 def save_model_only(model, path: Path) -> None:
     """Write a step-0, model-only checkpoint of `model` into the new directory `path` (every rank calls;
     `path` must not exist). Same files as `learner/checkpoint.py:save_learner` at step 0, less the RNG states."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_sparse_rl.learner.checkpoint import write_common_state
-    from megatron_sparse_rl.learner.integrity import DONE
+    from megatron.core import dist_checkpointing  # megatron: imported when used
 
     path = Path(path)
     if dist.get_rank() == 0:
@@ -120,9 +117,7 @@ def load_model_only(model, path: Path) -> None:
     """Load the model part of a torch_dist checkpoint (saved at any layout) into `model`. Its pickles are read
     through the allowlists of `safe_load.py` (`patches/torch_dist_safe_load.py`); the conversion's checks
     (`checks.py:check_torch_dist_files`) have read each of them that way before."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_sparse_rl.patches import torch_dist_safe_load
+    from megatron.core import dist_checkpointing  # megatron: imported when used
 
     torch_dist_safe_load.apply()
     inner = _unwrap(model)

@@ -12,6 +12,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.parallel.world import on_rank0
+
 log = logging.getLogger(__name__)
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-1}
@@ -29,8 +31,6 @@ def hf_logprobs(hf_dir, tokens: torch.Tensor) -> torch.Tensor:
 
 def check_forward_parity(learner, hf_dir, *, batch: int = 2, length: int = 16, seed: int = 0) -> float:
     """Max |logprob difference| Megatron vs HF on random tokens; raises ValueError above the tolerance."""
-    from megatron_sparse_rl.parallel.world import on_rank0
-
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, learner.spec.vocab_size, (batch, length), generator=g)
     ours = learner.forward_logprobs(tokens)["logprobs"].double()

@@ -11,7 +11,7 @@ checkpoint is recognised before it is loaded. A run's checkpoint also holds the 
 
 No file of ours runs code when read: the step, LR schedule and extra state are JSON (`common_state.json`), each
 rank's RNG states safetensors plus JSON (`rng_rank*.safetensors`). Megatron's files (`.metadata`, `common.pt`, the
-byte items in `*.distcp`) are pickles: `load_learner` reads every one through `checkpoint/safe_load.py`'s
+byte items in `*.distcp`) are pickles: `load_learner` reads every one through `formats/safe_load.py`'s
 allowlists before loading, and loads with `patches/torch_dist_safe_load.py` applied, so a file needing anything
 else is refused by name (UnsafeFileError). Checkpoints written before these formats (`common_state.pt`,
 `rng_rank*.pt`) still load, with torch.load(weights_only=True).
@@ -29,7 +29,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_sparse_rl.learner.integrity import DONE
+from megatron_sparse_rl.formats.hf_writer import write_side_files
+from megatron_sparse_rl.formats.manifest import HF_FILES_DIR
+from megatron_sparse_rl.formats.safe_load import check_checkpoint_files, load_torch_file
+from megatron_sparse_rl.learner.integrity import DONE, digest_files, write_manifest
+from megatron_sparse_rl.patches import torch_dist_safe_load
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +105,6 @@ def _numpy_rng_types() -> tuple:
 
 def _load_rng(path: Path, rank: int) -> bool:
     """Restore this rank's RNG states from the checkpoint at `path`; False when it holds none for this rank."""
-    from megatron_sparse_rl.checkpoint.safe_load import load_torch_file
-
     if (file := rng_file(path, rank)).is_file():
         _set_rng_state(_read_rng(file))
     elif (file := rng_file(path, rank, legacy=True)).is_file():
@@ -129,8 +131,6 @@ def write_common_state(path: Path, state: dict) -> None:
 def read_common_state(path: str | Path) -> dict:
     """The common state of the checkpoint at `path` (`common_state.json`, or a legacy `common_state.pt` read with
     weights_only=True). A damaged file raises ValueError, one needing code UnsafeFileError, both naming it."""
-    from megatron_sparse_rl.checkpoint.safe_load import load_torch_file
-
     path = Path(path)
     file, legacy = path / COMMON, path / LEGACY_COMMON
     if not file.is_file() and legacy.is_file():
@@ -168,8 +168,6 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
     learner's dtype), so that `msrl convert mcore-to-hf` of the checkpoint needs no --hf-config."""
     from megatron.core import dist_checkpointing
 
-    from megatron_sparse_rl.learner.integrity import digest_files, write_manifest
-
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     rank = dist.get_rank()
@@ -187,9 +185,6 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
         if config is not None:
             (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         if hf_files is not None:
-            from megatron_sparse_rl.checkpoint.hf_writer import write_side_files
-            from megatron_sparse_rl.checkpoint.manifest import HF_FILES_DIR
-
             write_side_files(Path(hf_files), tmp / HF_FILES_DIR, dtype=param_dtype_name(learner))
     dist.barrier()
     files = digest_files(tmp)  # collective: each rank hashes a share of the files
@@ -231,9 +226,6 @@ def load_learner(learner, path: str | Path, *, load_optimizer: bool = True, load
     """Load a checkpoint saved at any parallel layout into `learner`; returns the saved extra state. Every pickle
     in it is read through the allowlists first (a file needing anything else raises UnsafeFileError naming it)."""
     from megatron.core import dist_checkpointing
-
-    from megatron_sparse_rl.checkpoint.safe_load import check_checkpoint_files
-    from megatron_sparse_rl.patches import torch_dist_safe_load
 
     path = Path(path)
     if not is_complete(path):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
+from megatron_sparse_rl.formats.hf_io import iter_mcore_tensors
 from megatron_sparse_rl.learner.attention_mask import LayerAttentionMasks, pad_causal
 from megatron_sparse_rl.learner.extras import NO_EXTRAS, ForwardExtras
 from megatron_sparse_rl.learner.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -95,8 +96,6 @@ class Learner:
 
     def load_hf(self, model_dir) -> None:
         """Load Hugging Face safetensors weights into this rank's shards (every parameter must be covered)."""
-        from megatron_sparse_rl.checkpoint.hf_io import iter_mcore_tensors
-
         wanted = set(local_params(self.model, self.groups))
         loaded = load_full_tensors(self.model, self.groups, iter_mcore_tensors(model_dir, self.adapter, self.spec,
                                                                                wanted=wanted))

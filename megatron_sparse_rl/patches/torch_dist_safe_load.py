@@ -1,5 +1,5 @@
 """Route torch's and Megatron-Core's reads of a torch_dist checkpoint's pickles through the allowlisted loaders of
-`checkpoint/safe_load.py`, so that loading a checkpoint never runs code from its files.
+`formats/safe_load.py`, so that loading a checkpoint never runs code from its files.
 
 Upstream, for torch 2.13.0 and megatron-core 0.16.1:
 1. `torch.distributed.checkpoint.FileSystemReader.read_metadata` reads `.metadata` with a bare `pickle.load`:
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from megatron_sparse_rl.checkpoint.safe_load import load_torch_file, read_dcp_metadata
+from megatron_sparse_rl.formats.safe_load import load_torch_file, read_dcp_metadata
 
 log = logging.getLogger(__name__)
 

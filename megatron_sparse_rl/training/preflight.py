@@ -21,7 +21,7 @@ from megatron_sparse_rl.config import ConfigError
 
 def _model_problems(model, spec, cuda: bool) -> list[str]:
     """The model directory the learner and engines load (only a non-directory path when model.tiny builds it)."""
-    from megatron_sparse_rl.checkpoint.hf_io import INDEX, HFCheckpoint
+    from megatron_sparse_rl.formats.hf_io import INDEX, HFCheckpoint
 
     path, where = Path(model.path), f"model.path {model.path!r}"
     if model.tiny is not None and not (path / "config.json").is_file():

@@ -230,9 +230,9 @@ def check_resume(checkpoint: Path, run: RunConfig) -> list[str]:
     """Compare the config saved with `checkpoint` with `run`'s (training/resume_config.py). Raises RunDirError
     listing every change to what the resumed steps compute (`path: old -> new`) unless
     `checkpoint.allow_config_change`; returns the lines saying what was compared, for `announce_resume`.
-    First every pickle a load of it would read goes through the allowlists (checkpoint/safe_load.py), so a file
+    First every pickle a load of it would read goes through the allowlists (formats/safe_load.py), so a file
     that needs code is refused here, at claim time, before Megatron or vLLM start."""
-    from megatron_sparse_rl.checkpoint.safe_load import check_checkpoint_files
+    from megatron_sparse_rl.formats.safe_load import check_checkpoint_files
 
     check_checkpoint_files(checkpoint)
     try:

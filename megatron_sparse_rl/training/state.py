@@ -152,7 +152,7 @@ def record_stop(ctx: RunContext, why: str, where: str, checkpoint: Path | None) 
 def export_hf(ctx: RunContext, out: Path) -> Path | None:
     """Write the learner's weights as a Hugging Face model directory (config and tokenizer from the source model,
     config.json stating the written dtype, without fp8 quantization or MTP layers). Every rank takes part in the gathers; rank 0 writes. Atomic (temp dir, then rename)."""
-    from megatron_sparse_rl.checkpoint.hf_writer import ShardedSafetensorsWriter, write_side_files
+    from megatron_sparse_rl.formats.hf_writer import ShardedSafetensorsWriter, write_side_files
     from megatron_sparse_rl.learner.checkpoint import param_dtype_name
     from megatron_sparse_rl.weight_sync import iter_hf_tensors
 

@@ -131,7 +131,7 @@ def test_validate_reports_nested_yaml_without_a_traceback(tmp_path):
 
 
 def test_nested_model_config_json_is_named(tmp_path):
-    from megatron_sparse_rl.checkpoint.hf_io import _quantisation
+    from megatron_sparse_rl.formats.hf_io import _quantisation
     from megatron_sparse_rl.models import load_spec
 
     (tmp_path / "config.json").write_text('{"architectures": ' + "[" * 100_000 + "]" * 100_000 + "}")

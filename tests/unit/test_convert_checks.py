@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_sparse_rl.checkpoint import convert
 from megatron_sparse_rl.checkpoint.checks import check_hf_tensors, check_torch_dist_files, damaged_torch_dist_file
-from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
+from megatron_sparse_rl.formats.hf_io import HFCheckpoint
 from megatron_sparse_rl.models import load_spec
 from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek, build_tiny_mixtral

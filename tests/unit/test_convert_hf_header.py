@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
+from megatron_sparse_rl.formats.hf_io import HFCheckpoint
 
 
 def test_header_matches_the_saved_tensors(tmp_path):

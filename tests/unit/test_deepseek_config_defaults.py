@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from megatron_sparse_rl.checkpoint.hf_writer import export_config
+from megatron_sparse_rl.formats.hf_writer import export_config
 from megatron_sparse_rl.models import engine_config_defaults, load_spec
 from megatron_sparse_rl.models.tiny_families import deepseek_config_kwargs
 from tests.snapshot import snapshot

@@ -1,5 +1,5 @@
 """Import of block-wise fp8 release checkpoints (DeepSeek-V3 / Kimi-K2 style) and their multi-token-prediction
-layers, through the project's one HF reader (`checkpoint/hf_io.py`) and the conversion checks
+layers, through the project's one HF reader (`formats/hf_io.py`) and the conversion checks
 (`checkpoint/checks.py`), without a process group.
 
 The quantised checkpoint is made here from a tiny DeepSeek-V3: every projection weight of the decoder layers is
@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_sparse_rl.checkpoint.checks import check_hf_tensors
-from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint, iter_mcore_tensors
-from megatron_sparse_rl.checkpoint.hf_writer import write_side_files
+from megatron_sparse_rl.formats.hf_io import HFCheckpoint, iter_mcore_tensors
+from megatron_sparse_rl.formats.hf_writer import write_side_files
 from megatron_sparse_rl.models import load_spec
 from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
 

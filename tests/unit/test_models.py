@@ -103,7 +103,7 @@ def test_layout_data_parallel_is_the_rest():
 
 
 def test_hf_checkpoint_errors(tmp_path, moe_dir):
-    from megatron_sparse_rl.checkpoint.hf_io import HFCheckpoint
+    from megatron_sparse_rl.formats.hf_io import HFCheckpoint
 
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         HFCheckpoint(tmp_path)

@@ -1,4 +1,4 @@
-"""No code from a checkpoint file runs on resume or on `msrl convert` (checkpoint/safe_load.py,
+"""No code from a checkpoint file runs on resume or on `msrl convert` (formats/safe_load.py,
 patches/torch_dist_safe_load.py, learner/checkpoint.py's JSON/safetensors state), and a conversion never writes
 into, over or around its own input.
 
@@ -21,7 +21,7 @@ import torch
 
 from megatron_sparse_rl.checkpoint import convert
 from megatron_sparse_rl.checkpoint.checks import check_torch_dist_files
-from megatron_sparse_rl.checkpoint.safe_load import UnsafeFileError, load_torch_file, read_dcp_metadata
+from megatron_sparse_rl.formats.safe_load import UnsafeFileError, load_torch_file, read_dcp_metadata
 from megatron_sparse_rl.learner import checkpoint as C
 from tests.snapshot import snapshot
 from tests.unit.test_convert_checks import no_layout, outs, torch_dist  # noqa: F401 - fixtures reused

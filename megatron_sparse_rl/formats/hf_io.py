@@ -2,7 +2,7 @@
 
 `HFCheckpoint.get(name)` returns the model's weight: in a block-wise fp8 release checkpoint (DeepSeek-V3 /
 Kimi-K2: `quantization_config` in config.json) an F8_E4M3 weight comes back dequantised to float32 with its
-`<name>_scale_inv` companion (`checkpoint/fp8.py`), and `header(name)` reports that float32 tensor. The scales
+`<name>_scale_inv` companion (`formats/fp8.py`), and `header(name)` reports that float32 tensor. The scales
 are consumed, never yielded as tensors of their own. Multi-token-prediction layers of such a checkpoint are not
 part of the model: `skip_mtp_layers` names them (one log line) so the readers and checks pass over them.
 
@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from megatron_sparse_rl.checkpoint import fp8
+from megatron_sparse_rl.formats import fp8
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
 from megatron_sparse_rl.models.tensor_map import to_mcore

@@ -14,7 +14,7 @@ exact product rounded once (it can need more than float32's 24 mantissa bits, he
     q.pair_problem(name, "F8_E4M3", (576, 64), ("F32", (5, 1)))               # None, or what is wrong
     w = q.dequantize(name, stored, scale)                                      # float32
 
-`checkpoint/hf_io.py` (HFCheckpoint.get / header) is the one reader that applies this; the checks of
+`formats/hf_io.py` (HFCheckpoint.get / header) is the one reader that applies this; the checks of
 `checkpoint/checks.py` use `pair_problem` on the safetensors headers.
 """
 from __future__ import annotations

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_sparse_rl.checkpoint.hf_io import INDEX
-from megatron_sparse_rl.checkpoint.manifest import copy_side_files, tensor_digest
+from megatron_sparse_rl.formats.hf_io import INDEX
+from megatron_sparse_rl.formats.manifest import copy_side_files, tensor_digest
 from megatron_sparse_rl.models import get_adapter
 
 log = logging.getLogger(__name__)
