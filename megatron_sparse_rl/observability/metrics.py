@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from megatron_sparse_rl._optional import _has
+from megatron_sparse_rl.config.loader import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +146,7 @@ class MetricsWriter:
         when it is not "rl", e.g. "sft/eval/accuracy")."""
         record = to_record(step, metrics, phase=phase)
         data = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
+        self._append(data, step)
         self.records += 1
         if self._tb is not None:
             prefix = "" if phase == "rl" else f"{phase}/"
@@ -157,6 +156,23 @@ class MetricsWriter:
                     self._tb.add_scalar(prefix + key, float(v), global_step=int(step))
             self._tb.flush()
         return record
+
+    def _append(self, data: bytes, step: int) -> None:
+        """Append one whole record: a write that fails part-way (a full disk) is cut back off, and the error names
+        the file (the OSError of a full disk names none)."""
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass
+            raise ConfigError(f"could not write the metrics record of step {step} to {str(self.path)!r}: "
+                              f"{e.strerror or e}; the records before it are intact (free space there, then run "
+                              "the same command again to resume)") from e
 
     def close(self) -> None:
         if self._fd is not None:

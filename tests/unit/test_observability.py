@@ -176,3 +176,23 @@ def test_console_shows_own_lines_and_real_warnings_the_log_file_everything(tmp_p
     for text in benign:
         assert text in in_file  # never lost
         assert any(text in ln for ln in lines) == verbose
+
+
+def test_a_full_disk_names_the_metrics_file(tmp_path):
+    """The kernel's ENOSPC (writes to /dev/full) names no file: the writer's error names metrics.jsonl and the
+    step, and the records before it stay whole."""
+    import os
+
+    from megatron_sparse_rl.config import ConfigError
+
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.log(1, {"loss": 0.5})
+        ok_fd, writer._fd = writer._fd, os.open("/dev/full", os.O_WRONLY)
+        try:
+            with pytest.raises(ConfigError, match=rf"metrics record of step 2 to '{tmp_path / 'metrics.jsonl'}': "
+                                                  "No space left on device"):
+                writer.log(2, {"loss": 0.25})
+        finally:
+            os.close(writer._fd)
+            writer._fd = ok_fd
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
