@@ -38,6 +38,7 @@ from megatron_sparse_rl.checkpoint.gather import iter_full_tensors, ownership
 from megatron_sparse_rl.checkpoint.progress import TransferProgress, report_phase
 from megatron_sparse_rl.checkpoint.shard import (build_shard, dir_bytes, load_model_only, save_model_only,
                                                  sharded_shapes)
+from megatron_sparse_rl.checkpoint.verify import check_forward_parity
 from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, ParallelConfig
 from megatron_sparse_rl.formats import manifest as M
 from megatron_sparse_rl.formats.hf_io import HFCheckpoint
@@ -202,8 +203,6 @@ def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1,
         holder = _build(hf_dir, layout, param_dtype, verify)
         tensors = _read_into_shards(holder, spec, ckpt, maps, progress)
         if verify:
-            from megatron_sparse_rl.checkpoint.verify import check_forward_parity
-
             check_forward_parity(holder, hf_dir)
         t0 = time.perf_counter()
         save_model_only(holder.model, stage)
@@ -283,8 +282,6 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
                   progress)
         on_rank0(lambda: write_side_files(side_dir, stage))  # config.json without fp8 quantization or MTP layers
         if verify:
-            from megatron_sparse_rl.checkpoint.verify import check_forward_parity
-
             check_forward_parity(holder, stage)
         on_rank0(lambda: _publish(stage, out))
     except BaseException:

@@ -53,7 +53,7 @@ def _engines(ranks: int, engine_tp: int) -> str:
 
 def model_lines(run: RunConfig, spec) -> list[str]:
     """The model's architecture, size, dtypes and the engine's context (rollout.max_model_len as resolved)."""
-    from megatron_sparse_rl.models.deepseek import DeepseekSpec
+    from megatron_sparse_rl.models.deepseek import DeepseekSpec  # lazy: the config package stays free of torch
 
     m = run.model
     tiny = f" (tiny {m.tiny.arch}, built at model.path on first use)" if m.tiny else ""

@@ -26,12 +26,14 @@ the engine shard groups below.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.degrees import ParallelDegrees
 from megatron_sparse_rl.config.schema import ParallelConfig
+from megatron_sparse_rl.parallel.bridge import SplitWorld
 from megatron_sparse_rl.parallel.world import join_world
 
 
@@ -89,10 +91,6 @@ class ParallelLayout(ParallelDegrees):
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         if self.rollout_ranks:
-            from datetime import timedelta
-
-            from megatron_sparse_rl.parallel.bridge import SplitWorld
-
             self._split["world"] = SplitWorld.split(self.world_size, self.backend,
                                                     timeout=timedelta(minutes=timeout_minutes))
             if not self.is_learner_rank():

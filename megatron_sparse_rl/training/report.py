@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from megatron_sparse_rl.observability.metrics import EVAL_ACCURACY, FILENAME, read_metrics
+from megatron_sparse_rl.observability.plot import plot_metrics
+from megatron_sparse_rl.observability.progress import ProgressPrinter
 from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training.context import RunContext
 
@@ -28,8 +30,6 @@ def recorded_accuracies(path: Path) -> tuple[float | None, float | None]:
 
 class Reporter:
     def __init__(self, ctx: RunContext, total: int):
-        from megatron_sparse_rl.observability.progress import ProgressPrinter
-
         self.ctx = ctx
         self.progress = ProgressPrinter(total) if ctx.is_main else None
         self.start = time.perf_counter()
@@ -81,8 +81,6 @@ class Reporter:
                    "warm_start_accuracy": self.warm_start_accuracy, "final_accuracy": self.last_eval,
                    "seconds": round(time.perf_counter() - self.start, 1)}
         if ctx.is_main:
-            from megatron_sparse_rl.observability.plot import plot_metrics
-
             ctx.writer.close()
             plot = plot_metrics(ctx.run_dir / "metrics.jsonl", ctx.run_dir / "metrics.png")
             summary.update(metrics=str(ctx.run_dir / "metrics.jsonl"), plot=str(plot), hf_checkpoint=str(hf_dir),

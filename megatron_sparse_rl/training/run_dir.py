@@ -32,6 +32,7 @@ from pathlib import Path
 
 from megatron_sparse_rl.config.loader import ConfigError, to_dict
 from megatron_sparse_rl.config.schema import RunConfig
+from megatron_sparse_rl.formats.safe_load import check_checkpoint_files
 from megatron_sparse_rl.learner.checkpoint import is_complete, read_config
 from megatron_sparse_rl.learner.integrity import owner_of
 from megatron_sparse_rl.training.resume_config import compare
@@ -232,8 +233,6 @@ def check_resume(checkpoint: Path, run: RunConfig) -> list[str]:
     `checkpoint.allow_config_change`; returns the lines saying what was compared, for `announce_resume`.
     First every pickle a load of it would read goes through the allowlists (formats/safe_load.py), so a file
     that needs code is refused here, at claim time, before Megatron or vLLM start."""
-    from megatron_sparse_rl.formats.safe_load import check_checkpoint_files
-
     check_checkpoint_files(checkpoint)
     try:
         saved = read_config(checkpoint)

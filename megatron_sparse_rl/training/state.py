@@ -4,6 +4,7 @@ manifest), and resumes from its newest intact one (every file's size and sha256 
 saved config allows (training/run_dir.py `check_resume`)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -13,12 +14,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.loader import to_dict
-from megatron_sparse_rl.learner.checkpoint import is_complete, load_learner, save_learner
+from megatron_sparse_rl.formats.hf_writer import ShardedSafetensorsWriter, write_side_files
+from megatron_sparse_rl.learner.checkpoint import is_complete, load_learner, param_dtype_name, save_learner
 from megatron_sparse_rl.learner.finite import require_finite_weights
 from megatron_sparse_rl.learner.integrity import owner_of, verify_files
 from megatron_sparse_rl.training import run_dir
 from megatron_sparse_rl.training.context import RunContext
 from megatron_sparse_rl.training.run_dir import RunDirError
+from megatron_sparse_rl.weight_sync import iter_hf_tensors
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +142,6 @@ STOP_RECORD = Path("logs") / "stop.json"
 
 def record_stop(ctx: RunContext, why: str, where: str, checkpoint: Path | None) -> Path:
     """Write the stop record (temp file, then rename)."""
-    import json
-
     path = ctx.run_dir / STOP_RECORD
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"stopped": why, "at": where, "checkpoint": str(checkpoint) if checkpoint else None,
@@ -152,10 +153,6 @@ def record_stop(ctx: RunContext, why: str, where: str, checkpoint: Path | None) 
 def export_hf(ctx: RunContext, out: Path) -> Path | None:
     """Write the learner's weights as a Hugging Face model directory (config and tokenizer from the source model,
     config.json stating the written dtype, without fp8 quantization or MTP layers). Every rank takes part in the gathers; rank 0 writes. Atomic (temp dir, then rename)."""
-    from megatron_sparse_rl.formats.hf_writer import ShardedSafetensorsWriter, write_side_files
-    from megatron_sparse_rl.learner.checkpoint import param_dtype_name
-    from megatron_sparse_rl.weight_sync import iter_hf_tensors
-
     require_finite_weights(ctx.learner, "hf_final", group=ctx.groups.learner)
     tmp = out.with_name(f".{out.name}.tmp")
     writer = None
