@@ -5,32 +5,29 @@ learner rank 0 (t > 1: vLLM's external_launcher; every rank of an engine runs ev
 Each side has its own default torch.distributed world (parallel/bridge.py `SplitWorld`, made by
 `ParallelLayout.initialize`): Megatron's collectives and checkpoints stay among the learner ranks, vLLM's among
 the rollout ranks. Learner rank 0 drives the rollout ranks over the weight-sync `Bridge` (rank 0 + every
-rollout rank):
+rollout rank) with the commands of training/rollout_protocol.py (one frozen dataclass each; a rollout rank
+dispatches them by type, `_HANDLERS`):
 
-    ("generate", parts)            engine e (rollout ranks [e t, (e + 1) t)) samples parts[e] (a slice of the
-                                   prompts); its first rank's part comes back to rank 0 by gather_object, and
-                                   the parts are joined in prompt order
-    ("sync", version)              every learner rank runs `send_weights`, every rollout rank `receive_weights`
-                                   (checksummed buckets; with t > 1 and trainer.sync_engine_slices each engine
-                                   rank receives only its slices, over its engine TP rank's bridge); each
-                                   rollout rank then reports its status
-    ("generate_ahead", calls, recompute)
-                                   asynchronous RL (trainer.max_staleness 1, docs/async.md): engine e samples its
-                                   part of each call while the learner trains; rank 0 returns at once. The next
-                                   sync starts with a word broadcast (`AHEAD_WEIGHTS`, version) that the rollout
-                                   rank polls between engine steps: it loads the weights there without draining the
-                                   running requests (`RolloutEngine.update_in_flight`), or after sampling if it
-                                   finished first; engine_mean re-scorings run after that, at the new weights; then
-                                   the batches and the rank's times come back by gather_object (`collect_ahead`).
-                                   `AHEAD_STOP` instead stops the rank (rank 0's shutdown while it samples ahead)
-    ("probe", rows)                each engine's prompt logprobs of the probe rows, for rank 0 to compare
-                                   with the learner's own forward (weight_sync/verify.py `compare_engines`)
-    ("stop",)                      the rollout ranks leave `serve`, shut their engines down and confirm
+    Generate          the prompts cut into one `EnginePart` per engine; the parts come back by gather_object
+                      and are joined in prompt order (`RolloutBatch.concat`)
+    SyncWeights       every learner rank runs `send_weights`, every rollout rank `receive_weights` (checksummed
+                      buckets; with t > 1 and trainer.sync_engine_slices each engine rank receives only its
+                      slices, over its engine TP rank's bridge); each rollout rank then reports its status
+    GenerateAhead     asynchronous RL (trainer.max_staleness 1, docs/async.md): engine e samples its part of each
+                      call while the learner trains; rank 0 returns at once. The next SyncWeights travels as a
+                      word that the rollout rank polls between engine steps: it loads the weights there without
+                      draining the running requests (`RolloutEngine.update_in_flight`), or after sampling if it
+                      finished first; engine_mean re-scorings run after that, at the new weights; then the
+                      batches and the rank's times come back (`AheadBatches`, `collect_ahead`). Stop as a word
+                      instead stops the rank (rank 0's shutdown while it samples ahead)
+    Probe             each engine's prompt logprobs of the probe rows, for rank 0 to compare with the learner's
+                      own forward (weight_sync/verify.py `compare_engines`)
+    Stop              the rollout ranks leave `serve`, shut their engines down and confirm
 
 On learner ranks `RemoteEngine` stands where the colocated RolloutEngine stands (`generate`, `pad_id`,
 `shutdown`), so rollout.py runs unchanged on rank 0; the `Disaggregated` placement (training/placement.py)
 wraps it for the steps. A rollout rank that fails a command sends the error back instead of its result; rank 0
-raises it naming the rank, and its `shutdown` (run on every exit path of `trainer.train`) sends "stop", so no
+raises it naming the rank, and its `shutdown` (run on every exit path of `trainer.train`) sends Stop, so no
 rollout rank waits forever; it waits for their confirmation, since rank 0 serves the store their groups were
 made from. The rollout ranks hold no state worth saving: checkpoints, metrics and the HF export are the
 learner's.
@@ -48,14 +45,12 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.rollout.batch import RolloutBatch
-from megatron_sparse_rl.weight_sync import WeightSyncError
+from megatron_sparse_rl.training.rollout_protocol import (SRC, AheadBatches, Command, EnginePart, Failure, Generate,
+                                                          GenerateAhead, Probe, Stop, SyncWeights, empty_word,
+                                                          from_word, to_word)
+from megatron_sparse_rl.weight_sync import WeightSyncError, receive_weights, send_weights
 
 log = logging.getLogger(__name__)
-
-SRC = 0
-"""The learner rank that drives the rollout ranks and sends the weights."""
-AHEAD_WEIGHTS, AHEAD_STOP = 1, 2
-"""The word rank `SRC` sends a rollout rank sampling ahead: new weights follow (with their version), or stop."""
 
 
 @dataclass
@@ -96,22 +91,27 @@ class RemoteEngine:
         self.stopped = False
         self.ahead = False  # the rollout ranks are sampling ahead (generate_ahead until collect_ahead)
 
-    def _command(self, *command) -> list:
+    def _command(self, command: Command) -> list:
         """Send `command` to every rollout rank, gather their answers (a rollout rank's error is raised here)."""
         self._send(command)
         return self._gather()
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Command) -> None:
+        """`command` to every rollout rank: pickled, or as a word while they sample ahead (they poll for one
+        between engine steps: training/rollout_protocol.py)."""
         if not self.driver:
             raise RuntimeError(f"only learner rank {SRC} drives the rollout ranks (this is rank {dist.get_rank()})")
         if self.stopped:
             raise RuntimeError("the rollout ranks were stopped")
-        self.group.broadcast_object(command, src=SRC)
+        if self.ahead:
+            self.group.broadcast(to_word(command), src=SRC)
+        else:
+            self.group.broadcast_object(command, src=SRC)
 
     def _gather(self) -> list:
         answers = self.group.gather_object(None, dst=SRC)
         for rank, answer in zip(self.ranks, answers[1:]):
-            if isinstance(answer, _Failure):
+            if isinstance(answer, Failure):
                 raise (WeightSyncError if answer.sync else RuntimeError)(
                     f"rollout rank {rank} failed: {answer.message}")
         return answers[1:]
@@ -120,18 +120,18 @@ class RemoteEngine:
                  group_ids: list[int] | None = None, *, rescore: int = 0) -> RolloutBatch:
         """As RolloutEngine.generate, the prompts split across the engines (seeds as one engine's); each engine
         re-scores its own rows (`rescore`)."""
-        answers = self._command("generate", self._parts(prompt_token_ids, sampling, group_ids, rescore))
+        answers = self._command(Generate(self._parts(prompt_token_ids, sampling, group_ids, rescore)))
         return RolloutBatch.concat([a for a in answers if a is not None], self.pad_id)
 
-    def _parts(self, prompt_token_ids, sampling: SamplingConfig, group_ids, rescore: int) -> list[tuple]:
+    def _parts(self, prompt_token_ids, sampling: SamplingConfig, group_ids, rescore: int) -> tuple[EnginePart, ...]:
         """One generate call cut into one part per engine (prompt slices; seeds as one engine's)."""
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
         parts = []
         for r in split_prompts(len(prompt_token_ids), len(self.ranks) // self.engine_tp):
             seed = None if sampling.seed is None else sampling.seed + r.start * sampling.n
-            parts.append(([prompt_token_ids[i] for i in r], replace(sampling, seed=seed), [gids[i] for i in r],
-                          rescore))
-        return parts
+            parts.append(EnginePart([prompt_token_ids[i] for i in r], replace(sampling, seed=seed),
+                                    [gids[i] for i in r], rescore))
+        return tuple(parts)
 
     def generate_ahead(self, calls: list[tuple], *, recompute: bool) -> None:
         """Start sampling `calls` ((prompt ids, sampling, group ids, rescore) each, as `generate` takes them) on the
@@ -141,30 +141,26 @@ class RemoteEngine:
         if self.ahead:
             raise RuntimeError("the rollout ranks are already sampling ahead: collect_ahead first")
         per_call = [self._parts(*call) for call in calls]
-        per_engine = [[parts[e] for parts in per_call] for e in range(len(self.ranks) // self.engine_tp)]
-        self._send(("generate_ahead", per_engine, recompute))
+        per_engine = tuple(tuple(parts[e] for parts in per_call) for e in range(len(self.ranks) // self.engine_tp))
+        self._send(GenerateAhead(per_engine, recompute))
         self.ahead = True
 
     def collect_ahead(self) -> tuple[list[RolloutBatch], dict[str, float]]:
         """After the `sync_weights` that follows `generate_ahead`: one batch per call (the engines' parts joined) and
         the rollout ranks' seconds (the slowest rank's): sampling, waiting for the weights after sampling, loading."""
-        answers = [a for a in self._gather() if a is not None]  # raises a rollout rank's error
+        answers: list[AheadBatches] = [a for a in self._gather() if a is not None]  # raises a rollout rank's error
         self.ahead = False
-        calls = len(answers[0][0])
-        batches = [RolloutBatch.concat([a[0][c] for a in answers if a[0][c] is not None], self.pad_id)
+        calls = len(answers[0].batches)
+        batches = [RolloutBatch.concat([a.batches[c] for a in answers if a.batches[c] is not None], self.pad_id)
                    for c in range(calls)]
-        return batches, {k: max(a[1][k] for a in answers) for k in answers[0][1]}
+        return batches, {k: max(a.seconds[k] for a in answers) for k in answers[0].seconds}
 
     def sync_weights(self, learner, *, bucket_mb: float, version: int = 0):
         """Every learner rank calls it: learner -> every engine, checksummed, as weight version `version`; rank `SRC`
         checks the receipts (while sampling ahead: in `collect_ahead`)."""
-        from megatron_sparse_rl.weight_sync.disaggregated import send_weights
-
         start = time.perf_counter()
-        if self.driver and self.ahead:
-            self.group.broadcast(torch.tensor([AHEAD_WEIGHTS, version]), src=SRC)
-        elif self.driver:
-            self.group.broadcast_object(("sync", version), src=SRC)
+        if self.driver:
+            self._send(SyncWeights(version))
         stats = send_weights(learner, self.group, src=SRC, bucket_mb=bucket_mb, shards=self.shards,
                              shard_groups=self.shard_groups)
         if self.driver and not self.ahead:
@@ -173,51 +169,39 @@ class RemoteEngine:
 
     def probe_logprobs(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
         """Each rollout rank's engine prompt logprobs of `rows`: {"rollout rank r": float32 [B, S-1]}."""
-        return {f"rollout rank {rank}": t for rank, t in zip(self.ranks, self._command("probe", rows))}
+        return {f"rollout rank {rank}": t for rank, t in zip(self.ranks, self._command(Probe(rows)))}
 
     def shutdown(self) -> None:
-        """Send "stop" once (rank `SRC`) and wait until every rollout rank has shut its engine down. A rollout
+        """Send Stop once (rank `SRC`) and wait until every rollout rank has shut its engine down. A rollout
         rank that cannot confirm (it is gone) is logged, not raised: this runs on every way out, errors included."""
         if self.driver and not self.stopped:
-            self.stopped = True
             try:
-                if self.ahead:  # they wait for a word between engine steps, not for a command
-                    self.group.broadcast(torch.tensor([AHEAD_STOP, 0]), src=SRC)
-                else:
-                    self.group.broadcast_object(("stop",), src=SRC)
+                self._send(Stop())
                 self.group.gather_object(None, dst=SRC)
             except Exception as e:  # noqa: BLE001 - never hide the error that brought us here
                 log.warning("the rollout ranks did not confirm stop: %s", e)
+            finally:
+                self.stopped = True
 
 
-@dataclass
-class _Failure:
-    message: str
-    sync: bool = False
+def _generate(rr: RolloutRank, command: Generate) -> RolloutBatch | None:
+    part = command.parts[rr.index // rr.engine_tp]
+    batch = (rr.engine.generate(part.prompts, part.sampling, group_ids=part.group_ids, rescore=part.rescore)
+             if part.prompts else None)
+    return batch if rr.index % rr.engine_tp == 0 else None  # the engine's other ranks hold the same rows
 
 
-def _handle(rr: RolloutRank, command: tuple):
-    """One command on a rollout rank; returns what goes back to learner rank `SRC`."""
-    op = command[0]
-    if op == "generate":
-        prompts, sampling, gids, rescore = command[1][rr.index // rr.engine_tp]
-        batch = rr.engine.generate(prompts, sampling, group_ids=gids, rescore=rescore) if prompts else None
-        return batch if rr.index % rr.engine_tp == 0 else None  # the engine's other ranks hold the same rows
-    if op == "generate_ahead":
-        return _sample_ahead(rr, command[1][rr.index // rr.engine_tp], recompute=command[2])
-    if op == "sync":
-        _receive(rr, command[1])
-        return None
-    if op == "probe":
-        return torch.stack(rr.engine.prompt_logprobs(command[1]))
-    raise ValueError(f"rollout rank {rr.rank}: unknown command {op!r}")
+def _sync(rr: RolloutRank, command: SyncWeights) -> None:
+    _receive(rr, command.version)
+
+
+def _probe(rr: RolloutRank, command: Probe) -> torch.Tensor:
+    return torch.stack(rr.engine.prompt_logprobs(command.rows))
 
 
 def _receive(rr: RolloutRank, version: int | None) -> None:
     """The weight stream from rank `SRC` into this rank's engine (checksummed, `receive_weights`), which then holds
     `version` (None: the caller records it, as `RolloutEngine.update_in_flight` does)."""
-    from megatron_sparse_rl.weight_sync.disaggregated import receive_weights
-
     receive_weights(rr.engine, rr.weights_group or rr.sync_group, src=SRC)
     if version is not None:
         rr.engine.weight_version = version
@@ -227,30 +211,28 @@ class _Stopped(Exception):
     """Learner rank `SRC` stopped the run while this rank sampled ahead."""
 
 
-def _sample_ahead(rr: RolloutRank, calls: list[tuple], *, recompute: bool) -> tuple[list, dict[str, float]]:
-    """("generate_ahead", ...) on a rollout rank: sample `calls`, loading the next weights between engine steps when
-    their word arrives (or after sampling); then the engine_mean re-scorings. Returns (one batch or None per call,
-    seconds: generate_s, wait_s, load_s, and in_flight 1.0 when the weights arrived while sampling)."""
-    from megatron_sparse_rl.weight_sync.disaggregated import receive_weights
-
+def _sample_ahead(rr: RolloutRank, command: GenerateAhead) -> AheadBatches:
+    """GenerateAhead on a rollout rank: sample this engine's parts, loading the next weights between engine steps
+    when their word arrives (or after sampling); then the engine_mean re-scorings."""
     if rr.engine_tp > 1:
         raise RuntimeError("sampling ahead needs rollout.tensor_parallel_size 1 (every rank of an engine would have "
                            "to load the weights at the same engine step)")
-    word = torch.zeros(2, dtype=torch.int64)
+    calls = command.parts[rr.index // rr.engine_tp]
+    word = empty_word()
     arrival = rr.sync_group.broadcast_async(word, src=SRC)
     seconds = {"generate_s": 0.0, "wait_s": 0.0, "load_s": 0.0, "in_flight": 0.0}
     loaded = []  # the word was taken (and the weights received, or failed while receiving: drained by then)
 
     def load(in_flight: bool) -> None:
-        kind, version = word.tolist()
-        if kind == AHEAD_STOP:
+        sync = from_word(word)
+        if isinstance(sync, Stop):
             raise _Stopped
         loaded.append(True)
         start = time.perf_counter()
         if in_flight:
-            rr.engine.update_in_flight(lambda: _receive(rr, None), version, recompute=recompute)
+            rr.engine.update_in_flight(lambda: _receive(rr, None), sync.version, recompute=command.recompute)
         else:
-            _receive(rr, version)
+            _receive(rr, sync.version)
         seconds["load_s"], seconds["in_flight"] = time.perf_counter() - start, float(in_flight)
 
     def between_steps() -> None:
@@ -259,16 +241,13 @@ def _sample_ahead(rr: RolloutRank, calls: list[tuple], *, recompute: bool) -> tu
 
     start = time.perf_counter()
     try:
-        batches = [rr.engine.generate(p, s, group_ids=g, between_steps=between_steps) if p else None
-                   for p, s, g, _ in calls]
+        batches = [rr.engine.generate(c.prompts, c.sampling, group_ids=c.group_ids, between_steps=between_steps)
+                   if c.prompts else None for c in calls]
     except _Stopped:
         raise
     except Exception:  # keep to the protocol (take the word, drain the weights), then report the error
         if not loaded:
-            arrival.wait()
-            if word[0] == AHEAD_STOP:
-                raise _Stopped from None
-            receive_weights(None, rr.weights_group or rr.sync_group, src=SRC)  # drained, not loaded
+            _drain(rr, arrival, word)
         raise
     seconds["generate_s"] = time.perf_counter() - start - seconds["load_s"]
     if not loaded:
@@ -276,27 +255,48 @@ def _sample_ahead(rr: RolloutRank, calls: list[tuple], *, recompute: bool) -> tu
         arrival.wait()
         seconds["wait_s"] = time.perf_counter() - waiting
         load(in_flight=False)
-    for batch, (_, _, _, rescore) in zip(batches, calls):
-        if batch is not None and rescore:  # pi_old estimates at the weights the learner trains this batch with
-            batch.rescored_logprobs = rr.engine.rescore(batch, rescore)
-    return batches, seconds
+    for batch, call in zip(batches, calls):
+        if batch is not None and call.rescore:  # pi_old estimates at the weights the learner trains this batch with
+            batch.rescored_logprobs = rr.engine.rescore(batch, call.rescore)
+    return AheadBatches(batches, seconds)
+
+
+def _drain(rr: RolloutRank, arrival, word: torch.Tensor) -> None:
+    """After sampling ahead failed: take the word and receive (not load) the weights that follow it, so the bridge
+    stays in step with rank `SRC`; a Stop word stops the rank."""
+    arrival.wait()
+    if isinstance(from_word(word), Stop):
+        raise _Stopped from None
+    receive_weights(None, rr.weights_group or rr.sync_group, src=SRC)
+
+
+_HANDLERS = {Generate: _generate, SyncWeights: _sync, GenerateAhead: _sample_ahead, Probe: _probe}
+"""What a rollout rank runs for each command (Stop ends `serve`); the handler's result is the answer."""
+
+
+def _handle(rr: RolloutRank, command: Command):
+    """One command on a rollout rank; returns what goes back to learner rank `SRC`."""
+    handler = _HANDLERS.get(type(command))
+    if handler is None:
+        raise ValueError(f"rollout rank {rr.rank}: unknown command {type(command).__name__}")
+    return handler(rr, command)
 
 
 def serve(rr: RolloutRank) -> dict:
-    """A rollout rank's loop: run learner rank `SRC`'s commands until "stop"; then shut the engine down."""
+    """A rollout rank's loop: run learner rank `SRC`'s commands until Stop; then shut the engine down."""
     served = 0
     try:
         while True:
             command = rr.sync_group.broadcast_object(None, src=SRC)
-            if command[0] == "stop":
+            if isinstance(command, Stop):
                 break
             try:
                 answer = _handle(rr, command)
             except _Stopped:
                 break
-            except Exception as e:  # report it to the driver, which raises it; keep serving until "stop"
-                log.error("rollout rank %d: %s failed:\n%s", rr.rank, command[0], traceback.format_exc())
-                answer = _Failure(f"{type(e).__name__}: {e}", sync=isinstance(e, WeightSyncError))
+            except Exception as e:  # report it to the driver, which raises it; keep serving until Stop
+                log.error("rollout rank %d: %s failed:\n%s", rr.rank, type(command).__name__, traceback.format_exc())
+                answer = Failure(f"{type(e).__name__}: {e}", sync=isinstance(e, WeightSyncError))
             rr.sync_group.gather_object(answer, dst=SRC)
             served += 1
     finally:

@@ -1,0 +1,130 @@
+"""The messages between learner rank `SRC` and the rollout ranks of a disaggregated run (training/disaggregated.py
+sends and serves them): one frozen dataclass per command, dispatched by type.
+
+Each command is one `Bridge.broadcast_object` from rank `SRC` to every rollout rank; each answer one
+`gather_object` back to it. Engine e (rollout ranks [e t, (e + 1) t), t = rollout.tensor_parallel_size) serves
+part e of a command that carries parts:
+
+    Generate(parts)               engine e samples parts[e] (an `EnginePart`: a slice of the prompts); its first
+                                  rank answers the `RolloutBatch` (None: an empty part, or another rank of it)
+    SyncWeights(version)          every learner rank runs `send_weights`, every rollout rank `receive_weights`
+                                  (checksummed buckets); answer None once loaded
+    GenerateAhead(parts, recompute)
+                                  asynchronous RL (docs/async.md): engine e samples each call's parts[e] while the
+                                  learner trains; no answer until the next SyncWeights has loaded, then one
+                                  `AheadBatches`
+    Probe(rows)                   each engine's prompt logprobs of the rows (float32 [B, S-1])
+    Stop()                        the rollout ranks shut their engines down; answer None once down
+
+A command that raises on a rollout rank is answered with a `Failure` instead, which rank `SRC` raises.
+
+While it samples ahead, a rollout rank is inside the engine's step loop and can only poll between engine steps.
+A pickled object cannot be polled for: `broadcast_object` is two blocking broadcasts (size, then bytes). So the
+two commands rank `SRC` sends then, SyncWeights and Stop, travel as a `word`: two int64 (a `Word` code and the
+version), broadcast by `Bridge.broadcast_async`, whose completion the rank polls (`to_word` / `from_word`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from megatron_sparse_rl.config.rollout import SamplingConfig
+
+SRC = 0
+"""The learner rank that drives the rollout ranks and sends the weights."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePart:
+    """One engine's part of a generate call: its slice of the prompts, with the seed a single engine would give
+    the slice's first prompt, their group ids, and how many engine re-scorings to add (`rescore`)."""
+
+    prompts: list[list[int]]
+    sampling: SamplingConfig
+    group_ids: list[int]
+    rescore: int
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    parts: tuple[EnginePart, ...]
+    """One per engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncWeights:
+    version: int
+    """The weight version the engines hold once loaded (RolloutBatch.token_version)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateAhead:
+    parts: tuple[tuple[EnginePart, ...], ...]
+    """Per engine, its part of each call."""
+    recompute: bool
+    """Weights loaded while requests run: recompute their KV under the new weights (trainer.in_flight_kv)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    rows: list[list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Command = Generate | SyncWeights | GenerateAhead | Probe | Stop
+
+
+@dataclass(frozen=True, slots=True)
+class AheadBatches:
+    """A rollout rank's answer to GenerateAhead."""
+
+    batches: list
+    """One RolloutBatch (None: an empty part) per call."""
+    seconds: dict[str, float]
+    """generate_s, wait_s (for the weights, after sampling), load_s, and in_flight (1.0: loaded while sampling)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A rollout rank's answer to a command that raised there."""
+
+    message: str
+    sync: bool = False
+    """The error was a WeightSyncError (rank `SRC` raises one too)."""
+
+
+class Word(IntEnum):
+    """The code of a command sent as a word (module docstring)."""
+
+    SYNC_WEIGHTS = 1
+    STOP = 2
+
+
+def to_word(command: SyncWeights | Stop) -> torch.Tensor:
+    """`command` as the int64 [2] word a rollout rank sampling ahead polls for."""
+    if isinstance(command, SyncWeights):
+        return torch.tensor([Word.SYNC_WEIGHTS, command.version], dtype=torch.int64)
+    if isinstance(command, Stop):
+        return torch.tensor([Word.STOP, 0], dtype=torch.int64)
+    raise TypeError(f"{type(command).__name__} cannot be sent while the rollout ranks sample ahead")
+
+
+def empty_word() -> torch.Tensor:
+    """The buffer a word is received into."""
+    return torch.zeros(2, dtype=torch.int64)
+
+
+def from_word(word: torch.Tensor) -> SyncWeights | Stop:
+    """The command a received word holds."""
+    code, version = word.tolist()
+    if code == Word.SYNC_WEIGHTS:
+        return SyncWeights(version)
+    if code == Word.STOP:
+        return Stop()
+    raise ValueError(f"not a command word: {word.tolist()}")

@@ -1,0 +1,109 @@
+"""The rollout-rank protocol (training/rollout_protocol.py, training/disaggregated.py) in one process, over a
+stand-in bridge: the commands are frozen dataclasses that survive pickling, a rollout rank dispatches them by type
+(`serve`), the learner side cuts a generate call into one `EnginePart` per engine, and the commands sent while the
+rollout ranks sample ahead travel as words.
+
+    .venv/bin/python -m pytest -q tests/unit/test_rollout_protocol.py
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import FrozenInstanceError
+
+import pytest
+import torch
+
+from megatron_sparse_rl.config.rollout import SamplingConfig
+from megatron_sparse_rl.training import disaggregated as D
+from megatron_sparse_rl.training.rollout_protocol import (EnginePart, Failure, Generate, GenerateAhead, Probe, Stop,
+                                                          SyncWeights, Word, empty_word, from_word, to_word)
+
+
+class Bridge:
+    """A stand-in weight-sync bridge: `commands` are what rank 0 broadcasts to a rollout rank, `answers` what the
+    rollout ranks gather back to rank 0; what rank 0 sends is recorded."""
+
+    def __init__(self, commands=(), answers=()):
+        self.commands, self.answers = list(commands), list(answers)
+        self.sent, self.gathered, self.words = [], [], []
+
+    def broadcast_object(self, obj, src):
+        if obj is None:  # a rollout rank receives
+            return pickle.loads(pickle.dumps(self.commands.pop(0)))  # as it crosses the process boundary
+        self.sent.append(obj)
+        return obj
+
+    def broadcast(self, tensor, src):
+        self.words.append(tensor.clone())
+
+    def gather_object(self, obj, dst):
+        if obj is not None or not self.answers:  # a rollout rank answers (or confirms with None)
+            self.gathered.append(obj)
+            return None
+        return [None] + self.answers.pop(0)
+
+
+class Engine:
+    """A stand-in RolloutEngine: records its calls."""
+
+    def __init__(self):
+        self.calls, self.down = [], False
+
+    def generate(self, prompts, sampling, group_ids=None, rescore=0):
+        self.calls.append(("generate", prompts, sampling.seed, group_ids, rescore))
+        return f"batch of {len(prompts)}"
+
+    def prompt_logprobs(self, rows):
+        self.calls.append(("probe", rows))
+        return [torch.full((len(r) - 1,), -1.0) for r in rows]
+
+    def shutdown(self):
+        self.down = True
+
+
+def test_commands_are_frozen_and_cross_a_pickle_unchanged():
+    part = EnginePart([[1, 2]], SamplingConfig(seed=3), [0], 1)
+    for command in (Generate((part,)), SyncWeights(4), GenerateAhead(((part,),), recompute=True), Probe([[1, 2]]),
+                    Stop()):
+        assert pickle.loads(pickle.dumps(command)) == command
+    with pytest.raises(FrozenInstanceError):
+        SyncWeights(4).version = 5
+
+
+def test_the_commands_sent_while_sampling_ahead_round_trip_as_words():
+    assert to_word(SyncWeights(7)).tolist() == [Word.SYNC_WEIGHTS, 7]
+    assert from_word(to_word(SyncWeights(7))) == SyncWeights(7) and from_word(to_word(Stop())) == Stop()
+    assert from_word(empty_word().copy_(to_word(Stop()))) == Stop()
+    with pytest.raises(TypeError, match="Probe cannot be sent while the rollout ranks sample ahead"):
+        to_word(Probe([[1]]))
+    with pytest.raises(ValueError, match="not a command word"):
+        from_word(torch.tensor([9, 0]))
+
+
+def test_a_rollout_rank_serves_commands_by_type_until_stop():
+    part = EnginePart([[5, 6, 7]], SamplingConfig(seed=11), [3], 2)
+    bridge = Bridge([Generate((EnginePart([], SamplingConfig(), [], 0), part)), Probe([[1, 2, 3]]), "generate",
+                     Stop()])
+    engine = Engine()
+    out = D.serve(D.RolloutRank(engine, bridge, rank=2, index=1))
+    assert engine.calls == [("generate", [[5, 6, 7]], 11, [3], 2), ("probe", [[1, 2, 3]])]
+    generated, probed, failed, confirmed = bridge.gathered
+    assert generated == "batch of 1" and torch.equal(probed, torch.full((1, 2), -1.0))
+    assert isinstance(failed, Failure) and "unknown command str" in failed.message and not failed.sync
+    assert confirmed is None and engine.down and out == {"rank": 2, "role": "rollout", "commands": 3}
+
+
+def test_the_learner_side_sends_one_part_per_engine_and_stops_with_a_word_while_sampling_ahead(monkeypatch):
+    monkeypatch.setattr(D.dist, "get_rank", lambda: 0)
+    bridge = Bridge(answers=[[None, None]])
+    remote = D.RemoteEngine(bridge, [2, 3], pad_id=0)
+    remote.generate_ahead([([[1], [2], [3]], SamplingConfig(seed=10, n=2), None, 0)], recompute=False)
+    (command,) = bridge.sent
+    assert isinstance(command, GenerateAhead) and command.recompute is False
+    assert [[p.prompts for p in parts] for parts in command.parts] == [[[[1], [2]]], [[[3]]]]
+    assert [parts[0].sampling.seed for parts in command.parts] == [10, 14]  # seed + start * n, as one engine
+    assert [parts[0].group_ids for parts in command.parts] == [[0, 1], [2]]
+    remote.shutdown()
+    assert [from_word(w) for w in bridge.words] == [Stop()] and remote.stopped
+    with pytest.raises(RuntimeError, match="stopped"):
+        remote.probe_logprobs([[1, 2]])
