@@ -55,14 +55,17 @@ def _prompts(n: int, length: int) -> list[list[int]]:
 
 def _measure(model_dir, kv, prompts, max_tokens, max_model_len, max_num_seqs):
     """(peak blocks, peak running, preemptions, generated tokens / s, wall s, mean running, the sparse worker's
-    time: `RolloutEngine.sparse_kv_timing`, None for a dense engine; mean waiting, mean pool use) of one run."""
+    time: `kv.engine_extension.sparse_kv_timing`, None for a dense engine; mean waiting, mean pool use) of one run."""
     from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
-    from megatron_sparse_rl.kv.probe import BlockUsageProbe
+    from megatron_sparse_rl.kv.engine_extension import sparse_kv_extensions, sparse_kv_timing
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
+    from megatron_sparse_rl.rollout.block_usage import BlockUsageProbe
 
     sampling = SamplingConfig(n=1, temperature=1.0, max_tokens=max_tokens, seed=0)
+    vllm_cpu.apply()
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv=kv,
-                                                    sampling=sampling))
+                                                    sampling=sampling), extensions=sparse_kv_extensions(kv))
     # fixed-length generations: vLLM's ignore_eos (a random model samples EOS at random times)
     engine._sampling_params = lambda s, i, **extra: RolloutEngine._sampling_params(engine, s, i, ignore_eos=True,
                                                                                    **extra)
@@ -70,13 +73,13 @@ def _measure(model_dir, kv, prompts, max_tokens, max_model_len, max_num_seqs):
         engine.generate(prompts[:1], SamplingConfig(n=1, max_tokens=4, seed=0))  # warm-up
         sparse = kv.policy != "none"
         if sparse:
-            engine.sparse_kv_timing()  # drop the warm-up's
+            sparse_kv_timing(engine)  # drop the warm-up's
         with BlockUsageProbe(engine) as probe:
             start = time.perf_counter()
             batch = engine.generate(prompts, sampling)
             wall = time.perf_counter() - start
         tokens = int(batch.response_lens.sum())
-        timing = engine.sparse_kv_timing() if sparse else None
+        timing = sparse_kv_timing(engine) if sparse else None
         return (probe.peak_blocks, probe.peak_running, probe.preemptions, tokens / wall, wall, probe.mean_running,
                 timing, probe.mean_waiting, probe.mean_blocks / max(probe.pool_blocks, 1))
     finally:

@@ -107,8 +107,10 @@ def repack_bytes_per_s(learner, repeats: int) -> tuple[float, int] | None:
 
 def _engine(model_dir):
     from megatron_sparse_rl.config.rollout import RolloutConfig
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
+    vllm_cpu.apply()
     return RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1))
 
 

@@ -40,15 +40,17 @@ def _task(run, model_dir: Path) -> tuple:
 
 def _one(engine, target: Target, task: tuple) -> tuple[float, int, int]:
     """(correct, samples, compactions during it) of `target`'s weights, already loaded in `engine`."""
+    from megatron_sparse_rl.kv.engine_extension import sparse_kv_stats
     from megatron_sparse_rl.training import rollout as R
 
     tokenizer, examples, correct = task
     run = target.run
-    before = engine.sparse_kv_stats()["compactions"] if engine.sparse_kv else 0
+    sparse = run.rollout.kv.policy != "none"
+    before = sparse_kv_stats(engine)["compactions"] if sparse else 0
     total, count = R.accuracy(engine, tokenizer, examples, max_tokens=run.rollout.sampling.max_tokens, score=correct,
                               temperature=run.trainer.eval_temperature, samples=run.trainer.eval_samples,
                               seed=run.rollout.seed)
-    after = engine.sparse_kv_stats()["compactions"] if engine.sparse_kv else 0
+    after = sparse_kv_stats(engine)["compactions"] if sparse else 0
     return total, count, after - before
 
 
@@ -58,13 +60,17 @@ def evaluate(targets: list[Target], rollouts: dict[str, Any], cache_dir: Path,
     (target, mode): seed, arm, mode, accuracy, samples, compactions, load_s (weights), seconds (load + generate),
     and the start-up seconds of each mode's engine."""
     from megatron_sparse_rl.formats.hf_io import HFCheckpoint
+    from megatron_sparse_rl.kv.engine_extension import sparse_kv_extensions
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
     tasks: dict[int, tuple] = {}
     evals, starts = [], {}
     for mode, rollout in rollouts.items():
         t0 = time.perf_counter()
-        engine = RolloutEngine(targets[0].model_dir, rollout, cache_dir=cache_dir)
+        vllm_cpu.apply()
+        engine = RolloutEngine(targets[0].model_dir, rollout, cache_dir=cache_dir,
+                               extensions=sparse_kv_extensions(rollout.kv))
         starts[mode] = round(time.perf_counter() - t0, 2)
         kv = rollout.kv
         say(f"eval engine {mode} ({kv.policy}" + (f" budget {kv.budget}" if kv.policy != "none" else "") +

@@ -5,8 +5,10 @@
   one keep set per layer.
 - `record`: the `KVKeepRecord` returned per sample in `RolloutBatch.kv_keep` and the attention mask
   that replays it.
-- `vllm_scheduler`, `vllm_worker`: the vLLM 0.32.0 integration (compaction with real block freeing),
-  installed by `megatron_sparse_rl.kv.vllm_hooks.apply()`; `vllm_plugin`: the vLLM entry point that
-  installs it in an engine's spawned processes, inert unless our engine asked for it.
+- `engine_extension`: `SparseKV`, the extension a `RolloutEngine` is built with for sparse KV (its vLLM arguments,
+  the keep records per generate, the scheduler's counters and the worker's timing).
+- `vllm_scheduler`, `vllm_worker`: the vLLM 0.32.0 integration (compaction with real block freeing);
+  `vllm_hooks`: the model-runner hooks that install the worker half (`apply()`); `vllm_plugin`: the vLLM entry
+  point that installs them in an engine's spawned processes, inert unless our engine asked for it.
 Importing this package imports neither vLLM nor the integration.
 """

@@ -3,7 +3,7 @@
 vLLM calls every `vllm.general_plugins` entry point in every process it starts (front end, engine core, workers),
 for every user of the Python environment this package is installed in. `plugin()` therefore does nothing unless
 the process's environment carries `REQUEST_ENV=1`, which `request()` sets in the process that builds a sparse-KV
-engine (rollout/engine.py `_sparse_kv_engine_args`, before vLLM starts): the engine's spawned processes inherit
+engine (kv/engine_extension.py `SparseKV.engine_args`, before vLLM starts): the engine's spawned processes inherit
 it and install the runner hooks of megatron_sparse_rl.kv.vllm_hooks. A vLLM started by anyone else
 finds no request and is left exactly as it was: nothing is imported or patched and nothing is raised, whatever
 its version. Asked for, a failed check raises: a sparse engine whose workers lack the hooks would ignore its

@@ -28,7 +28,7 @@ layer being reloaded, before the layerwise reloader copies the kernel-format ten
 original storage. First loads are untouched (upstream already runs it there). On other platforms it
 does nothing: the GPU experts need no per-layer setup on update.
 
-Entry points (and `RolloutEngine` on CPU) call `apply()`; it is idempotent. `revert()` exists for tests
+Entry points call it through `patches.vllm_cpu.apply()`; it is idempotent. `revert()` exists for tests
 that demonstrate the gap.
 """
 from __future__ import annotations

@@ -19,8 +19,8 @@ place as the kernel is; 2-D inputs still take the kernel. Subclasses that inheri
 linear, NTK scaling...) are covered too.
 
 It must be applied BEFORE the model is built: a vLLM custom op binds its platform forward when constructed
-(`CustomOp.dispatch_forward`), so modules built earlier keep the unpatched method. `RolloutEngine` applies it
-on CPU before starting vLLM. Idempotent; checks the vLLM version (0.32.0) and, through
+(`CustomOp.dispatch_forward`), so modules built earlier keep the unpatched method. The entry points apply it
+(`patches.vllm_cpu.apply()`) before any engine starts, and a CPU `RolloutEngine` refuses to start without it. Idempotent; checks the vLLM version (0.32.0) and, through
 `megatron_sparse_rl.vllm_access` (feature "cpu_rotary"), the methods it wraps. `revert()` exists for tests
 that demonstrate the gap.
 """

@@ -18,7 +18,7 @@ The fix
 deterministic for a given schedule (the CPU generator simply moves on); what differs from a GPU engine is that a
 seeded request's samples depend on how its prefill was chunked. Elsewhere it does nothing.
 
-Entry points (and `RolloutEngine` on CPU) call `apply()`; it is idempotent. `revert()` exists for tests that
+Entry points call it through `patches.vllm_cpu.apply()`; it is idempotent. `revert()` exists for tests that
 demonstrate the gap.
 """
 from __future__ import annotations

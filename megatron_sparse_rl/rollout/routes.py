@@ -15,9 +15,8 @@ After `generate`, every output row (prompt + response) gets the routes of its n 
 checked against the tokens the engine fed at each position; a gap or a mismatch raises naming the
 sequence and position. Routes are packed into a `moe.RouteStore` (uint8 when experts <= 256).
 
-    capture = EngineRouteCapture.attach(engine)   # engine.route_capture = capture
+    engine = RolloutEngine(model_dir, cfg, extensions=[EngineRouteCapture()])
     batch = engine.generate(prompts, sampling)    # batch.routed_experts: RouteStore, one sequence per row
-    capture.detach()
 """
 from __future__ import annotations
 
@@ -50,7 +49,8 @@ def _layout(moe: list[vllm_access.MoELayer]) -> tuple[tuple[int, ...], int]:
 class EngineRouteCapture(StepCapture):
     """Route capture bound to one RolloutEngine's in-process worker (see module docstring)."""
 
-    slot = "route_capture"
+    provides = "routes"
+    field = "routed_experts"
     features = ("step", "moe")
     error = RoutingError
 

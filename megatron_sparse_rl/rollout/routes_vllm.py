@@ -7,14 +7,13 @@ token at position t (prompt first, `SamplingParams.routed_experts_prompt_start` 
 Model Runner V2 and Triton, so it exists on GPU only; on CPU `rollout/routes.py` (a callback on every MoE
 router) records the same thing.
 
-`VLLMRouteOutput` has the interface of `EngineRouteCapture` (`attach`, `begin`, `collect`, `detach`), so
-`RolloutEngine.generate` fills `RolloutBatch.routed_experts` with either. A sequence of n tokens (prompt +
+`VLLMRouteOutput` is an engine extension like `EngineRouteCapture` (rollout/extension.py; it also asks vLLM for
+`enable_return_routed_experts`), so `RolloutEngine.generate` fills `RolloutBatch.routed_experts` with either. A sequence of n tokens (prompt +
 response) must come with at least its n - 1 input positions (the last sampled token is never fed back);
 fewer rows, a missing array, or an id outside [0, num_experts) raise a RoutingError naming the sequence.
 The MoE layers (columns kept) and the expert count are read from the engine's model.
 
-    engine = RolloutEngine(model_dir, cfg, vllm_routes=True)   # enable_return_routed_experts=True
-    VLLMRouteOutput.attach(engine)
+    engine = RolloutEngine(model_dir, cfg, extensions=[VLLMRouteOutput()])  # enable_return_routed_experts=True
     batch = engine.generate(prompts, sampling)                  # batch.routed_experts: moe.RouteStore
 """
 from __future__ import annotations
@@ -23,36 +22,40 @@ import numpy as np
 import torch
 
 from megatron_sparse_rl import vllm_access
+from megatron_sparse_rl.rollout.extension import EngineExtension
 from megatron_sparse_rl.rollout.routes import moe_layout
 from moe.storage import RouteStore, RoutingError
 
 
-class VLLMRouteOutput:
-    """Reads vLLM's per-request routed experts into a RouteStore (see the module docstring)."""
+class VLLMRouteOutput(EngineExtension):
+    """Reads vLLM's per-request routed experts into a RouteStore (see the module docstring). The MoE layers and the
+    expert count are read from the engine's model when it starts unless given."""
 
-    def __init__(self, layers: tuple[int, ...], num_experts: int):
+    provides = "routes"
+    ARG = "enable_return_routed_experts"
+
+    def __init__(self, layers: tuple[int, ...] | None = None, num_experts: int = 0):
+        self.layers, self.num_experts = (), 0
+        if layers is not None:
+            self._set_layout(layers, num_experts)
+
+    def _set_layout(self, layers: tuple[int, ...], num_experts: int) -> None:
         if not layers:
             raise RoutingError("vLLM route output needs at least one MoE layer")
         self.layers, self.num_experts = tuple(layers), int(num_experts)
-        self._engine = None
 
-    @classmethod
-    def attach(cls, engine) -> "VLLMRouteOutput":
-        if not getattr(engine, "vllm_routes", False):
-            raise RoutingError("vLLM route output needs an engine built with vllm_routes=True "
-                               "(vLLM's enable_return_routed_experts)")
+    def engine_args(self, cfg) -> dict:
+        return {self.ARG: True}
+
+    def on_started(self, engine) -> None:
+        if not engine.vllm_args.get(self.ARG):
+            raise RoutingError(f"vLLM route output needs an engine started with {self.ARG}=True (hand the "
+                               "VLLMRouteOutput to RolloutEngine(..., extensions=[...]) at construction)")
         vllm_access.check(features=("moe",))
-        reader = cls(*engine.apply_model(moe_layout))
-        engine.route_capture = reader
-        reader._engine = engine
-        return reader
+        self._set_layout(*engine.apply_model(moe_layout))
 
-    def detach(self) -> None:
-        if getattr(self._engine, "route_capture", None) is self:
-            self._engine.route_capture = None
-
-    def begin(self) -> None:
-        """Nothing to arm: vLLM records every request's routes itself."""
+    def batch_fields(self, outputs, prompts, samples) -> dict:
+        return {"routed_experts": self.collect(outputs, prompts)}
 
     def collect(self, outputs, prompts: list[list[int]]) -> RouteStore:
         """Routes of every (prompt, response) row of vLLM's `outputs`, in RolloutBatch order."""

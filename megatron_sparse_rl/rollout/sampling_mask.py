@@ -10,7 +10,7 @@ logprobs (finite = kept; rollout.logprobs_mode must be "processed"). After `gene
 gets the support recorded at its position, checked against the token the engine returned; a gap or a
 mismatch raises naming the sequence and position.
 
-    capture = SamplingMaskCapture.attach(engine)   # RolloutEngine does this when rollout.record_sampling_mask
+    engine = RolloutEngine(model_dir, cfg, extensions=[SamplingMaskCapture()])  # rollout.record_sampling_mask
     batch = engine.generate(prompts, sampling)     # batch.sampling_mask: SamplingSupport
     learner.forward_logprobs(tokens, extras=ForwardExtras(sampling_support=batch.sampling_mask))
 """
@@ -92,7 +92,8 @@ class SamplingSupport:
 class SamplingMaskCapture(StepCapture):
     """Sampling-support capture bound to one RolloutEngine's in-process worker (see module docstring)."""
 
-    slot = "sampling_capture"
+    provides = "sampling_mask"
+    field = "sampling_mask"
     features = ("step", "sampling_mask")
     error = SamplingMaskError
 

@@ -1,9 +1,9 @@
 """`StepCapture`: the base of the captures that record, inside a RolloutEngine's in-process vLLM worker, what
 each engine step did for each request (R3 routes: rollout/routes.py; sampler support: rollout/sampling_mask.py).
 
-A capture attaches to an engine (`engine.<slot>` = the capture, which `RolloutEngine.generate` arms with
-`begin` and reads with `collect`), installs its vLLM hooks in the worker, and sees every model forward of an
-armed generation as a `vllm_access.StepContext` (request ids, row offsets, token ids, positions) in
+A capture is an engine extension (rollout/extension.py) handed to the engine at construction: once vLLM runs it
+installs its vLLM hooks in the worker (`on_started`), `RolloutEngine.generate` arms it with `begin` and reads it
+with `batch_fields` (its `collect`), and it sees every model forward of an armed generation as a `vllm_access.StepContext` (request ids, row offsets, token ids, positions) in
 `_on_step`. What it files is keyed by vLLM's internal request id and position; `_by_sample` maps those ids
 to (output request id, sample index) for `collect`.
 """
@@ -12,41 +12,34 @@ from __future__ import annotations
 from collections import defaultdict
 
 from megatron_sparse_rl import vllm_access
+from megatron_sparse_rl.rollout.extension import EngineExtension
 
 
-class StepCapture:
-    """See the module docstring. Subclasses set `slot`, `features`, `error` and implement `_install_hooks`,
-    `_remove_hooks`, `_on_step` and `collect`."""
+class StepCapture(EngineExtension):
+    """See the module docstring. Subclasses set `provides`, `field`, `features`, `error` and implement
+    `_install_hooks`, `_remove_hooks`, `_on_step` and `collect`."""
 
-    slot = ""  # the RolloutEngine attribute generate() reads
+    field = ""  # the RolloutBatch field `collect` fills
     features: tuple[str, ...] = ("step",)  # what of vLLM's internals the capture relies on (vllm_access.FEATURES)
     error: type[Exception] = RuntimeError
 
     def __init__(self):
         self.active = False
-        self._engine = None
         self._runner = None
         self._handle = None
         self._step = None
         # internal request id -> position -> what the subclass files there
         self._seen: dict[str, dict] = defaultdict(dict)
 
-    @classmethod
-    def attach(cls, engine) -> "StepCapture":
-        vllm_access.check(features=cls.features)
-        capture = cls()
-        engine.apply_worker(capture._install)
-        setattr(engine, cls.slot, capture)
-        capture._engine = engine
-        return capture
+    def on_started(self, engine) -> None:
+        vllm_access.check(features=self.features)
+        engine.apply_worker(self._install)
 
     def detach(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
         self._remove_hooks()
-        if getattr(self._engine, self.slot, None) is self:
-            setattr(self._engine, self.slot, None)
 
     def begin(self) -> None:
         """Start capturing (RolloutEngine.generate calls this)."""
@@ -75,6 +68,13 @@ class StepCapture:
         raise NotImplementedError
 
     # ---- driver side -------------------------------------------------------------------------------
+    def collect(self, outputs, prompts: list[list[int]]):
+        """Stop capturing; the record of every (prompt, response) row of vLLM's `outputs`, in RolloutBatch order."""
+        raise NotImplementedError
+
+    def batch_fields(self, outputs, prompts, samples) -> dict:
+        return {self.field: self.collect(outputs, prompts)}
+
     def _by_sample(self) -> dict[tuple[str, int], str]:
         return requests_by_sample(self._seen, self.error)
 

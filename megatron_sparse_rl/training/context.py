@@ -212,25 +212,35 @@ def _learners(run: RunConfig, adapter, spec, layout, groups, model_dir: Path, to
 
 
 def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
-    """This rank's vLLM engine (with route capture when R3 or route recording is on)."""
+    """This rank's vLLM engine, with the extensions the run asks for; vLLM's CPU patches are applied first."""
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
     if run.launch.rollout_world_size and torch.cuda.is_available():
         raise NotImplementedError("disaggregated placement runs its engines on CPU only so far (its weight-sync "
                                   "bridge is gloo over CPU buffers, and the path was never run on a GPU); set "
                                   "launch.rollout_ranks=0 and launch.rollout_nodes=0 for a colocated run")
-    capture = spec.is_moe and run.routing.capture
-    native = capture and run.routing.vllm_routes(torch.cuda.is_available())
-    engine = RolloutEngine(model_dir, run.rollout, cache_dir=run_dir / "vllm_cache", vllm_routes=native)
-    if native:
-        from megatron_sparse_rl.rollout.routes_vllm import VLLMRouteOutput
+    vllm_cpu.apply()
+    return RolloutEngine(model_dir, run.rollout, cache_dir=run_dir / "vllm_cache",
+                         extensions=_engine_extensions(run, spec))
 
-        VLLMRouteOutput.attach(engine)
-    elif capture:
-        from megatron_sparse_rl.rollout.routes import EngineRouteCapture
 
-        EngineRouteCapture.attach(engine)
-    return engine
+def _engine_extensions(run: RunConfig, spec) -> list:
+    """Sparse KV (rollout.kv.policy), the sampling-mask record (rollout.record_sampling_mask) and route capture
+    (R3 or route recording on a MoE model: vLLM's own routed-experts output where it has one, else the router
+    callback), in the order the engine calls them."""
+    from megatron_sparse_rl.kv.engine_extension import sparse_kv_extensions
+    from megatron_sparse_rl.rollout.routes import EngineRouteCapture
+    from megatron_sparse_rl.rollout.routes_vllm import VLLMRouteOutput
+    from megatron_sparse_rl.rollout.sampling_mask import SamplingMaskCapture
+
+    extensions = sparse_kv_extensions(run.rollout.kv)
+    if run.rollout.record_sampling_mask:
+        extensions.append(SamplingMaskCapture())
+    if spec.is_moe and run.routing.capture:
+        native = run.routing.vllm_routes(torch.cuda.is_available())
+        extensions.append(VLLMRouteOutput() if native else EngineRouteCapture())
+    return extensions
 
 
 def open_metrics(ctx: RunContext, keep_records: int | None) -> None:

@@ -79,10 +79,12 @@ def learner_rank(layout, groups, sync, model_dir, syncs):
 
 def rollout_rank(sync, model_dir, syncs):
     from megatron_sparse_rl.config.rollout import RolloutConfig
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.weight_sync import WeightSyncError
     from megatron_sparse_rl.weight_sync.disaggregated import receive_weights
 
+    vllm_cpu.apply()
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1))
     before = torch.stack(engine.prompt_logprobs(PROBE))
     learner = sync.broadcast_object(None, src=SRC)
@@ -176,8 +178,10 @@ def sliced_worker(rank, world_size, model_dir):
     slices = layout.engine_shard_groups(SRC, 2)
     if groups is None:
         from megatron_sparse_rl.config.rollout import RolloutConfig
+        from megatron_sparse_rl.patches import vllm_cpu
         from megatron_sparse_rl.rollout import RolloutEngine
 
+        vllm_cpu.apply()
         engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1,
                                                         tensor_parallel_size=2))
         mine = slices[rank % 2]

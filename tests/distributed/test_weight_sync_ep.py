@@ -20,6 +20,7 @@ PROBE = [[1, 5, 6, 14, 11, 18, 22, 20, 27, 21, 19, 5, 13], [1, 43, 21, 19, 9, 7,
 def sync_worker(rank, world_size, model_dir, tp, ep, pp=1):
     from megatron_sparse_rl.config.rollout import RolloutConfig
     from megatron_sparse_rl.learner.sft import make_sft_loss
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.weight_sync import iter_hf_tensors, sync_to_engine, verify_logprobs
     from tests.learner_workers import make_learner
@@ -32,6 +33,7 @@ def sync_worker(rank, world_size, model_dir, tp, ep, pp=1):
     learner.train_step(tokens[rows], make_sft_loss(mask[rows], mask.sum().item()))
     streamed = {name: t.clone() for name, t in iter_hf_tensors(learner)}
     # one engine per rank: vLLM builds its groups with new_group, a collective over the whole world
+    vllm_cpu.apply()
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1))
     stats = sync_to_engine(learner, engine, bucket_mb=0.1)
     diff = verify_logprobs(learner, engine, PROBE, tol=TOL)

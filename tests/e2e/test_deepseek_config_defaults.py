@@ -23,6 +23,7 @@ def test_engine_serves_a_config_written_by_transformers(tmp_path):
     from transformers import DeepseekV3Config
 
     from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek, deepseek_config_kwargs
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
     model_dir = build_tiny_deepseek(tmp_path / "model", seed=0)
@@ -32,6 +33,7 @@ def test_engine_serves_a_config_written_by_transformers(tmp_path):
     DeepseekV3Config(**kwargs, architectures=["DeepseekV3ForCausalLM"]).save_pretrained(model_dir)
     assert not {"topk_method", "scoring_func"} & set(json.loads((model_dir / "config.json").read_text()))
     before = snapshot(model_dir)
+    vllm_cpu.apply()
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1),
                            cache_dir=tmp_path / "vllm_cache")
     try:

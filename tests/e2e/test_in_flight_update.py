@@ -26,10 +26,12 @@ PROMPTS = [[1, 5, 6, 14, 11], [1, 43, 21], [1, 9, 7, 15, 4, 4]]
 def setup(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
     root = tmp_path_factory.mktemp("in_flight")
     old, new = build_tiny_hf_model(root / "old", seed=0), build_tiny_hf_model(root / "new", seed=1)
+    vllm_cpu.apply()
     engine = RolloutEngine(old, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1))
     hf = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in (old, new)]
     yield engine, old, new, hf
@@ -115,7 +117,7 @@ def test_sparse_kv_compacts_and_frees_blocks_across_an_in_flight_update(tmp_path
     from safetensors.torch import load_file
 
     from megatron_sparse_rl.config.rollout import KVConfig
-    from megatron_sparse_rl.kv.probe import BlockUsageProbe
+    from megatron_sparse_rl.rollout.block_usage import BlockUsageProbe
     from tests.e2e.test_sparse_kv import PROMPTS as LONG_PROMPTS
     from tests.e2e.test_sparse_kv import engine as sparse_engine
     from tests.e2e.test_sparse_kv import rule_compactions, sampling

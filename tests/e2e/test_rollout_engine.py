@@ -39,11 +39,13 @@ def max_diff(a, b):
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen3"])
 def setup(request, tmp_path_factory):
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
     root = tmp_path_factory.mktemp(request.param)
     base = build_tiny_hf_model(root / "seed0", arch=request.param, seed=0)
     other = build_tiny_hf_model(root / "seed1", arch=request.param, seed=1)
+    vllm_cpu.apply()
     engine = RolloutEngine(base, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1))
     yield request.param, engine, base, other
     engine.shutdown()

@@ -14,8 +14,10 @@ def _rank_fn(rank, world_size, model_dir):
     import torch.distributed as dist
 
     from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
+    vllm_cpu.apply()
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=128, max_num_seqs=4, sampling=SamplingConfig(max_tokens=8)))
     greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=4 + 12 * rank)
     for _ in range(1 + 2 * rank):  # rank 1 does three times the work

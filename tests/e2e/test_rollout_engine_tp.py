@@ -34,14 +34,16 @@ def _sampling():
 def _engine(model_dir, tp: int):
     """An engine that also records the routes it used (R3) and the sampler's kept ids (keep-sampling-mask)."""
     from megatron_sparse_rl.config.rollout import RolloutConfig
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.rollout.routes import EngineRouteCapture
+    from megatron_sparse_rl.rollout.sampling_mask import SamplingMaskCapture
 
-    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1,
-                                                    tensor_parallel_size=tp, logprobs_mode="processed",
-                                                    record_sampling_mask=True))
-    EngineRouteCapture.attach(engine)
-    return engine
+    vllm_cpu.apply()
+    return RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1,
+                                                  tensor_parallel_size=tp, logprobs_mode="processed",
+                                                  record_sampling_mask=True),
+                         extensions=[SamplingMaskCapture(), EngineRouteCapture()])
 
 
 def _qkv_rows(model) -> int:
@@ -111,11 +113,14 @@ SPARSE_PROMPTS = [[1] + [5 + (7 * i + 3 * j) % 30 for j in range(21 + 4 * i)] fo
 def _sparse(model_dir, tp: int):
     """A SnapKV engine (budget 64, compaction every 32 tokens) and its 150-token rollouts of SPARSE_PROMPTS."""
     from megatron_sparse_rl.config.rollout import KVConfig, RolloutConfig, SamplingConfig
+    from megatron_sparse_rl.kv.engine_extension import SparseKV
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
     kv = KVConfig(policy="snapkv", budget=64, window=8, interval=32, record_keep=True)
+    vllm_cpu.apply()
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=640, max_num_seqs=8, kv_cache_gb=1, kv=kv,
-                                                    tensor_parallel_size=tp))
+                                                    tensor_parallel_size=tp), extensions=[SparseKV()])
     # fixed-length generations (the tiny random model samples EOS often): vLLM's ignore_eos
     engine._sampling_params = lambda s, i, **extra: RolloutEngine._sampling_params(engine, s, i, ignore_eos=True,
                                                                                    **extra)

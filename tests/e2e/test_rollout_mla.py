@@ -62,8 +62,10 @@ def _perturbed_copy(src, dst):
 
 @pytest.fixture(scope="module", params=["yarn", "default"])
 def setup(request, model_dirs):
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
+    vllm_cpu.apply()
     engine = RolloutEngine(model_dirs[request.param], _config())
     yield request.param, engine, model_dirs
     engine.shutdown()
@@ -140,11 +142,12 @@ def test_routes_are_the_logical_experts_transformers_picks(setup):
 
     _, engine, dirs = setup
     assert engine.apply_model(moe_layout) == (tuple(range(FIRST_MOE_LAYER, LAYERS)), EXPERTS)
-    capture = EngineRouteCapture.attach(engine)
+    capture = EngineRouteCapture()
+    engine.add_extension(capture)
     try:
         batch = engine.generate(PROMPTS, SamplingConfig(n=2, temperature=1.0, max_tokens=10, seed=5))
     finally:
-        capture.detach()
+        engine.remove_extension(capture)
     routes = batch.routed_experts
     assert routes.layers == (1, 2) and routes.indices.shape[1:] == (2, 2)  # dense layer 0 not recorded; top-2
 
@@ -204,12 +207,14 @@ def sync_worker(rank, world_size, model_dir, export_dir):
     from safetensors.torch import save_file
 
     from megatron_sparse_rl.learner.sft import make_sft_loss
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.weight_sync import sync_to_engine, verify_logprobs
     from megatron_sparse_rl.weight_sync.export import iter_hf_tensors
     from tests.learner_workers import make_learner
 
     learner = make_learner(world_size, model_dir, lr=1e-2)
+    vllm_cpu.apply()
     engine = RolloutEngine(model_dir, _config())
     out = {"loaded": verify_logprobs(learner, engine, SEQS[0], tol=ATOL),
            "before": engine.prompt_logprobs([SEQS[0]])[0]}
@@ -247,9 +252,11 @@ def tp2_worker(rank, world_size, base, moved):
     from safetensors.torch import load_file
 
     from megatron_sparse_rl.models import load_spec
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.weight_sync.engine_shards import EngineShards, expand
 
+    vllm_cpu.apply()
     engine = RolloutEngine(base, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1,
                                                tensor_parallel_size=2))
     out = {"kv_b_rows": engine.apply_model(lambda m: m.model.layers[0].self_attn.kv_b_proj.weight.shape[0]),

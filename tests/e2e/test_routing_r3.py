@@ -36,6 +36,7 @@ def r3_worker(rank, world_size, model_dir):
     from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
     from megatron_sparse_rl.config.routing import RoutingConfig
     from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.rollout.routes import EngineRouteCapture
     from moe.replay import find_routers
@@ -43,10 +44,12 @@ def r3_worker(rank, world_size, model_dir):
     from tests.distributed.test_routing import _learner
 
     learner = _learner(world_size, model_dir, routing=RoutingConfig(mode="R3"))
-    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1))
-    capture = EngineRouteCapture.attach(engine)
+    vllm_cpu.apply()
+    capture = EngineRouteCapture()
+    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1),
+                           extensions=[capture])
     batch = engine.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, temperature=1.0, seed=3))
-    capture.detach()
+    engine.remove_extension(capture)
     engine.shutdown()
     routes = batch.routed_experts
     tokens, mask, _ = batch.sequences(pad_id=0)

@@ -22,9 +22,13 @@ TEMPERATURE, TOP_K, TOP_P = 0.8, 24, 0.7
 
 def engine_worker(rank, world_size, model_dir):
     from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
+    from megatron_sparse_rl.rollout.sampling_mask import SamplingMaskCapture
 
-    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, record_sampling_mask=True))
+    vllm_cpu.apply()
+    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, record_sampling_mask=True),
+                           extensions=[SamplingMaskCapture()])
     try:
         sampling = SamplingConfig(n=3, max_tokens=12, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=7)
         return engine.generate(PROMPTS, sampling)

@@ -19,10 +19,12 @@ PROMPT = [1] + [5 + (7 * j) % 30 for j in range(4999)]
 
 def test_seeded_samples_of_a_chunked_prefill(tmp_path):
     from megatron_sparse_rl.patches import vllm_cpu_seeded_chunks
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
     model = build_tiny_hf_model(tmp_path / "tiny", seed=0, max_position=8192)
     sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=4, seed=3)
+    vllm_cpu.apply()
     engine = RolloutEngine(model, RolloutConfig(max_model_len=5120, max_num_seqs=4, kv_cache_gb=1, sampling=sampling))
     try:
         budget = engine._llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens

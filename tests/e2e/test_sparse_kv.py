@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from megatron_sparse_rl.config.rollout import KVConfig, RolloutConfig, SamplingConfig
-from megatron_sparse_rl.kv.probe import BlockUsageProbe
+from megatron_sparse_rl.kv.engine_extension import sparse_kv_extensions, sparse_kv_stats, sparse_kv_timing
 from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+from megatron_sparse_rl.rollout.block_usage import BlockUsageProbe
 
 pytestmark = pytest.mark.e2e
 
@@ -33,10 +34,12 @@ def model_dir(tmp_path_factory):
 
 @contextlib.contextmanager
 def engine(model_dir, kv: KVConfig, max_num_seqs=8, max_model_len=640):
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
+    vllm_cpu.apply()
     e = RolloutEngine(model_dir, RolloutConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_gb=1,
-                                               kv=kv))
+                                               kv=kv), extensions=sparse_kv_extensions(kv))
     # fixed-length generations (the tiny random model samples EOS often): vLLM's ignore_eos
     e._sampling_params = lambda s, i, **extra: RolloutEngine._sampling_params(e, s, i, ignore_eos=True, **extra)
     try:
@@ -122,7 +125,7 @@ def test_budget_never_reached_equals_dense(model_dir):
         ref = dense.generate(PROMPTS[:2], s)
     with engine(model_dir, KVConfig(policy="snapkv", budget=256, interval=32, block_size=32)) as sparse:
         got = sparse.generate(PROMPTS[:2], s)
-        assert sparse.sparse_kv_stats()["compactions"] == 0
+        assert sparse_kv_stats(sparse)["compactions"] == 0
     assert torch.equal(got.response_ids, ref.response_ids)
     assert torch.equal(got.rollout_logprobs, ref.rollout_logprobs)
     assert all(r.num_compactions == 0 for r in got.kv_keep)
@@ -187,7 +190,7 @@ def test_score_policy_matches_transformers_with_its_record(model_dir, policy):
     kv = KVConfig(policy=policy, budget=40, interval=24, window=8, block_size=32, record_keep=True)
     with engine(model_dir, kv) as e:  # two samples per prompt: each pair compacts at the same steps, as one batch
         batch = e.generate(PROMPTS[1:3], sampling(120, n=2, seed=3))
-        assert e.sparse_kv_timing()["compactions"] == sum(r.num_compactions for r in batch.kv_keep)
+        assert sparse_kv_timing(e)["compactions"] == sum(r.num_compactions for r in batch.kv_keep)
     worst = 0.0
     for i, rec in enumerate(batch.kv_keep):
         tokens, p = row_tokens(batch, i), int(batch.prompt_lens[i])
@@ -253,13 +256,13 @@ def test_small_pool_admission_control_and_preemption(model_dir):
     base = dict(policy="streamingllm", budget=32, interval=32, block_size=32, pool_blocks=12)
     with engine(model_dir, KVConfig(**base), max_num_seqs=16, max_model_len=256) as e, BlockUsageProbe(e) as probe:
         batch = e.generate(prompts, s)
-        stats = e.sparse_kv_stats()
+        stats = sparse_kv_stats(e)
     assert (batch.response_lens == 100).all() and stats["preemptions"] == 0 and stats["compactions"] >= 12
     assert not any(r.preempted for r in batch.kv_keep)
     assert probe.peak_blocks <= 11 and 2 <= probe.peak_running <= 5  # worst case 2 blocks per request
     with engine(model_dir, KVConfig(**base, admission_control=False), max_num_seqs=16, max_model_len=256) as e:
         loose = e.generate(prompts, s)
-        loose_stats = e.sparse_kv_stats()
+        loose_stats = sparse_kv_stats(e)
     print(f"admission control: {stats}; without: {loose_stats}")
     assert (loose.response_lens == 100).all() and loose_stats["preemptions"] > 0
     flagged = [r.preempted for r in loose.kv_keep]
@@ -277,7 +280,7 @@ def test_forced_preemption_of_compressed_requests_is_flagged(model_dir):
     kv = KVConfig(policy="streamingllm", budget=32, interval=32, block_size=32, record_keep=True)
     with engine(model_dir, kv) as e:
         ref = e.generate(prompts, s)
-        sched = e._scheduler()
+        sched = e.scheduler()
         schedule, fired, before = sched.schedule, [], sched.msrl_stats["compactions"]
 
         def preempt_once(*args, **kwargs):

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from megatron_sparse_rl.config.rollout import KVConfig, RolloutConfig, SamplingConfig
-from megatron_sparse_rl.kv.probe import BlockUsageProbe
+from megatron_sparse_rl.kv.engine_extension import sparse_kv_extensions, sparse_kv_stats, sparse_kv_timing
+from megatron_sparse_rl.rollout.block_usage import BlockUsageProbe
 from tests.e2e.test_sparse_kv import hf_masked_logprobs, mask_from_keeps, row_tokens, rule_compactions
 
 pytestmark = pytest.mark.e2e
@@ -41,9 +42,12 @@ def model_dir(tmp_path_factory):
 
 @contextlib.contextmanager
 def engine(model_dir, kv: KVConfig, **cfg):
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
 
-    e = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1, kv=kv, **cfg))
+    vllm_cpu.apply()
+    e = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1, kv=kv, **cfg),
+                      extensions=sparse_kv_extensions(kv))
     e._sampling_params = lambda s, i, **extra: RolloutEngine._sampling_params(e, s, i, ignore_eos=True, **extra)
     try:
         assert e.uses_mla
@@ -62,7 +66,7 @@ def test_budget_never_reached_equals_dense(model_dir):
         ref = dense.generate(PROMPTS[:2], s)
     with engine(model_dir, KVConfig(policy="rkv", budget=128, interval=16, window=8)) as sparse:
         got = sparse.generate(PROMPTS[:2], s)
-        assert sparse.sparse_kv_stats()["compactions"] == 0
+        assert sparse_kv_stats(sparse)["compactions"] == 0
     assert torch.equal(got.response_ids, ref.response_ids)
     assert torch.equal(got.rollout_logprobs, ref.rollout_logprobs)
 
@@ -92,11 +96,11 @@ def test_score_policy_matches_transformers_with_its_record(model_dir, policy):
     kv = KVConfig(policy=policy, budget=24, interval=8, window=6, record_keep=True)
     with engine(model_dir, kv) as e:
         batch = e.generate(PROMPTS, sampling(40))
-        t, stats = e.sparse_kv_timing(), e.sparse_kv_stats()
+        t, stats = sparse_kv_timing(e), sparse_kv_stats(e)
         # the worker ran every compaction the scheduler ordered, and timed its parts
         assert t["compactions"] == stats["compactions"] == sum(r.num_compactions for r in batch.kv_keep) > 0
         assert t["compact_s"] >= t["score_s"] + t["copy_s"] and t["score_s"] > 0 and t["capture_s"] > 0
-        assert e.sparse_kv_timing()["compactions"] == 0  # taken: reset
+        assert sparse_kv_timing(e)["compactions"] == 0  # taken: reset
     worst = 0.0
     for i, rec in enumerate(batch.kv_keep):
         p, tokens = int(batch.prompt_lens[i]), row_tokens(batch, i)

@@ -21,14 +21,14 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, sys
 from megatron_sparse_rl.config.rollout import KVConfig, RolloutConfig
-from megatron_sparse_rl.rollout.engine import _sparse_kv_engine_args
+from megatron_sparse_rl.kv.engine_extension import SparseKV
 from vllm import LLM, SamplingParams, TokensPrompt
 
 model_dir, results = sys.argv[1], {}
 for policy in sys.argv[2:]:
     cfg = RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1,
                         kv=KVConfig(policy=policy, budget=24, interval=16, window=8, block_size=32))
-    extra = _sparse_kv_engine_args(cfg) if policy != "none" else {}
+    extra = SparseKV().engine_args(cfg) if policy != "none" else {}
     llm = LLM(model=model_dir, dtype="float32", seed=0, enforce_eager=True, max_model_len=256, max_num_seqs=4,
               enable_prefix_caching=False, block_size=32, distributed_executor_backend="uni", **extra)
     params = SamplingParams(temperature=1.0, max_tokens=64, seed=7, ignore_eos=True, logprobs=0)

@@ -32,11 +32,13 @@ def _flip_one_value(flipped: list):
 def sync_worker(rank, world_size, model_dir):
     from megatron_sparse_rl.config.rollout import RolloutConfig
     from megatron_sparse_rl.learner.sft import make_sft_loss
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.weight_sync import WeightSyncError, sync_to_engine, verify_logprobs
     from tests.learner_workers import make_learner
 
     learner = make_learner(world_size, model_dir, lr=1e-2)
+    vllm_cpu.apply()
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1))
     out = {"diff_loaded": verify_logprobs(learner, engine, PROBE, tol=TOL)}
     before = torch.stack(engine.prompt_logprobs(PROBE))

@@ -14,13 +14,14 @@ PROMPTS = [[1, 5, 6, 14, 11], [1, 43, 21, 19], [1, 7, 7, 30, 22, 9, 12]]
 
 def _routes(model_dir, native: bool):
     from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
+    from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.rollout.routes import EngineRouteCapture
     from megatron_sparse_rl.rollout.routes_vllm import VLLMRouteOutput
 
     cfg = RolloutConfig(max_model_len=256, max_num_seqs=8, dtype="float32", gpu_memory_utilization=0.3)
-    with RolloutEngine(model_dir, cfg, vllm_routes=native) as engine:
-        (VLLMRouteOutput if native else EngineRouteCapture).attach(engine)
+    vllm_cpu.apply()
+    with RolloutEngine(model_dir, cfg, extensions=[VLLMRouteOutput() if native else EngineRouteCapture()]) as engine:
         batch = engine.generate(PROMPTS, SamplingConfig(n=1, temperature=0.0, max_tokens=12))
     return batch.responses(), batch.routed_experts
 

@@ -55,8 +55,9 @@ def test_malformed_output_names_the_sequence(array, message):
 
 
 def test_attach_needs_an_engine_started_for_it():
-    with pytest.raises(RoutingError, match="needs an engine built with vllm_routes=True"):
-        VLLMRouteOutput.attach(SimpleNamespace(vllm_routes=False))
+    assert VLLMRouteOutput().engine_args(None) == {"enable_return_routed_experts": True}
+    with pytest.raises(RoutingError, match="needs an engine started with enable_return_routed_experts=True"):
+        VLLMRouteOutput().on_started(SimpleNamespace(vllm_args={}))
 
 
 def test_vllm_routes_need_cuda():

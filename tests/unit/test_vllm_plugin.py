@@ -92,11 +92,11 @@ def test_requested_on_a_wrong_vllm_version_it_is_loud_and_patches_nothing(runner
 
 def test_a_sparse_kv_engine_requests_the_plugin_for_its_processes(runner_cls, monkeypatch):
     from megatron_sparse_rl.config.rollout import KVConfig, RolloutConfig
-    from megatron_sparse_rl.rollout.engine import _sparse_kv_engine_args
+    from megatron_sparse_rl.kv.engine_extension import SparseKV
 
     monkeypatch.setenv(vllm_plugin.REQUEST_ENV, "0")  # restored (removed) after the test
     cfg = RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1,
                         kv=KVConfig(policy="streamingllm", budget=24, interval=16, window=8, block_size=32))
-    args = _sparse_kv_engine_args(cfg)
+    args = SparseKV().engine_args(cfg)
     assert os.environ[vllm_plugin.REQUEST_ENV] == "1" and vllm_plugin.requested()
     assert "msrl_sparse_kv" in args["additional_config"]

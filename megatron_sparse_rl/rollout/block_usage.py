@@ -2,7 +2,7 @@
 
 Wraps `schedule()` of one in-process engine's scheduler instance (dense or sparse) and reads the block
 pool after each step's allocations: blocks in use = pool size - 1 (vLLM's null block) - free blocks.
-Used by the sparse-KV tests and `msrl bench kv`.
+Used by `RolloutEngine.generate` (RolloutBatch.kv_usage), the sparse-KV tests and `msrl bench kv`.
 
     with BlockUsageProbe(engine) as probe:
         engine.generate(...)
@@ -15,7 +15,7 @@ from megatron_sparse_rl import vllm_access
 
 class BlockUsageProbe:
     def __init__(self, engine):
-        self.scheduler = engine._scheduler()
+        self.scheduler = engine.scheduler()
         self.pool = vllm_access.block_pool(self.scheduler)
         self.blocks: list[int] = []
         self.running: list[int] = []
