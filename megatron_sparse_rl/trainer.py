@@ -50,7 +50,8 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
     score = make_scorer(run.reward, answer_marker=marker)
     correct = make_scorer(run.reward, shaping=False, answer_marker=marker)
     counters = state.resume_run(ctx) or {"sft_step": 0, "rl_step": 0, "sft_done": cfg.sft.max_steps == 0}
-    why = state.stop_requested(ctx, stops)
+    # a signal during start-up stops before the first step; the preemption file is read after steps, as ever
+    why = state.stop_requested(ctx, stops, preemption=False)
     if why:  # asked during start-up: nothing new to checkpoint
         return _stopped(ctx, why, counters, None)
     _announce(ctx, counters)
@@ -123,7 +124,7 @@ def _announce(ctx, counters: dict) -> None:
 
 def sft_stage(ctx, correct, counters: dict, report, probe, stops: StopSignals) -> str | None:
     """Supervised warm-start until `trainer.sft.max_steps` or the target held-out accuracy; returns why it stopped
-    early on request (a stop signal or preemption, checked after every step), else None."""
+    early on request (a stop signal, checked after every step), else None."""
     cfg = ctx.run.trainer.sft
     while counters["sft_step"] < cfg.max_steps:
         metrics = S.sft_step(ctx, counters["sft_step"] + 1)
@@ -135,7 +136,7 @@ def sft_stage(ctx, correct, counters: dict, report, probe, stops: StopSignals) -
             report.scalars(metrics, step=counters["sft_step"], phase="sft")
             if cfg.target_accuracy and metrics["eval/accuracy"] >= cfg.target_accuracy:
                 break
-        why = state.stop_requested(ctx, stops)
+        why = state.stop_requested(ctx, stops, preemption=False)  # the preemption file: after RL steps
         if why:
             return why
     counters["sft_done"] = True

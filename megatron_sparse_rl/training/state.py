@@ -118,11 +118,12 @@ def resume_run(ctx: RunContext) -> dict | None:
     return extra["counters"]
 
 
-def stop_requested(ctx: RunContext, stops) -> str | None:
+def stop_requested(ctx: RunContext, stops, *, preemption: bool = True) -> str | None:
     """Why the run should stop at this step boundary, the same answer on every learner rank, or None: a stop signal
-    (training/stops.py `StopSignals`) on any learner rank, or the launcher's preemption file ($MSRL_PREEMPT_FILE,
-    written by the sbatch script on SIGUSR1). With several learner ranks this is one collective per boundary."""
-    flag = os.environ.get("MSRL_PREEMPT_FILE")
+    (training/stops.py `StopSignals`) on any learner rank, or (`preemption`: after a step) the launcher's preemption
+    file ($MSRL_PREEMPT_FILE, written by the sbatch script on SIGUSR1). With several learner ranks this is one
+    collective per boundary."""
+    flag = os.environ.get("MSRL_PREEMPT_FILE") if preemption else None
     preempted = bool(flag) and ctx.is_main and Path(flag).exists()
     local = 2.0 if stops.requested() else 1.0 if preempted else 0.0
     if dist.get_world_size(ctx.groups.learner) > 1:  # learner ranks only (rollout ranks are serving)
