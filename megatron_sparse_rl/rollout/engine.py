@@ -177,15 +177,7 @@ class RolloutEngine:
         finally:
             versions, self._versions = self._versions, None
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
-        prompts, responses, logprobs, reasons, groups, samples = [], [], [], [], [], []
-        for out, prompt, gid in zip(outputs, prompt_token_ids, gids):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                samples.append((out.request_id, c.index))
-                prompts.append(list(prompt))
-                responses.append(list(c.token_ids))
-                logprobs.append(_sampled_logprobs(c.token_ids, c.logprobs))
-                reasons.append(c.finish_reason or "abort")
-                groups.append(gid)
+        prompts, responses, logprobs, reasons, groups, samples = _rows(outputs, prompt_token_ids, gids)
         response_ids = pad_rows(responses, self.pad_id, torch.long)
         lens = torch.tensor([len(r) for r in responses])
         fields: dict[str, Any] = {}
@@ -329,6 +321,21 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _rows(outputs, prompt_token_ids: list[list[int]], gids: list[int]) -> tuple[list, ...]:
+    """Per row of vLLM's `outputs` (the n samples of prompt i consecutive): prompt, response, sampled logprobs,
+    finish reason, group id and (output request id, sample index)."""
+    prompts, responses, logprobs, reasons, groups, samples = [], [], [], [], [], []
+    for out, prompt, gid in zip(outputs, prompt_token_ids, gids):
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            samples.append((out.request_id, c.index))
+            prompts.append(list(prompt))
+            responses.append(list(c.token_ids))
+            logprobs.append(_sampled_logprobs(c.token_ids, c.logprobs))
+            reasons.append(c.finish_reason or "abort")
+            groups.append(gid)
+    return prompts, responses, logprobs, reasons, groups, samples
 
 
 def _sampled_logprobs(token_ids, logprobs) -> list[float]:
