@@ -1,6 +1,6 @@
 """The one package that reaches vLLM 0.32.0's private engine internals, and the check that they still exist
-(this module; the accessors of a running engine in runtime.py, the layers' and the scheduler messages' in
-layers.py, both re-exported here).
+(this module; the version, features and failure in base.py, the accessors of a running engine in runtime.py,
+the layers' and the scheduler messages' in layers.py, all re-exported here).
 
 What the project uses beyond vLLM's public API (`LLM.generate`, `collective_rpc`, the outputs) goes through a
 function here: the engine core and scheduler behind an `LLM`, the model runner and its per-step batch
@@ -21,37 +21,28 @@ from __future__ import annotations
 
 import dis
 import functools
-import importlib
 import inspect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-VLLM_VERSION = "0.32.0"
-RIDER = "msrl_sparse_kv"  # the attribute our message rides on a SchedulerOutput
-_STATE = "_msrl_sparse_kv"  # the attribute our sparse-KV state sits in on a model runner
-
-FEATURES = {
-    "engine": "every RolloutEngine (engine core, scheduler lookup, model access, weight reload)",
-    "step": "the per-step batch that the route and sampling-mask captures read",
-    "moe": "MoE layers: ids, expert counts, the routers' top-k callback (R3 route capture and output)",
-    "sampling_mask": "the keep-sampling-mask record (a wrapper around the sampler)",
-    "sparse_kv": "sparse KV (scheduler subclass, coordinator swap, model-runner hooks)",
-    "cpu_moe_reload": "the CPU fused-MoE reload patch",
-    "cpu_rotary": "the CPU rotary-embedding patch (DeepSeek / Kimi-K2 default RoPE)",
-    "cpu_seeded_chunks": "the CPU patch for seeded sampling of chunked prefills (no generator offset rewind)",
-    "sparse_kv_mla": "sparse KV on the multi-head latent attention cache (the latent layer's dimensions, its KV "
-                     "writer and its query, absorbed with W_UK_T)",
-    "in_flight": "weights loaded between engine steps while requests run (asynchronous RL): each running sample's "
-                 "output tokens so far, and the optional recompute of the running requests' KV",
-    "mla": "multi-head latent attention engines (DeepSeek-V3 / Kimi-K2): which attention vLLM runs, and the "
-           "reload's recompute of the absorbed projections",
-}
-
-
-class VLLMInternalsError(RuntimeError):
-    """A vLLM internal the project relies on is missing or changed."""
+from megatron_sparse_rl.vllm_access.base import (  # noqa: F401
+    FEATURES, RIDER, RUNNER, STATE, VLLM_VERSION, VLLMInternalsError, fail as _fail, resolve as _resolve,
+)
+# the accessors of a running engine (runtime.py) and of the layers and scheduler messages (layers.py)
+from megatron_sparse_rl.vllm_access.runtime import (  # noqa: F401
+    scheduler, has_in_process_scheduler, shutdown, request_key, output_token_counts, model_runner,
+    model_runner_class, model, uses_mla, reload_weights, runner_state, set_runner_state, tensor_parallel_group,
+    StepContext, on_model_forward, step_context, sampler, wrap_sample, unwrap_sample, block_pool, pool_usage,
+    wrap_schedule, unwrap_schedule, num_running, num_waiting, require_version, is_cpu_platform,
+)
+from megatron_sparse_rl.vllm_access.layers import (  # noqa: F401
+    MoELayer, moe_layers, set_route_callback, RunnerKV, layer_kv,
+    write_kv, is_latent_layer, LatentDims, latent_dims, write_latent,
+    on_latent_query, on_attention_query, set_rider, rider, step_requests,
+    preempted_requests, kv_coordinator, swap_coordinator,
+)
 
 
 @dataclass(frozen=True)
@@ -65,8 +56,6 @@ class Need:
     kind: str = "attribute"
     params: tuple[str, ...] = ()
 
-
-RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"  # the V1 runner (the CPU runner subclasses it)
 
 # One owner per line: feature, owner, then its attributes, methods `name(leading,parameters)` and riders <name>;
 # an indented line continues the owner above.
@@ -219,25 +208,12 @@ def _check_need(need: Need) -> None:
         _fail(piece, "is missing", need.feature)
 
 
-def _fail(piece: str, problem: str, feature: str):
-    import vllm
-
-    raise VLLMInternalsError(f"vLLM {vllm.__version__}: {piece} {problem}; needed for {FEATURES[feature]} "
-                             f"(megatron_sparse_rl/vllm_access/ was written for vLLM {VLLM_VERSION})")
-
-
 def _walk(obj, label: str, *names: str):
     for i, name in enumerate(names):
         if not hasattr(obj, name):
             _fail(".".join((label, *names[:i + 1])), "is missing", "engine")
         obj = getattr(obj, name)
     return obj
-
-
-def _resolve(path: str):
-    module, _, name = path.partition(":")
-    obj = importlib.import_module(module)
-    return getattr(obj, name) if name else obj
 
 
 def _defines(owner, name: str) -> bool:
@@ -257,19 +233,3 @@ def _assigned(cls: type) -> frozenset[str]:
             if inspect.isfunction(f):
                 names.update(i.argval for i in dis.get_instructions(inspect.unwrap(f)) if i.opname == "STORE_ATTR")
     return frozenset(names)
-
-
-# the accessors of a running engine live in runtime.py, the layers' and the scheduler messages' in layers.py
-# (module size); callers reach them here
-from megatron_sparse_rl.vllm_access.runtime import (  # noqa: E402,F401
-    scheduler, has_in_process_scheduler, shutdown, request_key, output_token_counts, model_runner,
-    model_runner_class, model, uses_mla, reload_weights, runner_state, set_runner_state, tensor_parallel_group,
-    StepContext, on_model_forward, step_context, sampler, wrap_sample, unwrap_sample, block_pool, pool_usage,
-    wrap_schedule, unwrap_schedule, num_running, num_waiting, require_version, is_cpu_platform,
-)
-from megatron_sparse_rl.vllm_access.layers import (  # noqa: E402,F401
-    MoELayer, moe_layers, set_route_callback, RunnerKV, layer_kv,
-    write_kv, is_latent_layer, LatentDims, latent_dims, write_latent,
-    on_latent_query, on_attention_query, set_rider, rider, step_requests,
-    preempted_requests, kv_coordinator, swap_coordinator,
-)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron_sparse_rl.vllm_access import RIDER
+from megatron_sparse_rl.vllm_access.base import RIDER
 
 
 # ---- MoE layers ------------------------------------------------------------------------------------------

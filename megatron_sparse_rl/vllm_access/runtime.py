@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megatron_sparse_rl.vllm_access import _STATE, RUNNER, VLLM_VERSION, _fail, _resolve
+from megatron_sparse_rl.vllm_access.base import RUNNER, STATE, VLLM_VERSION, fail, resolve
 
 
 # ---- engine (driver process) ------------------------------------------------------------------------------
@@ -20,7 +20,7 @@ def scheduler(llm):
     client = llm.llm_engine.engine_core
     core = getattr(client, "engine_core", client)
     if not hasattr(core, "scheduler"):
-        _fail(f"LLM.llm_engine.engine_core ({type(core).__name__}).scheduler", "is missing (an in-process engine core "
+        fail(f"LLM.llm_engine.engine_core ({type(core).__name__}).scheduler", "is missing (an in-process engine core "
               "is needed: VLLM_ENABLE_V1_MULTIPROCESSING=0)", "engine")
     return core.scheduler
 
@@ -54,7 +54,7 @@ def output_token_counts(llm) -> dict[tuple[str, int], int]:
     for internal_id, request in scheduler(llm).requests.items():
         key = request_key(internal_id)
         if key is None:
-            _fail("Scheduler.requests", f"holds a request id {internal_id!r} that does not parse", "in_flight")
+            fail("Scheduler.requests", f"holds a request id {internal_id!r} that does not parse", "in_flight")
         out[key] = int(request.num_output_tokens)
     return out
 
@@ -66,7 +66,7 @@ def model_runner(worker):
 
 def model_runner_class() -> type:
     """The V1 model runner class (the CPU runner subclasses it)."""
-    return _resolve(RUNNER)
+    return resolve(RUNNER)
 
 
 def model(runner) -> torch.nn.Module:
@@ -85,11 +85,11 @@ def reload_weights(worker, weights) -> None:
 
 def runner_state(runner, default=None):
     """The sparse-KV state kept on a model runner (`default` if none was set)."""
-    return vars(runner).get(_STATE, default)
+    return vars(runner).get(STATE, default)
 
 
 def set_runner_state(runner, state) -> None:
-    setattr(runner, _STATE, state)
+    setattr(runner, STATE, state)
 
 
 def tensor_parallel_group() -> tuple[int, Any]:
