@@ -6,7 +6,7 @@
 
 Everything else receives the `ParallelGroups` it needs instead of reaching into `parallel_state`.
 
-Disaggregated placement (DESIGN.md "Process model"): the launcher starts one world of L + R ranks, learner
+Disaggregated placement (docs/launch.md "Disaggregated placement"): the launcher starts one world of L + R ranks, learner
 ranks [0, L) and rollout ranks [L, L + R):
 
     layout = ParallelLayout.from_config(run.parallel, world_size=L, rollout_ranks=R)
