@@ -9,8 +9,8 @@
 Everything (munge key and socket, state, spool, logs, pids) lives under one fresh directory; daemons run
 in the foreground as children of this process and are stopped by their process ids. Settings are the ones
 measured to work with Debian's slurm-wlm 22.05 (munge with its own key; auth/slurm does not exist there): root
-as SlurmUser, proctrack/linuxproc, task/none, no accounting, cons_tres, one node with this machine's CPUs. Ports are picked free so that
-several clusters can run side by side on a shared machine.
+as SlurmUser, proctrack/linuxproc, task/none, no accounting, cons_tres, one node with this machine's CPUs.
+Ports are picked free so that several clusters can run side by side on a shared machine.
 """
 from __future__ import annotations
 
