@@ -107,29 +107,16 @@ def build_context(run: RunConfig, total_steps: int):
     with engine TP > 1 one sliced-sync group per engine TP rank) by every rank in the same order."""
     from transformers import AutoTokenizer
 
-    from megatron_sparse_rl.config import validate
-    from megatron_sparse_rl.config.summary import run_summary
-    from megatron_sparse_rl.config.resolve import resolve
     from megatron_sparse_rl.data import build_task
     from megatron_sparse_rl.models import load_spec
-    from megatron_sparse_rl.observability.logging import attach_log_file, init_logging
+    from megatron_sparse_rl.observability.logging import attach_log_file
     from megatron_sparse_rl.parallel import ParallelLayout
-    from megatron_sparse_rl.parallel.world import on_rank0
     from megatron_sparse_rl.patches import megatron_cpu
     from megatron_sparse_rl.training import disaggregated as D
     from megatron_sparse_rl.training import placement as P
-    from megatron_sparse_rl.training.preflight import check_files
     from megatron_sparse_rl.weight_sync.engine_shards import EngineShards
 
-    rank, world = init_world(run.parallel)
-    init_logging(rank, run.logging.level, verbose=run.logging.verbose)
-    spec = validate(run, world)
-    summary = run_summary(run, spec, world) if rank == 0 else []  # says what the model resolves (max_model_len)
-    run = resolve(run, spec)  # every rank's engine and records see the values left to the model filled in
-    # `msrl validate`'s file checks (model files, tokenizer, directories, every data record and prompt length),
-    # before Megatron and vLLM start: a bad file or line is named in seconds, the same error on every rank
-    on_rank0(lambda: check_files(run, spec))
-    _warn_truncated_support(run)
+    rank, world, run, summary = _checked(run)
     megatron_cpu.apply()
     owner = _claim_run_dir(run)
     run_dir = owner.path
@@ -163,6 +150,28 @@ def build_context(run: RunConfig, total_steps: int):
                  else _colocated(run, run_dir, model_dir, spec, layout, groups))
     return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, placement, tokenizer, task,
                       None, spec, reference, owner)
+
+
+def _checked(run: RunConfig):
+    """Join the world and check the run as `msrl validate` does, before anything is written or started: the config
+    (`validate`), then the files it names (training/preflight.py: model files, tokenizer, directories, every data
+    record and prompt length), on rank 0 with the same error on every rank. Returns (rank, world size, the run with
+    the values left to the model resolved, rank 0's summary lines)."""
+    from megatron_sparse_rl.config import validate
+    from megatron_sparse_rl.config.resolve import resolve
+    from megatron_sparse_rl.config.summary import run_summary
+    from megatron_sparse_rl.observability.logging import init_logging
+    from megatron_sparse_rl.parallel.world import on_rank0
+    from megatron_sparse_rl.training.preflight import check_files
+
+    rank, world = init_world(run.parallel)
+    init_logging(rank, run.logging.level, verbose=run.logging.verbose)
+    spec = validate(run, world)
+    summary = run_summary(run, spec, world) if rank == 0 else []  # says what the model resolves (max_model_len)
+    run = resolve(run, spec)  # every rank's engine and records see the values left to the model filled in
+    on_rank0(lambda: check_files(run, spec))
+    _warn_truncated_support(run)
+    return rank, world, run, summary
 
 
 def _claim_run_dir(run: RunConfig):
