@@ -96,9 +96,7 @@ def build_tiny_hf_model(
         dtype: dtype of the saved weights.
     """
     import torch
-    from transformers import GenerationConfig, Qwen3ForCausalLM, Qwen3MoeForCausalLM
-
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     _check_args(arch, hidden, layers, heads, kv_heads, head_dim, experts, topk, dtype)
     arch, kwargs = hf_config_kwargs(arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
@@ -111,10 +109,8 @@ def build_tiny_hf_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config).to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=char_tok.BOS_ID, eos_token_id=char_tok.EOS_ID, pad_token_id=char_tok.PAD_ID,
-        do_sample=False,
-    )
+    model.generation_config = GenerationConfig(bos_token_id=char_tok.BOS_ID, eos_token_id=char_tok.EOS_ID,
+                                               pad_token_id=char_tok.PAD_ID, do_sample=False)
     model.save_pretrained(str(out), safe_serialization=True)
     char_tok.build_tokenizer(out)
     return out
