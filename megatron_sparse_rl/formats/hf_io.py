@@ -19,6 +19,7 @@ from typing import Iterable, Iterator
 import torch
 
 from megatron_sparse_rl.formats import fp8
+from megatron_sparse_rl.formats.json_file import read_json
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
 from megatron_sparse_rl.models.tensor_map import to_mcore
@@ -36,10 +37,7 @@ def _quantisation(model_dir: Path) -> fp8.BlockFp8 | None:
     config = model_dir / "config.json"
     if not config.is_file():
         return None
-    try:
-        cfg = json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: deep nesting
-        raise ValueError(f"{config}: not a readable config.json ({e})") from None
+    cfg = read_json(config, "not a readable config.json")
     return fp8.BlockFp8.from_config(cfg, str(config)) if isinstance(cfg, dict) else None
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_sparse_rl.formats.json_file import read_json
+
 MANIFEST = "conversion_manifest.json"
 HF_FILES_DIR = "hf"
 FORMAT = "msrl-convert-manifest"
@@ -74,10 +76,7 @@ def read_manifest(mcore_dir: str | Path) -> dict | None:
     path = Path(mcore_dir) / MANIFEST
     if not path.exists():
         return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: deep nesting
-        raise ValueError(f"{path}: unreadable conversion manifest ({e})") from None
+    doc = read_json(path, "unreadable conversion manifest")
     if doc.get("format") != FORMAT or doc.get("version") != VERSION or not isinstance(doc.get("tensors"), dict):
         raise ValueError(f"{path}: not a {FORMAT} v{VERSION} manifest")
     return doc
