@@ -56,23 +56,31 @@ def _origin(cfg: DataConfig, split: Split) -> str:
     return f"{field} {path!r}" if path else ""
 
 
-def _check_split(cfg: DataConfig, split: Split, tokenizer) -> SplitSummary:
+def _check_split(cfg: DataConfig, split: Split, tokenizer, max_model_len: int | None) -> SplitSummary:
     records = too_long = 0
     for prompt in iter_prompts(cfg, split):
         records += 1
-        if tokenizer is not None and encode_one(prompt, tokenizer, cfg) is None:
+        example = encode_one(prompt, tokenizer, cfg) if tokenizer is not None else None
+        if tokenizer is not None and example is None:
             too_long += 1
+        elif example is not None and max_model_len is not None and len(example.ids) >= max_model_len:
+            raise DatasetError(f"{prompt.source}: the templated prompt is {len(example.ids)} tokens, but "
+                               f"rollout.max_model_len is {max_model_len}, which must leave room for one response "
+                               f"token at least: raise rollout.max_model_len, or set data.max_prompt_tokens below "
+                               f"{max_model_len} (with data.on_long_prompt: skip to drop such prompts)")
     if records and too_long == records:
         raise DatasetError(f"{_origin(cfg, split)}: {all_too_long(records, cfg)}")
     return SplitSummary(split, _origin(cfg, split), records, too_long if tokenizer is not None else None)
 
 
-def check_data(cfg: DataConfig, tokenizer=None) -> list[SplitSummary]:
+def check_data(cfg: DataConfig, tokenizer=None, max_model_len: int | None = None) -> list[SplitSummary]:
     """Read every record of `cfg`'s splits once; raise the first problem, naming field, file and line.
 
     Args:
         cfg: the data config.
         tokenizer: the run's tokenizer, to check templated prompt lengths too (None: not checked).
+        max_model_len: the engine's rollout.max_model_len, which every templated prompt must stay below (vLLM
+            needs room for one response token); None: not checked.
     Returns:
         The train and eval `SplitSummary`.
     Raises:
@@ -80,7 +88,7 @@ def check_data(cfg: DataConfig, tokenizer=None) -> list[SplitSummary]:
             which the command line prints as `error: <message>`.
     """
     try:
-        return [_check_split(cfg, split, tokenizer) for split in ("train", "eval")]
+        return [_check_split(cfg, split, tokenizer, max_model_len) for split in ("train", "eval")]
     except ImportError as e:  # parquet without pyarrow: a config the install cannot serve
         raise DatasetError(f"data.source is {cfg.source!r}: {e}") from None
 

@@ -159,6 +159,12 @@ def _sharded_state(learner, is_loading: bool, with_optimizer: bool) -> dict:
     return state
 
 
+def temporary_path(path: str | Path) -> Path:
+    """Where `save_learner` writes the checkpoint for `path` before renaming it into place."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp")
+
+
 def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner: str | None = None,
                  config: dict | None = None, hf_files: str | Path | None = None) -> Path:
     """Save everything needed to resume; returns the final path. Refuses to overwrite an existing one.
@@ -169,7 +175,7 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temporary_path(path)
     rank = dist.get_rank()
     if rank == 0:
         if path.exists():

@@ -93,25 +93,6 @@ def dir_problems(field: str, path: Path) -> list[str]:
     return []
 
 
-def _prompt_length_problem(run, tokenizer) -> str | None:
-    """The first templated prompt the engine cannot take (vLLM needs prompt length < max_model_len), with its file
-    and line; checked only when data.max_prompt_tokens does not already keep prompts that short."""
-    from megatron_sparse_rl.data.datasets import encode_one, iter_prompts
-
-    limit, data = run.rollout.max_model_len, run.data
-    if tokenizer is None or limit is None or data.max_prompt_tokens < limit:
-        return None
-    for split in ("train", "eval"):
-        for prompt in iter_prompts(data, split):
-            example = encode_one(prompt, tokenizer, data)
-            if example is not None and len(example.ids) >= limit:
-                return (f"{prompt.source}: the templated prompt is {len(example.ids)} tokens, but "
-                        f"rollout.max_model_len is {limit}, which must leave room for one response token at least: "
-                        f"raise rollout.max_model_len, or set data.max_prompt_tokens below {limit} (with "
-                        "data.on_long_prompt: skip to drop such prompts)")
-    return None
-
-
 def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
     """Check the files `run` points to (reading them, writing nothing); the data lines of the summary.
     `spec` is the model's ModelSpec from `validate` (None when unknown); `run` as resolved (`resolve`) where
@@ -141,8 +122,7 @@ def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
                                  Path(run.logging.dir) / "checkpoints")
     lines = []
     try:
-        lines = summary_lines(check_data(run.data, tokenizer), run.data)
-        problems += [p for p in [_prompt_length_problem(run, tokenizer)] if p]
+        lines = summary_lines(check_data(run.data, tokenizer, run.rollout.max_model_len), run.data)
     except DatasetError as e:
         problems.append(str(e))
     if len(problems) == 1:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.loader import to_dict
 from megatron_sparse_rl.formats.hf_writer import ShardedSafetensorsWriter, write_side_files
-from megatron_sparse_rl.learner.checkpoint import is_complete, load_learner, param_dtype_name, save_learner
+from megatron_sparse_rl.learner.checkpoint import (is_complete, load_learner, param_dtype_name, save_learner,
+                                                  temporary_path)
 from megatron_sparse_rl.learner.finite import require_finite_weights
 from megatron_sparse_rl.learner.integrity import owner_of, verify_files
 from megatron_sparse_rl.training import run_dir
@@ -52,7 +53,7 @@ def save_run(ctx: RunContext, counters: dict, task_state: dict | None = None) ->
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    with _writing(path, "checkpoint", cleanup=path.with_name(f".{path.name}.tmp") if ctx.is_main else None):
+    with _writing(path, "checkpoint", cleanup=temporary_path(path) if ctx.is_main else None):
         save_learner(ctx.learner, path, extra={"counters": counters, "task": task_state or ctx.task.state_dict()},
                      owner=ctx.owner.run_id, config=to_dict(ctx.run), hf_files=ctx.model_dir)
     if ctx.is_main:
