@@ -9,9 +9,10 @@ before splitting into micro-batches, then train with `mask & keep`, normalise wi
 
     corr = apply_corrections(cfg.corrections, old_logprobs, rollout_logprobs, mask, advantages=adv)
 
-OPSM's rule is defined with the CURRENT pi_theta, so the trainer does not run it here: it calls `opsm_keep`
-inside every update micro-batch's loss (training/update.py); `apply_corrections(..., logprobs=)` evaluates
-the same rule for callers that hold current logprobs (pi_old stands in when they are absent).
+OPSM's rule, and TIS with `ratio: pi_theta` (MiniRL's weight min(pi_theta/mu, C)), are defined with the CURRENT
+pi_theta, so the trainer does not run them here: it evaluates them inside every update micro-batch's loss
+(training/update.py); `apply_corrections(..., logprobs=)` evaluates the same rules for callers that hold current
+logprobs (pi_old stands in when they are absent).
 
 Rollout logprobs that are inf/NaN (engine glitches) are masked out and counted, never propagated.
 Everything here runs without grad and without host syncs; metrics are scalar tensors.
@@ -28,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.algorithms.aggregation import global_sum, masked_mean
+# the PPO losses' clamp of log r_t: tis ratio pi_theta must divide by the r_t those losses multiply by
+from megatron_sparse_rl.algorithms.losses import _LOG_RATIO_CLAMP as _PPO_LOG_RATIO_CLAMP
 from megatron_sparse_rl.config.algorithm import (
     BatchSkipConfig, CorrectionsConfig, GeoRSConfig, IcePopConfig, MISConfig, OPSMConfig, SparseRLConfig,
     TISConfig, VetoConfig,
@@ -85,11 +88,22 @@ def _in_log_bounds(log_x: torch.Tensor, low: float, high: float) -> torch.Tensor
 
 
 def tis_correction(cfg: TISConfig, x: CorrectionInputs) -> CorrectionResult:
-    """TIS: w_t = min(rho_t, C) (token) or min(prod_t rho_t, C) (sequence); nothing is dropped."""
-    log_rho = x.log_rho if cfg.level == "token" else _seq_sum(x.log_rho, x.mask).expand_as(x.log_rho)
+    """TIS: w_t = min(rho_t, C) (token) or min(prod_t rho_t, C) (sequence); nothing is dropped.
+
+    cfg.ratio = pi_theta (token level; MiniRL): w_t = min(rho_t, C / r_t), r_t = pi_theta/pi_old of the current
+    (detached) logprobs with log r_t clamped to +-20 as the PPO losses clamp it, so that w_t r_t = min(pi_theta/mu,
+    C). pi_theta comes from `drift` (log mu - log pi_theta): pi_old stands in without current logprobs (r_t = 1).
+    `tis/truncated_frac` counts the tokens where the cap binds (rho_t > C, or pi_theta/mu > C)."""
     log_cap = math.log(cfg.cap)
-    weights = torch.exp(log_rho.clamp(max=log_cap))
-    metrics = {"tis/truncated_frac": _frac(log_rho > log_cap, x.mask), "tis/weight_mean": masked_mean(weights, x.mask)}
+    if cfg.ratio == "pi_theta":
+        log_r = (-x.drift - x.log_rho).clamp(-_PPO_LOG_RATIO_CLAMP, _PPO_LOG_RATIO_CLAMP)  # log pi_theta/pi_old
+        truncated = x.log_rho + log_r > log_cap
+        weights = torch.exp(torch.minimum(x.log_rho, log_cap - log_r))
+    else:
+        log_rho = x.log_rho if cfg.level == "token" else _seq_sum(x.log_rho, x.mask).expand_as(x.log_rho)
+        truncated = log_rho > log_cap
+        weights = torch.exp(log_rho.clamp(max=log_cap))
+    metrics = {"tis/truncated_frac": _frac(truncated, x.mask), "tis/weight_mean": masked_mean(weights, x.mask)}
     return CorrectionResult(weights, x.mask, metrics)
 
 

@@ -14,6 +14,10 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 AdvantageEstimator = Literal["grpo", "rloo"]
 OldLogprobsSource = Literal["learner", "engine", "engine_mean"]
+TISRatio = Literal["pi_old", "pi_theta"]
+# Losses whose token gradient is w_t r_t A grad log pi_theta on unclipped tokens, so that tis.ratio = pi_theta's
+# factor w_t = min(rho_t, C / sg(r_t)) makes the IS weight w_t r_t = min(pi_theta/mu, C).
+PPO_TOKEN_LOSSES = ("grpo", "dapo", "dual_clip")
 
 # (clip_low, clip_high) used when the config leaves them unset; references.md: PPO/GRPO 0.2/0.2,
 # DAPO clip-higher 0.28, GSPO 3e-4/4e-4. CISPO (MiniMax-M1) puts no lower bound on its IS weight
@@ -98,10 +102,19 @@ class TISConfig:
     """token: rho_t; sequence: prod_t rho_t (one weight for the whole response)."""
     cap: float = 2.0
     """Truncation C (references.md: 2; Sparse-RL 1.5; Qwen MiniRL 5)."""
+    ratio: TISRatio = "pi_old"
+    """Which policy's probability over mu is truncated. pi_old: w_t = min(pi_old/mu, C), fixed at rollout time.
+    pi_theta (MiniRL, token level and a PPO-clip loss only): the IS weight is sg[min(pi_theta/mu, C)] with the
+    current pi_theta, evaluated in every update's loss: w_t = min(rho_t, C / sg(r_t)), so that the loss's r_t
+    times w_t is min(pi_theta/mu, C). The two differ only where the cap binds (equal on-policy, where r_t = 1)."""
 
     def __post_init__(self) -> None:
         _require_choice(self.level, ("token", "sequence"), "algorithm.corrections.tis.level")
         _require(self.cap > 0, "algorithm.corrections.tis.cap", "must be > 0", self.cap)
+        _require_choice(self.ratio, get_args(TISRatio), "algorithm.corrections.tis.ratio")
+        if self.ratio == "pi_theta" and self.level != "token":
+            raise ValueError("algorithm.corrections.tis.ratio = 'pi_theta' needs algorithm.corrections.tis.level = "
+                             f"'token' (got {self.level!r})")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -288,3 +301,8 @@ class AlgorithmConfig:
         _require_choice(self.old_logprobs, get_args(OldLogprobsSource), "algorithm.old_logprobs")
         _require(self.old_logprobs_samples >= 1, "algorithm.old_logprobs_samples", "must be >= 1",
                  self.old_logprobs_samples)
+        tis = self.corrections.tis
+        if tis.enabled and tis.ratio == "pi_theta" and self.loss.name not in PPO_TOKEN_LOSSES:
+            raise ValueError("algorithm.corrections.tis.ratio = 'pi_theta' needs a loss whose gradient carries the "
+                             f"token ratio r_t: algorithm.loss.name one of {list(PPO_TOKEN_LOSSES)} "
+                             f"(got {self.loss.name!r})")

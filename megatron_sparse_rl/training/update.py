@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_sparse_rl.algorithms import (
     apply_corrections, compute_advantages, kl_loss, loss_normalizer, mismatch_metrics, policy_loss,
 )
-from megatron_sparse_rl.algorithms.corrections import opsm_keep
+from megatron_sparse_rl.algorithms.corrections import correction_inputs, opsm_keep, tis_correction
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig
 from megatron_sparse_rl.learner.extras import ForwardExtras
@@ -174,10 +174,16 @@ def _support_metrics(keep) -> dict[str, float]:
             "sampling_mask/kept_ids_mean": float(truncated.mean()) if len(truncated) else 0.0}
 
 
+def _current_tis(cfg: CorrectionsConfig) -> bool:
+    return cfg.tis.enabled and cfg.tis.ratio == "pi_theta"
+
+
 def _rollout_time(cfg: CorrectionsConfig) -> CorrectionsConfig:
-    """The corrections applied once at rollout time: all enabled ones but OPSM, whose rule uses the current
-    pi_theta and so runs in every update's loss (`make_loss`)."""
-    return replace(cfg, opsm=replace(cfg.opsm, enabled=False)) if cfg.opsm.enabled else cfg
+    """The corrections applied once at rollout time: all enabled ones but OPSM and TIS with ratio pi_theta, whose
+    rules use the current pi_theta and so run in every update's loss (`make_loss`)."""
+    if cfg.opsm.enabled:
+        cfg = replace(cfg, opsm=replace(cfg.opsm, enabled=False))
+    return replace(cfg, tis=replace(cfg.tis, enabled=False)) if _current_tis(cfg) else cfg
 
 
 def _opsm_frac_at_old(cfg: CorrectionsConfig, rollout_lp, old_lp, mask, advantages) -> float:
@@ -258,23 +264,30 @@ def make_loss(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, no
     """learner.train_step's loss for the mini-batch rows `chunk`: loss_fn(logprobs [b, T-1], entropy [b, T-1],
     index [b] rows of the chunk) -> (loss, metrics). With OPSM on, the sequences its rule drops under this
     micro-batch's current (detached) logprobs leave the policy term (not the KL term, which DeepSeek-V3.2 keeps
-    outside the mask); `norm` (from the whole mini-batch's mask) still counts them, as there."""
+    outside the mask); `norm` (from the whole mini-batch's mask) still counts them, as there. With TIS ratio
+    pi_theta, its factor min(rho_t, C / r_t) (corrections.py `tis_correction`) multiplies the policy term's
+    weights only; the KL term keeps the rollout-time weights."""
     mask, old = prep.mask[chunk], prep.old_logprobs[chunk]
     adv, weights = prep.advantages[chunk], prep.weights[chunk]
     response = (prep.response_mask if prep.response_mask is not None else prep.mask)[chunk]
-    rollout, opsm = prep.rollout_logprobs[chunk], cfg.corrections.opsm
+    rollout, opsm, tis = prep.rollout_logprobs[chunk], cfg.corrections.opsm, cfg.corrections.tis
 
     def loss_fn(logprobs, entropy, index):
         dev = logprobs.device
         m, counts = mask[index].to(dev), {}
-        m_kl = m
+        m_kl, w, tis_metrics = m, weights[index].to(dev), {}
         if opsm.enabled:
             keep = opsm_keep(opsm, rollout[index].to(dev), logprobs, response[index].to(dev), adv[index].to(dev))
             seqs = m.any(dim=-1)
             counts = {"opsm/masked_seqs": (seqs & ~keep.squeeze(-1)).sum().float(), "opsm/seqs": seqs.sum().float()}
             m = m & keep
+        if _current_tis(cfg.corrections):
+            x, _ = correction_inputs(old[index].to(dev), rollout[index].to(dev), m, logprobs=logprobs)
+            current = tis_correction(tis, x)
+            w, tis_metrics = w * current.weights.to(w.dtype), current.metrics
         loss, metrics = policy_loss(logprobs, old[index].to(dev), adv[index].to(dev), m, cfg=cfg.loss,
-                                    normalizer=norm, weights=weights[index].to(dev), entropy=entropy)
+                                    normalizer=norm, weights=w, entropy=entropy)
+        metrics = {**metrics, **tis_metrics}
         if prep.ref_logprobs is not None:
             kl, kl_metrics = kl_loss(logprobs, prep.ref_logprobs[chunk][index].to(dev), m_kl, cfg=cfg.kl,
                                      aggregation=cfg.loss.aggregation, normalizer=norm,
