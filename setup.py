@@ -2,6 +2,10 @@
 
 Install for development with `make setup` (creates .venv, installs the CPU stack), or by hand:
     pip install torch==2.13.0 && pip install -e .[cpu]
+
+The repository's top-level folders moe/, launch/ and tools/ install as megatron_sparse_rl.moe,
+megatron_sparse_rl.launch and megatron_sparse_rl.tools: the distribution claims no top-level name but
+`megatron_sparse_rl` (generic names like `tools` would collide with other packages in site-packages).
 """
 from setuptools import find_packages, setup
 
@@ -22,18 +26,25 @@ EXTRAS = {
     "math": ["math-verify>=0.9"],  # reward.kind: math (pure Python: latex2sympy2_extended, sympy, antlr4)
     "parquet": ["pyarrow>=15"],  # data.source: parquet
 }
+MAPPED = ("moe", "launch", "tools")
+"""Repository folders installed as subpackages of megatron_sparse_rl (megatron_sparse_rl.<folder>)."""
+PACKAGE_DIR = {f"megatron_sparse_rl.{folder}": folder for folder in MAPPED}
+PACKAGES = find_packages(include=["megatron_sparse_rl", "megatron_sparse_rl.*"])
+for package, folder in PACKAGE_DIR.items():
+    PACKAGES += [package, *(f"{package}.{sub}" for sub in find_packages(folder))]
 
 setup(
     name="megatron_sparse_rl",
     version="0.1.0",
     description="RL post-training for large MoE LLMs: Megatron-Core learners, vLLM sparse-KV rollouts.",
     python_requires=">=3.11,<3.12",
-    packages=find_packages(include=["megatron_sparse_rl*", "moe*", "launch*", "tools*"]),
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
     package_data={"megatron_sparse_rl": ["assets/*", "assets/**/*"]},
     install_requires=CORE,
     extras_require=EXTRAS,
     entry_points={
-        "console_scripts": ["msrl = tools.cli:main"],
+        "console_scripts": ["msrl = megatron_sparse_rl.tools.cli:main"],
         # vLLM calls general plugins in every process it starts (engine core, workers), for every user of the
         # environment: the plugin is inert unless one of our sparse-KV engines asked for it (kv/vllm_plugin.py).
         "vllm.general_plugins": ["msrl_sparse_kv = megatron_sparse_rl.kv.vllm_plugin:plugin"],

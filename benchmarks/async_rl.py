@@ -46,7 +46,8 @@ def _launch(args, tmp: Path, staleness: int) -> list[dict]:
     sets = [f"logging.dir={run_dir}", f"model.path={tmp / 'model'}", "launch.rollout_ranks=1",
             f"trainer.max_staleness={staleness}", f"trainer.steps={args.steps}", "trainer.eval_every=0",
             "checkpoint.save_every=0", "logging.tensorboard=false", *args.set]
-    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", args.config, "--nproc", "2", "--set", *sets]
+    cmd = [sys.executable, "-m", "megatron_sparse_rl.tools.cli", "launch", "local", args.config, "--nproc", "2",
+           "--set", *sets]
     print(f"running trainer.max_staleness={staleness} ({args.steps} RL steps) ...", flush=True)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode:

@@ -1,8 +1,10 @@
 """Local launch: torchrun (launch/torchrun.py) on one node, its store on 127.0.0.1 only.
 
-    cmd = local_command("configs/tiny_moe_tp2ep2.yaml", nproc=4, program="tools.cli train", overrides=[])
-    # [python, -m, launch.torchrun, --nnodes=1, --node-rank=0, --master-addr=127.0.0.1, --master-port=0,
-    #  --nproc-per-node=4, --shutdown-timeout=330, -m, tools.cli, train, CONFIG, --set, ...]
+    cmd = local_command("configs/tiny_moe_tp2ep2.yaml", nproc=4, program="megatron_sparse_rl.tools.cli train",
+                        overrides=[])
+    # [python, -m, megatron_sparse_rl.launch.torchrun, --nnodes=1, --node-rank=0, --master-addr=127.0.0.1,
+    #  --master-port=0, --nproc-per-node=4, --shutdown-timeout=330, -m, megatron_sparse_rl.tools.cli, train,
+    #  CONFIG, --set, ...]
 
 `--master-port=0` picks a free rendezvous port, so runs of several users on one machine do not collide; the
 store listens on loopback only (stock torchrun's `--standalone` would serve it on every interface). torchrun is
@@ -22,7 +24,7 @@ def local_command(config: str, *, nproc: int, program: str, overrides: list[str]
                   stop_timeout_s: float = 300.0) -> list[str]:
     """The command line of a one-machine run with `nproc` ranks; on SIGTERM torchrun gives the ranks
     `stop_timeout_s` (+ a margin) to checkpoint and exit (training/stops.py)."""
-    cmd = [sys.executable, "-m", "launch.torchrun", *RENDEZVOUS, f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "megatron_sparse_rl.launch.torchrun", *RENDEZVOUS, f"--nproc-per-node={nproc}",
            f"--shutdown-timeout={int(stop_timeout_s) + STOP_MARGIN_S}", "-m", *program.split(), config]
     for o in overrides:
         cmd += ["--set", o]

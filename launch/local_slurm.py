@@ -1,6 +1,7 @@
 """A single-node SLURM cluster on this machine (munged + slurmctld + slurmd), for tests and demos.
 
-    python -m launch.local_slurm up /tmp/msrl-slurm      # prints `export SLURM_CONF=...`; Ctrl-C stops it
+    python -m megatron_sparse_rl.launch.local_slurm up /tmp/msrl-slurm   # prints `export SLURM_CONF=...`
+                                                                         # Ctrl-C stops it
     sbatch, srun, squeue ... with that SLURM_CONF
 
     with LocalSlurm(tmpdir) as cluster:                   # in Python (tests/e2e/test_slurm.py)
@@ -160,7 +161,7 @@ class LocalSlurm:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "up":
-        print("usage: python -m launch.local_slurm up DIR", file=sys.stderr)
+        print("usage: python -m megatron_sparse_rl.launch.local_slurm up DIR", file=sys.stderr)
         return 2
     if missing_binaries():
         install()

@@ -1,7 +1,7 @@
 """A stand-in job for launcher tests: what `msrl train` would do at start-up, and nothing expensive.
 
-    python -m launch.probe CONFIG [--set a.b=v ...] [--hold SECONDS]
-    (as a launch program: --set launch.program=launch.probe)
+    python -m megatron_sparse_rl.launch.probe CONFIG [--set a.b=v ...] [--hold SECONDS]
+    (as a launch program: --set launch.program=megatron_sparse_rl.launch.probe)
 
 Every rank loads and validates the config for the world it finds (RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT from torchrun or the sbatch script), joins a gloo world through that rendezvous as the trainer
@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.probe")
+    parser = argparse.ArgumentParser(prog="python -m megatron_sparse_rl.launch.probe")
     parser.add_argument("config")
     parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[])
     parser.add_argument("--hold", type=float, default=0.0)

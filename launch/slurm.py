@@ -82,7 +82,7 @@ def _srun(launch: LaunchConfig, workdir: str) -> str:
     args += list(s.extra_srun)
     if s.mode == "torchrun":
         args.append("--ntasks-per-node=1")
-        task = ('exec "$0" -m launch.torchrun --nnodes="$SLURM_NNODES" '
+        task = ('exec "$0" -m megatron_sparse_rl.launch.torchrun --nnodes="$SLURM_NNODES" '
                 f'--nproc-per-node={p} --node-rank="$SLURM_NODEID" '
                 '--master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" -m "$@"')
     else:

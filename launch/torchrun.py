@@ -1,8 +1,8 @@
 """torchrun whose rendezvous store listens on --master-addr only: what `msrl launch local` and the SLURM script's
 torchrun mode run instead of `python -m torch.distributed.run`, with the same arguments.
 
-    python -m launch.torchrun --nnodes=1 --node-rank=0 --master-addr=127.0.0.1 --master-port=0 \\
-        --nproc-per-node=2 -m tools.cli train CONFIG
+    python -m megatron_sparse_rl.launch.torchrun --nnodes=1 --node-rank=0 --master-addr=127.0.0.1 \\
+        --master-port=0 --nproc-per-node=2 -m megatron_sparse_rl.tools.cli train CONFIG
 
 Stock torchrun's agent serves its TCPStore on every interface whatever --master-addr says (`--standalone`'s
 c10d store too, and the second store it shares with the workers). Here the agent of node 0 serves the store

@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from moe.storage import RoutingError
+from megatron_sparse_rl.moe.storage import RoutingError
 
 Phase = Literal["off", "record", "replay", "observe"]
 

@@ -1,4 +1,5 @@
-"""`msrl`: the command-line entry point (console script `msrl = tools.cli:main`).
+"""`msrl`: the command-line entry point (console script `msrl = megatron_sparse_rl.tools.cli:main`; this folder
+installs as `megatron_sparse_rl.tools`, setup.py maps it).
 
     msrl validate configs/tiny_moe.yaml [--world-size N] [--set a.b=v ...]
     msrl <command> --help
@@ -32,7 +33,7 @@ def load_command(name: str):
     Only a missing module of that exact name counts as "not implemented": any other ImportError (a
     dependency the module needs) propagates, so a broken install is never reported as a missing feature.
     """
-    module = f"tools.{name}_cmd"
+    module = f"megatron_sparse_rl.tools.{name}_cmd"
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:

@@ -37,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _local(args) -> int:
-    from launch.checks import check_launch
-    from launch.load import job_overrides, load_run
-    from launch.local import local_command
+    from megatron_sparse_rl.launch.checks import check_launch
+    from megatron_sparse_rl.launch.load import job_overrides, load_run
+    from megatron_sparse_rl.launch.local import local_command
     from megatron_sparse_rl.config import ConfigError, validate
 
     overrides = list(args.overrides)
@@ -60,15 +60,15 @@ def _local(args) -> int:
         return 0
     from pathlib import Path
 
-    from launch.supervise import supervise
+    from megatron_sparse_rl.launch.supervise import supervise
 
     return supervise(cmd, run_dir=Path(run.logging.dir))
 
 
 def _slurm(args) -> int:
-    from launch.checks import check_launch
-    from launch.load import job_overrides, load_run
-    from launch.slurm import render_sbatch, resolve_paths, submit, write_script
+    from megatron_sparse_rl.launch.checks import check_launch
+    from megatron_sparse_rl.launch.load import job_overrides, load_run
+    from megatron_sparse_rl.launch.slurm import render_sbatch, resolve_paths, submit, write_script
     from megatron_sparse_rl.config import validate
 
     run, launch = load_run(args.config, args.overrides)

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe.storage import RouteStore, RoutingError
+    from megatron_sparse_rl.moe.storage import RouteStore, RoutingError
 
     try:
         if args.action == "inspect":
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _inspect(store) -> None:
-    from moe.stats import expert_load, load_entropy
+    from megatron_sparse_rl.moe.stats import expert_load, load_entropy
 
     tokens = int(store.indices.shape[0])
     print(f"source {store.source}: {len(store)} sequences, {tokens} tokens, {len(store.layers)} MoE layers, "
@@ -48,7 +48,7 @@ def _inspect(store) -> None:
 
 
 def _compare(a, b, plot: str | None) -> None:
-    from moe.stats import agreement, flipped_fraction
+    from megatron_sparse_rl.moe.stats import agreement, flipped_fraction
 
     agree = agreement(a, b)
     for layer, v in zip(a.layers, agree.tolist()):

@@ -116,7 +116,7 @@ class LaunchConfig:
     """Ranks given to rollout engines only on a ONE-node run (`msrl launch local`, a bare torchrun):
     learner ranks [0, nproc_per_node - rollout_ranks), rollout ranks the rest. 0 = colocated. Multi-node
     jobs give whole nodes with `rollout_nodes` instead (set one of the two)."""
-    program: str = "tools.cli train"
+    program: str = "megatron_sparse_rl.tools.cli train"
     """Python module (and leading arguments) every rank runs as `python -m <program> CONFIG --set ...`."""
     python: str = ""
     """Interpreter the ranks of a SLURM job run (an absolute path, a path relative to the job's workdir, or a

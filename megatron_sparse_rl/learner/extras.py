@@ -20,7 +20,7 @@ import torch
 
 if TYPE_CHECKING:
     from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
-    from moe.storage import RouteStore
+    from megatron_sparse_rl.moe.storage import RouteStore
 
 
 def _rows(index) -> torch.Tensor:

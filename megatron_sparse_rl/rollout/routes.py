@@ -25,8 +25,8 @@ from functools import partial
 import torch
 
 from megatron_sparse_rl import vllm_access
+from megatron_sparse_rl.moe.storage import RouteStore, RoutingError
 from megatron_sparse_rl.rollout.step_capture import StepCapture
-from moe.storage import RouteStore, RoutingError
 
 
 def moe_layers(model) -> list[vllm_access.MoELayer]:

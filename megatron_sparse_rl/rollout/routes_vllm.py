@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from megatron_sparse_rl import vllm_access
+from megatron_sparse_rl.moe.storage import RouteStore, RoutingError
 from megatron_sparse_rl.rollout.extension import EngineExtension
 from megatron_sparse_rl.rollout.routes import moe_layout
-from moe.storage import RouteStore, RoutingError
 
 
 class VLLMRouteOutput(EngineExtension):

@@ -144,7 +144,7 @@ def m2h_failures_worker(rank, world, inputs, out):
     from contextlib import redirect_stderr
 
     from megatron_sparse_rl.checkpoint.convert import mcore_to_hf
-    from tools.cli import main
+    from megatron_sparse_rl.tools.cli import main
 
     results = {}
     for case in ("damaged_item", "truncated_distcp"):
@@ -220,7 +220,7 @@ def test_bad_inputs_fail_clearly_and_leave_nothing(converted, tmp_path):
 
 
 def test_cli_mcore_to_hf_and_existing_out(converted, tmp_path, capsys):
-    from tools.cli import main
+    from megatron_sparse_rl.tools.cli import main
 
     hf, root = converted
     out = tmp_path / "cli_out"

@@ -164,7 +164,7 @@ def test_converted_checkpoint_loads_into_a_learner(ds_dir, reference, converted)
 # ---- routing replay with the grouped sigmoid router ----------------------------------------------------------
 def _probs_observer(learner):
     """Test-side: every router call's (logits input, routing probs) per layer, by forward hooks."""
-    from moe.replay import find_routers
+    from megatron_sparse_rl.moe.replay import find_routers
 
     seen, handles = {}, []
     for r in find_routers(learner.model):
@@ -179,8 +179,8 @@ def replay_worker(rank, world, model_dir):
     from megatron_sparse_rl.config.routing import RoutingConfig
     from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
     from megatron_sparse_rl.learner.sft import make_sft_loss
-    from moe.replay import find_routers
-    from moe.stats import agreement
+    from megatron_sparse_rl.moe.replay import find_routers
+    from megatron_sparse_rl.moe.stats import agreement
 
     from tests.distributed.test_routing import _expected_maps, _learner
 

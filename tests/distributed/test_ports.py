@@ -4,7 +4,7 @@ loopback.
 - `run_ranks` (the spawned test worlds, `msrl convert` without a launcher through checkpoint/launch.py
   `run_local`): the parent's store and each rank's, after a disaggregated split (parallel/bridge.py's store) and
   a `Bridge` over all ranks; the bridge still carries an object.
-- `msrl launch local --nproc 2` of `launch.probe` (torchrun's agent and two ranks joining a gloo world as the
+- `msrl launch local --nproc 2` of launch/probe.py (torchrun's agent and two ranks joining a gloo world as the
   trainer does), sampled every 0.2 s while it runs. The trainer itself under the same launcher: tests/e2e/test_ports.py.
 - the SLURM script's srun mode on one machine (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by the launcher, no
   agent): rank 0 serves the store on MASTER_ADDR only. Under a real SLURM: tests/e2e/test_slurm.py.
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_sparse_rl.parallel.ports import free_port
+from tests.msrl import MSRL
 from tests.sockets import listeners, off_loopback, sample_listeners
 from tests.spawn import run_distributed
 
@@ -72,8 +73,8 @@ def test_convert_without_a_launcher_listens_on_loopback_only(tmp_path):
 def test_launch_local_listens_on_loopback_only(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(json.dumps({"model": {"path": str(tmp_path / "m")}, "logging": {"dir": str(tmp_path / "run")}}))
-    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(cfg), "--nproc", "2",
-           "--set", "launch.program=launch.probe --hold 2"]
+    cmd = [*MSRL, "launch", "local", str(cfg), "--nproc", "2",
+           "--set", "launch.program=megatron_sparse_rl.launch.probe --hold 2"]
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = sample_listeners(proc, timeout=120)
@@ -90,8 +91,8 @@ def test_srun_mode_rank0_serves_the_store_on_master_addr_only(tmp_path):
     cfg.write_text(json.dumps({"model": {"path": str(tmp_path / "m")}, "logging": {"dir": str(tmp_path / "run")}}))
     base = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
     world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, "-m", "launch.probe", str(cfg), "--hold", "2"], cwd=REPO,
-                              env={**base, **world, "RANK": str(r), "LOCAL_RANK": str(r)},
+    probe = [sys.executable, "-m", "megatron_sparse_rl.launch.probe", str(cfg), "--hold", "2"]
+    procs = [subprocess.Popen(probe, cwd=REPO, env={**base, **world, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     seen = sample_listeners(procs[0], timeout=120)
     procs[1].wait(timeout=60)

@@ -46,7 +46,7 @@ def _learner(world_size, model_dir, tp=1, ep=1, lr=1e-2, recompute=False, aux_co
 
 
 def _perturb_routers(learner, seed=7):
-    from moe.replay import find_routers
+    from megatron_sparse_rl.moe.replay import find_routers
 
     g = torch.Generator().manual_seed(seed)
     for r in find_routers(learner.model):
@@ -55,7 +55,7 @@ def _perturb_routers(learner, seed=7):
 
 def _router_maps(learner):
     """Test-side observer: the routing map every router call returns, per layer (independent of moe/)."""
-    from moe.replay import find_routers
+    from megatron_sparse_rl.moe.replay import find_routers
 
     maps, handles = {}, []
     for r in find_routers(learner.model):
@@ -85,9 +85,9 @@ def single_rank_worker(rank, world_size, model_dir):
 
     from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
     from megatron_sparse_rl.learner.sft import make_sft_loss
-    from moe.replay import find_routers
-    from moe.stats import agreement
-    from moe.storage import RoutingError
+    from megatron_sparse_rl.moe.replay import find_routers
+    from megatron_sparse_rl.moe.stats import agreement
+    from megatron_sparse_rl.moe.storage import RoutingError
 
     out = {}
     learner = _learner(world_size, model_dir)  # routing.mode R2
@@ -165,7 +165,7 @@ def single_rank_worker(rank, world_size, model_dir):
 
 
 def _drop_layer(routes):
-    from moe.storage import RouteStore
+    from megatron_sparse_rl.moe.storage import RouteStore
 
     return RouteStore(indices=routes.indices[:, :1].contiguous(), offsets=routes.offsets,
                       token_hash=routes.token_hash, num_experts=routes.num_experts, layers=routes.layers[:1])

@@ -2,17 +2,17 @@
 numbers are the benchmark's to report); every `msrl bench` kind parses its options and refuses bad ones."""
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.msrl import MSRL
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.e2e
 def test_bench_learner_prints_its_ratios():
-    cmd = [sys.executable, "-m", "tools.cli", "bench", "learner", "--hidden", "64", "--layers", "2", "--experts", "4",
+    cmd = [*MSRL, "bench", "learner", "--hidden", "64", "--layers", "2", "--experts", "4",
            "--topk", "2", "--seq", "48", "--batch", "8", "--pairs", "1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,7 +26,7 @@ def test_bench_learner_prints_its_ratios():
 @pytest.mark.parametrize("kind", ["kv", "sync", "learner", "routing", "convert"])
 def test_every_bench_kind_refuses_a_non_positive_size(kind):
     option = {"kv": "--budget", "sync": "--hidden", "learner": "--hidden", "routing": "--hidden", "convert": "--hidden"}
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", kind, option[kind], "0"], cwd=REPO,
+    proc = subprocess.run([*MSRL, "bench", kind, option[kind], "0"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"argument {option[kind]}" in proc.stderr

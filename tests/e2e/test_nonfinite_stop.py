@@ -6,10 +6,10 @@ after that step (real Megatron-Core learner and vLLM engine, tiny MoE; about a m
 """
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.msrl import MSRL
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,7 @@ def test_a_diverging_run_stops_at_the_first_nan_without_exporting_or_checkpointi
             "rollout.sampling.n=4", "rollout.sampling.max_tokens=4", "rollout.max_model_len=64",
             "checkpoint.save_every=1", "logging.tensorboard=false", "learner.optimizer.lr=1e20",
             "reward.partial_credit=0.5", "reward.format_penalty=0.5"]
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
+    proc = subprocess.run([*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
                            *sets], cwd=REPO, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 2, proc.stderr[-3000:]
     error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

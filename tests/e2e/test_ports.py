@@ -8,11 +8,11 @@ only (before: the store of both, and torchrun's agent, on every interface). Tiny
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.msrl import MSRL
 from tests.sockets import off_loopback, sample_listeners
 
 pytestmark = pytest.mark.e2e
@@ -47,7 +47,7 @@ def _rl_steps(run_dir: Path) -> list[int]:
 
 def test_train_in_one_process_listens_on_loopback_only(tmp_path, model_dir):
     run_dir = tmp_path / "run"
-    seen = _run_and_sample([sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/tiny_moe.yaml"),
+    seen = _run_and_sample([*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"),
                             "--set", *_sets(run_dir, model_dir)])
     assert _rl_steps(run_dir) == [1]
     assert seen, "the run's store should have been seen listening"
@@ -56,7 +56,7 @@ def test_train_in_one_process_listens_on_loopback_only(tmp_path, model_dir):
 
 def test_launch_local_disaggregated_listens_on_loopback_only(tmp_path, model_dir):
     run_dir = tmp_path / "run"
-    seen = _run_and_sample([sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
+    seen = _run_and_sample([*MSRL, "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
                             "--nproc", "2", "--set", *_sets(run_dir, model_dir), "launch.rollout_ranks=1"])
     assert _rl_steps(run_dir) == [1]
     assert len({pid for pid, _, _ in seen}) >= 3, seen  # torchrun's agent and both ranks

@@ -7,7 +7,7 @@ SLURM missing: installed with apt-get when running as root and CI or MSRL_INSTAL
 Debian's mirror is reachable); otherwise the tests skip saying why. About 40 s with SLURM installed.
 
 The completed jobs run the real trainer (`msrl train`, 2 ranks, 2 steps) and must leave its metrics and
-HF export; the preemption test holds `launch.probe` (config load + validate, gloo rendezvous) in a loop
+HF export; the preemption test holds launch/probe.py (config load + validate, gloo rendezvous) in a loop
 until SIGUSR1 arrives.
 """
 from __future__ import annotations
@@ -16,13 +16,13 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from launch import local_slurm
+from megatron_sparse_rl.launch import local_slurm
+from tests.msrl import MSRL
 
 pytestmark = pytest.mark.e2e
 
@@ -63,7 +63,7 @@ def _config(tmp: Path, **launch) -> Path:
 
 
 def _msrl(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([*MSRL, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -88,11 +88,11 @@ def test_job_runs_to_completion(cluster, tmp_path, mode):
 
 def test_failing_job_exit_code_reaches_msrl(cluster, tmp_path):
     cfg = _config(tmp_path)  # every rank fails at once: the program's module does not exist
-    r = _msrl(["launch", "slurm", str(cfg), "--wait", *_slurm_sets("srun", "launch.program=launch.no_such_module")],
-              cluster.env())
+    missing = "megatron_sparse_rl.launch.no_such_module"
+    r = _msrl(["launch", "slurm", str(cfg), "--wait", *_slurm_sets("srun", f"launch.program={missing}")], cluster.env())
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "slurm").glob("*.out"))
     assert r.returncode == 1, r.stdout + r.stderr + logs
-    assert "No module named launch.no_such_module" in logs and "ranks finished with exit code 1" in logs
+    assert f"No module named {missing}" in logs and "ranks finished with exit code 1" in logs
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -106,8 +106,8 @@ def _job_field(env: dict, job: str, field: str) -> str:
 
 def test_preemption_signal_checkpoints_then_requeues(cluster, tmp_path):
     cfg = _config(tmp_path)
-    r = _msrl(["launch", "slurm", str(cfg), *_slurm_sets("srun", "launch.program=launch.probe --hold 60")],
-              cluster.env())
+    probe = "launch.program=megatron_sparse_rl.launch.probe --hold 60"
+    r = _msrl(["launch", "slurm", str(cfg), *_slurm_sets("srun", probe)], cluster.env())
     assert r.returncode == 0, r.stdout + r.stderr
     job = r.stdout.split("submitted job ")[1].split()[0]
     env, log_dir = cluster.env(), tmp_path / "run" / "slurm"

@@ -5,11 +5,11 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests.msrl import MSRL
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +29,7 @@ def _args(run_dir: Path, model_dir: Path, steps: int, extra=()) -> list[str]:
             "rollout.sampling.n=4", "rollout.sampling.max_tokens=6", "rollout.max_model_len=64",
             "checkpoint.save_every=2", "logging.tensorboard=false", "learner.optimizer.lr=1e-3",
             "trainer.verify_sync_every=3", *FEATURES, *extra]
-    return [sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/tiny_moe.yaml"),
+    return [*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"),
             "--set", *sets]
 
 
@@ -255,7 +255,7 @@ def test_training_checkpoint_converts_without_hf_config(straight, tmp_path):
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     assert (last / "hf" / "config.json").is_file() and (last / "hf" / "tokenizer.json").is_file()
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "convert", "mcore-to-hf", "--mcore", str(last),
+    proc = subprocess.run([*MSRL, "convert", "mcore-to-hf", "--mcore", str(last),
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, final = load_file(str(out / "model.safetensors")), load_file(str(run_dir / "hf_final" / "model.safetensors"))
@@ -288,7 +288,7 @@ def test_two_rank_run_through_msrl_launch_local(tmp_path, model_dir):
                             for a in range(12) for b in range(3)))
     args = _args(run_dir, model_dir, 2, extra=("data.source=jsonl", f"data.path={data}"))
     sets = args[args.index("--set") + 1:]
-    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
+    cmd = [*MSRL, "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
            "--nproc", "2", "--set", *sets]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -306,7 +306,7 @@ def test_rl_raises_held_out_accuracy_above_the_warm_start(tmp_path):
     Measured on the 2-core CPU (2026-11-25): 0.156 -> 0.158 / 0.199 / 0.193 / 0.226 / 0.241 at steps
     20 / 40 / 60 / 80 / 100 (60 steps, this test's earlier length, fell short of the margin)."""
     run_dir = tmp_path / "learn"
-    cmd = [sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/demo_tiny_moe.yaml"), "--set",
+    cmd = [*MSRL, "train", str(REPO / "configs/demo_tiny_moe.yaml"), "--set",
            f"logging.dir={run_dir}", f"model.path={run_dir / 'model'}", "trainer.steps=100", "trainer.eval_every=100",
            "checkpoint.save_every=0", "logging.tensorboard=false"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -325,7 +325,7 @@ def test_sparse_rl_run_attributes_the_mismatch_to_compression(tmp_path):
     algorithm.old_logprobs = engine_mean: two re-scorings of each sample by the sparse engine itself, which are
     dense (prompt logprobs come from the prefill), so no learner old forward runs and the split is unchanged."""
     run_dir = tmp_path / "srl"
-    cmd = [sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/sparse_rl_tiny_moe.yaml"), "--set",
+    cmd = [*MSRL, "train", str(REPO / "configs/sparse_rl_tiny_moe.yaml"), "--set",
            f"logging.dir={run_dir}", f"model.path={run_dir / 'model'}", "trainer.steps=2",
            "logging.tensorboard=false", "rollout.kv.record_keep=true", "algorithm.old_logprobs=engine_mean",
            "algorithm.old_logprobs_samples=2"]

@@ -25,11 +25,11 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests.msrl import MSRL
 
 pytestmark = pytest.mark.e2e
 
@@ -55,7 +55,7 @@ def _sets(run_dir: Path, model_dir: Path, *, rollout_ranks: int, steps: int, ext
 def _launch(run_dir: Path, model_dir: Path, *, nproc: int, rollout_ranks: int, steps: int, extra=(), env=None,
             config="tiny_moe.yaml"):
     sets = _sets(run_dir, model_dir, rollout_ranks=rollout_ranks, steps=steps, extra=extra)
-    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs" / config),
+    cmd = [*MSRL, "launch", "local", str(REPO / "configs" / config),
            "--nproc", str(nproc), "--set", *sets]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
@@ -146,7 +146,7 @@ def test_same_run_as_colocated(one_plus_one, model_dir, tmp_path):
     """The reference: the same config colocated in one process (its engine in-process). Same weights, same
     prompts, same seeds: every non-timing metric of every step equals the disaggregated run's."""
     run_dir = tmp_path / "colocated"
-    cmd = [sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
+    cmd = [*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
            *_sets(run_dir, model_dir, rollout_ranks=0, steps=3)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -175,7 +175,7 @@ def async_run(tmp_path_factory, model_dir):
              "checkpoint.save_every=2"]
     # no warm-start: the random model writes long answers; shaped rewards differ within a group, so steps move it
     sets = _sets(run_dir, model_dir, rollout_ranks=1, steps=6, extra=extra)
-    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"),
+    cmd = [*MSRL, "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"),
            "--nproc", "2", "--set", *sets]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -253,7 +253,7 @@ def test_sigterm_to_an_async_launch_stops_every_rank_with_a_checkpoint_and_resum
 
     run_dir = tmp_path / "stopped"
     extra = ["trainer.max_staleness=1", "checkpoint.save_every=0"]
-    cmd = [sys.executable, "-m", "tools.cli", "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"),
+    cmd = [*MSRL, "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"),
            "--nproc", "2", "--set", *_sets(run_dir, model_dir, rollout_ranks=1, steps=4, extra=extra)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

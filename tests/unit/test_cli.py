@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import tools
-from tools import cli
+from megatron_sparse_rl import tools
+from megatron_sparse_rl.tools import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MOE = str(ROOT / "configs" / "tiny_moe.yaml")
@@ -128,10 +128,10 @@ def test_missing_command_says_not_implemented(capsys, name):
 
 @pytest.fixture
 def plugin_dir(tmp_path, monkeypatch):
-    """A folder searched for `tools.<name>_cmd` modules, as if they had been added to tools/."""
+    """A folder searched for `megatron_sparse_rl.tools.<name>_cmd` modules, as if they had been added to tools/."""
     monkeypatch.setattr(tools, "__path__", [*tools.__path__, str(tmp_path)])
     yield tmp_path
-    for name in ("tools.hello_cmd", "tools.broken_cmd"):
+    for name in ("megatron_sparse_rl.tools.hello_cmd", "megatron_sparse_rl.tools.broken_cmd"):
         sys.modules.pop(name, None)
 
 

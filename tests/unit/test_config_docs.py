@@ -57,7 +57,7 @@ def test_resolve_rejects_what_does_not_exist():
 
 
 def test_generated_reference_has_a_row_for_every_field_it_lists():
-    from tools.gen_config_docs import sections
+    from megatron_sparse_rl.tools.gen_config_docs import sections
 
     rows = [d for _, _, rs in sections(RunConfig) for d, *_ in rs]
     assert "rollout.kv.budget" in rows and "algorithm.corrections.sparse_rl.weight_cap" in rows

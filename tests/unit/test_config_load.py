@@ -75,9 +75,9 @@ def test_slurm_examples_fit_the_model_they_name(tmp_path, capsys, name):
     run the `msrl plan` line of the file's header, which must describe this config and fit."""
     import json
 
-    from launch.checks import check_launch
+    from megatron_sparse_rl.launch.checks import check_launch
     from megatron_sparse_rl.planner.shapes import ASSETS
-    from tools import cli
+    from megatron_sparse_rl.tools import cli
 
     model, world = SLURM_EXAMPLES[name]
     path = ROOT / "configs" / name

@@ -11,13 +11,13 @@ the values written down for vLLM 0.32 otherwise.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_sparse_rl.config import ConfigError, load_config
 from megatron_sparse_rl.config.rollout import KVConfig
+from tests.msrl import MSRL
 from tests.snapshot import snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +122,7 @@ def test_nested_override_is_named(tmp_path):
 def test_validate_reports_nested_yaml_without_a_traceback(tmp_path):
     path = _write(tmp_path, DEEP_YAML)
     before = snapshot(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "tools.cli", "validate", str(path)], cwd=ROOT,
+    done = subprocess.run([*MSRL, "validate", str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr

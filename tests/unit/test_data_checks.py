@@ -10,7 +10,6 @@ import dataclasses
 import json
 import logging
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,8 +19,9 @@ from megatron_sparse_rl.config.data import ArithmeticConfig, DataConfig
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.data import DatasetError, DatasetMissing, build_task, check_data
 from megatron_sparse_rl.models import char_tokenizer as char_tok
+from megatron_sparse_rl.tools import cli
+from tests.msrl import MSRL
 from tests.snapshot import snapshot
-from tools import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MOE = str(ROOT / "configs" / "tiny_moe.yaml")
@@ -205,7 +205,7 @@ def sets(tmp_path: Path, *extra: str) -> list[str]:
 def test_validate_reports_a_bad_data_file_without_a_traceback(tmp_path):
     bad = jsonl(tmp_path, "bad.jsonl", GOOD * 2 + b'{"prompt": "2+2=" "answer": "4"}\n')
     before = snapshot(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "tools.cli", "validate", TINY_MOE,
+    done = subprocess.run([*MSRL, "validate", TINY_MOE,
                            *sets(tmp_path, "data.source=jsonl", f"data.path={bad}")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
@@ -217,7 +217,7 @@ def test_validate_reports_a_bad_data_file_without_a_traceback(tmp_path):
 def test_train_reports_a_bad_data_file_before_anything_starts(tmp_path):
     bad = jsonl(tmp_path, "bad.jsonl", GOOD + b'{"prompt": "2+2="}\n')
     before = snapshot(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "tools.cli", "train", TINY_MOE,
+    done = subprocess.run([*MSRL, "train", TINY_MOE,
                            *sets(tmp_path, "data.source=jsonl", f"data.path={bad}")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
@@ -230,7 +230,7 @@ def test_train_reports_a_bad_data_file_before_anything_starts(tmp_path):
 def test_validate_and_train_name_a_character_the_tokenizer_cannot_encode(tmp_path, command):
     bad = jsonl(tmp_path, "bad.jsonl", GOOD + '{"prompt": "1+½=", "answer": "2"}\n'.encode())
     before = snapshot(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "tools.cli", command, TINY_MOE,
+    done = subprocess.run([*MSRL, command, TINY_MOE,
                            *sets(tmp_path, "data.source=jsonl", f"data.path={bad}")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr

@@ -13,13 +13,13 @@ import re
 import pytest
 import torch
 
-from launch.checks import check_launch
-from launch.load import load_run
 from megatron_sparse_rl.config import ConfigError, RunConfig, validate
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
+from megatron_sparse_rl.launch.checks import check_launch
+from megatron_sparse_rl.launch.load import load_run
 from megatron_sparse_rl.rollout.batch import RolloutBatch
+from megatron_sparse_rl.tools import cli
 from megatron_sparse_rl.training.disaggregated import split_prompts
-from tools import cli
 
 
 def run_of(*overrides: str) -> RunConfig:
@@ -126,7 +126,7 @@ def test_concat_batches_rebuilds_the_rows_and_padding():
 def test_concat_batches_joins_routes_and_kv_records():
     from dataclasses import replace
 
-    from moe.storage import RouteStore
+    from megatron_sparse_rl.moe.storage import RouteStore
 
     whole = _hand_batch()
     routes = [torch.tensor([[[0, 1]]] * n) for n in (3, 6, 3)]  # [tokens, 1 layer, top-2], tokens = prompt + response

@@ -12,11 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launch.checks import check_launch
-from launch.load import job_overrides, load_run
-from launch.slurm import render_sbatch
 from megatron_sparse_rl.config import ConfigError
-from tools import cli
+from megatron_sparse_rl.launch.checks import check_launch
+from megatron_sparse_rl.launch.load import job_overrides, load_run
+from megatron_sparse_rl.launch.slurm import render_sbatch
+from megatron_sparse_rl.tools import cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,7 +73,7 @@ def test_rendered_script_parses_and_counts(tmp_path, launch, parallel, nodes, ta
     if launch["slurm"].get("mode", "torchrun") == "torchrun":
         assert f"--nproc-per-node={launch['nproc_per_node']}" in script and '--node-rank="$SLURM_NODEID"' in script
         # node 0's agent serves the store on $MASTER_ADDR only (launch/torchrun.py), not stock torchrun's
-        assert 'exec "$0" -m launch.torchrun --nnodes="$SLURM_NNODES"' in script
+        assert 'exec "$0" -m megatron_sparse_rl.launch.torchrun --nnodes="$SLURM_NNODES"' in script
         assert "torch.distributed.run" not in script
     else:
         assert 'RANK="$SLURM_PROCID"' in script and "--container-image=nvcr.io/x:1" in srun
@@ -91,7 +91,8 @@ def test_overrides_and_config_are_forwarded_quoted(tmp_path):
                      launch={"nproc_per_node": 2, "slurm": {"partition": "p", "account": "acct"}})
     _bash_n(script, tmp_path)
     program = next(line for line in script.splitlines() if line.startswith("PROGRAM=("))
-    assert program.startswith(f"PROGRAM=(tools.cli train {tmp_path}/run.yaml --set learner.seed=7 --set 'logging.dir=runs/a b'")
+    assert program.startswith(f"PROGRAM=(megatron_sparse_rl.tools.cli train {tmp_path}/run.yaml "
+                              "--set learner.seed=7 --set 'logging.dir=runs/a b'")
     assert "#SBATCH --account=acct" in script and "#SBATCH --time=01:00:00" in script
 
 
@@ -146,12 +147,12 @@ def test_local_dry_run_command(tmp_path, capsys):
     assert cli.main(["launch", "local", "--nproc", "2", str(path), "--dry-run", "--set", "learner.seed=3"]) == 0
     out = capsys.readouterr().out.split()
     # torchrun with its store on loopback only (launch/torchrun.py; stock --standalone serves every interface)
-    assert out[:3] == [sys.executable, "-m", "launch.torchrun"]
+    assert out[:3] == [sys.executable, "-m", "megatron_sparse_rl.launch.torchrun"]
     assert out[3:8] == ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=0",
                         "--nproc-per-node=2"]
     assert "--standalone" not in out and not any(o.startswith("--rdzv") for o in out)
     assert out[8] == "--shutdown-timeout=330"  # trainer.stop_timeout_s 300 for the ranks' checkpoint, + 30 s
-    assert out[9:13] == ["-m", "tools.cli", "train", str(path)]
+    assert out[9:13] == ["-m", "megatron_sparse_rl.tools.cli", "train", str(path)]
     assert "learner.seed=3" in out and "launch.nproc_per_node=2" in out
     assert cli.main(["launch", "local", "--nproc", "3", str(path), "--dry-run"]) == 2  # tp=2 does not divide 3
 

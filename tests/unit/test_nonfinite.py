@@ -68,7 +68,7 @@ def test_an_infinite_learning_rate_says_it_must_be_finite():
 
 
 def test_a_yaml_file_with_inf_is_refused_by_msrl_validate(tmp_path, capsys):
-    from tools.cli import main
+    from megatron_sparse_rl.tools.cli import main
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text(CONFIG.read_text() + "\nalgorithm:\n  loss:\n    clip_high: .inf\n")
@@ -134,7 +134,7 @@ def test_the_probe_blames_the_learners_weights_not_the_sync():
                                         (["--gpu-mem", "80", "--margin=-inf"], "--margin"),
                                         (["--gpu-mem", "80", "--sync-bandwidth", "inf"], "--sync-bandwidth")])
 def test_msrl_plan_refuses_non_finite_sizes_naming_the_argument(capsys, argv, flag):
-    from tools.cli import main
+    from megatron_sparse_rl.tools.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "qwen3-30b-a3b", "--gpus", "8", *argv])
@@ -145,7 +145,7 @@ def test_msrl_plan_refuses_non_finite_sizes_naming_the_argument(capsys, argv, fl
 
 def test_msrl_plan_refuses_a_model_config_with_infinite_sizes(tmp_path, capsys):
     from megatron_sparse_rl.planner.shapes import ASSETS
-    from tools.cli import main
+    from megatron_sparse_rl.tools.cli import main
 
     cfg = json.loads((ASSETS / "qwen3-30b-a3b.json").read_text())
     text = json.dumps({**cfg, "hidden_size": 1.0}).replace('"hidden_size": 1.0', '"hidden_size": Infinity')

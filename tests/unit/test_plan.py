@@ -6,7 +6,7 @@ import pytest
 
 from megatron_sparse_rl.planner import PlanOptions, bundled_models, load_shape, plan_layout, rank_layouts, rollout_plan
 from megatron_sparse_rl.planner.memory import GiB
-from tools import cli
+from megatron_sparse_rl.tools import cli
 
 # Published totals. Qwen3-30B-A3B: 30.5B (Qwen3 model card / technical report). Qwen3-235B-A22B: 235B (same).
 # DeepSeek-V3: 671B main model, MTP module (14B) excluded (DeepSeek-V3 technical report and model card).

@@ -9,7 +9,7 @@ import pytest
 from megatron_sparse_rl.planner import SyncCosts, SyncVolume, as_built, load_shape, shard_to_shard, sync_volume
 from megatron_sparse_rl.planner.shapes import shape_from_config
 from megatron_sparse_rl.planner.sync import MEASURED_GBPS, broadcast_rounds, engine_rank_bytes
-from tools import cli
+from megatron_sparse_rl.tools import cli
 
 TINY = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from launch import torchrun
+from megatron_sparse_rl.launch import torchrun
 from megatron_sparse_rl.parallel.ports import LOOPBACK, loopback_socket_env, store_server
 from tests.sockets import listeners, off_loopback
 

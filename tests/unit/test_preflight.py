@@ -3,7 +3,6 @@ anything starts, and `msrl train` refuses it with the same message, exit 2, no t
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from megatron_sparse_rl.config.resolve import resolve
 from megatron_sparse_rl.config.validate import validate
 from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 from megatron_sparse_rl.training.preflight import check_files
+from tests.msrl import MSRL
 from tests.unit.test_fp8_import import GATE, QUANT, _variant, plain, stored, write_checkpoint  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def test_msrl_train_runs_the_same_checks_before_anything_starts(model, tmp_path)
     tok.add_tokens([f"<extra_{i}>" for i in range(1000)])
     tok.save_pretrained(str(broken))
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
+    proc = subprocess.run([*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
                            f"model.path={broken}", "model.tiny=null", f"logging.dir={run_dir}"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]

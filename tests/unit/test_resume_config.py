@@ -6,7 +6,6 @@ here are fake directories laid out as `save_learner` writes them (no Megatron)."
 import json
 import logging
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from megatron_sparse_rl.learner.checkpoint import CONFIG
 from megatron_sparse_rl.learner.integrity import digest_files, write_manifest
 from megatron_sparse_rl.training.resume_config import allowed, compare
 from megatron_sparse_rl.training.run_dir import RunDirError, claim
+from tests.msrl import MSRL
 from tests.snapshot import snapshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,7 +163,7 @@ def test_msrl_train_refuses_a_changed_resume_before_starting(tmp_path):
     _saved_run(tmp_path, to_dict(resolve(run, validate(run, 1))))  # what a run saves: its resolved config
     before = snapshot(tmp_path)
     sets = [f"logging.dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", *SAVED, "trainer.sft.max_steps=5"]
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
+    proc = subprocess.run([*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
                            *sets], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "error: cannot resume" in proc.stderr

@@ -10,9 +10,9 @@ from dataclasses import fields
 import pytest
 import torch
 
+from megatron_sparse_rl.moe.storage import RouteStore
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
-from moe.storage import RouteStore
 
 PAD = 99
 T, F = True, False

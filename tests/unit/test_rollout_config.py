@@ -93,7 +93,7 @@ def test_batch_sequences_and_select():
 def test_batch_select_subsets_the_engine_routes():
     from dataclasses import replace
 
-    from moe.storage import RouteStore
+    from megatron_sparse_rl.moe.storage import RouteStore
 
     b = _batch()
     per_seq = [torch.full((n, 2, 2), i, dtype=torch.long) for i, n in enumerate([4, 2, 4])]  # prompt + response - 1

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_sparse_rl.config.validate import ConfigError, validate
+from megatron_sparse_rl.moe.storage import RoutingError, token_hash
 from megatron_sparse_rl.rollout.routes_vllm import VLLMRouteOutput
-from moe.storage import RoutingError, token_hash
 
 
 def _completion(index, token_ids, routed_experts):

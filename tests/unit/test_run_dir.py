@@ -3,7 +3,6 @@
 import json
 import logging
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +12,7 @@ from megatron_sparse_rl.config import load_config
 from megatron_sparse_rl.learner.integrity import digest_files, owner_of, verify_files, write_manifest
 from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training.run_dir import RUN_FILE, RunDirError, claim
+from tests.msrl import MSRL
 from tests.snapshot import snapshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,7 +140,7 @@ def test_msrl_train_refuses_a_directory_of_another_run_before_starting(tmp_path)
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "phase": "rl"}\n')
     before = snapshot(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
+    proc = subprocess.run([*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
                            f"logging.dir={run_dir}", f"model.path={tmp_path / 'model'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -200,7 +200,7 @@ def test_a_degenerate_logging_dir_is_refused_when_the_config_is_read(tmp_path, m
 
 
 def test_msrl_validate_refuses_a_degenerate_logging_dir(capsys):
-    from tools.cli import main
+    from megatron_sparse_rl.tools.cli import main
 
     assert main(["validate", str(REPO / "configs/tiny_moe.yaml"), "--no-files", "--set", "logging.dir=/"]) == 2
     err = capsys.readouterr().err

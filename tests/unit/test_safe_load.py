@@ -11,7 +11,6 @@ import json
 import pickle
 import random
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from megatron_sparse_rl.checkpoint import convert
 from megatron_sparse_rl.checkpoint.checks import check_torch_dist_files
 from megatron_sparse_rl.formats.safe_load import UnsafeFileError, load_torch_file, read_dcp_metadata
 from megatron_sparse_rl.learner import checkpoint as C
+from tests.msrl import MSRL
 from tests.snapshot import snapshot
 from tests.unit.test_convert_checks import no_layout, outs, torch_dist  # noqa: F401 - fixtures reused
 
@@ -238,7 +238,7 @@ def test_load_torch_file_names_a_blocked_module(tmp_path):
 def test_cli_convert_prints_the_refusal_without_a_traceback(torch_dist, tmp_path, marker):
     path = _poison_metadata(torch_dist, marker)
     before = snapshot(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "convert", "mcore-to-hf", "--mcore", str(torch_dist),
+    proc = subprocess.run([*MSRL, "convert", "mcore-to-hf", "--mcore", str(torch_dist),
                            "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"UnsafeFileError: {path}: refused to load: it needs {PAYLOAD}" in proc.stderr
