@@ -4,17 +4,20 @@ Pure tensor math on `RouteStore`s (no Megatron, no vLLM):
 
     agreement(a, b)         -> per-layer fraction of tokens whose top-k SETS are equal (order ignored)
     flipped_fraction(a, b)  -> fraction of tokens with a different set in at least one layer
+    flip_counts(a, b)       -> per-layer flipped tokens, tokens flipped in any layer, tokens (sums over ranks)
     expert_load(a)          -> int64 [layers, experts] token counts
     load_entropy(load)      -> per-layer entropy of the load distribution, normalised to [0, 1]
-    routing_metrics(...)    -> the flat `routing/...` metric dict a trainer logs each step
+    routing_metrics(...)    -> the flat `routing/...` metric dict a trainer logs each step (summed over the
+                               data-parallel `group` first, when given); names in docs/routing.md
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 
-from moe.storage import RouteStore, RoutingError
+from megatron_sparse_rl.moe.storage import RouteStore, RoutingError
 
 
 def _check_aligned(a: RouteStore, b: RouteStore) -> None:
@@ -65,21 +68,44 @@ def load_entropy(load: torch.Tensor) -> torch.Tensor:
     return h / math.log(load.shape[1]) if load.shape[1] > 1 else torch.ones(load.shape[0], dtype=torch.float64)
 
 
-def routing_metrics(routes: RouteStore, reference: RouteStore | None = None, *, prefix: str = "routing") -> dict:
+def flip_counts(a: RouteStore, b: RouteStore) -> torch.Tensor:
+    """float64 [layers + 2]: per layer, the tokens whose top-k set differs between `a` and `b` (order ignored);
+    then the tokens that differ in at least one layer; then the token count. Counts, so they add up over ranks."""
+    _check_aligned(a, b)
+    differ = ~set_equal(a.indices, b.indices)  # [tokens, layers]
+    return torch.cat([differ.sum(dim=0).double(), differ.any(dim=1).sum().double().reshape(1),
+                      torch.tensor([float(differ.shape[0])], dtype=torch.float64)])
+
+
+def _global(x: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def routing_metrics(routes: RouteStore, reference: RouteStore | None = None, *, prefix: str = "routing",
+                    group=None) -> dict:
     """Flat metrics: load entropy (and max/mean load) per layer of `routes`; with `reference` (e.g. the
-    rollout engine's routes vs the learner's), per-layer agreement and the flipped-token fraction."""
-    out: dict[str, float] = {}
+    rollout engine's routes vs the learner's), the flip rate per layer (fraction of tokens whose top-k set
+    differs), its mean over layers and the fraction of tokens flipped in at least one layer. With a process
+    `group` (data parallel) the loads and flip counts are summed over its ranks first (every rank must call)."""
+    layers = len(routes.layers)
     load = expert_load(routes)
+    counts = flip_counts(reference, routes) if reference is not None else torch.zeros(0, dtype=torch.float64)
+    summed = _global(torch.cat([load.double().flatten(), counts]), group)
+    load, counts = summed[:load.numel()].view_as(load), summed[load.numel():]
+    out: dict[str, float] = {}
     ent = load_entropy(load)
     for j, layer in enumerate(routes.layers):
         out[f"{prefix}/load_entropy/layer{layer}"] = float(ent[j])
-        mean = float(load[j].double().mean())
+        mean = float(load[j].mean())
         out[f"{prefix}/load_max_over_mean/layer{layer}"] = float(load[j].max()) / mean if mean else 0.0
     out[f"{prefix}/load_entropy_mean"] = float(ent.mean()) if ent.numel() else 1.0
     if reference is not None:
-        agree = agreement(reference, routes)
+        tokens = max(float(counts[-1]), 1.0)
+        rate = counts[:layers] / tokens
         for j, layer in enumerate(routes.layers):
-            out[f"{prefix}/agreement/layer{layer}"] = float(agree[j])
-        out[f"{prefix}/agreement_mean"] = float(agree.mean()) if agree.numel() else 1.0
-        out[f"{prefix}/flipped_token_fraction"] = flipped_fraction(reference, routes)
+            out[f"{prefix}/flip_rate/layer{layer}"] = float(rate[j])
+        out[f"{prefix}/flip_rate_mean"] = float(rate.mean()) if layers else 0.0
+        out[f"{prefix}/flipped_token_fraction"] = float(counts[layers]) / tokens
     return out

@@ -1,43 +1,94 @@
 """Mismatch metrics between the sampler mu and the learner's old policy pi_old (log every step).
 
 rho_t = pi_old / mu on valid tokens (response mask, finite logprobs). All outputs are scalar tensors
-(no host sync):
+(no host sync without a process group):
     k1 ("vllm-kl") = mean(log mu - log pi_old)      k3 = mean(rho - log rho - 1)
     ppl_old = exp(-mean log pi_old)                  ppl_rollout = exp(-mean log mu)
     chi2 = mean(rho^2) - 1                           max_abs_log_rho
     nonfinite_tokens (count), masked_frac (response tokens not kept, when `keep` is given)
-Fractions rejected/vetoed/clipped come from `apply_corrections` and the policy-loss metrics.
+Fractions rejected/vetoed/clipped come from `apply_corrections` and the policy-loss metrics. With a process
+`group` (data parallel) the means are over every rank's tokens: sums and counts are all-reduced, then divided.
+
+`routing_attribution` splits off the part of the mismatch that MoE routing explains: k1/k3 of mu against
+pi_old computed with the engine's routes replayed and with the learner's own routes (docs/routing.md).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from megatron_sparse_rl.algorithms.aggregation import masked_max, masked_mean
+from megatron_sparse_rl.algorithms.aggregation import masked_max, masked_sum
 
 _CLAMP = 20.0
 
 
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _log_rho(old: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    return (old - mu).clamp(-_CLAMP, _CLAMP)
+
+
 @torch.no_grad()
 def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *,
-                     keep: torch.Tensor | None = None, prefix: str = "mismatch/") -> dict[str, torch.Tensor]:
-    """Metrics of the mu/pi_old mismatch; inputs [batch, tokens], `keep` the corrections' keep mask."""
+                     keep: torch.Tensor | None = None, prefix: str = "mismatch/",
+                     group=None) -> dict[str, torch.Tensor]:
+    """Metrics of the mu/pi_old mismatch; inputs [batch, tokens], `keep` the corrections' keep mask; `group`: the
+    data-parallel group to take the means over (every rank of it must call)."""
     mask = mask.bool()
     finite = torch.isfinite(old_logprobs) & torch.isfinite(rollout_logprobs)
     valid = mask & finite
     zero = torch.zeros((), dtype=old_logprobs.dtype, device=old_logprobs.device)
     old = torch.where(valid, old_logprobs, zero)
     mu = torch.where(valid, rollout_logprobs, zero)
-    log_rho = (old - mu).clamp(-_CLAMP, _CLAMP)
+    log_rho = _log_rho(old, mu)
     rho = torch.exp(log_rho)
+    not_kept = mask & ~keep.bool() if keep is not None else torch.zeros_like(mask)
+    sums = torch.stack([masked_sum(mu - old, valid), masked_sum(rho - log_rho - 1.0, valid), old.sum(), mu.sum(),
+                        masked_sum(rho * rho, valid), *(m.sum().to(old.dtype) for m in (valid, mask & ~finite,
+                                                                                        not_kept, mask))])
+    k1, k3, lp_old, lp_mu, rho2, n_valid, nonfinite, n_not_kept, n_mask = _all_reduce(sums, group).unbind()
+    n = n_valid.clamp(min=1)
     out = {
-        "k1": masked_mean(mu - old, valid),
-        "k3": masked_mean(rho - log_rho - 1.0, valid),
-        "ppl_old": torch.exp(-masked_mean(old, valid)),
-        "ppl_rollout": torch.exp(-masked_mean(mu, valid)),
-        "chi2": masked_mean(rho * rho, valid) - torch.where(valid.any(), 1.0, 0.0),
-        "max_abs_log_rho": masked_max(log_rho.abs(), valid),
-        "nonfinite_tokens": (mask & ~finite).sum().to(old.dtype),
+        "k1": k1 / n,
+        "k3": k3 / n,
+        "ppl_old": torch.exp(-lp_old / n),
+        "ppl_rollout": torch.exp(-lp_mu / n),
+        "chi2": rho2 / n - torch.where(n_valid > 0, 1.0, 0.0),
+        "max_abs_log_rho": _all_reduce(masked_max(log_rho.abs(), valid), group, dist.ReduceOp.MAX),
+        "nonfinite_tokens": nonfinite,
     }
     if keep is not None:
-        out["masked_frac"] = masked_mean((mask & ~keep.bool()).to(old.dtype), mask)
+        out["masked_frac"] = n_not_kept / n_mask.clamp(min=1)
+    return {prefix + k: v for k, v in out.items()}
+
+
+@torch.no_grad()
+def routing_attribution(engine_routes: torch.Tensor, learner_routes: torch.Tensor, rollout_logprobs: torch.Tensor,
+                        mask: torch.Tensor, *, group=None, prefix: str = "mismatch/") -> dict[str, torch.Tensor]:
+    """The share of the mu / pi_old mismatch that MoE routing explains (float64 scalars).
+
+    engine_routes, learner_routes: [B, T] pi_old logprobs of the same tokens from two learner forwards, one
+    replaying the engine's routes, one routing with the learner's own routers; rollout_logprobs: [B, T] mu;
+    mask: [B, T] the response tokens. Over the tokens finite in all three (summed over `group`'s ranks, every
+    rank of it must call): k1_* = mean(log mu - log pi_old), k3_* = mean(rho - log rho - 1) for each pi_old, and
+    routing_share = (k3_learner_routes - k3_engine_routes) / k3_learner_routes: the fraction of k3 that goes
+    away when the learner runs the experts the engine ran (0 when k3_learner_routes is 0; negative when
+    replaying makes it worse, e.g. when routing explains nothing and the difference is noise).
+    """
+    mu, pis = rollout_logprobs.double(), (engine_routes.double(), learner_routes.double())
+    valid = mask.bool() & torch.isfinite(mu) & torch.isfinite(pis[0]) & torch.isfinite(pis[1])
+    sums = [valid.sum().double()]
+    for pi in pis:
+        log_rho = _log_rho(pi, mu)
+        sums += [masked_sum(mu - pi, valid), masked_sum(torch.exp(log_rho) - log_rho - 1.0, valid)]
+    n, k1_e, k3_e, k1_l, k3_l = _all_reduce(torch.stack(sums), group).unbind()
+    n = n.clamp(min=1)
+    k3_e, k3_l = k3_e / n, k3_l / n
+    share = torch.where(k3_l > 0, (k3_l - k3_e) / k3_l.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+    out = {"k1_engine_routes": k1_e / n, "k3_engine_routes": k3_e, "k1_learner_routes": k1_l / n,
+           "k3_learner_routes": k3_l, "routing_share": share}
     return {prefix + k: v for k, v in out.items()}

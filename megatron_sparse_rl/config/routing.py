@@ -23,11 +23,17 @@ class RoutingConfig:
     computed under replay; replayed = computed on the replayed routing map (the experts that actually ran),
     with gradients through the current router scores."""
     record_stats: bool = True
-    """Compute routing metrics every step: per-layer agreement of rollout vs learner routes, fraction of
+    """Compute routing metrics every step: per-layer flip rate of rollout vs learner routes, fraction of
     tokens with any flipped expert, expert load entropy (costs one extra router matmul per MoE layer under
     R3 and the route capture on the engine)."""
     capture_rollout_routes: bool = False
-    """Capture the engine's routes even when mode is not R3 (for the agreement statistics under off/R2)."""
+    """Capture the engine's routes even when mode is not R3 (for the flip-rate statistics under off/R2)."""
+    attribute_mismatch: bool = False
+    """Measure each step how much of the train-inference mismatch routing explains: one extra learner forward
+    over the old forward's tokens gives pi_old with the engine's routes replayed (off/R2) or with the learner's
+    own routes (R3), so k1/k3 against the sampler's mu are known both ways (`mismatch/k3_engine_routes`,
+    `mismatch/k3_learner_routes`, `mismatch/routing_share`; docs/routing.md). Needs the engine's routes (mode R3
+    or capture_rollout_routes) and algorithm.old_logprobs = learner; costs one forward per step."""
     engine_routes: EngineRoutes = "auto"
     """How the engine reports the routes it used: vllm = vLLM's own routed-experts output
     (enable_return_routed_experts; runs in its GPU model runner, needs CUDA); hook = a callback on every vLLM
@@ -41,11 +47,15 @@ class RoutingConfig:
         if self.engine_routes not in get_args(EngineRoutes):
             raise ValueError(f"routing.engine_routes must be one of {get_args(EngineRoutes)} "
                              f"(got {self.engine_routes!r})")
+        if self.attribute_mismatch and not self.capture:
+            raise ValueError(f"routing.attribute_mismatch needs the engine's routes, which routing.mode = "
+                             f"{self.mode!r} does not capture: set routing.mode = 'R3' or "
+                             "routing.capture_rollout_routes = true")
 
     @property
     def replay(self) -> bool:
         """Whether the learner model must be built with Megatron's RouterReplay."""
-        return self.mode != "off" or self.record_stats
+        return self.mode != "off" or self.record_stats or self.attribute_mismatch
 
     @property
     def capture(self) -> bool:

@@ -18,7 +18,8 @@ What the RL step's forwards ask for follows `routing.mode` (`old_forward`, `afte
     old = routing.after_old_forward(out.get("routing"), batch.routed_experts)   # old.routes: what updates replay
     metrics = learner.train_step(tokens, loss_fn, lengths=lengths,
                                  extras=ForwardExtras(routes=routing.update(old.routes)))
-    # metrics["routing/replay_applied_fraction"] == 1; old.metrics: agreement, flipped tokens, entropy...
+    # metrics["routing/replay_applied_fraction"] == 1; old.metrics: flip rates, flipped tokens, entropy...
+    other = routing.counterfactual(batch.routed_experts)         # routing.attribute_mismatch: the other routes
 
 A sequence of n tokens has routes for its n - 1 input positions.
 """
@@ -31,9 +32,9 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.learner.extras import RouteRequest
-from moe.replay import ModelRouting
-from moe.stats import routing_metrics
-from moe.storage import RouteStore, RoutingError, token_hash
+from megatron_sparse_rl.moe.replay import ModelRouting
+from megatron_sparse_rl.moe.stats import routing_metrics
+from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash
 
 
 @dataclass(frozen=True)
@@ -83,16 +84,32 @@ class LearnerRouting:
 
     def after_old_forward(self, result: RoutingResult | None, rollout_routes: RouteStore | None) -> RoutingResult:
         """The old forward's outcome for the step: `routes` the updates replay (None when mode is off) and the
-        metrics, with the learner's routes compared to the engine's when both exist (routing.record_stats)."""
+        metrics (routing.record_stats): the learner's expert load and, when the engine's routes exist, the flip
+        rates of the learner's routes against them, summed over the data-parallel ranks (every rank calls this).
+        Under R3 the learner's routes are its routers' own top-k on the inputs the replayed forward gave them."""
         if result is None:
             return RoutingResult()
-        if self.cfg.mode == "R3":
-            return result
         metrics = dict(result.metrics)
-        if rollout_routes is not None and self.cfg.record_stats:
-            metrics.update(routing_metrics(result.learner_routes, rollout_routes))
-        return RoutingResult(routes=result.routes if self.cfg.mode == "R2" else None,
-                             learner_routes=result.learner_routes, metrics=metrics)
+        if self.cfg.record_stats and result.learner_routes is not None:
+            metrics.update(routing_metrics(result.learner_routes, rollout_routes, group=self.groups.dp))
+        routes = result.routes if self.cfg.mode != "off" else None
+        return RoutingResult(routes=routes, learner_routes=result.learner_routes, metrics=metrics)
+
+    @property
+    def old_forward_replays_engine(self) -> bool:
+        """Whether the old-logprob forward runs the engine's routes (R3) rather than the learner's own."""
+        return self.cfg.mode == "R3"
+
+    def counterfactual(self, rollout_routes: RouteStore | None) -> RouteRequest | None:
+        """The request of routing.attribute_mismatch's extra forward over the old forward's tokens, routed the
+        other way: off/R2 (the old forward routed itself) replay the engine's routes; R3 (it replayed them):
+        None, the learner routes itself."""
+        if self.old_forward_replays_engine:
+            return None
+        if rollout_routes is None:
+            raise RoutingError("routing.attribute_mismatch replays the engine's routes, but the rollout batch has "
+                               "none (routed_experts missing: is routing.capture_rollout_routes on?)")
+        return RouteRequest(replay=rollout_routes)
 
     def without_old_forward(self, rollout_routes: RouteStore | None) -> RoutingResult:
         """The step's outcome when pi_old comes from the engine (no learner old forward): R3 replays the engine's
@@ -143,8 +160,9 @@ class LearnerRouting:
         self.model.set_micro_batch(targets)
 
     def finish(self) -> RoutingResult:
-        """End the call's request after its forward (and backward): the recorded routes, the replay
-        verification (RoutingError when any router token did not run the replayed experts)."""
+        """End the call's request after its forward (and backward): the recorded routes (the learner's own,
+        also under replay with `record`), the replay verification (RoutingError when any router token did not
+        run the replayed experts). Statistics are the RL step's (`after_old_forward`)."""
         request, tokens, lengths = self._request, self._tokens, self._lengths
         try:
             if request.replay is None:
@@ -156,16 +174,12 @@ class LearnerRouting:
             self.stop()
         if request.replay is None:
             routes = self._store(recorded, tokens, lengths, "learner")
-            metrics = routing_metrics(routes, prefix="routing/learner") if self.cfg.record_stats else {}
-            return RoutingResult(routes=routes, learner_routes=routes, metrics=metrics)
-        metrics = {"routing/replay_applied_fraction": applied}
+            return RoutingResult(routes=routes, learner_routes=routes)
         if applied != 1.0:
             raise RoutingError(f"routing replay applied to only {applied:.4f} of router tokens (must be 1)")
-        learner_routes = None
-        if observed is not None:
-            learner_routes = self._store(observed, tokens, lengths, "learner")
-            metrics.update(routing_metrics(learner_routes, request.replay))
-        return RoutingResult(routes=request.replay, learner_routes=learner_routes, metrics=metrics)
+        learner_routes = self._store(observed, tokens, lengths, "learner") if observed is not None else None
+        return RoutingResult(routes=request.replay, learner_routes=learner_routes,
+                             metrics={"routing/replay_applied_fraction": applied})
 
     def stop(self) -> None:
         """The routers route themselves again (also when a call fails half-way); a no-op between calls."""

@@ -36,7 +36,7 @@ ALLOWED = (
     "rollout.kv_cache_gb", "rollout.max_num_seqs", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
     # what is recorded for metrics only
     "rollout.kv.record_keep", "rollout.record_sampling_mask", "routing.record_stats",
-    "routing.capture_rollout_routes", "routing.engine_routes",
+    "routing.capture_rollout_routes", "routing.engine_routes", "routing.attribute_mismatch",
 )
 """Dotted config paths (a section covers every field under it) a resume may change without
 `checkpoint.allow_config_change`."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.algorithms import (
     apply_corrections, compute_advantages, kl_loss, loss_normalizer, mismatch_metrics, policy_loss,
+    routing_attribution,
 )
 from megatron_sparse_rl.algorithms.corrections import correction_inputs, opsm_keep, tis_correction
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
@@ -84,6 +85,8 @@ class OldPolicyInputs:
     lengths: torch.Tensor
     support: Any
     """The sampling support pi_old is renormalised over (`sampling_keep`), or None."""
+    dp_group: Any = None
+    """The data-parallel group the step's metrics are global over."""
 
 
 OldPolicy = Callable[[Any, OldPolicyInputs], tuple[torch.Tensor, Any, dict[str, float]]]
@@ -91,13 +94,27 @@ OldPolicy = Callable[[Any, OldPolicyInputs], tuple[torch.Tensor, Any, dict[str, 
 
 
 def _learner_recompute(learner, x: OldPolicyInputs):
-    """The learner's dense recompute (R2 records its routes, R3 replays the engine's)."""
+    """The learner's dense recompute (R2 records its routes, R3 replays the engine's); with
+    routing.attribute_mismatch a second forward routed the other way (`_routing_attribution`)."""
     routing = learner.routing
     request = routing.old_forward(x.batch.routed_experts) if routing else None
     out = learner.forward_logprobs(x.tokens, lengths=x.lengths,
                                    extras=ForwardExtras(sampling_support=x.support, routes=request))
     old = routing.after_old_forward(out.get("routing"), x.batch.routed_experts) if routing else None
-    return out["logprobs"], old, {"old_logprobs/learner_forwards": 1.0}
+    metrics = {"old_logprobs/learner_forwards": 1.0}
+    if routing and routing.cfg.attribute_mismatch:
+        metrics.update(_routing_attribution(learner, x, out["logprobs"]))
+    return out["logprobs"], old, metrics
+
+
+def _routing_attribution(learner, x: OldPolicyInputs, old_lp: torch.Tensor) -> dict[str, float]:
+    """routing.attribute_mismatch: pi_old again over the same tokens, routed the other way (off/R2: the engine's
+    routes replayed; R3: the learner's own), and the mismatch of mu against both (global over x.dp_group)."""
+    routing = learner.routing
+    extras = ForwardExtras(sampling_support=x.support, routes=routing.counterfactual(x.batch.routed_experts))
+    other = learner.forward_logprobs(x.tokens, lengths=x.lengths, extras=extras)["logprobs"]
+    engine, own = (old_lp, other) if routing.old_forward_replays_engine else (other, old_lp)
+    return _scalar_metrics(routing_attribution(engine, own, x.rollout_logprobs, x.mask, group=x.dp_group))
 
 
 def _no_learner_forward(learner, x: OldPolicyInputs):
@@ -207,11 +224,11 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
     support = sampling_keep(batch, cfg)
     old_lp, old, source_metrics = old_logprob_source(cfg).old_policy(
-        learner, OldPolicyInputs(batch, tokens, mask, rollout_lp, lengths, support))
+        learner, OldPolicyInputs(batch, tokens, mask, rollout_lp, lengths, support, dp_group))
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
     corr = apply_corrections(_rollout_time(cfg.corrections), old_lp, rollout_lp, mask, advantages=advantages,
                              group=dp_group)
-    metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask))
+    metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask, group=dp_group))
     metrics.update(source_metrics)
     if cfg.corrections.opsm.enabled:
         metrics["opsm/masked_seq_frac_at_pi_old"] = _opsm_frac_at_old(cfg.corrections, rollout_lp, old_lp, mask,

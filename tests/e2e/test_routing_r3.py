@@ -11,6 +11,7 @@ Both for Qwen3-MoE (softmax router) and DeepSeek-V3 (MLA engine; sigmoid group-l
 a dense first layer, shared experts).
 Run: .venv/bin/python -m pytest -q tests/e2e/test_routing_r3.py -s
 """
+import math
 from dataclasses import replace
 
 import pytest
@@ -33,17 +34,19 @@ def _response_diff(learner_lp, batch, tokens):
 
 
 def r3_worker(rank, world_size, model_dir):
+    from megatron_sparse_rl.config.algorithm import AlgorithmConfig
     from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
     from megatron_sparse_rl.config.routing import RoutingConfig
     from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
     from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.rollout.routes import EngineRouteCapture
-    from moe.replay import find_routers
-    from moe.stats import agreement
+    from megatron_sparse_rl.training import update as U
+    from megatron_sparse_rl.moe.replay import find_routers
+    from megatron_sparse_rl.moe.stats import agreement
     from tests.distributed.test_routing import _learner
 
-    learner = _learner(world_size, model_dir, routing=RoutingConfig(mode="R3"))
+    learner = _learner(world_size, model_dir, routing=RoutingConfig(mode="R3", attribute_mismatch=True))
     vllm_cpu.apply()
     capture = EngineRouteCapture()
     engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=8, kv_cache_gb=1),
@@ -71,6 +74,10 @@ def r3_worker(rank, world_size, model_dir):
     lp_replay = replayed["logprobs"]
     out["metrics"] = routing.after_old_forward(replayed["routing"], routes).metrics
     out["diff_own"] = _response_diff(lp_own, batch, tokens)
+    # the RL step's old forward with routing.attribute_mismatch: k1/k3 with the engine's and the learner's routes
+    _, response, rollout_lp = U.align_rollout(batch, pad_id=0)
+    x = U.OldPolicyInputs(batch, tokens, response, rollout_lp, lengths, None)
+    out["attribution"] = U.old_logprob_source(AlgorithmConfig()).old_policy(learner, x)[2]
     out["diff_replay"] = _response_diff(lp_replay, batch, tokens)
     return out
 
@@ -88,9 +95,10 @@ def test_r3_replay_brings_learner_to_engine(tmp_path, family):
     m = out["metrics"]
     print(f"\nR3 {family}: bytes/token {out['bytes_per_token']:.2f}; unperturbed agreement {out['agree_unperturbed'].tolist()}, "
           f"|learner-engine| own {out['diff_own_unperturbed']:.2e} replay {out['diff_replay_unperturbed']:.2e}; "
-          f"perturbed routers: agreement {m['routing/agreement_mean']:.3f}, flipped tokens "
+          f"perturbed routers: flip rate {m['routing/flip_rate_mean']:.3f}, flipped tokens "
           f"{m['routing/flipped_token_fraction']:.3f}, |learner-engine| own {out['diff_own']:.4f} "
-          f"vs replayed {out['diff_replay']:.4f}")
+          f"vs replayed {out['diff_replay']:.4f}; "
+          + ", ".join(f"{k} {v:.4f}" for k, v in out["attribution"].items() if k.startswith("mismatch/")))
     assert out["dtype"] == torch.uint8
     assert torch.equal(out["lengths"], out["want_lengths"])
     # the captured routes are what the engine computed: an fp32 learner routes the same and, replaying them,
@@ -101,3 +109,5 @@ def test_r3_replay_brings_learner_to_engine(tmp_path, family):
     assert m["routing/replay_applied_fraction"] == 1.0
     assert m["routing/flipped_token_fraction"] > 0.05
     assert out["diff_replay"] < 0.7 * out["diff_own"]
+    names = ("routing_share", "k1_engine_routes", "k3_engine_routes", "k1_learner_routes", "k3_learner_routes")
+    assert all(math.isfinite(out["attribution"][f"mismatch/{n}"]) for n in names)

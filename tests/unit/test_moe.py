@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from moe.stats import agreement, expert_load, flipped_fraction, load_entropy, routing_metrics
-from moe.storage import RouteStore, RoutingError, index_dtype, token_hash
+from megatron_sparse_rl.moe.stats import agreement, expert_load, flipped_fraction, load_entropy, routing_metrics
+from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, index_dtype, token_hash
 
 
 def _store(routes, experts=8, layers=(0, 1), source="x"):
@@ -93,7 +93,7 @@ def test_load_and_entropy_hand_computed():
     assert load.tolist() == [[2, 2, 0, 0]]
     assert load_entropy(load).tolist() == pytest.approx([math.log(2) / math.log(4)])
     m = routing_metrics(s, s)
-    assert m["routing/agreement/layer0"] == 1.0 and m["routing/flipped_token_fraction"] == 0.0
+    assert m["routing/flip_rate/layer0"] == 0.0 and m["routing/flipped_token_fraction"] == 0.0
     assert m["routing/load_max_over_mean/layer0"] == pytest.approx(2.0)
 
 
@@ -108,7 +108,7 @@ def test_routing_config():
 
 
 def test_cli_inspect_compare(tmp_path, capsys):
-    from tools.cli import main
+    from megatron_sparse_rl.tools.cli import main
 
     a = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
     b = torch.tensor([[[1, 0], [2, 4]], [[4, 5], [6, 7]]])
