@@ -2,8 +2,8 @@
 
 The reference sits between the GENERATED markers of the document; the hand-written text around it is kept.
 
-    python -m tools.gen_config_docs            # rewrite docs/configuration.md
-    python -m tools.gen_config_docs --check    # exit 1 if the document is out of date
+    python -m megatron_sparse_rl.tools.gen_config_docs            # rewrite docs/configuration.md
+    python -m megatron_sparse_rl.tools.gen_config_docs --check    # exit 1 if the document is out of date
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
-BEGIN = "<!-- BEGIN GENERATED: python -m tools.gen_config_docs -->"
+BEGIN = "<!-- BEGIN GENERATED: python -m megatron_sparse_rl.tools.gen_config_docs -->"
 END = "<!-- END GENERATED -->"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     new = head + render() + rest.split(END, 1)[1]
     if args.check:
         if new != text:
-            print(f"{DOC} is out of date: run python -m tools.gen_config_docs", file=sys.stderr)
+            print(f"{DOC} is out of date: run python -m megatron_sparse_rl.tools.gen_config_docs", file=sys.stderr)
             return 1
         return 0
     tmp = DOC.with_suffix(".md.tmp")

@@ -13,6 +13,7 @@ from megatron_sparse_rl.config.checks import require as _require
 KVPolicy = Literal["none", "rkv", "snapkv", "h2o", "streamingllm"]
 KVPooling = Literal["max", "avg"]
 RolloutDtype = Literal["float32", "bfloat16"]
+RolloutQuantization = Literal["none", "fp8"]
 LogprobsMode = Literal["processed", "raw"]
 GREEDY_BELOW = 1e-5
 """vLLM decodes greedily below this temperature (vllm/sampling_params.py `_SAMPLING_EPS`, 0.32) and refuses n > 1."""
@@ -148,7 +149,15 @@ class RolloutConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     """Sparse KV cache policy."""
     dtype: RolloutDtype = "float32"
-    """Engine weight/activation dtype (float32 on CPU for exact parity; bfloat16 on GPU)."""
+    """Engine weight/activation dtype. float32: the engine agrees with an fp32 learner to ~1e-7 (no mismatch to
+    correct); bfloat16: the engine holds the learner's weights rounded to bf16 and computes in bf16, as production
+    engines do (on CPU it needs AVX512-BF16 or AMX, checked at validate). The sync probe compares it with the
+    learner holding the same weights, at the bf16 tolerance (docs/routing_stability.md)."""
+    quantization: RolloutQuantization = "none"
+    """fp8: at every sync the learner's attention and MLP/expert weights are quantised to float8_e4m3fn with 128x128
+    block scales (the DeepSeek-V3 / Qwen3 FP8 release format; weights only, activations stay in rollout.dtype), and
+    the engine computes with exactly those weights: their dequantised values (vLLM's CPU FP8 kernels need AMX; GPU
+    FP8 kernels are not wired yet). Embeddings, lm_head, norms and routers stay unquantised, as in the releases."""
     kv_cache_gb: int | None = 1
     """KV cache size in GiB. CPU: exported as VLLM_CPU_KVCACHE_SPACE (an integer GiB); GPU: passed as
     kv_cache_memory_bytes. None: vLLM sizes it from gpu_memory_utilization."""
@@ -181,6 +190,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in get_args(RolloutDtype), "rollout.dtype", f"must be one of {list(get_args(RolloutDtype))}",
                  self.dtype)
+        _require(self.quantization in get_args(RolloutQuantization), "rollout.quantization",
+                 f"must be one of {list(get_args(RolloutQuantization))}", self.quantization)
         _require(self.kv_cache_gb is None or self.kv_cache_gb >= 1, "rollout.kv_cache_gb", "must be None or >= 1",
                  self.kv_cache_gb)
         _require(self.max_num_seqs >= 1, "rollout.max_num_seqs", "must be >= 1", self.max_num_seqs)
@@ -200,3 +211,11 @@ class RolloutConfig:
         if self.max_model_len is not None and self.sampling.max_tokens >= self.max_model_len:
             raise ValueError(f"rollout.sampling.max_tokens must be < rollout.max_model_len "
                              f"(got {self.sampling.max_tokens} >= {self.max_model_len})")
+
+
+def engine_precision(rollout: RolloutConfig) -> str:
+    """What the engine computes with, for the run summary (rollout.dtype, rollout.quantization)."""
+    if rollout.quantization == "none":
+        return f"engine dtype {rollout.dtype}"
+    return (f"engine fp8 weights (float8_e4m3fn, 128x128 block scales, quantised at every sync) computed as their "
+            f"dequantised values in {rollout.dtype}: vLLM's FP8 kernels are not used")

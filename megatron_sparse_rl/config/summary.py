@@ -15,6 +15,7 @@ import os
 
 from megatron_sparse_rl.config.degrees import ParallelDegrees
 from megatron_sparse_rl.config.resolve import describe_max_model_len
+from megatron_sparse_rl.config.rollout import engine_precision
 from megatron_sparse_rl.config.schema import RunConfig
 
 
@@ -59,7 +60,7 @@ def model_lines(run: RunConfig, spec) -> list[str]:
     tiny = f" (tiny {m.tiny.arch}, built at model.path on first use)" if m.tiny else ""
     if spec is None:
         return [f"model: unknown here (no config.json at model.path){tiny}; model checks skipped",
-                f"  learner dtype {m.dtype}, engine dtype {run.rollout.dtype}, max_model_len "
+                f"  learner dtype {m.dtype}, {engine_precision(run.rollout)}, max_model_len "
                 f"{describe_max_model_len(run.rollout, spec)}"]
     attention = (f"{spec.num_heads} heads, MLA latent {spec.latent_width} (kv_lora_rank {spec.kv_lora_rank} + "
                  f"qk_rope_head_dim {spec.qk_rope_head_dim})" if isinstance(spec, DeepseekSpec)
@@ -68,8 +69,8 @@ def model_lines(run: RunConfig, spec) -> list[str]:
             f"vocab {spec.vocab_size}")
     if spec.is_moe:
         arch += f", {spec.num_experts} experts top-{spec.moe_topk} (ffn {spec.moe_ffn_hidden_size})"
-    return [arch, f"  parameters: {spec.parameter_count():,}; learner dtype {m.dtype}, engine dtype "
-                  f"{run.rollout.dtype}, max_model_len {describe_max_model_len(run.rollout, spec)}"]
+    return [arch, f"  parameters: {spec.parameter_count():,}; learner dtype {m.dtype}, {engine_precision(run.rollout)}"
+                  f", max_model_len {describe_max_model_len(run.rollout, spec)}"]
 
 
 def path_lines(run: RunConfig) -> list[str]:

@@ -217,6 +217,10 @@ def _old_logprobs_problems(run: RunConfig) -> list[str]:
         problems.append(f"algorithm.old_logprobs = {source!r} skips the learner's old-policy forward, which is where "
                         "routing.mode = 'R2' records the routes it replays; use R3 (the engine's routes) or "
                         "algorithm.old_logprobs = 'learner'")
+    if run.routing.attribute_mismatch:
+        problems.append(f"routing.attribute_mismatch compares the learner's pi_old with and without the engine's "
+                        f"routes; algorithm.old_logprobs = {source!r} takes pi_old from the engine (use 'learner' "
+                        "or set routing.attribute_mismatch = false)")
     if source == "engine":
         enabled = [name for name in _RHO_CORRECTIONS if getattr(algo.corrections, name).enabled]
         if enabled:
@@ -255,6 +259,40 @@ def _async_problems(run: RunConfig) -> list[str]:
     return problems
 
 
+def cpu_engine_runs_bf16() -> bool:
+    """Whether vLLM's CPU platform computes in bfloat16 on this machine (its `supported_dtypes`)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    return torch.bfloat16 in current_platform.supported_dtypes
+
+
+def _precision_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
+    """rollout.dtype bfloat16 on a CPU vLLM cannot run it in; rollout.quantization fp8 on an engine whose
+    tensor-parallel shards would cut FP8 blocks: the sync quantises whole tensors, and an engine shard holding part
+    of a block would hold a scale it shares with another rank (vLLM's block-FP8 layers refuse such shards). One
+    engine rank holds every tensor whole, so any shape fits there (partial blocks are blocks)."""
+    problems = []
+    rollout = run.rollout
+    if rollout.dtype == "bfloat16" and not cuda and not cpu_engine_runs_bf16():
+        problems.append("rollout.dtype = 'bfloat16': vLLM's CPU engine cannot compute in bfloat16 on this CPU (no "
+                        "bf16 support); use rollout.dtype = 'float32' (with rollout.quantization = 'fp8' for "
+                        "low-precision weights) or a GPU")
+    if rollout.quantization == "fp8" and spec is not None and rollout.tensor_parallel_size > 1:
+        from megatron_sparse_rl.formats.fp8 import RELEASE_BLOCK, BlockFp8, fp8_quantizable
+        from megatron_sparse_rl.models import adapter_for
+
+        adapter, fmt, tp = adapter_for(spec), BlockFp8(block=RELEASE_BLOCK), rollout.tensor_parallel_size
+        shapes = adapter.hf_shapes(spec)
+        for name, split in adapter.engine_splits(spec).items():
+            problem = fp8_quantizable(name, shapes[name]) and fmt.block_problem(name, shapes[name], tp, split,
+                                                                                kv_heads=spec.num_kv_heads)
+            if problem:  # one tensor named is enough: the others of its kind share its shape
+                return problems + [f"rollout.quantization = 'fp8' with rollout.tensor_parallel_size = {tp}: "
+                                   f"{problem}"]
+    return problems
+
+
 def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None = None):
     """Check `run` across components for `world_size` ranks; return the model's ModelSpec (None if unknown).
 
@@ -288,6 +326,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _rollout_algorithm_problems(run, world_size, spec)
     problems += _old_logprobs_problems(run)
     problems += _async_problems(run)
+    problems += _precision_problems(run, spec, cuda)
     if run.routing.engine_routes == "vllm" and not cuda:
         problems.append("routing.engine_routes = 'vllm' needs CUDA (vLLM returns routed experts from its GPU model "
                         "runner only); use 'hook' or 'auto' (the router callback) without CUDA")

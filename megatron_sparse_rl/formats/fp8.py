@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from megatron_sparse_rl.models.base import GPTAdapter
     from megatron_sparse_rl.models.spec import ModelSpec
 
+RELEASE_BLOCK = (128, 128)
+"""The block one scale covers in DeepSeek-V3's and Qwen3's FP8 releases (and `rollout.quantization: fp8`)."""
 SCALE_SUFFIX = "_scale_inv"
 FP8_CODE = "F8_E4M3"
 """The safetensors dtype code of torch.float8_e4m3fn, the only fp8 storage read."""

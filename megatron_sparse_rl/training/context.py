@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.schema import RunConfig
+from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def build_context(run: RunConfig, total_steps: int):
                                 engine_tp=engine_tp, shards=EngineShards(spec, engine_tp) if sliced else None,
                                 shard_groups=shard_groups)
     learner, reference = _learners(run, adapter, spec, layout, groups, model_dir, total_steps)
-    placement = (P.Disaggregated(remote, groups, layout.dp, layout.world_size,
+    placement = (P.Disaggregated(remote, groups, layout.dp, layout.world_size, weights=EngineWeights.of(run.rollout),
                                  recompute_kv=run.trainer.in_flight_kv == "recompute") if n_rollout
                  else _colocated(run, run_dir, model_dir, spec, layout, groups))
     return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, placement, tokenizer, task,
@@ -190,10 +191,11 @@ def _colocated(run: RunConfig, run_dir: Path, model_dir: Path, spec, layout, gro
 
     engine = _engine(run, run_dir, model_dir, spec)
     engine_tp, model_parallel = run.rollout.tensor_parallel_size, layout.tp * layout.pp
+    weights = EngineWeights.of(run.rollout)
     if engine_tp == 1:
-        return P.Colocated(engine, groups, model_parallel)
+        return P.Colocated(engine, groups, model_parallel, weights=weights)
     shares = P.ColocatedSharedEngine.shares_of(groups.dp_rank, engine_tp)
-    return P.ColocatedSharedEngine(engine, groups, model_parallel, shares)
+    return P.ColocatedSharedEngine(engine, groups, model_parallel, shares, weights=weights)
 
 
 def _pad_id(tokenizer) -> int:

@@ -155,14 +155,15 @@ class RemoteEngine:
                    for c in range(calls)]
         return batches, {k: max(a.seconds[k] for a in answers) for k in answers[0].seconds}
 
-    def sync_weights(self, learner, *, bucket_mb: float, version: int = 0):
-        """Every learner rank calls it: learner -> every engine, checksummed, as weight version `version`; rank `SRC`
-        checks the receipts (while sampling ahead: in `collect_ahead`)."""
+    def sync_weights(self, learner, *, bucket_mb: float, version: int = 0, convert=None):
+        """Every learner rank calls it: learner -> every engine, checksummed, as weight version `version` (each HF
+        tensor replaced by `convert(name, tensor)` when given); rank `SRC` checks the receipts (while sampling
+        ahead: in `collect_ahead`)."""
         start = time.perf_counter()
         if self.driver:
             self._send(SyncWeights(version))
         stats = send_weights(learner, self.group, src=SRC, bucket_mb=bucket_mb, shards=self.shards,
-                             shard_groups=self.shard_groups)
+                             shard_groups=self.shard_groups, convert=convert)
         if self.driver and not self.ahead:
             self._gather()  # every engine verified its buckets and loaded them
         return replace(stats, seconds=time.perf_counter() - start)

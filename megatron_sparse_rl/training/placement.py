@@ -7,7 +7,7 @@ training steps call it and never ask which one they have (README.md, "Layout": s
                                                 # flight, then the batch sampled ahead is collected)
     ahead = placement.take_ahead()              # that batch (AheadBatch: finish(batch, dp_rank) of this rank's
                                                 # share, the engines' times), once; None when none was sampled
-    diff = placement.verify(learner, probe, tol)  # None on a rank that compares nothing
+    metrics = placement.verify(learner, probe, tol)  # the probe's sync/... metrics (weight_sync/verify.py)
     placement.shutdown()                         # idempotent; on every way out of the learner loop
 
 Every learner rank calls every method in the same order (they run collectives). `work` is called with an
@@ -31,7 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
+
+from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
 
 T = TypeVar("T")
 Work = Callable[[Any, int], T]
@@ -59,9 +62,11 @@ class AheadBatch:
 
 
 class Placement:
-    """The interface the steps use. `pad_id` pads learner token rows as the engines pad theirs."""
+    """The interface the steps use. `pad_id` pads learner token rows as the engines pad theirs; `weights` is the
+    engines' precision and weight format (rollout.dtype, rollout.quantization), applied by `sync` and `verify`."""
 
     pad_id: int
+    weights: EngineWeights = EngineWeights()
 
     def generate(self, work: Work) -> T:
         raise NotImplementedError
@@ -83,9 +88,10 @@ class Placement:
         """The batch sampled ahead, collected by the last `sync`, handed over once; None when none was sampled."""
         return None
 
-    def verify(self, learner, tokens, tol: float) -> float | None:
-        """Max |engine - learner| prompt logprobs on the probe over the engines this rank compares (None when it
-        compares none); raises WeightSyncError above `tol` naming the engine."""
+    def verify(self, learner, tokens, tol: float) -> dict[str, float]:
+        """The probe's metrics (weight_sync/verify.py `probe_metrics`): max |engine - learner| prompt logprobs over
+        the engines this rank compares (absent when it compares none), the learner holding the engines' weights;
+        raises WeightSyncError above `tol` naming the engine."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -95,9 +101,9 @@ class Placement:
 class Colocated(Placement):
     """Every learner rank owns a whole engine in its own process; `model_parallel` = tp * pp of the learner."""
 
-    def __init__(self, engine, groups, model_parallel: int):
+    def __init__(self, engine, groups, model_parallel: int, *, weights: EngineWeights = EngineWeights()):
         self.engine, self.groups, self.model_parallel = engine, groups, model_parallel
-        self.pad_id = engine.pad_id
+        self.pad_id, self.weights = engine.pad_id, weights
 
     def _from_leader(self, obj):
         """The model-parallel group's first rank's `obj` on every rank of the group."""
@@ -115,14 +121,16 @@ class Colocated(Placement):
     def sync(self, learner, *, bucket_mb: float, version: int = 0):
         from megatron_sparse_rl.weight_sync import sync_to_engine
 
-        stats = sync_to_engine(learner, self.engine, bucket_mb=bucket_mb)
+        stats = sync_to_engine(learner, self.engine, bucket_mb=bucket_mb, convert=self.weights.convert)
         self.engine.weight_version = version
         return stats
 
-    def verify(self, learner, tokens, tol: float) -> float | None:
-        from megatron_sparse_rl.weight_sync import verify_logprobs
+    def verify(self, learner, tokens, tol: float) -> dict[str, float]:
+        from megatron_sparse_rl.weight_sync import probe_metrics
 
-        return verify_logprobs(learner, self.engine, tokens, tol)
+        who = f"rank {dist.get_rank() if dist.is_initialized() else 0}"
+        return probe_metrics(learner, tokens, tol, lambda rows: {who: torch.stack(self.engine.prompt_logprobs(rows))},
+                             self.weights)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -133,8 +141,9 @@ class ColocatedSharedEngine(Colocated):
     ranks it spans (sorted, the same on each of them). Sync and verify are per rank, as with whole engines:
     each rank hands its engine the full tensors and vLLM's loaders keep its slice."""
 
-    def __init__(self, engine, groups, model_parallel: int, shares: tuple[int, ...]):
-        super().__init__(engine, groups, model_parallel)
+    def __init__(self, engine, groups, model_parallel: int, shares: tuple[int, ...], *,
+                 weights: EngineWeights = EngineWeights()):
+        super().__init__(engine, groups, model_parallel, weights=weights)
         self.shares = shares
 
     def generate(self, work: Work) -> T:
@@ -155,9 +164,10 @@ class Disaggregated(Placement):
     """The engines are on the rollout ranks; `remote` (training/disaggregated.py `RemoteEngine`) drives them
     from learner rank 0. `learner_group`: every learner rank, over which rank 0 hands out the shares."""
 
-    def __init__(self, remote, groups, dp: int, learner_ranks: int, *, recompute_kv: bool = False):
+    def __init__(self, remote, groups, dp: int, learner_ranks: int, *, recompute_kv: bool = False,
+                 weights: EngineWeights = EngineWeights()):
         self.remote, self.groups, self.dp, self.learner_ranks = remote, groups, dp, learner_ranks
-        self.pad_id = remote.pad_id
+        self.pad_id, self.weights = remote.pad_id, weights
         self.recompute_kv = recompute_kv  # trainer.in_flight_kv = recompute
         self._ahead: AheadBatch | None = None  # the batch sampled ahead, from sample_ahead to take_ahead
 
@@ -186,7 +196,7 @@ class Disaggregated(Placement):
         return ahead
 
     def sync(self, learner, *, bucket_mb: float, version: int = 0):
-        stats = self.remote.sync_weights(learner, bucket_mb=bucket_mb, version=version)
+        stats = self.remote.sync_weights(learner, bucket_mb=bucket_mb, version=version, convert=self.weights.convert)
         if self._ahead is not None and not self._ahead.collected:  # the engines took these weights while sampling
             self._collect(self._ahead)
         return stats
@@ -200,10 +210,11 @@ class Disaggregated(Placement):
         ahead.result, ahead.engine_s = self._from_driver(out)
         ahead.learner_wait_s = time.perf_counter() - start
 
-    def verify(self, learner, tokens, tol: float) -> float | None:
-        from megatron_sparse_rl.weight_sync import compare_engines
+    def verify(self, learner, tokens, tol: float) -> dict[str, float]:
+        from megatron_sparse_rl.weight_sync import probe_metrics
 
-        return compare_engines(learner, tokens, tol, self.remote.probe_logprobs if self.remote.driver else None)
+        return probe_metrics(learner, tokens, tol, self.remote.probe_logprobs if self.remote.driver else None,
+                             self.weights)
 
     def shutdown(self) -> None:
         self.remote.shutdown()

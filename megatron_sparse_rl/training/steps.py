@@ -174,17 +174,19 @@ def verify_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None) -> di
     every = cfg.verify_sync_every
     if probe is None or not every or not (n_syncs == 0 or (n_syncs + 1) % every == 0):
         return {}
-    diff = ctx.placement.verify(ctx.learner, probe, sync_tolerance(cfg.verify_sync_tol, ctx.learner))
-    return {} if diff is None else {"sync/probe_max_abs_diff": diff}  # None: a rank that compares nothing
+    return ctx.placement.verify(ctx.learner, probe, sync_tolerance(cfg.verify_sync_tol, ctx.learner,
+                                                                   ctx.placement.weights.dtype))
 
 
-def sync_tolerance(configured: float | None, learner) -> float:
-    """`trainer.verify_sync_tol`, or by the learner's parameter dtype when it is null."""
+def sync_tolerance(configured: float | None, learner, engine_dtype: torch.dtype = torch.float32) -> float:
+    """`trainer.verify_sync_tol`, or when it is null by the lower of the learner's parameter dtype and the engines'
+    (rollout.dtype: a bf16 engine computes in bf16 even against an fp32 learner)."""
     from megatron_sparse_rl.checkpoint.verify import TOLERANCE
 
     if configured is not None:
         return configured
-    return TOLERANCE.get(next(learner.model.parameters()).dtype, max(TOLERANCE.values()))
+    default = max(TOLERANCE.values())
+    return max(TOLERANCE.get(next(learner.model.parameters()).dtype, default), TOLERANCE.get(engine_dtype, default))
 
 
 def evaluate(ctx: RunContext, correct, n: int) -> float:

@@ -28,15 +28,17 @@ from megatron_sparse_rl.weight_sync.pipeline import prefetched
 log = logging.getLogger(__name__)
 
 
-def sync_to_engine(learner, engine, *, bucket_mb: float = 256.0, verify: bool = True, _corrupt=None) -> SyncStats:
-    """Move the learner's full weights into `engine` (None: take part in the collectives only).
+def sync_to_engine(learner, engine, *, bucket_mb: float = 256.0, verify: bool = True, convert=None,
+                   _corrupt=None) -> SyncStats:
+    """Move the learner's full weights into `engine` (None: take part in the collectives only), each HF tensor
+    replaced by `convert(name, tensor)` when given (the engine's weight format: weight_sync/engine_weights.py).
 
     Raises WeightSyncError if a bucket fails its checksum or the engine stops before the stream ends.
     `_corrupt(bucket)` is a test hook called on each bucket before verification.
     """
     start = time.perf_counter()
     clock = PhaseTimes()
-    buckets = pack_buckets(timed(iter_hf_tensors(learner), clock), bucket_mb=bucket_mb, clock=clock)
+    buckets = pack_buckets(timed(iter_hf_tensors(learner, convert), clock), bucket_mb=bucket_mb, clock=clock)
     # export, pack and digest bucket k+1 (a thread of its own) while the engine loads bucket k
     feed = Feed(prefetched(buckets), verify=verify, corrupt=_corrupt, clock=clock)
     feed.load_into(engine)

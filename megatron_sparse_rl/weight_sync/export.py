@@ -124,8 +124,9 @@ def iter_full_mcore(learner) -> Iterator[tuple[object, torch.Tensor]]:
         yield tm, full
 
 
-def iter_hf_tensors(learner) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for the whole model, in the adapter's HF order, on every rank (collective)."""
+def iter_hf_tensors(learner, convert=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for the whole model, in the adapter's HF order, on every rank (collective).
+    `convert(name, tensor)` (weight_sync/engine_weights.py: the FP8 round trip) replaces each tensor when given."""
     for tm, full in iter_full_mcore(learner):
         for name, tensor in zip(tm.hf, to_hf(tm, full, learner.spec)):
-            yield name, tensor
+            yield name, (tensor if convert is None else convert(name, tensor))

@@ -3,6 +3,7 @@ learner's own `forward_logprobs` (an independent implementation), one comparison
 
     diff = verify_logprobs(learner, engine, probe_tokens, tol=1e-4)           # this rank's own engine
     diff = compare_engines(learner, probe_tokens, tol, engine_logprobs)       # any engines: rows -> {who: logprobs}
+    metrics = probe_metrics(learner, probe_tokens, tol, engine_logprobs, weights)   # under the engines' format
 
 Every learner rank calls them (the learner forward is collective); a rank that compares nothing passes
 `engine` / `engine_logprobs` None and gets None. Above `tol` they raise WeightSyncError naming the engine. When the
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.learner.finite import NonFiniteError, nonfinite_parameters, weights_message
+from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
 from megatron_sparse_rl.weight_sync.export import WeightSyncError
 
 EngineLogprobs = Callable[[list[list[int]]], dict[str, torch.Tensor]]
@@ -32,19 +34,17 @@ def _probe_rows(tokens) -> torch.Tensor:
     return rows
 
 
-def compare_engines(learner, tokens, tol: float, engine_logprobs: EngineLogprobs | None) -> float | None:
-    """Max |engine prompt logprob - learner logprob| on the probe `tokens` ([B, S] or [S], no padding) over
-    every engine `engine_logprobs` scores; None when it is None (this rank only joins the learner forward).
-
-    The learner scores at temperature 1 here, whatever its training temperature (the engines' prompt logprobs
-    are of the raw logits). Raises WeightSyncError naming the first engine whose difference exceeds `tol`."""
-    rows = _probe_rows(tokens)
+def _learner_probe(learner, rows: torch.Tensor) -> torch.Tensor:
+    """The learner's logprobs of the probe at temperature 1 (the engines' prompt logprobs are of the raw logits,
+    whatever the training temperature), float32; raises NonFiniteError on every rank when they are not finite."""
     with learner.scoring_temperature(1.0):
         ours = learner.forward_logprobs(rows)["logprobs"].float()
     if not torch.isfinite(ours).all():  # the same on every rank: all of them raise
         _learner_not_finite(learner, "")
-    if engine_logprobs is None:
-        return None
+    return ours
+
+
+def _against(learner, ours: torch.Tensor, rows: torch.Tensor, tol: float, engine_logprobs: EngineLogprobs) -> float:
     worst = 0.0
     for who, theirs in engine_logprobs(rows.tolist()).items():
         diff = (theirs.float() - ours).abs().max().item()
@@ -55,6 +55,43 @@ def compare_engines(learner, tokens, tol: float, engine_logprobs: EngineLogprobs
                                   f"(tolerance {tol:.1e}): the weight sync moved wrong weights")
         worst = max(worst, diff)
     return worst
+
+
+def compare_engines(learner, tokens, tol: float, engine_logprobs: EngineLogprobs | None) -> float | None:
+    """Max |engine prompt logprob - learner logprob| on the probe `tokens` ([B, S] or [S], no padding) over
+    every engine `engine_logprobs` scores; None when it is None (this rank only joins the learner forward).
+
+    The learner scores at temperature 1 here, whatever its training temperature (the engines' prompt logprobs
+    are of the raw logits). Raises WeightSyncError naming the first engine whose difference exceeds `tol`."""
+    rows = _probe_rows(tokens)
+    ours = _learner_probe(learner, rows)
+    return None if engine_logprobs is None else _against(learner, ours, rows, tol, engine_logprobs)
+
+
+def probe_metrics(learner, tokens, tol: float, engine_logprobs: EngineLogprobs | None,
+                  weights: EngineWeights | None = None) -> dict[str, float]:
+    """`compare_engines` under the engines' weight format: with `weights` other than the learner's own precision
+    (a bf16 engine, FP8 weights) the learner's reference holds the engines' weights (`EngineWeights.held_by`), and
+    the logprob effect of that rounding itself is measured on the same probe (learner with vs without it):
+
+        sync/probe_max_abs_diff          max |engine - learner holding the engine's weights| (this rank's engines)
+        sync/weight_format_max_abs_diff  max |learner holding the engine's weights - learner| (every rank)
+        sync/weight_format_mean_abs_diff its mean over the probe's tokens
+
+    Every learner rank calls it (collectives); a rank comparing no engine gets the last two only."""
+    rows = _probe_rows(tokens)
+    if weights is None or weights == EngineWeights():
+        diff = compare_engines(learner, rows, tol, engine_logprobs)
+        return {} if diff is None else {"sync/probe_max_abs_diff": diff}
+    plain = _learner_probe(learner, rows)
+    with weights.held_by(learner):
+        held = _learner_probe(learner, rows)
+    effect = (held - plain).abs()
+    out = {"sync/weight_format_max_abs_diff": effect.max().item(),
+           "sync/weight_format_mean_abs_diff": effect.mean().item()}
+    if engine_logprobs is not None:
+        out["sync/probe_max_abs_diff"] = _against(learner, held, rows, tol, engine_logprobs)
+    return out
 
 
 def _learner_not_finite(learner, prefix: str) -> None:

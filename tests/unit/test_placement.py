@@ -11,6 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from megatron_sparse_rl import weight_sync
+from megatron_sparse_rl.config.rollout import RolloutConfig
+from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
 from megatron_sparse_rl.training.placement import Colocated, ColocatedSharedEngine, Disaggregated, Placement
 
 
@@ -42,8 +44,8 @@ class StandInRemote:
         self.calls.append(("collect_ahead",))
         return self.batches, {"engine_s": 1.5}
 
-    def sync_weights(self, learner, *, bucket_mb, version):
-        self.calls.append(("sync_weights", learner, bucket_mb, version))
+    def sync_weights(self, learner, *, bucket_mb, version, convert):
+        self.calls.append(("sync_weights", learner, bucket_mb, version, convert))
         return "stats"
 
     def probe_logprobs(self, tokens):
@@ -74,15 +76,16 @@ def test_colocated_runs_work_once_on_its_engine_for_its_share():
 
 def test_colocated_sync_and_verify_hand_its_engine_to_weight_sync(monkeypatch):
     engine, learner, calls = StandInEngine(), object(), []
-    monkeypatch.setattr(weight_sync, "sync_to_engine",
-                        lambda lrn, eng, *, bucket_mb: calls.append(("sync", lrn, eng, bucket_mb)) or "stats")
-    monkeypatch.setattr(weight_sync, "verify_logprobs",
-                        lambda lrn, eng, tokens, tol: calls.append(("verify", lrn, eng, tokens, tol)) or 0.25)
-    placement = Colocated(engine, _groups(), model_parallel=1)
+    monkeypatch.setattr(weight_sync, "sync_to_engine", lambda lrn, eng, *, bucket_mb, convert:
+                        calls.append(("sync", lrn, eng, bucket_mb, convert)) or "stats")
+    monkeypatch.setattr(weight_sync, "probe_metrics", lambda lrn, tokens, tol, engine_logprobs, weights:
+                        calls.append(("verify", lrn, tokens, tol, weights)) or {"sync/probe_max_abs_diff": 0.25})
+    weights = EngineWeights.of(RolloutConfig(quantization="fp8"))
+    placement = Colocated(engine, _groups(), model_parallel=1, weights=weights)
     assert placement.sync(learner, bucket_mb=64, version=4) == "stats"
     assert engine.weight_version == 4  # the engine now holds the weights of 4 RL steps
-    assert placement.verify(learner, "probe", 1e-3) == 0.25
-    assert calls == [("sync", learner, engine, 64), ("verify", learner, engine, "probe", 1e-3)]
+    assert placement.verify(learner, "probe", 1e-3) == {"sync/probe_max_abs_diff": 0.25}
+    assert calls == [("sync", learner, engine, 64, weights.convert), ("verify", learner, "probe", 1e-3, weights)]
     placement.shutdown()
     assert engine.calls == [("shutdown",)]
 
@@ -120,7 +123,7 @@ def test_disaggregated_runs_every_share_through_the_remote_engines():
     learner = object()
     assert placement.sync(learner, bucket_mb=32, version=2) == "stats"
     placement.shutdown()
-    assert remote.calls == [("sync_weights", learner, 32, 2), ("shutdown",)]
+    assert remote.calls == [("sync_weights", learner, 32, 2, None), ("shutdown",)]
 
 
 def test_disaggregated_samples_ahead_and_finishes_after_the_sync():
