@@ -9,11 +9,11 @@
 FP8: every tensor `formats/fp8.py` names quantisable (the 2-D attention and MLP/expert weights of a release
 checkpoint; not embeddings, lm_head, norms or routers) is quantised to float8_e4m3fn with 128x128 block scales, the
 format of DeepSeek-V3 and Qwen3 FP8 releases (weights only; activations are not quantised), and the engine computes
-with the dequantised values of exactly those FP8 weights: the sync sends them in the learner's dtype and the engine
-casts them to its own (`rollout.dtype`), as it casts every weight. vLLM's FP8 kernels are not used: on this CPU
+with the dequantised values of exactly those FP8 weights, sent in the engine's dtype (`rollout.dtype`) like every
+other weight. vLLM's FP8 kernels are not used: on this CPU
 they need AMX (docs/routing_stability.md, "Low-precision rollouts").
 
-The engine's precision: a bf16 engine holds the learner's weights rounded to bf16 (its load casts them), and
+The engine's precision: a bf16 engine holds the learner's weights rounded to bf16 (the sync sends them so), and
 computes in bf16. `held_by` rounds the learner's weights the same way but the learner still computes in its own
 dtype, so the probe's remaining difference is the engine's arithmetic, which `sync_tolerance` allows for.
 """
@@ -53,19 +53,20 @@ class EngineWeights:
         return self.fp8 is not None
 
     def sent(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """What a sync sends for HF tensor `name`: its FP8 round trip when quantised, else `tensor` itself."""
-        if self.fp8 is None or not fp8_quantizable(name, tuple(tensor.shape)):
-            return tensor
-        return self.fp8.quant_dequant(name, tensor).to(tensor.dtype)
+        """What a sync sends for HF tensor `name`: its FP8 round trip when quantised, in the engine's dtype (the
+        engine would cast it to that on loading anyway; sending it so halves a bf16 engine's bytes)."""
+        if self.fp8 is not None and fp8_quantizable(name, tuple(tensor.shape)):
+            tensor = self.fp8.quant_dequant(name, tensor)
+        return tensor.to(self.dtype)
 
     def held(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The value the engine holds for `name`, in `tensor`'s dtype: `sent`, cast to the engine's dtype."""
-        return self.sent(name, tensor).to(self.dtype).to(tensor.dtype)
+        """The value the engine holds for `name`, in `tensor`'s dtype."""
+        return self.sent(name, tensor).to(tensor.dtype)
 
     @property
     def convert(self) -> Convert | None:
-        """The sync's conversion (`sent`), or None when it sends the learner's tensors unchanged."""
-        return self.sent if self.fp8 is not None else None
+        """The sync's conversion (`sent`), or None when it sends the learner's fp32 tensors unchanged."""
+        return None if self == EngineWeights() else self.sent
 
     @contextmanager
     def held_by(self, learner) -> Iterator[None]:

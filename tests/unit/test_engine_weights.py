@@ -32,8 +32,8 @@ def test_fp32_engine_sends_and_holds_the_learners_weights():
 
 def test_bf16_engine_holds_the_weights_rounded_to_bf16():
     weights = EngineWeights.of(RolloutConfig(dtype="bfloat16"))
-    assert weights.convert is None  # the engine's own load casts: nothing to convert on the way
     t = _tensor((64, 96))
+    assert weights.convert(QUANTISED, t).dtype == torch.bfloat16  # sent as the engine holds it: half the bytes
     held = weights.held(QUANTISED, t)
     assert held.dtype == torch.float32 and torch.equal(held, t.to(torch.bfloat16).to(torch.float32))
     assert not torch.equal(held, t)
@@ -45,7 +45,7 @@ def test_fp8_quantises_attention_and_expert_weights_only():
     for name in (QUANTISED, EXPERT):
         t = _tensor((192, 160), seed=len(name))
         sent = weights.sent(name, t)
-        assert sent.dtype == t.dtype and sent.shape == t.shape and not torch.equal(sent, t)
+        assert sent.dtype == torch.float32 and sent.shape == t.shape and not torch.equal(sent, t)
         # every value is an e4m3 number times its block's scale: at most 8 distinct magnitudes per power of two
         assert torch.equal(weights.sent(name, sent), sent)  # the round trip is idempotent
     for name in KEPT:
