@@ -1,4 +1,5 @@
-"""Routing statistics: agreement between two route sets, flipped-token fraction, expert load and its entropy.
+"""Routing statistics: agreement between two route sets, flipped-token fraction, expert drift, expert load and its
+entropy.
 
 Pure tensor math on `RouteStore`s (no Megatron, no vLLM):
 
@@ -9,6 +10,7 @@ Pure tensor math on `RouteStore`s (no Megatron, no vLLM):
     load_entropy(load)      -> per-layer entropy of the load distribution, normalised to [0, 1]
     routing_metrics(...)    -> the flat `routing/...` metric dict a trainer logs each step (summed over the
                                data-parallel `group` first, when given); names in docs/routing.md
+    drift_metrics(old, new) -> one update's expert drift pi_old -> pi_theta: `routing/drift/...` (same counts)
 """
 from __future__ import annotations
 
@@ -89,7 +91,6 @@ def routing_metrics(routes: RouteStore, reference: RouteStore | None = None, *, 
     rollout engine's routes vs the learner's), the flip rate per layer (fraction of tokens whose top-k set
     differs), its mean over layers and the fraction of tokens flipped in at least one layer. With a process
     `group` (data parallel) the loads and flip counts are summed over its ranks first (every rank must call)."""
-    layers = len(routes.layers)
     load = expert_load(routes)
     counts = flip_counts(reference, routes) if reference is not None else torch.zeros(0, dtype=torch.float64)
     summed = _global(torch.cat([load.double().flatten(), counts]), group)
@@ -102,10 +103,28 @@ def routing_metrics(routes: RouteStore, reference: RouteStore | None = None, *, 
         out[f"{prefix}/load_max_over_mean/layer{layer}"] = float(load[j].max()) / mean if mean else 0.0
     out[f"{prefix}/load_entropy_mean"] = float(ent.mean()) if ent.numel() else 1.0
     if reference is not None:
-        tokens = max(float(counts[-1]), 1.0)
-        rate = counts[:layers] / tokens
-        for j, layer in enumerate(routes.layers):
-            out[f"{prefix}/flip_rate/layer{layer}"] = float(rate[j])
-        out[f"{prefix}/flip_rate_mean"] = float(rate.mean()) if layers else 0.0
-        out[f"{prefix}/flipped_token_fraction"] = float(counts[layers]) / tokens
+        out.update(_rates(counts, routes.layers, f"{prefix}/flip_rate/layer", f"{prefix}/flip_rate_mean",
+                          f"{prefix}/flipped_token_fraction"))
+    return out
+
+
+def drift_metrics(old: RouteStore, new: RouteStore, *, prefix: str = "routing", group=None) -> dict:
+    """One update's expert drift: per MoE layer the fraction of tokens whose top-k set differs between `old` (pi_old's
+    own routes of the rows, from the learner's old-logprob forward) and `new` (the routes pi_theta's routers choose in
+    the update's forward, same rows and tokens), its mean over the layers and the fraction of tokens that differ in
+    at least one layer. With a process `group` (data parallel) the counts are summed over its ranks before dividing
+    (every rank must call)."""
+    counts = _global(flip_counts(old, new), group)
+    return _rates(counts, old.layers, f"{prefix}/drift/layer", f"{prefix}/drift_mean",
+                  f"{prefix}/drift_token_fraction")
+
+
+def _rates(counts: torch.Tensor, layers: tuple[int, ...], per_layer: str, mean: str, any_layer: str) -> dict:
+    """`flip_counts` (summed) -> per-layer rates `{per_layer}{L}`, their mean over layers and the any-layer fraction."""
+    n = len(layers)
+    tokens = max(float(counts[-1]), 1.0)
+    rate = counts[:n] / tokens
+    out = {f"{per_layer}{layer}": float(rate[j]) for j, layer in enumerate(layers)}
+    out[mean] = float(rate.mean()) if n else 0.0
+    out[any_layer] = float(counts[n]) / tokens
     return out

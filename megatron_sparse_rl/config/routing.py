@@ -24,8 +24,10 @@ class RoutingConfig:
     with gradients through the current router scores."""
     record_stats: bool = True
     """Compute routing metrics every step: per-layer flip rate of rollout vs learner routes, fraction of
-    tokens with any flipped expert, expert load entropy (costs one extra router matmul per MoE layer under
-    R3 and the route capture on the engine)."""
+    tokens with any flipped expert, expert load entropy, and each update's expert drift from pi_old's routes
+    (routing/drift_*; needs the learner's old-logprob forward). Costs one extra router matmul per MoE layer in
+    R3's old forward and in every R2/R3 update forward, a host copy of every update's routes, and the route
+    capture on the engine."""
     capture_rollout_routes: bool = False
     """Capture the engine's routes even when mode is not R3 (for the flip-rate statistics under off/R2)."""
     attribute_mismatch: bool = False

@@ -39,9 +39,14 @@ class RouteRequest:
     (`routing/replay_applied_fraction` == 1). Missing, misshapen or other tokens' routes raise RoutingError
     before the forward."""
     record: bool = False
-    """Return the learner's own routes of the rows (`RoutingResult.learner_routes`): what its routers choose
-    themselves; under `replay`, their own top-k of the same scores beside the replayed map (statistics).
-    `forward_logprobs` only."""
+    """Record the learner's own routes of the rows (`RoutingResult.learner_routes`): what its routers choose
+    themselves; under `replay`, their own top-k of the same scores beside the replayed map (statistics). Returned
+    by `forward_logprobs`; `train_step` returns no routes, so there it needs `compare_with`."""
+    compare_with: RouteStore | None = None
+    """Routes of the same rows to compare the call's own routes (`record`, required) with: per MoE layer the
+    fraction of tokens whose top-k set differs, as the call's `routing/drift/...` metrics, global over the
+    data-parallel ranks (every rank's call must have it). An RL update passes the old-logprob forward's own routes:
+    the expert drift pi_old -> pi_theta (learner/routing.py `LearnerRouting.update`)."""
     lengths: torch.Tensor | None = None
     """int [B] real tokens of each row (>= 2), which bound the routes; None: the call's `lengths`, or without
     them every row's full width."""
@@ -49,11 +54,14 @@ class RouteRequest:
     def __post_init__(self):
         if self.replay is None and not self.record:
             raise ValueError("RouteRequest asks for nothing: give routes to replay or record=True")
+        if self.compare_with is not None and not self.record:
+            raise ValueError("RouteRequest.compare_with compares the call's own routes: it needs record=True")
 
     def select(self, index) -> RouteRequest:
         """The request for rows `index` of the call's rows."""
         rows = _rows(index)
         return RouteRequest(replay=None if self.replay is None else self.replay.select(rows), record=self.record,
+                            compare_with=None if self.compare_with is None else self.compare_with.select(rows),
                             lengths=None if self.lengths is None else torch.as_tensor(self.lengths)[rows])
 
 

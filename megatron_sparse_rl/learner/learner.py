@@ -301,15 +301,17 @@ class Learner:
                    extras: ForwardExtras = NO_EXTRAS) -> dict[str, float]:
         """One optimizer step over this rank's batch; returns loss, grad norm, lr and the loss_fn metrics summed
         over micro-batches (rank-local; reduce across ranks in the caller), and with `extras.routes` the
-        routing metrics (routing/replay_applied_fraction). `lengths`, `extras`: as in forward_logprobs (the
-        loss_fn sees [b, S-1] logprobs either way; routes are replayed in the forward and in any
-        activation-recompute backward, and cannot be recorded here).
+        routing metrics (routing/replay_applied_fraction; with `compare_with`, routing/drift/..., already global
+        over the data-parallel ranks). `lengths`, `extras`: as in forward_logprobs (the loss_fn sees [b, S-1]
+        logprobs either way; routes are replayed in the forward and in any activation-recompute backward; routes
+        recorded here are only compared with `compare_with`, not returned).
 
         `lr` runs this step at a fixed learning rate outside the schedule (e.g. an SFT warm-start): the
         schedule and `self.step` do not advance.
         """
-        if extras.routes is not None and extras.routes.record:
-            raise ValueError("extras.routes.record: routes are recorded by forward_logprobs, not train_step")
+        if extras.routes is not None and extras.routes.record and extras.routes.compare_with is None:
+            raise ValueError("extras.routes.record: train_step returns no routes, it only compares them with "
+                             "extras.routes.compare_with (not given); record routes with forward_logprobs")
         lengths = self._check_lengths(tokens, lengths)
         self._check_extras(tokens, extras)
         with self._routes_applied(tokens, lengths, extras) as routed:

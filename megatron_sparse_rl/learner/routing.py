@@ -16,9 +16,10 @@ What the RL step's forwards ask for follows `routing.mode` (`old_forward`, `afte
     request = routing.old_forward(batch.routed_experts)          # R2: record; R3: replay the engine's routes
     out = learner.forward_logprobs(tokens, lengths=lengths, extras=ForwardExtras(routes=request))
     old = routing.after_old_forward(out.get("routing"), batch.routed_experts)   # old.routes: what updates replay
-    metrics = learner.train_step(tokens, loss_fn, lengths=lengths,
-                                 extras=ForwardExtras(routes=routing.update(old.routes)))
-    # metrics["routing/replay_applied_fraction"] == 1; old.metrics: flip rates, flipped tokens, entropy...
+    metrics = learner.train_step(tokens, loss_fn, lengths=lengths,       # a mini-batch: .select(rows) of both
+                                 extras=ForwardExtras(routes=routing.update(old.routes, old.learner_routes)))
+    # metrics["routing/replay_applied_fraction"] == 1, "routing/drift_mean" (pi_old -> pi_theta); old.metrics:
+    # flip rates, flipped tokens, entropy...
     other = routing.counterfactual(batch.routed_experts)         # routing.attribute_mismatch: the other routes
 
 A sequence of n tokens has routes for its n - 1 input positions.
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.learner.extras import RouteRequest
 from megatron_sparse_rl.moe.replay import ModelRouting
-from megatron_sparse_rl.moe.stats import routing_metrics
+from megatron_sparse_rl.moe.stats import drift_metrics, routing_metrics
 from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash
 
 
@@ -86,7 +87,8 @@ class LearnerRouting:
         """The old forward's outcome for the step: `routes` the updates replay (None when mode is off) and the
         metrics (routing.record_stats): the learner's expert load and, when the engine's routes exist, the flip
         rates of the learner's routes against them, summed over the data-parallel ranks (every rank calls this).
-        Under R3 the learner's routes are its routers' own top-k on the inputs the replayed forward gave them."""
+        Under R3 the learner's routes are its routers' own top-k on the inputs the replayed forward gave them.
+        `learner_routes` (pi_old's own routes) is what the updates' drift compares with (`update`)."""
         if result is None:
             return RoutingResult()
         metrics = dict(result.metrics)
@@ -121,13 +123,18 @@ class LearnerRouting:
             raise RoutingError("routing.mode=R3 but the rollout batch has no routes (routed_experts missing)")
         return RoutingResult(routes=rollout_routes if self.cfg.mode == "R3" else None)
 
-    def update(self, routes: RouteStore | None) -> RouteRequest | None:
-        """An update's request: replay `routes` (R2/R3; required); None when mode is off."""
+    def update(self, routes: RouteStore | None, old_own: RouteStore | None = None) -> RouteRequest | None:
+        """An update's request for its rows: replay `routes` (R2/R3; required; mode off: nothing). With
+        routing.record_stats and `old_own` (the old forward's own routes of the same rows, `after_old_forward`'s
+        learner_routes) it also records the update's own routes and compares them with `old_own`: the expert drift
+        pi_old -> pi_theta (routing/drift/...). Own routes: under replay the routers' top-k beside the replayed map
+        (on the replayed forward's inputs, as R3's old forward observes them); off: the routes the update ran."""
+        drift = old_own if self.cfg.record_stats else None
         if self.cfg.mode == "off":
-            return None
+            return RouteRequest(record=True, compare_with=drift) if drift is not None else None
         if routes is None:
             raise RoutingError(f"routing.mode={self.cfg.mode}: no routes to replay in the update")
-        return RouteRequest(replay=routes)
+        return RouteRequest(replay=routes, record=drift is not None, compare_with=drift)
 
     # ---- one learner call (driven by the Learner) ---------------------------------------------------
     def begin(self, tokens: torch.Tensor, lengths: torch.Tensor | None, request: RouteRequest) -> None:
@@ -162,24 +169,28 @@ class LearnerRouting:
     def finish(self) -> RoutingResult:
         """End the call's request after its forward (and backward): the recorded routes (the learner's own,
         also under replay with `record`), the replay verification (RoutingError when any router token did not
-        run the replayed experts). Statistics are the RL step's (`after_old_forward`)."""
+        run the replayed experts) and, with the request's `compare_with`, the drift of the call's own routes from
+        those (routing/drift/..., counts summed over the data-parallel ranks). The step's other statistics are
+        `after_old_forward`'s."""
         request, tokens, lengths = self._request, self._tokens, self._lengths
+        replay = request.replay is not None
         try:
-            if request.replay is None:
-                recorded = self._assemble(self.model.recorded)
-            else:
-                observed = self._assemble(self.model.observed) if request.record else None
-                applied = self.model.applied_fraction
+            own = None
+            if not replay or request.record:
+                own = self._assemble(self.model.observed if replay else self.model.recorded)
+            applied = self.model.applied_fraction
         finally:
             self.stop()
-        if request.replay is None:
-            routes = self._store(recorded, tokens, lengths, "learner")
-            return RoutingResult(routes=routes, learner_routes=routes)
-        if applied != 1.0:
-            raise RoutingError(f"routing replay applied to only {applied:.4f} of router tokens (must be 1)")
-        learner_routes = self._store(observed, tokens, lengths, "learner") if observed is not None else None
-        return RoutingResult(routes=request.replay, learner_routes=learner_routes,
-                             metrics={"routing/replay_applied_fraction": applied})
+        metrics = {}
+        if replay:
+            if applied != 1.0:
+                raise RoutingError(f"routing replay applied to only {applied:.4f} of router tokens (must be 1)")
+            metrics["routing/replay_applied_fraction"] = applied
+        learner_routes = self._store(own, tokens, lengths, "learner") if own is not None else None
+        if request.compare_with is not None:
+            metrics.update(drift_metrics(request.compare_with, learner_routes, group=self.groups.dp))
+        return RoutingResult(routes=request.replay if replay else learner_routes, learner_routes=learner_routes,
+                             metrics=metrics)
 
     def stop(self) -> None:
         """The routers route themselves again (also when a call fails half-way); a no-op between calls."""

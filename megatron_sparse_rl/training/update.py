@@ -57,6 +57,10 @@ class PreparedBatch:
     """rollout.sampling_mask.SamplingSupport the learner renormalises over (algorithm.keep_sampling_mask)."""
     token_version: torch.Tensor | None = None
     """float [B, T-1]: the weight version that sampled each response token (RolloutBatch.token_version), or None."""
+    learner_routes: Any = None
+    """moe.RouteStore: the routes pi_old's routers chose themselves in the learner's old-logprob forward (off/R2: the
+    routes it ran; R3 with routing.record_stats: their own top-k beside the replay), which every update's own routes
+    are compared with (routing/drift/...); None without that forward."""
 
 
 def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -249,32 +253,56 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     versions = None if batch.token_version is None else _aligned(batch, batch.token_version, mask.shape)
     return PreparedBatch(tokens, keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
-                         response_mask=mask, sampling_support=support, token_version=versions)
+                         response_mask=mask, sampling_support=support, token_version=versions,
+                         learner_routes=old.learner_routes if old else None)
 
 
 def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group) -> dict[str, float]:
     """`updates` optimizer steps over equal row slices of the batch; losses are normalised by the global
     (all data-parallel ranks) token or sequence count of each mini-batch. Returns mean metrics. With the
-    learner's routing, every update forward (and recompute backward) replays `prep.routes`. OPSM
-    (algorithm.corrections.opsm) is applied here, in every micro-batch's loss with the current policy
-    (`make_loss`), and reported as `opsm/masked_seq_frac`."""
+    learner's routing, every update forward (and recompute backward) replays `prep.routes`, and with
+    routing.record_stats each update's own routes of its rows are compared with `prep.learner_routes` of the same
+    rows (`_routing_over_updates`). OPSM (algorithm.corrections.opsm) is applied here, in every micro-batch's loss
+    with the current policy (`make_loss`), and reported as `opsm/masked_seq_frac`."""
     totals: dict[str, float] = {}
-    routing_out: dict[str, float] = {}
+    routed: list[dict[str, float]] = []
     rows = torch.arange(prep.tokens.shape[0])
     for chunk in rows.chunk(updates):
         norm = loss_normalizer(prep.mask[chunk], cfg.loss.aggregation, group=dp_group)
         loss_fn = make_loss(prep, chunk, cfg, norm)
-        routes = prep.routes.select(chunk) if prep.routes is not None else None
-        request = learner.routing.update(routes) if learner.routing else None
-        support = prep.sampling_support.select(chunk) if prep.sampling_support is not None else None
+        request = None
+        if learner.routing:
+            request = learner.routing.update(_rows_of(prep.routes, chunk), _rows_of(prep.learner_routes, chunk))
+        support = _rows_of(prep.sampling_support, chunk)
         out = learner.train_step(prep.tokens[chunk], loss_fn, lengths=prep.lengths[chunk],
                                  extras=ForwardExtras(sampling_support=support, routes=request))
+        routed.append({k: float(v) for k, v in out.items() if k.startswith("routing/")})
         for k, v in out.items():
-            if k.startswith("routing/"):
-                routing_out[k] = float(v)
-            else:
+            if not k.startswith("routing/"):
                 totals[k] = totals.get(k, 0.0) + v
-    return {**reduce_metrics(totals, updates, dp_group), **routing_out}
+    return {**reduce_metrics(totals, updates, dp_group), **_routing_over_updates(routed)}
+
+
+def _rows_of(per_row, chunk: torch.Tensor):
+    """Rows `chunk` of a per-row extra (RouteStore, SamplingSupport), or None."""
+    return per_row.select(chunk) if per_row is not None else None
+
+
+def _routing_over_updates(per_update: list[dict[str, float]]) -> dict[str, float]:
+    """The updates' routing metrics as the step logs them: the expert drift (routing/drift/layer{L},
+    routing/drift_mean, routing/drift_token_fraction; each update's already global over the data-parallel ranks)
+    averaged over the updates, and routing/drift_last, the last update's drift_mean (the furthest pi_theta gets from
+    pi_old in the step); the rest (routing/replay_applied_fraction) as the last update left it."""
+    out: dict[str, float] = {}
+    for metrics in per_update:
+        out.update(metrics)
+    drifts = [m for m in per_update if "routing/drift_mean" in m]
+    if drifts:
+        for k in drifts[0]:
+            if k.startswith("routing/drift"):
+                out[k] = sum(m[k] for m in drifts) / len(drifts)
+        out["routing/drift_last"] = drifts[-1]["routing/drift_mean"]
+    return out
 
 
 def make_loss(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, norm: torch.Tensor):

@@ -1,6 +1,6 @@
 """Data parallelism of the per-step mismatch and routing metrics: on 2 gloo ranks, each holding part of the
-batch, `mismatch_metrics`, `routing_attribution` and `routing_metrics` with the DP group equal float64 formulas
-over the whole batch written here (means over all tokens, not a mean of the ranks' means).
+batch, `mismatch_metrics`, `routing_attribution`, `routing_metrics` and `drift_metrics` with the DP group equal
+float64 formulas over the whole batch written here (means over all tokens, not a mean of the ranks' means).
 
     .venv/bin/python -m pytest -q -m distributed tests/distributed/test_mismatch_dp.py
 """
@@ -50,12 +50,14 @@ def _stores(rows):
 
 def metrics_on(rows, group):
     from megatron_sparse_rl.algorithms.metrics import mismatch_metrics, routing_attribution
-    from megatron_sparse_rl.moe.stats import routing_metrics
+    from megatron_sparse_rl.moe.stats import drift_metrics, routing_metrics
 
     engine, own, mu, mask = (t[rows] for t in make_batch())
     out = {k: float(v) for k, v in mismatch_metrics(own, mu, mask, group=group).items()}
     out.update({k: float(v) for k, v in routing_attribution(engine, own, mu, mask, group=group).items()})
-    out.update(routing_metrics(*_stores(list(range(B))[rows]), group=group))
+    own, eng = _stores(list(range(B))[rows])
+    out.update(routing_metrics(own, eng, group=group))
+    out.update(drift_metrics(eng, own, group=group))  # the same counts, read as pi_old's routes -> pi_theta's
     return out
 
 
@@ -84,6 +86,10 @@ def hand_reference() -> dict[str, float]:
     for j, layer in enumerate(LAYERS):
         want[f"routing/flip_rate/layer{layer}"] = sum(d[j] for d in differs.values()) / len(tokens)
     want["routing/flipped_token_fraction"] = sum(any(d) for d in differs.values()) / len(tokens)
+    for j, layer in enumerate(LAYERS):
+        want[f"routing/drift/layer{layer}"] = want[f"routing/flip_rate/layer{layer}"]
+    want["routing/drift_mean"] = sum(want[f"routing/drift/layer{layer}"] for layer in LAYERS) / len(LAYERS)
+    want["routing/drift_token_fraction"] = want["routing/flipped_token_fraction"]
     for j, layer in enumerate(LAYERS):  # the learner's expert load over every row
         load = [sum(e in own_routes[i][t, j].tolist() for i, t in tokens) for e in range(EXPERTS)]
         p = [c / sum(load) for c in load]

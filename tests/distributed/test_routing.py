@@ -7,7 +7,10 @@
   class-level instance list holds exactly its routers;
 - missing / misaligned routes and a model built without replay raise, naming sequence or layer;
 - TP2 + sequence parallel and EP2 record the same routes as TP1, and replaying TP1's routes there gives
-  TP1's replayed logprobs.
+  TP1's replayed logprobs;
+- expert drift pi_old -> pi_theta (routing.record_stats): recording the update's own routes leaves a train
+  step's loss and grad norm bit-identical (with replay and without, activation recompute on); `update`'s
+  routing/drift_* is 0 on an on-policy update with the old forward's weights and > 0 after large-lr steps.
 Run: .venv/bin/python -m pytest -q tests/distributed/test_routing.py
 """
 import pytest
@@ -227,3 +230,52 @@ def test_tp2_sp_and_ep2_routes_equal_tp1(model_dir):
             assert torch.equal(routes.indices.sort(-1).values, want.indices.sort(-1).values), (tp, ep)
             mask = torch.arange(TOKENS.shape[1] - 1)[None] < (LENGTHS[rows] - 1)[:, None]
             assert (replayed - ref_replayed[rows])[mask].abs().max() < 1e-4, (tp, ep)
+
+
+def drift_worker(rank, world_size, model_dir):
+    """R2 with routing statistics: an old forward, then train steps at lr 0 (weights kept) with and without the
+    update's own routes recorded, then `update` on policy (1 update) and off policy (after that optimizer step)."""
+    from megatron_sparse_rl.config.algorithm import AlgorithmConfig
+    from megatron_sparse_rl.config.routing import RoutingConfig
+    from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
+    from megatron_sparse_rl.learner.sft import make_sft_loss
+    from megatron_sparse_rl.training import update as U
+
+    learner = _learner(world_size, model_dir, lr=1e-2, recompute=True, routing=RoutingConfig(mode="R2"))
+    routing = learner.routing
+    first = learner.forward_logprobs(TOKENS, lengths=LENGTHS, extras=ForwardExtras(routes=routing.old_forward(None)))
+    old = routing.after_old_forward(first["routing"], None)
+    positions = torch.arange(TOKENS.shape[1] - 1)[None]
+    mask = (positions >= 3) & (positions < (LENGTHS - 1)[:, None])
+    loss = make_sft_loss(mask.float(), mask.sum().item())
+    step = {}
+    for name, request in (("replay", RouteRequest(replay=old.routes)),
+                          ("replay_recorded", routing.update(old.routes, old.learner_routes)),
+                          ("own", None), ("own_recorded", RouteRequest(record=True, compare_with=old.learner_routes))):
+        m = learner.train_step(TOKENS, loss, lengths=LENGTHS, lr=0.0, extras=ForwardExtras(routes=request))
+        step[name] = {k: v for k, v in m.items() if k in ("loss", "grad_norm") or k.startswith("routing/")}
+    prep = U.PreparedBatch(tokens=TOKENS, mask=mask, old_logprobs=first["logprobs"], rollout_logprobs=first["logprobs"],
+                           advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]), weights=torch.ones(mask.shape),
+                           metrics={}, lengths=LENGTHS, routes=old.routes, learner_routes=old.learner_routes)
+    on_policy = U.update(learner, prep, AlgorithmConfig(), updates=1, dp_group=None)
+    off_policy = U.update(learner, prep, AlgorithmConfig(), updates=2, dp_group=None)
+    keep = ("routing/", "train/grad_norm")
+    return step, *({k: v for k, v in m.items() if k.startswith(keep)} for m in (on_policy, off_policy))
+
+
+def test_expert_drift_costs_nothing_and_is_zero_on_policy(model_dir):
+    step, on_policy, off_policy = run_distributed(drift_worker, 1, args=(model_dir,), timeout=240)[0]
+    print("\n", step, "\n", on_policy, "\n", off_policy)
+    for plain, recorded in (("replay", "replay_recorded"), ("own", "own_recorded")):
+        assert step[recorded]["loss"] == step[plain]["loss"] and step[recorded]["grad_norm"] == step[plain]["grad_norm"]
+        assert step[plain]["grad_norm"] > 0 and not any(k.startswith("routing/drift") for k in step[plain])
+        assert step[recorded]["routing/drift_mean"] == 0.0, "lr 0 kept pi_old's weights: no drift"
+    assert step["own"]["loss"] == step["replay"]["loss"]  # R2's routes are the ones the routers choose at pi_old
+    layers = [k for k in on_policy if k.startswith("routing/drift/layer")]
+    assert layers == ["routing/drift/layer0", "routing/drift/layer1"]
+    for k in (*layers, "routing/drift_mean", "routing/drift_token_fraction", "routing/drift_last"):
+        assert on_policy[k] == 0.0, k  # the first update runs pi_theta == pi_old
+        assert 0.0 <= off_policy[k] <= 1.0, k
+    assert off_policy["routing/drift_last"] > 0, "after lr-1e-2 Adam steps the routers choose other experts"
+    assert off_policy["routing/drift_token_fraction"] >= off_policy["routing/drift_mean"]
+    assert on_policy["routing/replay_applied_fraction"] == off_policy["routing/replay_applied_fraction"] == 1.0
