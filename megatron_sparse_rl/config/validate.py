@@ -268,28 +268,14 @@ def cpu_engine_runs_bf16() -> bool:
 
 
 def _precision_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
-    """rollout.dtype bfloat16 on a CPU vLLM cannot run it in; rollout.quantization fp8 on an engine whose
-    tensor-parallel shards would cut FP8 blocks: the sync quantises whole tensors, and an engine shard holding part
-    of a block would hold a scale it shares with another rank (vLLM's block-FP8 layers refuse such shards). One
-    engine rank holds every tensor whole, so any shape fits there (partial blocks are blocks)."""
+    """rollout.dtype bfloat16 on a CPU vLLM cannot run it in. (FP8 rollouts' shapes are the model's: checked with
+    the model files, training/preflight.py `fp8_rollout_problems`.)"""
     problems = []
     rollout = run.rollout
     if rollout.dtype == "bfloat16" and not cuda and not cpu_engine_runs_bf16():
         problems.append("rollout.dtype = 'bfloat16': vLLM's CPU engine cannot compute in bfloat16 on this CPU (no "
                         "bf16 support); use rollout.dtype = 'float32' (with rollout.quantization = 'fp8' for "
                         "low-precision weights) or a GPU")
-    if rollout.quantization == "fp8" and spec is not None and rollout.tensor_parallel_size > 1:
-        from megatron_sparse_rl.formats.fp8 import RELEASE_BLOCK, BlockFp8, fp8_quantizable
-        from megatron_sparse_rl.models import adapter_for
-
-        adapter, fmt, tp = adapter_for(spec), BlockFp8(block=RELEASE_BLOCK), rollout.tensor_parallel_size
-        shapes = adapter.hf_shapes(spec)
-        for name, split in adapter.engine_splits(spec).items():
-            problem = fp8_quantizable(name, shapes[name]) and fmt.block_problem(name, shapes[name], tp, split,
-                                                                                kv_heads=spec.num_kv_heads)
-            if problem:  # one tensor named is enough: the others of its kind share its shape
-                return problems + [f"rollout.quantization = 'fp8' with rollout.tensor_parallel_size = {tp}: "
-                                   f"{problem}"]
     return problems
 
 

@@ -5,6 +5,8 @@ write nothing else.
 - the model directory: config.json, every safetensors shard named by the index present and readable, every tensor's
   name, shape and dtype against the model config (headers only; an fp8 release's scales included), an fp8 release
   the engine cannot serve on this machine, a tokenizer that loads, encodes and fits the model's vocabulary;
+- FP8 rollouts (rollout.quantization fp8): every quantised tensor of the model fits the engine's tensor-parallel
+  shards in whole 128x128 blocks (`fp8_rollout_problems`);
 - the run and checkpoint directories: directories, writable or creatable;
 - the data: every record (`check_data`: file and line of the first problem), and every templated prompt short
   enough for the engine (`rollout.max_model_len`, a response needs one position at least).
@@ -93,12 +95,33 @@ def dir_problems(field: str, path: Path) -> list[str]:
     return []
 
 
+def fp8_rollout_problems(rollout, spec) -> list[str]:
+    """rollout.quantization fp8 with engine shards that would cut FP8 blocks, naming the first such tensor: the
+    sync quantises whole tensors, and an engine shard holding part of a block would hold a scale it shares with
+    another rank (vLLM's block-FP8 layers refuse such shards: formats/fp8.py `BlockFp8.block_problem`). One
+    engine rank holds every tensor whole, so any shape fits there (a partial block is a block)."""
+    if rollout.quantization != "fp8" or spec is None or rollout.tensor_parallel_size == 1:
+        return []
+    from megatron_sparse_rl.formats.fp8 import RELEASE_BLOCK, BlockFp8, fp8_quantizable
+    from megatron_sparse_rl.models import adapter_for
+
+    adapter, fmt, tp = adapter_for(spec), BlockFp8(block=RELEASE_BLOCK), rollout.tensor_parallel_size
+    shapes = adapter.hf_shapes(spec)
+    for name, split in adapter.engine_splits(spec).items():
+        problem = fp8_quantizable(name, shapes[name]) and fmt.block_problem(name, shapes[name], tp, split,
+                                                                            kv_heads=spec.num_kv_heads)
+        if problem:  # one tensor named is enough: the others of its kind share its shape
+            return [f"rollout.quantization = 'fp8' with rollout.tensor_parallel_size = {tp}: {problem}"]
+    return []
+
+
 def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
     """Check the files `run` points to (reading them, writing nothing); the data lines of the summary.
     `spec` is the model's ModelSpec from `validate` (None when unknown); `run` as resolved (`resolve`) where
     max_model_len comes from the model.
 
-    Raises ConfigError listing every problem: model directory, run and checkpoint directories, the data.
+    Raises ConfigError listing every problem: model directory, FP8 rollout shapes, run and checkpoint directories,
+    the data.
     """
     from megatron_sparse_rl.data import DatasetError, check_data
     from megatron_sparse_rl.data.checks import summary_lines
@@ -107,7 +130,7 @@ def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
         import torch
 
         cuda = torch.cuda.is_available()
-    problems = _model_problems(run.model, spec, cuda)
+    problems = _model_problems(run.model, spec, cuda) + fp8_rollout_problems(run.rollout, spec)
     tokenizer = None
     if not problems:
         try:

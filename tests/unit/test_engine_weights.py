@@ -78,10 +78,16 @@ def test_bf16_on_a_cpu_vllm_cannot_run_it_is_refused_before_anything_starts(monk
     validate(run_of("rollout.dtype=bfloat16"), 1, cuda=True)  # a GPU runs bf16
 
 
-def test_fp8_with_engine_shards_that_cut_blocks_is_refused_naming_the_tensor():
+def test_fp8_with_engine_shards_that_cut_blocks_is_refused_naming_the_tensor(tmp_path):
+    """At validate: `msrl validate` and `msrl train` run training/preflight.py `check_files` after the config."""
+    from megatron_sparse_rl.training.preflight import check_files
+
     # the tiny model's projections are 64-128 wide: a 2-way engine shard cannot hold whole 128-wide blocks
+    run = run_of("rollout.quantization=fp8", "rollout.tensor_parallel_size=2", "launch.nproc_per_node=2",
+                 f"logging.dir={tmp_path / 'run'}")
     with pytest.raises(ConfigError, match=r"rollout.quantization = 'fp8' with rollout.tensor_parallel_size = 2: "
-                                          r".*model\.layers\.0\."):
-        validate(run_of("rollout.quantization=fp8", "rollout.tensor_parallel_size=2", "launch.nproc_per_node=2"), 2,
-                 cuda=False)
-    validate(run_of("rollout.quantization=fp8"), 1, cuda=False)  # one engine rank holds every block whole
+                                          r"model\.layers\.0\.self_attn\.q_proj\.weight: its 128 rows in 2 "
+                                          r"shards of 64"):
+        check_files(run, validate(run, 2, cuda=False), cuda=False)
+    run = run_of("rollout.quantization=fp8", f"logging.dir={tmp_path / 'run'}")
+    check_files(run, validate(run, 1, cuda=False), cuda=False)  # one engine rank holds every tensor whole
