@@ -64,9 +64,9 @@ class TrainerConfig:
     """Check engine logprobs against the learner on a probe sequence after the first sync and every N syncs
     (0 = never)."""
     verify_sync_tol: float | None = None
-    """Largest allowed |engine - learner| logprob difference on the probe (the max over its tokens; the mean for a bf16
-    engine, whose MoE routers flip on some tokens: docs/weight_sync.md, "Low-precision engines"); null = by the lower
-    precision of the learner's dtype and rollout.dtype: 1e-3 for float32, 1e-1 for bfloat16 (the tolerance
+    """Largest allowed |engine - learner| logprob difference on the probe: of the max over its tokens, or of the mean
+    for a bf16 engine, whose MoE routers flip on some tokens (docs/weight_sync.md, "Low-precision engines"). null =
+    0.3 for a bf16 engine, else by the learner's dtype: 1e-3 for float32, 1e-1 for bfloat16 (the tolerance
     `msrl convert --verify` uses)."""
     max_staleness: int = 0
     """Asynchronous RL (docs/async.md; disaggregated placement): 0 = synchronous (sample, train, sync); 1 = the

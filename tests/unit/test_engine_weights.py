@@ -53,13 +53,13 @@ def test_fp8_quantises_attention_and_expert_weights_only():
         assert torch.equal(weights.sent(name, t), t)
 
 
-def test_probe_tolerance_follows_the_lower_precision_of_learner_and_engine():
+def test_probe_tolerance_follows_the_engine_and_learner_precision():
     class Learner:
         def __init__(self, dtype):
             self.model = torch.nn.Linear(2, 2).to(dtype)
 
     assert sync_tolerance(None, Learner(torch.float32)) == 1e-3
-    assert sync_tolerance(None, Learner(torch.float32), torch.bfloat16) == 1e-1
+    assert sync_tolerance(None, Learner(torch.float32), torch.bfloat16) == 0.3  # a bound of the mean there
     assert sync_tolerance(None, Learner(torch.bfloat16), torch.float32) == 1e-1
     assert sync_tolerance(5e-4, Learner(torch.float32), torch.bfloat16) == 5e-4  # configured wins
 
