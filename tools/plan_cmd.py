@@ -4,13 +4,14 @@
     msrl plan qwen3-30b-a3b --gpus 8 --gpu-mem 80 --seq-len 16384 --kv-budget 2048
     msrl plan /models/MyMoE --nodes 4 --gpu-mem 141 --sync-bandwidth 50
 
-MODEL is a bundled name (qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, kimi-k2) or a model directory /
-config.json. Prints parameters, ranked learner layouts (per-GPU weights, grads, optimizer, activations; the
+MODEL is a bundled name (qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, kimi-k2, deepseek-v3.2, glm-5) or a model
+directory / config.json. Prints parameters, ranked learner layouts (per-GPU weights, grads, optimizer, activations; the
 headroom against `--margin`, the nodes an EP group spans, a published recipe's layout, what this learner cannot
 run, why a layout does not fit) and why the first is chosen, rollout KV per sequence dense vs sparse and the
-sequences an engine can hold (an engine across nodes flagged), and the weight-sync time of the planned layout
-(`--layout`, else the chosen one, else the closest miss) as built and shard-to-shard, with the link it needs for
-<= 2 s. The assumptions and the ranking are in docs/scale.md; the sync estimate in docs/weight_sync.md ("What 1T in
+sequences an engine can hold (an engine across nodes flagged), for DSA models (DeepSeek-V3.2, GLM-5) the indexer's
+key cache in the KV and the indexer replay record's host memory per learner rank (`--rollout-batch`), and the
+weight-sync time of the planned layout (`--layout`, else the chosen one, else the closest miss) as built and
+shard-to-shard, with the link it needs for <= 2 s. The assumptions and the ranking are in docs/scale.md; the sync estimate in docs/weight_sync.md ("What 1T in
 <= 2 s takes").
 
 Exit status: 0 when a learner layout this learner runs and the rollout engine fit; 1 when none does (or the
@@ -49,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     a("--engine-weights", choices=("bf16", "fp8"), default="bf16", help="rollout engine weight dtype (fp8: 1 byte "
       "per parameter)")
+    a("--rollout-batch", type=int, default=1024, metavar="SEQUENCES", help="sequences per RL step, all ranks "
+      "(prompts_per_step x samples; default 1024 = 128 x 8): sizes a DSA model's indexer replay record per rank")
     a("--engines", type=int, default=None, help="rollout engines each sync feeds (default: learner GPUs / engine GPUs)")
     a("--sync-bandwidth", type=_gbps, default=50.0, metavar="GBPS", help="GB/s of one GPU's learner <-> engine link, "
       "learner and engine side (default 50: 400 Gb/s)")
@@ -76,7 +79,8 @@ def _check(args) -> tuple[int, int]:
     g, n, per = args.gpus, args.nodes, args.gpus_per_node
     if per < 1 or args.gpu_mem <= 0:
         raise ConfigError("--gpus-per-node must be >= 1 and --gpu-mem > 0")
-    for flag in ("seq_len", "micro_batch", "top", "kv_budget", "kv_interval", "rollout_gpus", "engines"):
+    for flag in ("seq_len", "micro_batch", "top", "kv_budget", "kv_interval", "rollout_gpus", "engines",
+                 "rollout_batch"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
@@ -131,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
                      budget=args.kv_budget, interval=args.kv_interval, kv_bytes=1 if args.kv_dtype == "fp8" else 2,
                      weight_bytes=weight_bytes, gpus_per_node=args.gpus_per_node)
     lines += [""] + report.rollout_lines(r, args.kv_dtype, args.kv_budget, args.kv_interval)
+    lines += _record_lines(args, shape, *_planned(plans, layout), gpus)
     lines += _sync_lines(args, shape, *_planned(plans, layout), engine, gpus)
     print("\n".join(lines))
     problems = report.failures(shape, plans, opts, r, asked)
@@ -146,6 +151,15 @@ def _planned(plans, layout: tuple[int, int, int] | None) -> tuple[tuple[int, int
         return layout, "--layout"
     best = plans[0] if plans[0].fits else min(plans, key=lambda p: p.total_gib)
     return (best.tp, best.pp, best.ep), "the chosen layout" if best.fits else "the closest layout; none fits"
+
+
+def _record_lines(args, shape, layout: tuple[int, int, int], how: str, gpus: int) -> list[str]:
+    """A DSA model's indexer replay record for `layout` (planner/indexer_record.py); nothing for other models."""
+    from megatron_sparse_rl.planner import indexer_record, report
+
+    rec = indexer_record(shape, layout=layout, gpus=gpus, seq_len=args.seq_len, batch=args.rollout_batch)
+    tp, pp, ep = layout
+    return [] if rec is None else [""] + report.indexer_record_lines(rec, f"tp{tp} pp{pp} ep{ep} ({how})")
 
 
 def _sync_lines(args, shape, layout: tuple[int, int, int], how: str, engine_gpus: int, gpus: int) -> list[str]:

@@ -10,7 +10,8 @@ expert-DP = world / (pp * ep) for routed experts): 6 + 12/d bytes per parameter 
 Megatron's distributed-optimizer table. Expert tensor parallel is 1. The worst pipeline stage counts:
 ceil(layers / pp) layers, MoE layers first, plus the larger of embedding and output layer (with the final norm).
 Activations follow Korthikanti et al. 2022 with TP + sequence parallel (everything / tp), flash attention (no
-s^2), 1F1B keeping `pp` micro-batches in flight on the first stage, fp32 logits and their gradient.
+s^2), 1F1B keeping `pp` micro-batches in flight on the first stage, fp32 logits and their gradient. A DSA indexer
+(DeepSeek-V3.2, GLM-5) is not split by TP: its parameters and activations count whole on every rank.
 """
 from __future__ import annotations
 
@@ -173,6 +174,7 @@ def stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple[float, f
     ends = shape.embed_params + last if pp == 1 else max(shape.embed_params, last)
     dense = (per_stage * shape.attn_params + n_dense * shape.dense_mlp_params
              + n_moe * (shape.shared_params + shape.router_params) + ends) / tp
+    dense += per_stage * shape.indexer_params  # a DSA indexer is whole on every TP rank (Megatron: duplicated)
     experts = n_moe * (shape.num_experts // ep) * shape.expert_params
     return dense, experts
 
@@ -194,7 +196,10 @@ def activation_bytes(shape: ModelShape, tp: int, pp: int, opts: PlanOptions) -> 
     else:
         kept = stage_full * in_flight
     logits = 2 * 4 * shape.vocab  # fp32 logits and their gradient (last stage; counted on the worst stage)
-    return tokens * (kept + logits) / tp
+    # a DSA indexer's activations are whole on every TP rank (it gathers the sequence-parallel input)
+    indexer = shape.dsa.activation_bytes if shape.dsa else 0
+    indexer_kept = indexer if opts.recompute == "full" else per_stage * indexer * in_flight
+    return tokens * ((kept + logits) / tp + indexer_kept)
 
 
 def plan_layout(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions) -> LayoutPlan:

@@ -1,12 +1,15 @@
 """Text report of a plan: model summary, ranked learner layouts with reasons and why the first is chosen, rollout
-KV, the weight-sync estimate, and `failures`: what makes a plan unusable (`msrl plan` exits 1 when there is any)."""
+KV, a DSA model's indexer replay record, the weight-sync estimate, and `failures`: what makes a plan unusable
+(`msrl plan` exits 1 when there is any)."""
 from __future__ import annotations
 
 from dataclasses import fields
 
+from megatron_sparse_rl.planner.indexer_record import IndexerRecord
 from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions, memory_remedies, one_of, plan_layout
 from megatron_sparse_rl.planner.ranking import TIERS, chosen_reason, shard_problems
-from megatron_sparse_rl.planner.rollout import MLA_SPARSE_SINGLE_RANK, MLA_SPARSE_WHY, RolloutPlan
+from megatron_sparse_rl.planner.rollout import DSA_SPARSE_WHY, MLA_SPARSE_SINGLE_RANK, MLA_SPARSE_WHY, \
+    RolloutPlan
 from megatron_sparse_rl.planner.shapes import ModelShape
 from megatron_sparse_rl.planner.sync import MEASURED_GBPS, SyncCosts, SyncEstimate, SyncVolume
 
@@ -119,23 +122,51 @@ def rollout_lines(r: RolloutPlan, kv_dtype: str, budget: int, interval: int) -> 
               f"max concurrent sequences per engine {r.sparse_max_seqs} ({ratio})")
     return [
         head,
-        f"  KV per token and GPU: {r.kv_layers} layers x {r.kv_values} values "
-        f"({'one MLA latent row' if r.mla else 'K and V of the KV heads on the GPU'}) x {r.kv_dtype_bytes} B = "
-        f"{r.kv_bytes_per_token} bytes",
+        _kv_line(r),
         f"  dense  KV: {r.dense_tokens} tokens -> {r.dense_mib_per_seq:.0f} MiB/sequence {where}; "
         f"max concurrent sequences per engine {r.dense_max_seqs}",
     ] + (_mla_sparse_lines(r, sparse) if r.mla else [sparse]) + flags + [f"  NO: {p}" for p in r.problems]
 
 
+def _kv_line(r: RolloutPlan) -> str:
+    """The per-token KV bytes on one GPU and how they add up (a DSA model: the latent row plus the indexer key)."""
+    row = (f"{r.kv_values} values ({'one MLA latent row' if r.mla else 'K and V of the KV heads on the GPU'}) x "
+           f"{r.kv_dtype_bytes} B")
+    if r.kv_row_bytes != r.kv_values * r.kv_dtype_bytes:
+        row = f"{r.kv_row_bytes} B (one MLA latent row as vLLM's fp8_ds_mla: fp8 values, fp32 scales, bf16 rope key)"
+    if not r.indexer_bytes:
+        return f"  KV per token and GPU: {r.kv_layers} layers x {row} = {r.kv_bytes_per_token} bytes"
+    return (f"  KV per token and GPU: {r.kv_layers} layers x ({row} + {r.indexer_bytes} B DSA indexer key, fp8 with "
+            f"its fp32 scale) = {r.kv_bytes_per_token} bytes")
+
+
 def _mla_sparse_lines(r: RolloutPlan, sparse: str) -> list[str]:
     """The sparse line of an MLA engine and what it means there: used for real on a single-rank engine; on a
-    multi-GPU one, what the budget would buy, which this engine cannot run (the dense numbers decide the fit)."""
+    multi-GPU one, or any DSA engine, what the budget would buy, which this engine cannot run (the dense numbers
+    decide the fit)."""
+    if r.indexer_bytes:
+        return [sparse + "; what the budget would buy: NOT RUNNABLE on a DSA engine",
+                f"  note: {DSA_SPARSE_WHY}; the dense numbers decide whether this engine fits"]
     if r.sparse_runs:
         return [sparse + "; runs on this single-rank engine",
                 f"  note: {MLA_SPARSE_SINGLE_RANK}, as this one is"]
     return [sparse + f"; what the budget would buy: NOT RUNNABLE on this {r.engine_gpus}-GPU engine",
             f"  note: {MLA_SPARSE_SINGLE_RANK}: on {r.engine_gpus} ranks {MLA_SPARSE_WHY}; the dense numbers decide "
             "whether this engine fits"]
+
+
+def indexer_record_lines(rec: IndexerRecord, learner: str) -> list[str]:
+    """The DSA indexer replay record: bytes per token, then the host memory of one learner rank of `learner`."""
+    dtype = "uint16" if rec.index_bytes == 2 else "int32"
+    per_rank = (f"{rec.sequences_per_rank} sequence(s) (ceil({rec.batch} per step / dp {rec.dp})) x {rec.seq_len} "
+                f"tokens x {rec.stage_layers} layers of its stage x {rec.layer_bytes_per_token:,} B")
+    return [f"indexer replay record (DSA; host memory, not judged), learner {learner}, --rollout-batch {rec.batch} "
+            f"sequences of {rec.seq_len} tokens:",
+            f"  per token and layer: top-{rec.topk} positions x {rec.index_bytes} B ({dtype} holds positions up to "
+            f"{rec.seq_len - 1}) = {rec.layer_bytes_per_token:,} B; per token, {rec.layers} layers: "
+            f"{rec.bytes_per_token:,} B; per sequence {size(rec.bytes_per_token * rec.seq_len)}",
+            f"  per learner rank: {per_rank} = {size(rec.rank_bytes)} (every token counted; tokens before position "
+            f"{rec.topk} could be skipped)"]
 
 
 def seconds(s: float) -> str:

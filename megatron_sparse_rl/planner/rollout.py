@@ -14,6 +14,11 @@ back to `budget` every `interval` new tokens), so its KV no longer grows with th
 budget + interval latent rows per layer. Sparse KV on the MLA latent runs on single-rank engines only
 (`MLA_SPARSE_SINGLE_RANK`): on a multi-GPU MLA engine the sparse numbers are what the budget would buy, flagged
 (`RolloutPlan.sparse_runs` False), and whether the engine fits is judged on the dense cache.
+
+DSA models (DeepSeek-V3.2, GLM-5; vLLM serves them on GPUs only): each token also leaves the indexer's key in every
+layer (`DsaShape.cache_bytes`, 132 B, fp8 with its scale whatever the cache dtype), and an fp8 cache is vLLM's
+fp8_ds_mla row (`dsa_latent_bytes`: 656 B, not 576); the indexer's weights are whole on every engine GPU. KV
+compression never runs on a DSA engine (`DSA_SPARSE_WHY`): its sparse numbers are what the budget would buy.
 """
 from __future__ import annotations
 
@@ -31,6 +36,24 @@ MLA_SPARSE_SINGLE_RANK = "sparse KV on the MLA latent runs on single-rank engine
 MLA_SPARSE_WHY = "each TP rank would score the shared latent rows with its own heads only"
 """Why a multi-rank MLA engine cannot compact: one keep set per layer would need the ranks' scores combined, which
 is not implemented (config/validate.py and the engine refuse such a run)."""
+DSA_SPARSE_WHY = ("KV compression does not run on a DSA engine: it would have to drop the indexer's cached keys "
+                  "with the latent rows, which it does not (and the indexer already keeps attention to top-k tokens)")
+
+
+def dsa_latent_bytes(shape: ModelShape, kv_bytes: int) -> int:
+    """Bytes of one latent row of a DSA model in vLLM: bf16 2 B per value; an fp8 cache is vLLM's sparse-MLA
+    'fp8_ds_mla' row (flashmla_sparse.py): kv_lora_rank fp8 values, one fp32 scale per 128 of them and the rope key
+    in bf16 (656 B for kv_lora_rank 512 + qk_rope_head_dim 64)."""
+    spec = shape.spec
+    if kv_bytes == 2:
+        return 2 * spec.latent_width
+    return spec.kv_lora_rank + spec.kv_lora_rank // 128 * 4 + 2 * spec.qk_rope_head_dim
+
+
+def engine_params_per_gpu(shape: ModelShape, engine_gpus: int) -> float:
+    """Parameters one engine GPU holds: an even share of the model, and a DSA indexer whole (vLLM replicates it)."""
+    replicated = shape.layers * shape.indexer_params
+    return (shape.total_params() - replicated) / engine_gpus + replicated
 
 
 @dataclass(frozen=True)
@@ -52,6 +75,9 @@ class RolloutPlan:
     the whole latent row (kv_lora_rank + qk_rope_head_dim)."""
     kv_dtype_bytes: int
     """Bytes per cached value (2 bf16, 1 fp8)."""
+    kv_row_bytes: int
+    """Bytes of `kv_values` on one GPU per token per layer: kv_values x kv_dtype_bytes, but a DSA model's fp8 latent
+    is vLLM's fp8_ds_mla row (656 B: fp8 values, their fp32 scales, the rope key in bf16)."""
     weight_bytes: int = 2
     """Bytes per engine weight (2 bf16, 1 fp8)."""
     engine_nodes: int = 1
@@ -60,6 +86,9 @@ class RolloutPlan:
     """What to know that does not stop the engine (it spans nodes)."""
     mla: bool = False
     """The cache is MLA's latent: one row per token per layer, whole on every GPU of the engine."""
+    indexer_bytes: int = 0
+    """DSA: the indexer's key cache per token per layer on each GPU (vLLM: index_head_dim fp8 values + one fp32 scale
+    per 128 = 132 B, whatever the KV dtype); 0 without DSA."""
     sparse_runs: bool = True
     """This engine can run sparse KV: always for per-head caches; for MLA only on a single-rank engine (engine_gpus
     1). When False the sparse numbers are what the budget would buy, not what this engine runs."""
@@ -73,14 +102,14 @@ class RolloutPlan:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one token takes on one GPU of the engine, all layers."""
-        return self.kv_layers * self.kv_values * self.kv_dtype_bytes
+        """KV bytes one token takes on one GPU of the engine, all layers (with a DSA indexer's keys)."""
+        return self.kv_layers * (self.kv_row_bytes + self.indexer_bytes)
 
 
 def default_engine_gpus(shape: ModelShape, gpu_mem_gib: float, total_gpus: int, weight_bytes: int = 2) -> int:
     """The smallest power of two whose weight shard (`weight_bytes` per parameter) takes at most half of a GPU."""
     g = 1
-    while weight_bytes * shape.total_params() / g > gpu_mem_gib * GiB / 2 and g < total_gpus:
+    while weight_bytes * engine_params_per_gpu(shape, g) > gpu_mem_gib * GiB / 2 and g < total_gpus:
         g *= 2
     return g
 
@@ -92,15 +121,16 @@ def _remedies(kv_bytes: int, weight_bytes: int) -> list[str]:
 
 
 def _problems(weights: float, free: float, max_seqs: int, engine_gpus: int, tokens: int, *, usable: float,
-              sparse_runs: bool, kv_bytes: int, weight_bytes: int) -> tuple[str, ...]:
+              sparse_runs: bool, kv_bytes: int, weight_bytes: int, dsa: bool = False) -> tuple[str, ...]:
     """Why an engine cannot generate: the weights leave no KV room, or the room holds not one sequence (`max_seqs`,
-    `tokens`: the sparse cache, or the dense one where sparse KV does not run: a multi-rank MLA engine)."""
+    `tokens`: the sparse cache, or the dense one where sparse KV does not run: a multi-rank MLA engine, a DSA one)."""
     if free <= 0:
         fixes = ["spread the engine over more GPUs (--rollout-gpus)"] + _remedies(1, weight_bytes) + ["use larger GPUs"]
         return (f"the engine's weights ({weights:.1f} GiB/GPU on {engine_gpus} GPU(s)) leave no KV room in the "
                 f"{usable:.1f} GiB usable per GPU: " + one_of(fixes),)
     if max_seqs == 0:
-        kind = "even sparse" if sparse_runs else f"dense ({MLA_SPARSE_SINGLE_RANK})"
+        why = "KV compression does not run on a DSA engine" if dsa else MLA_SPARSE_SINGLE_RANK
+        kind = "even sparse" if sparse_runs else f"dense ({why})"
         fixes = (["spread the engine over more GPUs (--rollout-gpus)", "lower the KV budget (--kv-budget)"
                   if sparse_runs else "shorten --seq-len"] + _remedies(kv_bytes, weight_bytes))
         return (f"the KV room ({free:.2f} GiB/GPU) holds not one sequence, {kind} ({tokens} tokens): "
@@ -117,14 +147,16 @@ def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq
     for name, value in (("gpu_mem_gib", gpu_mem_gib), ("gpu_util", gpu_util), ("reserve_gib", reserve_gib)):
         if not math.isfinite(value):
             raise ValueError(f"{name} must be finite (got {value})")
-    weights = weight_bytes * shape.total_params() / engine_gpus / GiB
+    weights = weight_bytes * engine_params_per_gpu(shape, engine_gpus) / GiB
     free = max(0.0, gpu_mem_gib * gpu_util - weights - reserve_gib)
     sparse_tokens = min(seq_len, budget + interval)
     values = shape.spec.kv_values_per_rank(engine_gpus)
-    per_token_gpu = shape.layers * values * kv_bytes
+    row = dsa_latent_bytes(shape, kv_bytes) if shape.dsa else values * kv_bytes
+    indexer = shape.dsa.cache_bytes if shape.dsa else 0
+    per_token_gpu = shape.layers * (row + indexer)
     # a per-head cache is split over the engine; MLA's latent row is whole on each GPU (the per-GPU bytes)
     per_token_seq = per_token_gpu if shape.mla else shape.layers * shape.kv_elems * kv_bytes
-    sparse_runs = not shape.mla or engine_gpus == 1
+    sparse_runs = (not shape.mla or engine_gpus == 1) and shape.dsa is None
 
     def max_seqs(tokens: int) -> int:
         return int(free * GiB // (ceil(tokens / BLOCK) * BLOCK * per_token_gpu))
@@ -135,7 +167,8 @@ def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq
     dense_max_seqs, sparse_max_seqs = max_seqs(seq_len), max_seqs(sparse_tokens)
     problems = _problems(weights, free, sparse_max_seqs if sparse_runs else dense_max_seqs, engine_gpus,
                          sparse_tokens if sparse_runs else seq_len, usable=gpu_mem_gib * gpu_util - reserve_gib,
-                         sparse_runs=sparse_runs, kv_bytes=kv_bytes, weight_bytes=weight_bytes)
+                         sparse_runs=sparse_runs, kv_bytes=kv_bytes, weight_bytes=weight_bytes,
+                         dsa=shape.dsa is not None)
     nodes = ceil(engine_gpus / gpus_per_node)
     notes = (f"the engine's {engine_gpus} GPUs span {nodes} nodes of {gpus_per_node}: its tensor-parallel "
              "all-reduces (two per layer and token step) cross the inter-node network",) if nodes > 1 else ()
@@ -144,6 +177,6 @@ def rollout_plan(shape: ModelShape, *, gpu_mem_gib: float, engine_gpus: int, seq
         dense_tokens=seq_len, sparse_tokens=sparse_tokens,
         dense_mib_per_seq=seq_mib(seq_len), sparse_mib_per_seq=seq_mib(sparse_tokens),
         dense_max_seqs=dense_max_seqs, sparse_max_seqs=sparse_max_seqs, kv_layers=shape.layers,
-        kv_values=values, kv_dtype_bytes=kv_bytes, weight_bytes=weight_bytes, engine_nodes=nodes, notes=notes,
-        mla=shape.mla, sparse_runs=sparse_runs, problems=problems,
+        kv_values=values, kv_dtype_bytes=kv_bytes, kv_row_bytes=row, weight_bytes=weight_bytes, engine_nodes=nodes,
+        notes=notes, mla=shape.mla, indexer_bytes=indexer, sparse_runs=sparse_runs, problems=problems,
     )

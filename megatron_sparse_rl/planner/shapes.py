@@ -10,6 +10,11 @@ low-rank projections; the cache holds ONE latent row per token per layer, `Deeps
 kv_lora_rank + qk_rope_head_dim values shared by every head), shared experts, the first
 `first_k_dense_replace` layers dense, the router's correction bias. Multi-token-prediction layers are left out
 of the totals, as in the published counts (DeepSeek-V3: 671B main model + 14B MTP module).
+
+DeepSeek Sparse Attention models (`DeepseekV32ForCausalLM`: DeepSeek-V3.2; `GlmMoeDsaForCausalLM`: GLM-5) have no
+training adapter yet. Until they do, `read_dsa_without_adapter` (the one place that knows this) reads them as their
+MLA base through the DeepSeek-V3 adapter plus the lightning indexer (`DsaShape`: its parameters, the key cache an
+engine keeps for it, the top-k a replay record stores).
 """
 from __future__ import annotations
 
@@ -19,10 +24,52 @@ from pathlib import Path
 from typing import Any
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "model_configs"
+INDEXER_QUANT_BLOCK = 128
+"""Values per fp32 scale in vLLM's indexer key cache (DeepseekV32Indexer.quant_block_size)."""
 
 
 def bundled_models() -> list[str]:
     return sorted(p.stem for p in ASSETS.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class DsaShape:
+    """DeepSeek Sparse Attention's lightning indexer: per query, `n_heads` heads of `head_dim` score every earlier
+    token against ONE key per token (ReLU, weighted sum over heads), and attention reads only the `topk` best."""
+
+    n_heads: int
+    """config.json index_n_heads."""
+    head_dim: int
+    """config.json index_head_dim: the indexer key of one token in one layer."""
+    topk: int
+    """config.json index_topk: tokens each query attends to, and indices per token per layer in a replay record."""
+    layers: int
+    """Layers that run the indexer: all of them (per-layer index sharing, GLM-5.2's 'shared' layers, is refused)."""
+    q_rank: int
+    """The indexer query's input width: q_lora_rank (hidden size without a q LoRA, as Megatron's DSAIndexer)."""
+    hidden: int
+
+    @property
+    def params(self) -> int:
+        """One layer's indexer (transformers' DeepseekV32Indexer, Megatron's DSAIndexer): wq_b [n_heads x head_dim,
+        q_rank], wk [head_dim, hidden], k_norm (a LayerNorm: weight and bias), weights_proj [n_heads, hidden].
+        Megatron builds the three projections `duplicated`: whole on every TP rank; vLLM replicates them too."""
+        return (self.q_rank * self.n_heads * self.head_dim + self.hidden * self.head_dim + 2 * self.head_dim
+                + self.hidden * self.n_heads)
+
+    @property
+    def cache_bytes(self) -> int:
+        """The indexer key cache per token per layer in vLLM (DeepseekV32Indexer's uint8 cache of head_dim +
+        head_dim // 128 * 4 bytes): head_dim fp8 e4m3 values and one float32 power-of-two (ue8m0) scale per 128,
+        whatever the KV cache's dtype; one 'head', whole on every TP rank of the engine."""
+        return self.head_dim + self.head_dim // INDEXER_QUANT_BLOCK * 4
+
+    @property
+    def activation_bytes(self) -> int:
+        """Learner activations per token per layer kept for the backward, whole on every TP rank (the indexer gathers
+        the sequence-parallel input): its q, k and head weights (bf16) and the top-k indices (int64). A fused indexer
+        kernel is assumed: no [s, s] score tensor (docs/scale.md "DSA models")."""
+        return 2 * (self.n_heads * self.head_dim + self.head_dim + self.n_heads) + 8 * self.topk
 
 
 @dataclass(frozen=True)
@@ -61,6 +108,8 @@ class ModelShape:
     moe_ffn: int
     shared_ffn: int
     notes: tuple[str, ...] = ()
+    dsa: DsaShape | None = None
+    """DeepSeek Sparse Attention's indexer; None for models without one."""
     spec: Any = field(default=None, compare=False, repr=False)
     """The adapter's ModelSpec it was read from: the learner's own layout check runs on it (memory.learner_limits)."""
 
@@ -68,6 +117,11 @@ class ModelShape:
     def mla(self) -> bool:
         """Multi-head latent attention: `kv_elems` is one latent row per token per layer, not per head."""
         return self.kv_heads == 0
+
+    @property
+    def indexer_params(self) -> int:
+        """Indexer parameters of one layer (0 without DSA): not in `attn_params`, as they are not split by TP."""
+        return self.dsa.params if self.dsa else 0
 
     @property
     def n_moe(self) -> int:
@@ -79,8 +133,8 @@ class ModelShape:
 
     def total_params(self) -> int:
         moe = self.num_experts * self.expert_params + self.shared_params + self.router_params
-        return (self.layers * self.attn_params + self.n_dense * self.dense_mlp_params + self.n_moe * moe
-                + self.embed_params + self.head_params + self.hidden)
+        return (self.layers * (self.attn_params + self.indexer_params) + self.n_dense * self.dense_mlp_params
+                + self.n_moe * moe + self.embed_params + self.head_params + self.hidden)
 
     def expert_total(self) -> int:
         """Routed-expert parameters (sharded by EP); everything else is 'dense' (sharded by TP)."""
@@ -118,35 +172,103 @@ def _mla_attention(spec) -> dict:
                 act_attn=(q_lora or 0) + spec.latent_width + heads * (2 * qk + 2 * spec.v_head_dim), notes=notes)
 
 
-def _from_spec(name: str, spec) -> ModelShape:
+def _from_spec(name: str, spec, dsa: DsaShape | None = None, architecture: str | None = None) -> ModelShape:
+    """The shape of `spec` (an adapter's ModelSpec); `dsa` and `architecture` only from read_dsa_without_adapter."""
     from megatron_sparse_rl.models.deepseek import DeepseekSpec
 
     h, deepseek = spec.hidden_size, isinstance(spec, DeepseekSpec)
     # DeepSeek's sigmoid router has a correction bias per expert (Megatron's router.expert_bias)
     router = spec.num_experts * (h + 1 if deepseek else h)
+    attention = _mla_attention(spec) if deepseek else _gqa_attention(spec)
+    if dsa is not None:
+        attention["notes"] += _dsa_notes(dsa, architecture)
     return ModelShape(
-        name=name, architecture=spec.architecture, hidden=h, layers=spec.num_layers, vocab=spec.vocab_size,
-        heads=spec.num_heads, dense_mlp_params=3 * h * spec.ffn_hidden_size,
+        name=name, architecture=architecture or spec.architecture, hidden=h, layers=spec.num_layers,
+        vocab=spec.vocab_size, heads=spec.num_heads, dense_mlp_params=3 * h * spec.ffn_hidden_size,
         expert_params=3 * h * spec.moe_ffn_hidden_size, shared_params=3 * h * spec.shared_expert_ffn_hidden_size,
         router_params=router, num_experts=spec.num_experts, topk=spec.moe_topk,
         moe_layers=tuple(spec.moe_layers), embed_params=spec.vocab_size * h,
         head_params=0 if spec.tie_embeddings else spec.vocab_size * h, ffn=spec.ffn_hidden_size,
-        moe_ffn=spec.moe_ffn_hidden_size, shared_ffn=spec.shared_expert_ffn_hidden_size, spec=spec,
-        **(_mla_attention(spec) if deepseek else _gqa_attention(spec)),
+        moe_ffn=spec.moe_ffn_hidden_size, shared_ffn=spec.shared_expert_ffn_hidden_size, spec=spec, dsa=dsa,
+        **attention,
     )
 
 
+# ---- DeepSeek Sparse Attention without a training adapter --------------------------------------------------------
+DSA_WITHOUT_ADAPTER = {"DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+"""DSA architectures (and their model_type) the planner reads without a training adapter. When models/ has adapters
+for them, remove them here and give `_from_spec` the indexer from the adapter's spec: read_dsa_without_adapter and
+this table are the only code that stands in for those adapters."""
+INDEXER_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
+
+
+def read_dsa_without_adapter(cfg: dict, name: str) -> ModelShape:
+    """A DSA model's shape: the config read as its MLA base through the DeepSeek-V3 adapter (the same keys and, apart
+    from the indexer, the same tensors), plus the indexer from index_n_heads / index_head_dim / index_topk (required:
+    transformers would default them). The learner-side spec stays the base's (architecture DeepseekV3ForCausalLM),
+    which is what the layout check and the weight-sync slicing read; `ModelShape.architecture` is the DSA one."""
+    from megatron_sparse_rl.models.deepseek import DeepseekV3Adapter
+
+    arch = cfg["architectures"][0]
+    if cfg.get("model_type", DSA_WITHOUT_ADAPTER[arch]) != DSA_WITHOUT_ADAPTER[arch]:
+        raise ValueError(f"{name}: config.json says {arch!r} but model_type {cfg['model_type']!r} (expected "
+                         f"{DSA_WITHOUT_ADAPTER[arch]!r})")
+    for key in INDEXER_KEYS:
+        if not (isinstance(cfg.get(key), int) and not isinstance(cfg[key], bool) and cfg[key] > 0):
+            raise ValueError(f"{name}: config.json {key} must be a positive integer for {arch} (got "
+                             f"{cfg.get(key, 'nothing')!r})")
+    shared = [i for i, kind in enumerate(_indexer_types(cfg, cfg["num_hidden_layers"])) if kind != "full"]
+    if shared:
+        raise NotImplementedError(f"{name}: indexer layers {shared[:8]} reuse another layer's top-k (GLM-5.2 index "
+                                  "sharing: indexer_types / index_topk_pattern / index_topk_freq): not planned, as "
+                                  "Megatron-Core 0.16.1's DSA has no shared index layers")
+    spec = DeepseekV3Adapter().spec_from_hf({**cfg, "architectures": ["DeepseekV3ForCausalLM"],
+                                             "model_type": "deepseek_v3"})
+    if cfg["index_head_dim"] < spec.qk_rope_head_dim:
+        raise ValueError(f"{name}: config.json index_head_dim ({cfg['index_head_dim']}) must hold the rope part, "
+                         f"qk_rope_head_dim ({spec.qk_rope_head_dim})")
+    dsa = DsaShape(n_heads=cfg["index_n_heads"], head_dim=cfg["index_head_dim"], topk=cfg["index_topk"],
+                   layers=spec.num_layers, q_rank=spec.q_lora_rank or spec.hidden_size, hidden=spec.hidden_size)
+    return _from_spec(name, spec, dsa, arch)
+
+
+def _indexer_types(cfg: dict, layers: int) -> list[str]:
+    """Per layer 'full' (runs the indexer) or 'shared' (reuses a full layer's top-k), as transformers'
+    GlmMoeDsaConfig derives them: indexer_types, else index_topk_pattern ('F'/'S'), else index_topk_freq (1) and
+    index_skip_topk_offset (2). DeepSeek-V3.2 and GLM-5 have none of these keys: every layer is 'full'."""
+    if cfg.get("indexer_types") is not None:
+        return list(cfg["indexer_types"])
+    pattern = cfg.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(cfg.get("index_topk_freq") or 1, 1), cfg.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+
+
+def _dsa_notes(dsa: DsaShape, architecture: str) -> tuple[str, ...]:
+    return (f"DSA indexer: {dsa.n_heads} heads x {dsa.head_dim}, top-{dsa.topk}, on all {dsa.layers} layers; "
+            f"{dsa.params:,} parameters per layer (wq_b {dsa.q_rank}x{dsa.n_heads * dsa.head_dim}, wk "
+            f"{dsa.hidden}x{dsa.head_dim}, k_norm 2x{dsa.head_dim}, weights_proj {dsa.hidden}x{dsa.n_heads}), "
+            "whole on every TP rank (Megatron builds them duplicated)",
+            f"DSA: the engine caches the indexer key beside the latent row: {dsa.cache_bytes} B per token per layer "
+            f"(vLLM: {dsa.head_dim} fp8 values + one fp32 scale per {INDEXER_QUANT_BLOCK}), whole on every TP rank",
+            f"{architecture} has no training adapter yet (issue 33): read as its MLA base (DeepSeek-V3 shape) plus "
+            "the indexer; msrl train cannot run it until the adapter lands")
+
+
 def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
-    """A ModelShape from an HF config dict, through the architecture's training adapter; ValueError naming the
-    architecture when no adapter reads it."""
+    """A ModelShape from an HF config dict, through the architecture's training adapter (DSA models: see
+    read_dsa_without_adapter); ValueError naming the architecture when nothing reads it."""
     from megatron_sparse_rl.models import ADAPTERS, get_adapter
 
     archs = cfg.get("architectures") or []
     if len(archs) != 1:
         raise ValueError(f"{name}: config must name exactly one architecture (got {archs!r})")
+    if archs[0] in DSA_WITHOUT_ADAPTER:
+        return read_dsa_without_adapter(cfg, name)
     if archs[0] not in ADAPTERS:
         raise ValueError(f"{name}: architecture {archs[0]!r} is not supported by the planner; supported: "
-                         f"{', '.join(sorted(ADAPTERS))}")
+                         f"{', '.join(sorted([*ADAPTERS, *DSA_WITHOUT_ADAPTER]))}")
     return _from_spec(name, get_adapter(cfg).spec_from_hf(cfg))
 
 

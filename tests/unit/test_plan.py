@@ -175,7 +175,7 @@ def test_mla_engine_that_holds_no_dense_sequence_is_a_problem():
 
 
 def test_bundled_models():
-    assert bundled_models() == ["deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "qwen3-30b-a3b"]
+    assert bundled_models() == ["deepseek-v3", "deepseek-v3.2", "glm-5", "kimi-k2", "qwen3-235b-a22b", "qwen3-30b-a3b"]
 
 
 def test_memory_of_one_layout_by_hand():
