@@ -13,6 +13,8 @@ import logging
 
 import torch
 
+from megatron_sparse_rl.patches import megatron_dsa_hadamard
+
 log = logging.getLogger(__name__)
 
 MEGATRON_VERSION = "0.16.1"
@@ -323,3 +325,4 @@ def apply() -> None:
     patch_optimizer_devices()
     patch_mixed_precision_optimizer()
     patch_dist_checkpointing()
+    megatron_dsa_hadamard.apply()  # DSA's indexer rotation: a torch transform, and fp32 allowed on CPU
