@@ -38,14 +38,14 @@ def _task(run, model_dir: Path) -> tuple:
     return tokenizer, examples, make_scorer(run.reward, shaping=False, answer_marker=run.data.answer_marker)
 
 
-def _one(engine, target: Target, task: tuple) -> tuple[float, int, int]:
-    """(correct, samples, compactions during it) of `target`'s weights, already loaded in `engine`."""
+def _one(engine, target: Target, task: tuple, sparse: bool) -> tuple[float, int, int]:
+    """(correct, samples, compactions during it) of `target`'s weights, already loaded in `engine` (`sparse`: the
+    engine, not the target's training run, has a sparse KV cache)."""
     from megatron_sparse_rl.kv.engine_extension import sparse_kv_stats
     from megatron_sparse_rl.training import rollout as R
 
     tokenizer, examples, correct = task
     run = target.run
-    sparse = run.rollout.kv.policy != "none"
     before = sparse_kv_stats(engine)["compactions"] if sparse else 0
     total, count = R.accuracy(engine, tokenizer, examples, max_tokens=run.rollout.sampling.max_tokens, score=correct,
                               temperature=run.trainer.eval_temperature, samples=run.trainer.eval_samples,
@@ -86,7 +86,7 @@ def evaluate(targets: list[Target], rollouts: dict[str, Any], cache_dir: Path,
                 load_s = time.perf_counter() - t1
                 if t.seed not in tasks:
                     tasks[t.seed] = _task(t.run, t.model_dir)
-                total, count, compactions = _one(engine, t, tasks[t.seed])
+                total, count, compactions = _one(engine, t, tasks[t.seed], kv.policy != "none")
                 rec = {"seed": t.seed, "arm": t.arm, "mode": mode, "accuracy": total / count if count else None,
                        "samples": count,
                        "compactions": compactions, "load_s": round(load_s, 3),
