@@ -8,26 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import sparse_rl_compare_stats as S
+import study_plot as P
 from megatron_sparse_rl.observability import metrics as M
-from megatron_sparse_rl.observability.plot import series
 
 COLORS = {"dense": "tab:blue", "naive_sparse": "tab:red", "sparse_rl": "tab:green"}
-
-
-def _band(ax, records: list[list[dict]], key: str, window: int, color: str, label: str, **line) -> bool:
-    """Mean ± s.e. over seeds of the `window`-step trailing mean of `key`; False when no run logged it."""
-    curves = [series(recs, (key,)) for recs in records]
-    curves = [(xs, S.trailing_mean(ys, window)) for xs, ys in curves if xs]
-    if not curves:
-        return False
-    xs = min((c[0] for c in curves), key=len)
-    mean, se = S.band([ys for _, ys in curves])
-    ax.plot(xs[:len(mean)], mean, color=color, label=label, **line)
-    if len(curves) > 1:
-        lo = [m - (s or 0.0) for m, s in zip(mean, se)]
-        hi = [m + (s or 0.0) for m, s in zip(mean, se)]
-        ax.fill_between(xs[:len(mean)], lo, hi, color=color, alpha=0.2, linewidth=0)
-    return True
 
 
 def _accuracy(ax, summary: dict, labels: dict[str, str]) -> None:
@@ -56,29 +40,18 @@ def plot(summary: dict, records: dict[str, list[list[dict]]], labels: dict[str, 
     for arm in summary["arms"]:
         c, recs = COLORS[arm], records[arm]
         collapsed = sum(r["collapsed"] for r in summary["runs"] if r["arm"] == arm)
-        _band(ax_r, recs, M.REWARD, window, c, f"{labels[arm]} (collapsed {collapsed}/{n})")
-        _band(ax_k, recs, M.MISMATCH_K1, window, c, f"{labels[arm]}: mismatch/k1")
-        _band(ax_k, recs, S.K1_AFTER, window, c, f"{labels[arm]}: kv/k1_after_compression", linestyle="--")
-        _band(ax_k, recs, S.K1_BEFORE, window, c, f"{labels[arm]}: kv/k1_before_compression", linestyle=":")
-        _band(ax_j, recs, S.REJECTED_SEQ, window, c, f"{labels[arm]}: rejected sequences")
-        _band(ax_j, recs, S.REJECTED_TOKEN, window, c, f"{labels[arm]}: rejected tokens", linestyle="--")
+        P.band(ax_r, recs, (M.REWARD,), window, c, f"{labels[arm]} (collapsed {collapsed}/{n})")
+        P.band(ax_k, recs, (M.MISMATCH_K1,), window, c, f"{labels[arm]}: mismatch/k1")
+        P.band(ax_k, recs, (S.K1_AFTER,), window, c, f"{labels[arm]}: kv/k1_after_compression", linestyle="--")
+        P.band(ax_k, recs, (S.K1_BEFORE,), window, c, f"{labels[arm]}: kv/k1_before_compression", linestyle=":")
+        P.band(ax_j, recs, (S.REJECTED_SEQ,), window, c, f"{labels[arm]}: rejected sequences")
+        P.band(ax_j, recs, (S.REJECTED_TOKEN,), window, c, f"{labels[arm]}: rejected tokens", linestyle="--")
     _accuracy(ax_a, summary, labels)
     titles = ((ax_r, f"rollout reward (own engine), mean of {window} steps; band: ± s.e. over {n} seed(s)", "RL step"),
               (ax_a, f"held-out accuracy of the final weights: mean ± s.e. over {n} seed(s) (dots: seeds)", None),
               (ax_k, f"k1 = mean(log mu - log pi_old), mean of {window} steps", "RL step"),
               (ax_j, f"Sparse-RL rejection rate, mean of {window} steps", "RL step"))
-    for ax, title, xlabel in titles:
-        ax.set_title(title, fontsize=9)
-        if xlabel:
-            ax.set_xlabel(xlabel)
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+    P.finish_axes(titles)
     fig.suptitle(summary["title"], fontsize=11)
     fig.tight_layout()
-    tmp = out_png.with_name(out_png.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    tmp.replace(out_png)
-    return out_png
+    return P.save_png(fig, out_png)

@@ -19,37 +19,38 @@ sys.path.insert(0, str(REPO / "experiments"))
 
 import sparse_rl_compare as C  # noqa: E402
 import sparse_rl_compare_stats as S  # noqa: E402
+import study_stats as T  # noqa: E402  (the statistics shared with experiments/routing_stability.py)
 
 from megatron_sparse_rl.config import load_config  # noqa: E402
 from megatron_sparse_rl.config.rollout import KVConfig  # noqa: E402
 
 
 def test_mean_se_is_the_sample_mean_and_stdev_over_sqrt_n():
-    got = S.mean_se([1.0, 2.0, 4.0, None])  # None: a run without the metric, skipped
+    got = T.mean_se([1.0, 2.0, 4.0, None])  # None: a run without the metric, skipped
     mean = 7 / 3
     se = math.sqrt(((1 - mean) ** 2 + (2 - mean) ** 2 + (4 - mean) ** 2) / 2) / math.sqrt(3)
     assert got["n"] == 3 and got["mean"] == pytest.approx(mean, rel=1e-15) and got["se"] == pytest.approx(se, rel=1e-15)
-    assert S.mean_se([0.25]) == {"mean": 0.25, "se": None, "n": 1}
-    assert S.mean_se([None]) == {"mean": None, "se": None, "n": 0}
+    assert T.mean_se([0.25]) == {"mean": 0.25, "se": None, "n": 1}
+    assert T.mean_se([None]) == {"mean": None, "se": None, "n": 0}
 
 
 def test_trailing_mean_and_max_drawdown():
-    assert S.trailing_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
-    assert S.trailing_mean([1.0, 2.0, 3.0, 4.0], 2, full=True) == [1.5, 2.5, 3.5]
-    assert S.trailing_mean([1.0, 3.0], 10, full=True) == [2.0]  # shorter than the window: one mean of all
-    assert S.max_drawdown([0.1, 0.5, 0.3, 0.6, 0.2]) == pytest.approx(0.4)
-    assert S.max_drawdown([0.1, 0.2, 0.3]) == 0.0 and S.max_drawdown([]) == 0.0
+    assert T.trailing_mean([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert T.trailing_mean([1.0, 2.0, 3.0, 4.0], 2, full=True) == [1.5, 2.5, 3.5]
+    assert T.trailing_mean([1.0, 3.0], 10, full=True) == [2.0]  # shorter than the window: one mean of all
+    assert T.max_drawdown([0.1, 0.5, 0.3, 0.6, 0.2]) == pytest.approx(0.4)
+    assert T.max_drawdown([0.1, 0.2, 0.3]) == 0.0 and T.max_drawdown([]) == 0.0
 
 
 def test_collapse_rule():
     kw = {"window": 2, "drop": 0.15, "blowup": 10.0}
-    fell = S.collapse_reasons([0.5] * 5 + [0.1] * 5, [1.0] * 10, 0, **kw)
+    fell = T.collapse_reasons([0.5] * 5 + [0.1] * 5, [1.0] * 10, 0, **kw)
     assert len(fell) == 1 and fell[0].startswith("reward mean of 2 steps fell 0.400")
-    assert S.collapse_reasons([0.5, 0.5, 0.3, 0.5, 0.5], [1.0] * 5, 0, **kw) == []  # one-step dip: mean falls 0.1
-    assert "20.0x its median" in S.collapse_reasons([0.5] * 5, [1.0, 1.0, 1.0, 1.0, 20.0], 0, **kw)[0]
-    assert S.collapse_reasons([0.5] * 5, [1.0, 1.0, 1.0, 1.0, 9.0], 0, **kw) == []
-    assert S.collapse_reasons([0.5] * 5, [0.0] * 5, 0, **kw) == []  # zero gradients (all-equal rewards): no ratio
-    assert "1 non-finite" in S.collapse_reasons([0.5] * 5, [1.0] * 5, 1, **kw)[0]
+    assert T.collapse_reasons([0.5, 0.5, 0.3, 0.5, 0.5], [1.0] * 5, 0, **kw) == []  # one-step dip: mean falls 0.1
+    assert "20.0x its median" in T.collapse_reasons([0.5] * 5, [1.0, 1.0, 1.0, 1.0, 20.0], 0, **kw)[0]
+    assert T.collapse_reasons([0.5] * 5, [1.0, 1.0, 1.0, 1.0, 9.0], 0, **kw) == []
+    assert T.collapse_reasons([0.5] * 5, [0.0] * 5, 0, **kw) == []  # zero gradients (all-equal rewards): no ratio
+    assert "1 non-finite" in T.collapse_reasons([0.5] * 5, [1.0] * 5, 1, **kw)[0]
 
 
 def _records() -> list[dict]:
@@ -91,30 +92,30 @@ def test_add_eval_aggregate_and_paired_differences():
     assert agg["dense"]["eval_tight"]["mean"] == pytest.approx(0.25)
     assert agg["dense"]["eval_tight"]["se"] == pytest.approx(0.05)  # |0.3 - 0.2| / 2
     assert agg["dense"]["collapsed"]["mean"] == 0.5
-    pair = S.paired(rows, [("sparse_rl", "dense")], ["eval_tight", "drop_tight"])["sparse_rl - dense"]
+    pair = T.paired(rows, [("sparse_rl", "dense")], ["eval_tight", "drop_tight"])["sparse_rl - dense"]
     # per-seed differences: tight 0.05 and 0.2; drop (dense - tight): 0.05 - 0.2 = -0.15 and 0.05 - 0.4 = -0.35
     assert pair["eval_tight"]["mean"] == pytest.approx(0.125) and pair["eval_tight"]["se"] == pytest.approx(0.075)
     assert pair["drop_tight"]["mean"] == pytest.approx(-0.25) and pair["drop_tight"]["se"] == pytest.approx(0.1)
 
 
 def test_band_over_the_shared_steps():
-    mean, se = S.band([[1.0, 2.0, 3.0], [3.0, 4.0]])
+    mean, se = T.band([[1.0, 2.0, 3.0], [3.0, 4.0]])
     assert mean == [2.0, 3.0] and se == [pytest.approx(1.0), pytest.approx(1.0)]
-    assert S.band([[1.0, 2.0]]) == ([1.0, 2.0], [None, None])
+    assert T.band([[1.0, 2.0]]) == ([1.0, 2.0], [None, None])
 
 
 def test_summary_markdown_and_atomic_write(tmp_path):
     rows = _rows()
     summary = {"arms": ["dense", "sparse_rl"], "seeds": 2, "window": 7, "setup": "setup line", "seconds": 12.0,
                "runtime": "RL runs 10 s", "per_arm": S.aggregate(rows, ["dense", "sparse_rl"]),
-               "paired": S.paired(rows, [("sparse_rl", "dense")], ["eval_tight"]), "runs": rows,
+               "paired": T.paired(rows, [("sparse_rl", "dense")], ["eval_tight"]), "runs": rows,
                "collapse_rule": "rule", "plot": "compare.png"}
     rows[3]["collapse_reasons"] = ["reward fell"]
     md = S.render_markdown(summary)
     assert "| held-out acc., sparse engine, tight budget | 0.250 ± 0.050 | 0.375 ± 0.025 |" in md
     assert "| collapsed (1) or not (0) | 1/2 | 0/2 |" in md and "mean of the first 7 steps" in md
     assert "| 1 | sparse_rl | 0.450 |" in md and "- seed 1 sparse_rl: reward fell" in md
-    path = S.write_atomic(tmp_path / "summary.md", md)
+    path = T.write_atomic(tmp_path / "summary.md", md)
     assert path.read_text() == md and [p.name for p in tmp_path.iterdir()] == ["summary.md"]
 
 
