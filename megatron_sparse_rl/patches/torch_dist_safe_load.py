@@ -1,7 +1,9 @@
 """Route torch's and Megatron-Core's reads of a torch_dist checkpoint's pickles through the allowlisted loaders of
 `formats/safe_load.py`, so that loading a checkpoint never runs code from its files.
 
-Upstream, for torch 2.13.0 and megatron-core 0.16.1:
+Upstream, for torch 2.13.0 (and 2.11.0, the GPU machine's: `FileSystemReader.read_metadata` / `_get_metadata_path`
+and `DefaultLoadPlanner.load_bytes` have the same source there, and torch.distributed.checkpoint the same
+`pickle.load` / `torch.load(` call sites) and megatron-core 0.16.1:
 1. `torch.distributed.checkpoint.FileSystemReader.read_metadata` reads `.metadata` with a bare `pickle.load`:
    a pickle naming any function runs it. Replaced: the restricted unpickler (`read_dcp_metadata`).
 2. `DefaultLoadPlanner.load_bytes` (Megatron's `MCoreLoadPlanner` inherits it) reads each byte item of the
@@ -22,7 +24,7 @@ from megatron_sparse_rl.formats.safe_load import load_torch_file, read_dcp_metad
 
 log = logging.getLogger(__name__)
 
-TORCH_VERSION = "2.13.0"
+TORCH_VERSIONS = ("2.13.0", "2.11.0")
 MEGATRON_VERSION = "0.16.1"
 _APPLIED: set[str] = set()
 
@@ -69,8 +71,8 @@ def _check_versions() -> None:
     import torch
 
     found = {"torch": torch.__version__.split("+")[0], "megatron-core": megatron.core.__version__}
-    wanted = {"torch": TORCH_VERSION, "megatron-core": MEGATRON_VERSION}
-    if found != wanted:
+    wanted = {"torch": TORCH_VERSIONS, "megatron-core": MEGATRON_VERSION}
+    if found["torch"] not in TORCH_VERSIONS or found["megatron-core"] != MEGATRON_VERSION:
         raise RuntimeError(f"megatron_sparse_rl's safe checkpoint loading was written for {wanted}, found {found}: "
                            f"check that {__name__} still covers every read of a checkpoint's pickles, then update it")
 

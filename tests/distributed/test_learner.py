@@ -21,13 +21,14 @@ def tokens():
     return torch.randint(3, 40, (4, 14), generator=g)
 
 
-def hf_reference(model_dir, tokens):
-    """log p(token t+1 | <= t) and entropy from HF transformers (fp32 forward, float64 softmax)."""
+def hf_reference(model_dir, tokens, *, device="cpu", dtype=torch.float32, **load):
+    """log p(token t+1 | <= t) and entropy from HF transformers (a `dtype` forward on `device`, float64 softmax),
+    on the host. `load`: more from_pretrained arguments (e.g. experts_implementation="eager")."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **load).to(device)
     with torch.no_grad():
-        logits = model(tokens).logits[:, :-1].double()
+        logits = model(tokens.to(device)).logits[:, :-1].double().cpu()
     logp = torch.log_softmax(logits, -1)
     return logp.gather(-1, tokens[:, 1:, None])[..., 0], -(logp.exp() * logp).sum(-1)
 

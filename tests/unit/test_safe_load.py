@@ -103,6 +103,19 @@ def test_patched_torch_reader_refuses_the_metadata_payload(torch_dist, marker):
     _refused(lambda: FileSystemReader(str(torch_dist)).read_metadata(), path, torch_dist)
 
 
+@pytest.mark.parametrize("version,ok", [("2.13.0", True), ("2.11.0+cu130", True), ("2.12.0", False)])
+def test_patch_version_check(monkeypatch, version, ok):
+    """torch 2.11.0 (the GPU machine's) and 2.13.0 have the same patched functions; others are refused by name."""
+    from megatron_sparse_rl.patches import torch_dist_safe_load
+
+    monkeypatch.setattr(torch, "__version__", version)
+    if ok:
+        torch_dist_safe_load._check_versions()
+        return
+    with pytest.raises(RuntimeError, match="'torch': 2.12.0|'torch': '2.12.0'"):
+        torch_dist_safe_load._check_versions()
+
+
 def test_metadata_placing_data_outside_the_checkpoint_is_refused(torch_dist):
     path = torch_dist / ".metadata"
     meta = pickle.loads(path.read_bytes())
