@@ -6,14 +6,14 @@
   docs/routing_stability.md), which is the mismatch the routing study needs, not a numerics error;
 - an fp32 engine synced with FP8 weights computes with exactly their dequantised values: it matches transformers
   holding those values to the fp32 tolerance, and not the unquantised model;
-- a 2-step colocated run with a bf16 engine, an fp32 learner and R3: the sync probe passes against the learner
-  holding the engine's weights, the train-inference mismatch is not zero, and every update replays the routes;
-- a 2-step disaggregated (1 learner + 1 rollout rank) run with FP8 weights on an fp32 engine: the probe agrees to
-  the fp32 tolerance, and the quantisation's own logprob effect is measured and not zero.
+- a 2-step disaggregated run (1 learner + 1 rollout rank) with FP8 weights on a bf16 engine, an fp32 learner and
+  R3: the sync probe passes against the learner holding the engine's weights, the quantisation's own logprob effect
+  is measured and not zero, the train-inference mismatch is not zero, and every update replays the routes. (An
+  fp32 engine with FP8 weights agrees with the learner holding them to ~1e-6: the second test, and
+  docs/weight_sync.md.)
 Run: .venv/bin/python -m pytest -q tests/e2e/test_low_precision.py -s
 """
 import json
-import math
 import subprocess
 from pathlib import Path
 
@@ -129,22 +129,15 @@ def _train(run_dir: Path, model_dir: Path, *extra: str, rollout_ranks: int = 0) 
     return [r for r in map(json.loads, lines) if r["phase"] == "rl"]
 
 
-def test_bf16_engine_fp32_learner_r3_run(tmp_path):
-    records = _train(tmp_path / "run", tmp_path / "model", "rollout.dtype=bfloat16", "routing.mode=R3")
+def test_bf16_engine_with_fp8_weights_fp32_learner_r3_disaggregated_run(tmp_path):
+    """One run covers the low-precision path end to end (one trainer start is the expensive part): FP8 weights on a
+    bf16 engine on a rollout rank, an fp32 learner, R3 replaying the engine's routes."""
+    records = _train(tmp_path / "run", tmp_path / "model", "rollout.dtype=bfloat16", "rollout.quantization=fp8",
+                     "routing.mode=R3", rollout_ranks=1)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         print({k: v for k, v in r.items() if k.startswith(("mismatch/k", "sync/", "routing/replay"))})
-        assert r["mismatch/k3"] > 0 and r["mismatch/k1"] != 0  # a bf16 engine is not the fp32 learner
+        assert r["mismatch/k3"] > 0 and r["mismatch/k1"] != 0  # a bf16 engine on FP8 weights is not the fp32 learner
         assert r["routing/replay_applied_fraction"] == 1.0
-        assert 0 < r["sync/probe_max_abs_diff"] <= 0.1  # the bf16 tolerance, against the learner in bf16 weights
-        assert r["sync/weight_format_max_abs_diff"] > 0  # rounding the weights to bf16 moves the logprobs
-
-
-def test_fp8_disaggregated_run(tmp_path):
-    records = _train(tmp_path / "run", tmp_path / "model", "rollout.quantization=fp8", rollout_ranks=1)
-    assert [r["step"] for r in records] == [1, 2]
-    for r in records:
-        print({k: v for k, v in r.items() if k.startswith(("mismatch/k", "sync/"))})
-        assert r["sync/probe_max_abs_diff"] <= 1e-3  # fp32 engine, the learner holding the same FP8 values
-        assert r["sync/weight_format_max_abs_diff"] > 1e-4  # the FP8 rounding itself
-        assert math.isfinite(r["mismatch/k1"]) and r["mismatch/k3"] > 0
+        assert 0 < r["sync/probe_mean_abs_diff"] <= 0.3  # the bf16 engine's bound, against the learner in its weights
+        assert r["sync/weight_format_mean_abs_diff"] > 1e-3  # the FP8 rounding itself moves the logprobs
