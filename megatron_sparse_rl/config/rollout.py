@@ -151,8 +151,9 @@ class RolloutConfig:
     dtype: RolloutDtype = "float32"
     """Engine weight/activation dtype. float32: the engine agrees with an fp32 learner to ~1e-7 (no mismatch to
     correct); bfloat16: the engine holds the learner's weights rounded to bf16 and computes in bf16, as production
-    engines do (on CPU it needs AVX512-BF16 or AMX, checked at validate). The sync probe compares it with the
-    learner holding the same weights, at the bf16 tolerance (docs/routing_stability.md)."""
+    engines do (on CPU where vLLM's CPU platform lists bf16, checked at validate). The sync probe compares it with
+    the learner holding the same weights, bounding the mean difference (docs/weight_sync.md, "Low-precision
+    engines")."""
     quantization: RolloutQuantization = "none"
     """fp8: at every sync the learner's attention and MLP/expert weights are quantised to float8_e4m3fn with 128x128
     block scales (the DeepSeek-V3 / Qwen3 FP8 release format; weights only, activations stay in rollout.dtype), and
