@@ -20,7 +20,9 @@ from megatron_sparse_rl.algorithms.corrections import (
     correction_inputs, geo_rs_correction, icepop_correction, mis_correction, opsm_correction, opsm_keep,
     sparse_rl_correction, tis_correction, veto_correction,
 )
-from megatron_sparse_rl.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_loss, unbiased_kl
+from megatron_sparse_rl.algorithms.kl import (
+    KL_ESTIMATORS, k3_from_log_ratio, kl_k1, kl_k2, kl_k3, kl_loss, unbiased_kl,
+)
 from megatron_sparse_rl.algorithms.losses import (
     POLICY_LOSSES, cispo_loss, dapo_loss, dual_clip_loss, get_policy_loss, grpo_loss, gspo_loss, gspo_token_loss,
     policy_loss,
@@ -33,8 +35,9 @@ __all__ = [
     "AGGREGATIONS", "CORRECTIONS", "CorrectionInputs", "CorrectionResult", "KL_ESTIMATORS", "POLICY_LOSSES",
     "aggregate", "apply_corrections", "batch_skip_correction", "cispo_loss", "compute_advantages",
     "correction_inputs", "dapo_loss", "dual_clip_loss", "engine_mean_logprobs", "geo_rs_correction", "get_policy_loss", "global_sum",
-    "grpo_advantages", "grpo_loss", "gspo_loss", "gspo_token_loss", "icepop_correction", "keep_set_to_mask",
-    "kl_k1", "kl_k2", "kl_k3", "kl_loss", "loss_normalizer", "masked_log_softmax", "masked_max", "masked_mean",
+    "grpo_advantages", "grpo_loss", "gspo_loss", "gspo_token_loss", "icepop_correction", "k3_from_log_ratio",
+    "keep_set_to_mask", "kl_k1", "kl_k2", "kl_k3", "kl_loss", "loss_normalizer", "masked_log_softmax", "masked_max",
+    "masked_mean",
     "masked_sum", "masked_token_logprobs", "mis_correction", "mismatch_metrics", "opsm_correction", "opsm_keep",
     "policy_loss", "rloo_advantages", "routing_attribution", "sparse_rl_correction", "tis_correction",
     "unbiased_kl", "veto_correction",

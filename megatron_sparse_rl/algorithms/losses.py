@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from megatron_sparse_rl.algorithms.aggregation import aggregate, masked_max, masked_mean
+from megatron_sparse_rl.algorithms.kl import k3_from_log_ratio
 from megatron_sparse_rl.config.algorithm import LossConfig
 
 Metrics = dict[str, torch.Tensor]
@@ -74,7 +75,7 @@ def _metrics(ratio, log_ratio, mask, clip_low, clip_high, entropy, dual=None) ->
             "ratio_max": masked_max(ratio, mask),
             # samples come from pi_old: k1 = log(pi_old / pi_theta), k3 = r - 1 - log r.
             "kl_k1": masked_mean(-log_ratio, mask),
-            "kl_k3": masked_mean(ratio - 1.0 - log_ratio, mask),
+            "kl_k3": masked_mean(k3_from_log_ratio(log_ratio), mask),
         }
         if dual is not None:
             m["dual_clip_frac"] = masked_mean(dual.to(ratio.dtype), mask)

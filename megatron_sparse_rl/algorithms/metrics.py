@@ -2,7 +2,7 @@
 
 rho_t = pi_old / mu on valid tokens (response mask, finite logprobs). All outputs are scalar tensors
 (no host sync without a process group):
-    k1 ("vllm-kl") = mean(log mu - log pi_old)      k3 = mean(rho - log rho - 1)
+    k1 ("vllm-kl") = mean(log mu - log pi_old)      k3 = mean(rho - log rho - 1) (>= 0: kl.k3_from_log_ratio)
     ppl_old = exp(-mean log pi_old)                  ppl_rollout = exp(-mean log mu)
     chi2 = mean(rho^2) - 1                           max_abs_log_rho
     nonfinite_tokens (count), masked_frac (response tokens not kept, when `keep` is given)
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.algorithms.aggregation import masked_max, masked_sum
+from megatron_sparse_rl.algorithms.kl import k3_from_log_ratio
 
 _CLAMP = 20.0
 
@@ -47,9 +48,9 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     log_rho = _log_rho(old, mu)
     rho = torch.exp(log_rho)
     not_kept = mask & ~keep.bool() if keep is not None else torch.zeros_like(mask)
-    sums = torch.stack([masked_sum(mu - old, valid), masked_sum(rho - log_rho - 1.0, valid), old.sum(), mu.sum(),
-                        masked_sum(rho * rho, valid), *(m.sum().to(old.dtype) for m in (valid, mask & ~finite,
-                                                                                        not_kept, mask))])
+    counts = (m.sum().to(old.dtype) for m in (valid, mask & ~finite, not_kept, mask))
+    sums = torch.stack([masked_sum(mu - old, valid), masked_sum(k3_from_log_ratio(log_rho), valid), old.sum(),
+                        mu.sum(), masked_sum(rho * rho, valid), *counts])
     k1, k3, lp_old, lp_mu, rho2, n_valid, nonfinite, n_not_kept, n_mask = _all_reduce(sums, group).unbind()
     n = n_valid.clamp(min=1)
     out = {
@@ -84,7 +85,7 @@ def routing_attribution(engine_routes: torch.Tensor, learner_routes: torch.Tenso
     sums = [valid.sum().double()]
     for pi in pis:
         log_rho = _log_rho(pi, mu)
-        sums += [masked_sum(mu - pi, valid), masked_sum(torch.exp(log_rho) - log_rho - 1.0, valid)]
+        sums += [masked_sum(mu - pi, valid), masked_sum(k3_from_log_ratio(log_rho), valid)]
     n, k1_e, k3_e, k1_l, k3_l = _all_reduce(torch.stack(sums), group).unbind()
     n = n.clamp(min=1)
     k3_e, k3_l = k3_e / n, k3_l / n

@@ -3,13 +3,15 @@ against numpy float64 formulas and hand-derived gradients.
 
     .venv/bin/python -m pytest -q tests/unit/test_algorithms_kl_metrics.py
 """
+from decimal import Decimal, localcontext
+
 import numpy as np
 import pytest
 import torch
 
 from megatron_sparse_rl.algorithms import (
-    kl_k1, kl_k2, kl_k3, kl_loss, loss_normalizer, masked_log_softmax, masked_token_logprobs, mismatch_metrics,
-    unbiased_kl,
+    k3_from_log_ratio, kl_k1, kl_k2, kl_k3, kl_loss, loss_normalizer, masked_log_softmax, masked_token_logprobs,
+    mismatch_metrics, unbiased_kl,
 )
 from megatron_sparse_rl.config.algorithm import KLConfig
 
@@ -27,6 +29,38 @@ def test_estimators_values_and_gradients():
         np.testing.assert_allclose(out.detach().numpy(), want[name], rtol=1e-12)
         np.testing.assert_allclose(x.grad.numpy(), dwant[name], rtol=1e-12, atol=1e-14)
     assert (want["k3"] >= 0).all()
+
+
+def _k3_exact(x: float) -> float:
+    """exp(x) - 1 - x with 100 significant digits (decimal), rounded to float64."""
+    with localcontext() as ctx:
+        ctx.prec = 100
+        d = Decimal(x)
+        return float(d.exp() - 1 - d)
+
+
+def test_k3_is_never_negative_and_keeps_its_precision():
+    # float32 log-probs 1e-5 apart: the old form exp(x) - x - 1 rounds ~1 in 8 of these below zero, and their mean
+    # too (the -8e-10 of issue 38 was such a mean)
+    rng = np.random.default_rng(1)
+    logp = torch.tensor(-rng.uniform(0.5, 3.0, 4000), dtype=torch.float32)
+    logq = logp + torch.tensor(rng.uniform(-1e-5, 1e-5, 4000), dtype=torch.float32)
+    x = logq - logp  # exact: the operands are within a factor 2 of each other
+    old_form = torch.exp(x) - x - 1.0
+    assert (old_form < 0).any() and old_form.mean() < 0, "no input found where the old form rounds negative"
+    new = kl_k3(logp, logq)
+    assert (new >= 0).all() and new.dtype == torch.float32
+    want = np.array([_k3_exact(float(v)) for v in x.double()])
+    np.testing.assert_allclose(new.double().numpy(), want, rtol=1e-5, atol=0)
+    m = mismatch_metrics(logq[None], logp[None], torch.ones(1, 4000, dtype=torch.bool))
+    assert m["mismatch/k3"].item() >= 0
+    assert m["mismatch/k3"].item() == pytest.approx(want.mean(), rel=1e-4)
+    # float64 over the whole range, both sides of the series/expm1 switch at |x| = 0.1, and the clamp at +-20
+    xs = np.concatenate([[0.0, 1e-30, -1e-12, 0.0999999, 0.1, -0.1000001, 19.5, -20.0],
+                         rng.normal(0, 1e-3, 50), rng.normal(0, 2, 50)])
+    got = k3_from_log_ratio(torch.tensor(xs, dtype=torch.float64)).numpy()
+    assert (got >= 0).all()
+    np.testing.assert_allclose(got, [_k3_exact(v) for v in xs], rtol=1e-13, atol=0)
 
 
 def test_unbiased_kl_value_gradient_and_expectation():
