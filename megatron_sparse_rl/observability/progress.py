@@ -3,9 +3,11 @@
     [######..............]  30/100  30% eta 4m12s | roll 1.20s train 0.45s sync 0.10s | 812 tok/s kv 41% |
     reward 0.412 acc 0.380 eval 0.350 | k1 1.2e-03 k3 4.0e-04 | clip 0.021 rej 0.050
 
-(one line; wrapped here). A metric that is missing from a step is left out of its line. The ETA is
-the mean time per step since the clock started (at construction, or at `restart(step)`, e.g. after an
-SFT stage) times the steps left; `start_step` is where a resumed run starts, so skipped steps do not count.
+(one line; wrapped here). A metric that is missing from a step is left out of its line. The ETA is the mean
+time per step since the first line (or since `restart(step)`) times the steps left; so the one-off start-up
+before the first step (engine and learner start, the SFT stage, the warm-start evaluation, a resume's skipped
+steps) never counts. At the first line, where no step has been timed between two lines yet, it is that step's
+own phase times (`STEP_TIMES`: rollout + train + sync) times the steps left, or "?" without them.
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ DEFAULT_GROUPS: tuple[tuple[Field, ...], ...] = (
     (Field("k1", (M.MISMATCH_K1,), "{:.1e}"), Field("k3", (M.MISMATCH_K3,), "{:.1e}")),
     (Field("clip", M.CLIP_FRACTION[:1]), CLIP_FIELD, Field("rej", M.REJECTION)),
 )
+
+
+# The phases of one step whose sum estimates its duration before two lines have been timed.
+STEP_TIMES = Field("step", ("time/rollout_s", "time/train_s", "time/sync_s"), reduce="sum")
 
 
 def _pick(f: Field, metrics: Mapping[str, Any]) -> float | None:
@@ -88,32 +94,37 @@ def format_metrics(metrics: Mapping[str, Any], groups=DEFAULT_GROUPS) -> str:
 class ProgressPrinter:
     """Prints one line per `update(step, metrics)`; returns the line too."""
 
-    def __init__(self, total: int, *, start_step: int = 0, width: int = 20, stream: TextIO | None = None,
-                 groups=DEFAULT_GROUPS, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, total: int, *, width: int = 20, stream: TextIO | None = None, groups=DEFAULT_GROUPS,
+                 clock: Callable[[], float] = time.monotonic):
         self.total = total
         self.width = width
         self.stream = stream if stream is not None else sys.stdout
         self.groups = groups
         self.clock = clock
-        self._start = (start_step, clock())
+        self._start: tuple[int, float] | None = None  # (step, time) of the first line; set by line()
 
     def restart(self, step: int) -> None:
         """Restart the ETA clock now, at `step` (the last step already done)."""
         self._start = (step, self.clock())
 
-    def eta(self, step: int) -> float:
-        """Seconds left: mean seconds per step since the first update, times the steps left."""
-        if step <= self._start[0]:
-            return float("nan")
-        start_step, t0 = self._start
-        per_step = (self.clock() - t0) / (step - start_step)
-        return per_step * max(self.total - step, 0)
+    def eta(self, step: int, metrics: Mapping[str, Any] | None = None) -> float:
+        """Seconds left: mean seconds per step since the first line (or restart), times the steps left; before a
+        step has been timed that way, the step's own STEP_TIMES in `metrics`; nan when neither is known."""
+        left = max(self.total - step, 0)
+        if self._start is not None and step > self._start[0]:
+            start_step, t0 = self._start
+            return (self.clock() - t0) / (step - start_step) * left
+        own = _pick(STEP_TIMES, metrics or {})
+        return float("nan") if own is None else own * left
 
     def line(self, step: int, metrics: Mapping[str, Any]) -> str:
         pct = 100.0 * step / self.total if self.total > 0 else 100.0
         n = len(str(self.total))
+        eta = self.eta(step, metrics)
+        if self._start is None:
+            self._start = (step, self.clock())
         head = f"{progress_bar(step, self.total, self.width)} {step:>{n}}/{self.total} {pct:3.0f}% " \
-               f"eta {format_duration(self.eta(step))}"
+               f"eta {format_duration(eta)}"
         body = format_metrics(metrics, self.groups)
         return f"{head} | {body}" if body else head
 

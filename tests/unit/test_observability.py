@@ -86,7 +86,8 @@ def test_progress_line_hand_written():
     clock = [100.0]
     out = io.StringIO()
     p = ProgressPrinter(10, width=10, stream=out, clock=lambda: clock[0])
-    clock[0] = 130.0  # 3 steps in 30 s -> 10 s/step, 7 left -> 70 s
+    p.restart(0)
+    clock[0] = 130.0  # 3 steps in 30 s since restart(0) -> 10 s/step, 7 left -> 70 s
     line = p.update(3, {"time/rollout_s": 1.234, "time/train_s": 0.5, "time/sync_s": 0.05,
                         "rollout/tokens_per_s": 812.4, "rollout/reward": 0.41, "rollout/accuracy": 0.375,
                         "mismatch/k1": 0.0012, "mismatch/k3": 0.0004, "loss/clip_frac_low": 0.01,
@@ -103,8 +104,25 @@ def test_progress_pieces():
     assert format_metrics({}) == ""
     assert format_metrics({"loss/clip_frac": 0.1, "loss/clip_frac_low": 0.5, "eval/accuracy": float("nan")}) == \
         "eval nan | clip 0.100"
-    p = ProgressPrinter(5, start_step=2, clock=lambda: 0.0, stream=io.StringIO())
-    assert p.line(2, {}).endswith("eta ?")  # no step done since the start yet
+    p = ProgressPrinter(5, clock=lambda: 0.0, stream=io.StringIO())
+    assert p.line(2, {}).endswith("eta ?")  # first line, no step times: unknown
+
+
+def test_eta_is_sane_from_the_first_step():
+    """Issue 38: a 4-minute demo showed eta 2h54m at step 1, the start-up (SFT, warm-start eval) counted as step 1."""
+    clock = [0.0]
+    p = ProgressPrinter(60, stream=io.StringIO(), clock=lambda: clock[0])
+    clock[0] = 175.0  # engine start, SFT and the warm-start evaluation took 175 s before step 1 ended
+    step_times = {"time/rollout_s": 2.0, "time/train_s": 1.0, "time/sync_s": 0.25}
+    assert "eta 3m12s |" in p.line(1, step_times)  # its own 3.25 s x 59 left = 191.75 s (not 175 x 59)
+    clock[0] = 179.0  # step 2 took 4 s (measured between lines from now on): 4 x 58 = 232 s
+    assert "eta 3m52s" in p.line(2, step_times)
+    clock[0] = 191.0  # steps 2-4 in 16 s: 16 / 3 x 56 = 298.7 s
+    assert "eta 4m59s" in p.line(4, {})
+    clock[0] = 500.0  # a resumed run's clock restarts where it resumes: 100 s for step 5 -> 100 x 55 = 5500 s
+    p.restart(4)
+    clock[0] = 600.0
+    assert "eta 1h31m" in p.line(5, {})
 
 
 def test_plot_writes_a_png(tmp_path):
