@@ -8,6 +8,9 @@ docs/algorithms.md "Cost", docs/routing.md, docs/conversion.md, docs/async.md).
     msrl bench convert [--hidden 512 --layers 6 ...]       conversion GB/s over raw read+write (~80M params)
     msrl bench async [--config ... --steps 16]              asynchronous RL steps/s over the synchronous loop's
 
+Only this project's lines reach the console; vLLM's, Megatron-Core's and the other libraries' warnings go to
+<temp dir>/msrl/bench.log (`--verbose`: on the console too; observability/logging.py, `init_tool_logging`).
+
 Each kind is a module `benchmarks/<kind>.py` (`MODULES` names the exceptions) exposing `add_arguments(parser)` and
 `run(args) -> int`; add one by writing that module and a line in KINDS. Only the chosen kind's module is imported.
 """
@@ -17,6 +20,8 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+
+from megatron_sparse_rl.observability.logging import init_tool_logging, tool_log_path
 
 # kind -> one-line help; the implementation is benchmarks/<kind>.py
 KINDS: dict[str, str] = {
@@ -43,8 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(kind, help=help_text, description=help_text)
         module = _module(kind)
         module.add_arguments(p)
+        p.add_argument("--verbose", action="store_true",
+                       help=f"also show the libraries' warnings on the console (always in {tool_log_path('bench')})")
         p.set_defaults(bench_run=module.run)
 
 
 def run(args: argparse.Namespace) -> int:
+    init_tool_logging("bench", verbose=args.verbose)
     return int(args.bench_run(args) or 0)

@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 
+from megatron_sparse_rl.observability.logging import init_tool_logging, tool_log_path
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
@@ -31,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (default 1)")
         p.add_argument("--etp", type=int, default=1, help="expert tensor parallel degree (default 1)")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --out (after success)")
+        p.add_argument("--verbose", action="store_true", help="also show the libraries' warnings on the console "
+                       f"(always in {tool_log_path('convert')})")
         p.add_argument("--verify", action="store_true",
                        help="also compare a forward pass (HF transformers vs Megatron) on a few tokens")
 
@@ -50,6 +54,7 @@ def convert(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.checkpoint import launch
 
+    init_tool_logging("convert", verbose=args.verbose)
     for name in ("tp", "ep", "pp", "etp"):
         if getattr(args, name) < 1:
             print(f"error: --{name} must be >= 1 (got {getattr(args, name)})", file=sys.stderr)

@@ -6,12 +6,17 @@ The console stays readable: this project's own messages at `level` (rank 0; WARN
 `BENIGN`, unless `verbose`. The log file gets everything from every logger at INFO (DEBUG with level DEBUG), so
 nothing is lost by keeping the console short, except the listings of the `QUIET` loggers (Megatron's per-parameter
 gradient buckets), which only `verbose` keeps. Python `warnings` are routed into logging (logger "py.warnings").
+
+The tools other than `msrl train` (`msrl bench`, `msrl convert`) call `init_tool_logging` instead: their console
+shows only this project's lines and the libraries' errors; the libraries' warnings go to `tool_log_path(command)`
+(all of them, with `verbose` on the console too).
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 OWN = ("megatron_sparse_rl", "moe", "tools", "launch", "__main__")
@@ -54,16 +59,17 @@ _FORMAT = "[rank {rank}] %(levelname)s %(name)s: %(message)s"
 
 
 class ConsoleFilter(logging.Filter):
-    """Drop library records below WARNING and the known-benign warnings (unless verbose)."""
+    """Drop library records below `library_level` (WARNING) and the known-benign warnings (unless verbose)."""
 
-    def __init__(self, verbose: bool):
+    def __init__(self, verbose: bool, library_level: int = logging.WARNING):
         super().__init__()
         self.verbose = verbose
+        self.library_level = library_level
 
     def filter(self, record: logging.LogRecord) -> bool:
         if self.verbose or record.name.split(".")[0] in OWN:
             return True
-        if record.levelno < logging.WARNING:
+        if record.levelno < self.library_level:
             return False
         return record.levelno >= logging.ERROR or not _benign(record.getMessage())
 
@@ -84,17 +90,19 @@ def _reroute_library_handlers(verbose: bool) -> None:
         transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars of the tiny builder
 
 
-def init_logging(rank: int = 0, level: int | str | None = None, *, verbose: bool = False) -> None:
+def init_logging(rank: int = 0, level: int | str | None = None, *, verbose: bool = False,
+                 library_level: int = logging.WARNING) -> None:
     """Configure the root logger once per process: `[rank N] LEVEL name: message` on stderr.
 
-    Rank 0 shows this project's messages from `level` (default INFO), the others from WARNING."""
+    Rank 0 shows this project's messages from `level` (default INFO), the others from WARNING; the libraries'
+    from `library_level` (unless verbose)."""
     if level is None:
         level = logging.INFO if rank == 0 else logging.WARNING
     level = logging.getLevelName(level) if isinstance(level, str) else level
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter(_FORMAT.format(rank=rank)))
     console.setLevel(level if rank == 0 else max(level, logging.WARNING))
-    console.addFilter(ConsoleFilter(verbose))
+    console.addFilter(ConsoleFilter(verbose, library_level))
     root = logging.getLogger()
     root.handlers[:] = [console]
     root.setLevel(min(level, logging.INFO))
@@ -114,3 +122,16 @@ def attach_log_file(path: str | Path) -> Path:
     handler.setLevel(logging.getLogger().level)
     logging.getLogger().addHandler(handler)
     return path
+
+
+def tool_log_path(command: str) -> Path:
+    """Where `msrl <command>` keeps the libraries' lines: <temp dir>/msrl/<command>.log."""
+    return Path(tempfile.gettempdir()) / "msrl" / f"{command}.log"
+
+
+def init_tool_logging(command: str, *, verbose: bool = False, path: str | Path | None = None) -> Path:
+    """Logging for a tool other than `msrl train`: this project's lines on the console, the libraries' (vLLM,
+    Megatron-Core, transformers, torch, Python warnings) in the log file `path` (default `tool_log_path`) and,
+    below ERROR, on the console only when `verbose`. Returns the log file's path."""
+    init_logging(0, verbose=verbose, library_level=logging.ERROR)
+    return attach_log_file(tool_log_path(command) if path is None else path)

@@ -214,3 +214,36 @@ def test_a_full_disk_names_the_metrics_file(tmp_path):
             os.close(writer._fd)
             writer._fd = ok_fd
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_tool_logging_keeps_library_warnings_in_the_file(tmp_path, capsys, verbose):
+    """`msrl bench` / `msrl convert` (issue 38): our lines on the console; a library's warning only in the log
+    file unless verbose; a library's error on the console always."""
+    import logging
+
+    from megatron_sparse_rl.observability.logging import init_tool_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        log_file = init_tool_logging("bench", verbose=verbose, path=tmp_path / "bench.log")
+        logging.getLogger("megatron_sparse_rl.tools.bench_cmd").info("our result line")
+        logging.getLogger("megatron.core.transformer").warning("a Megatron warning")
+        logging.getLogger("vllm.engine").warning("a vLLM warning")
+        logging.getLogger("vllm.engine").error("a vLLM error")
+        for h in root.handlers:
+            h.flush()
+        console = capsys.readouterr().err
+        in_file = log_file.read_text()
+    finally:
+        for h in root.handlers:
+            h.close()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+        logging.captureWarnings(False)
+    assert log_file == tmp_path / "bench.log"
+    for text in ("our result line", "a Megatron warning", "a vLLM warning", "a vLLM error"):
+        assert text in in_file
+    assert "our result line" in console and "a vLLM error" in console
+    assert ("a Megatron warning" in console) == verbose and ("a vLLM warning" in console) == verbose
