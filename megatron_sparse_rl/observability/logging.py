@@ -106,6 +106,9 @@ def init_logging(rank: int = 0, level: int | str | None = None, *, verbose: bool
     root = logging.getLogger()
     root.handlers[:] = [console]
     root.setLevel(min(level, logging.INFO))
+    # captureWarnings(True) does nothing while an earlier capture is recorded, even when warnings.showwarning was
+    # replaced since (warnings.catch_warnings, a second init in one process): release it, then capture again
+    logging.captureWarnings(False)
     logging.captureWarnings(True)
     _reroute_library_handlers(verbose)
     for name in QUIET:
