@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
@@ -127,10 +126,9 @@ class Colocated(Placement):
 
     def verify(self, learner, tokens, tol: float) -> dict[str, float]:
         from megatron_sparse_rl.weight_sync import probe_metrics
+        from megatron_sparse_rl.weight_sync.verify import own_engine
 
-        who = f"rank {dist.get_rank() if dist.is_initialized() else 0}"
-        return probe_metrics(learner, tokens, tol, lambda rows: {who: torch.stack(self.engine.prompt_logprobs(rows))},
-                             self.weights)
+        return probe_metrics(learner, tokens, tol, own_engine(self.engine), self.weights)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -121,9 +121,12 @@ def _learner_not_finite(learner, prefix: str) -> None:
                          "fault. Lower the learning rate (learner.optimizer.lr, trainer.sft.lr)")
 
 
+def own_engine(engine) -> EngineLogprobs:
+    """This rank's own `engine` as an EngineLogprobs, named by the global rank."""
+    who = f"rank {dist.get_rank() if dist.is_initialized() else 0}"
+    return lambda rows: {who: torch.stack(engine.prompt_logprobs(rows))}
+
+
 def verify_logprobs(learner, engine, tokens, tol: float) -> float | None:
     """`compare_engines` with this rank's own engine (None: compare nothing), named by the global rank."""
-    if engine is None:
-        return compare_engines(learner, tokens, tol, None)
-    who = f"rank {dist.get_rank() if dist.is_initialized() else 0}"
-    return compare_engines(learner, tokens, tol, lambda rows: {who: torch.stack(engine.prompt_logprobs(rows))})
+    return compare_engines(learner, tokens, tol, None if engine is None else own_engine(engine))
