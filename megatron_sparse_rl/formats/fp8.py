@@ -231,15 +231,17 @@ class BlockFp8:
         return (f"{name}: {held} ({why}) are not whole fp8 blocks of {block} (weight_block_size {list(self.block)}); "
                 f"vLLM's block-fp8 layers need whole blocks in every engine shard")
 
-    def engine_problems(self, adapter: GPTAdapter, spec: ModelSpec, tp: int) -> list[str]:
+    def engine_problems(self, adapter: GPTAdapter, spec: ModelSpec, tp: int, *, merged: bool = True) -> list[str]:
         """`block_problem` of every `fp8_quantizable` weight of `spec`'s model (HF names, shapes and engine splits
         from `adapter`'s tensor maps) in an engine of tensor-parallel size `tp`; empty when all fit. Stacked are the
         parts before the last of a q/k/v or gate/up map (vLLM's qkv_proj and gate_up_proj stack them the same way)
-        and DeepSeek's q_a_proj (vLLM's fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa])."""
+        and DeepSeek's q_a_proj (vLLM's fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa]); `merged=False` leaves
+        that stacking rule out (an engine computing with the dequantised values has no merged FP8 weight)."""
         out = []
         for tm in adapter.tensor_maps(spec):
             for k, (name, shape, split) in enumerate(zip(tm.hf, tm.shapes, tm.engine_splits, strict=True)):
-                stacked = (tm.kind != "copy" and k < len(tm.hf) - 1) or name.endswith(".self_attn.q_a_proj.weight")
+                stacked = merged and ((tm.kind != "copy" and k < len(tm.hf) - 1)
+                                      or name.endswith(".self_attn.q_a_proj.weight"))
                 if fp8_quantizable(name, shape) and (problem := self.block_problem(
                         name, shape, tp, split, kv_heads=spec.num_kv_heads, stacked=stacked)):
                     out.append(problem)

@@ -102,17 +102,13 @@ def fp8_rollout_problems(rollout, spec) -> list[str]:
     engine rank holds every tensor whole, so any shape fits there (a partial block is a block)."""
     if rollout.quantization != "fp8" or spec is None or rollout.tensor_parallel_size == 1:
         return []
-    from megatron_sparse_rl.formats.fp8 import RELEASE_BLOCK, BlockFp8, fp8_quantizable
+    from megatron_sparse_rl.formats.fp8 import RELEASE_BLOCK, BlockFp8
     from megatron_sparse_rl.models import adapter_for
 
-    adapter, fmt, tp = adapter_for(spec), BlockFp8(block=RELEASE_BLOCK), rollout.tensor_parallel_size
-    shapes = adapter.hf_shapes(spec)
-    for name, split in adapter.engine_splits(spec).items():
-        problem = fp8_quantizable(name, shapes[name]) and fmt.block_problem(name, shapes[name], tp, split,
-                                                                            kv_heads=spec.num_kv_heads)
-        if problem:  # one tensor named is enough: the others of its kind share its shape
-            return [f"rollout.quantization = 'fp8' with rollout.tensor_parallel_size = {tp}: {problem}"]
-    return []
+    tp = rollout.tensor_parallel_size
+    problems = BlockFp8(block=RELEASE_BLOCK).engine_problems(adapter_for(spec), spec, tp, merged=False)
+    # one tensor named is enough: the others of its kind share its shape
+    return [f"rollout.quantization = 'fp8' with rollout.tensor_parallel_size = {tp}: {problems[0]}"] if problems else []
 
 
 def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
