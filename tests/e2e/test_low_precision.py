@@ -22,29 +22,13 @@ import torch
 
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+from tests.e2e.test_rollout_engine import ATOL as FP32_TOL  # fp32 vLLM vs transformers
+from tests.e2e.test_rollout_engine import SEQS, hf_logprobs, max_diff
 from tests.msrl import MSRL
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-SEQS = [
-    [1, 5, 6, 14, 11, 18, 22, 20, 27, 21, 19, 5, 13],
-    [1, 43, 21, 19, 9, 7, 15, 4, 4, 18, 22, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40],
-]
-FP32_TOL = 2e-5  # tests/e2e/test_rollout_engine.py: fp32 vLLM vs transformers
-
-
-def _hf_logprobs(model, seqs) -> list[torch.Tensor]:
-    out = []
-    with torch.no_grad():
-        for s in seqs:
-            logp = model(torch.tensor([s])).logits[0].double().log_softmax(-1)
-            out.append(logp[:-1].gather(-1, torch.tensor(s[1:])[:, None])[:, 0])
-    return out
-
-
-def _max_diff(a, b) -> float:
-    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -61,19 +45,16 @@ def _engine(model_dir, dtype: str):
 
 
 def test_bf16_engine_is_as_close_to_transformers_bf16_as_bf16_is_to_fp32(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     model_dir = build_tiny_hf_model(tmp_path / "dense", arch="qwen3", seed=0)
     engine = _engine(model_dir, "bfloat16")
     try:
         ours = engine.prompt_logprobs(SEQS)
     finally:
         engine.shutdown()
-    hf32 = _hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), SEQS)
-    hf16 = _hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval(), SEQS)
-    own_error, engine_error = _max_diff(hf16, hf32), _max_diff(ours, hf16)
+    hf32, hf16 = hf_logprobs(model_dir, SEQS), hf_logprobs(model_dir, SEQS, torch.bfloat16)
+    own_error, engine_error = max_diff(hf16, hf32), max_diff(ours, hf16)
     print(f"max |logprob|: transformers bf16 - fp32 {own_error:.3e}, vLLM bf16 - transformers bf16 "
-          f"{engine_error:.3e}, vLLM bf16 - transformers fp32 {_max_diff(ours, hf32):.3e}")
+          f"{engine_error:.3e}, vLLM bf16 - transformers fp32 {max_diff(ours, hf32):.3e}")
     assert own_error > 1e-3  # bf16 is visibly not fp32 here, so the bound below means something
     assert engine_error <= 3 * own_error
 
@@ -84,7 +65,6 @@ def test_fp8_synced_engine_computes_with_the_dequantised_fp8_weights(model_dir, 
     import shutil
 
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
 
     from megatron_sparse_rl.config.rollout import RolloutConfig as RC
     from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
@@ -102,15 +82,15 @@ def test_fp8_synced_engine_computes_with_the_dequantised_fp8_weights(model_dir, 
         ours = engine.prompt_logprobs(SEQS)
     finally:
         engine.shutdown()
-    plain = _hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), SEQS)
+    plain = hf_logprobs(model_dir, SEQS)
     fp8_dir = tmp_path / "fp8_values"  # the same model holding the FP8 values, read by transformers' own loader
     shutil.copytree(model_dir, fp8_dir, ignore=shutil.ignore_patterns("*.safetensors*"))
     save_file({n: t.contiguous() for n, t in sent.items()}, str(fp8_dir / "model.safetensors"))
-    quantised = _hf_logprobs(AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32).eval(), SEQS)
-    print(f"FP8 weights: max |engine - transformers(fp8 weights)| {_max_diff(ours, quantised):.2e}, "
-          f"max |transformers(fp8 weights) - transformers| {_max_diff(quantised, plain):.2e}")
-    assert _max_diff(ours, quantised) < FP32_TOL
-    assert _max_diff(quantised, plain) > 100 * FP32_TOL
+    quantised = hf_logprobs(fp8_dir, SEQS)
+    print(f"FP8 weights: max |engine - transformers(fp8 weights)| {max_diff(ours, quantised):.2e}, "
+          f"max |transformers(fp8 weights) - transformers| {max_diff(quantised, plain):.2e}")
+    assert max_diff(ours, quantised) < FP32_TOL
+    assert max_diff(quantised, plain) > 100 * FP32_TOL
 
 
 def _train(run_dir: Path, model_dir: Path, *extra: str, rollout_ranks: int = 0) -> list[dict]:

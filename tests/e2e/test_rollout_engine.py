@@ -21,10 +21,10 @@ SEQS = [
 ]
 
 
-def hf_logprobs(model_dir, seqs):
+def hf_logprobs(model_dir, seqs, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     out = []
     with torch.no_grad():
         for s in seqs:
