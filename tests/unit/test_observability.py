@@ -5,6 +5,7 @@ TensorBoard events, the progress line against hand-written text, and the PNG plo
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -164,15 +165,30 @@ def _emit_everything():
                    {"model.layers.1.mlp.gate.weight", "model.layers.1.self_attn.mla_attn.mla_attn.W_UV"})
 
 
+@contextlib.contextmanager
+def _root_logging_restored():
+    """The root logger (yielded) as it was before the block: handlers (closed), level, no warnings capture."""
+    import logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        yield root
+    finally:
+        for h in root.handlers:
+            h.close()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+        logging.captureWarnings(False)
+
+
 @pytest.mark.parametrize("verbose", [False, True])
 def test_console_shows_own_lines_and_real_warnings_the_log_file_everything(tmp_path, capsys, verbose):
     import logging
 
     from megatron_sparse_rl.observability.logging import attach_log_file, init_logging
 
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-    try:
+    with _root_logging_restored() as root:
         init_logging(0, "INFO", verbose=verbose)
         log_file = attach_log_file(tmp_path / "logs" / "rank0.log")
         _emit_everything()
@@ -181,12 +197,6 @@ def test_console_shows_own_lines_and_real_warnings_the_log_file_everything(tmp_p
         console = capsys.readouterr().err
         lines = [ln for ln in console.splitlines() if ln.startswith("[rank 0]")]
         in_file = log_file.read_text()
-    finally:
-        for h in root.handlers:
-            h.close()
-        root.handlers[:], _ = saved
-        root.setLevel(saved[1])
-        logging.captureWarnings(False)
     assert "[rank 0] INFO megatron_sparse_rl.training.report: held-out accuracy before RL: 0.250" in lines
     assert any("KV cache is nearly full" in ln for ln in lines) and any("a library error" in ln for ln in lines)
     assert any("model.layers.1.mlp.gate.weight" in ln for ln in lines)
@@ -224,9 +234,7 @@ def test_tool_logging_keeps_library_warnings_in_the_file(tmp_path, capsys, verbo
 
     from megatron_sparse_rl.observability.logging import init_tool_logging
 
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-    try:
+    with _root_logging_restored() as root:
         log_file = init_tool_logging("bench", verbose=verbose, path=tmp_path / "bench.log")
         logging.getLogger("megatron_sparse_rl.tools.bench_cmd").info("our result line")
         logging.getLogger("megatron.core.transformer").warning("a Megatron warning")
@@ -236,12 +244,6 @@ def test_tool_logging_keeps_library_warnings_in_the_file(tmp_path, capsys, verbo
             h.flush()
         console = capsys.readouterr().err
         in_file = log_file.read_text()
-    finally:
-        for h in root.handlers:
-            h.close()
-        root.handlers[:], _ = saved
-        root.setLevel(saved[1])
-        logging.captureWarnings(False)
     assert log_file == tmp_path / "bench.log"
     for text in ("our result line", "a Megatron warning", "a vLLM warning", "a vLLM error"):
         assert text in in_file
