@@ -20,8 +20,8 @@ from megatron_sparse_rl.config import load_config, validate
 from megatron_sparse_rl.config.algorithm import (
     AlgorithmConfig, CorrectionsConfig, LossConfig, TISConfig,
 )
-from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.training.update import PreparedBatch, align_rollout, make_loss, prepare
+from tests.unit.test_training_update import two_sample_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "minirl.yaml"
@@ -181,12 +181,7 @@ def test_pi_theta_tis_in_apply_corrections_with_and_without_current_logprobs():
 
 
 def test_prepare_leaves_the_current_policy_tis_to_the_updates():
-    batch = RolloutBatch(
-        prompt_ids=torch.tensor([[1, 5], [1, 6]]), prompt_lens=torch.tensor([2, 2]),
-        response_ids=torch.tensor([[7, 8, 2], [4, 4, 2]]), response_mask=torch.ones(2, 3, dtype=torch.bool),
-        rollout_logprobs=torch.tensor([[-0.5, -0.6, -0.7], [-0.2, -0.3, -0.4]]),
-        finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]), reward=torch.tensor([0.0, 1.0]),
-    )
+    batch = two_sample_batch()
     _, mask, mu = align_rollout(batch, pad_id=0)
 
     class Learner:

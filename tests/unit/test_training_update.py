@@ -89,15 +89,20 @@ class _FixedLearner:
         return {"logprobs": self.logprobs}
 
 
-def test_prepare_leaves_opsm_to_the_updates():
-    # sample 0 (reward 0: A < 0) and sample 1 (reward 1: A > 0); pi_old is 1.0 below mu on every response
-    # token, so OPSM at pi_theta = pi_old would drop sample 0. It must not be applied at rollout time.
-    batch = RolloutBatch(
+def two_sample_batch() -> RolloutBatch:
+    """One group of two 3-token responses: sample 0 rewarded 0, sample 1 rewarded 1."""
+    return RolloutBatch(
         prompt_ids=torch.tensor([[1, 5], [1, 6]]), prompt_lens=torch.tensor([2, 2]),
         response_ids=torch.tensor([[7, 8, 2], [4, 4, 2]]), response_mask=torch.ones(2, 3, dtype=torch.bool),
         rollout_logprobs=torch.tensor([[-0.5, -0.6, -0.7], [-0.2, -0.3, -0.4]]),
         finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]), reward=torch.tensor([0.0, 1.0]),
     )
+
+
+def test_prepare_leaves_opsm_to_the_updates():
+    # sample 0 (reward 0: A < 0) and sample 1 (reward 1: A > 0); pi_old is 1.0 below mu on every response
+    # token, so OPSM at pi_theta = pi_old would drop sample 0. It must not be applied at rollout time.
+    batch = two_sample_batch()
     _, mask, mu = align_rollout(batch, pad_id=0)
     old = torch.where(mask, mu - 1.0, torch.zeros(()))
     prep = prepare(_FixedLearner(old), batch, OPSM_ON, pad_id=0, dp_group=None)
