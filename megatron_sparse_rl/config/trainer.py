@@ -10,6 +10,10 @@ from megatron_sparse_rl.config.rollout import check_temperature
 
 
 InFlightKV = Literal["keep", "recompute"]
+StalePolicy = Literal["drop", "recompute"]
+
+MAX_STALENESS = 8
+"""The largest trainer.max_staleness: the rollout rank holds that many batches ahead of the learner (docs/async.md)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -69,12 +73,17 @@ class TrainerConfig:
     0.3 for a bf16 engine, else by the learner's dtype: 1e-3 for float32, 1e-1 for bfloat16 (the tolerance
     `msrl convert --verify` uses)."""
     max_staleness: int = 0
-    """Asynchronous RL (docs/async.md; disaggregated placement): 0 = synchronous (sample, train, sync); 1 = the
-    rollout ranks sample the next batch while the learner ranks train, and the new weights reach them between engine
-    steps without draining the requests in flight, so every token is trained at most one weight version after the
-    version that sampled it (RolloutBatch.token_version)."""
+    """Asynchronous RL (docs/async.md; disaggregated placement): 0 = synchronous (sample, train, sync); k in [1, 8] =
+    the rollout ranks sample up to k batches ahead while the learner ranks train, and the new weights reach them
+    between engine steps without draining the requests in flight, so every token is trained at most k weight
+    versions after the version that sampled it (RolloutBatch.token_version)."""
+    stale_policy: StalePolicy = "drop"
+    """With max_staleness k > 0, a batch whose tokens are more than k versions behind the training version (the
+    pipeline bounds it by construction; this is the guard): "drop" its samples that hold such tokens, or
+    "recompute" (sample the whole step again now, as a resumed run does). Counted: async/dropped_samples,
+    async/resampled."""
     in_flight_kv: InFlightKV = "keep"
-    """With max_staleness 1, the KV cache of requests running when new weights arrive: "keep" (computed by the
+    """With max_staleness > 0, the KV cache of requests running when new weights arrive: "keep" (computed by the
     previous weights) or "recompute" (vLLM recomputes prompt + tokens so far under the new weights)."""
     stop_timeout_s: float = 300.0
     """After SIGTERM / SIGINT the run finishes the step in flight, checkpoints and exits 75 (stopped, resumable); if
@@ -94,8 +103,11 @@ class TrainerConfig:
         _check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
         _check(self.sync_bucket_mb > 0, f"trainer.sync_bucket_mb must be > 0 (got {self.sync_bucket_mb})")
         _check(self.verify_sync_every >= 0, f"trainer.verify_sync_every must be >= 0 (got {self.verify_sync_every})")
-        _check(self.max_staleness in (0, 1), f"trainer.max_staleness must be 0 (synchronous) or 1 (sample the next "
-               f"batch while training; the pipeline holds one batch) (got {self.max_staleness})")
+        _check(isinstance(self.max_staleness, int) and 0 <= self.max_staleness <= MAX_STALENESS,
+               f"trainer.max_staleness must be an integer in [0, {MAX_STALENESS}]: 0 synchronous, k > 0 the rollout "
+               f"ranks sample up to k batches ahead (got {self.max_staleness!r})")
+        _check(self.stale_policy in get_args(StalePolicy),
+               f"trainer.stale_policy must be one of {list(get_args(StalePolicy))} (got {self.stale_policy!r})")
         _check(self.in_flight_kv in get_args(InFlightKV),
                f"trainer.in_flight_kv must be one of {list(get_args(InFlightKV))} (got {self.in_flight_kv!r})")
         _check(10 <= self.stop_timeout_s <= 86400,

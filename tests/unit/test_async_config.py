@@ -27,11 +27,14 @@ def test_async_on_a_disaggregated_run_validates():
     validate(run_of(*ASYNC), 2, cuda=False)
     validate(run_of(*ASYNC, "trainer.in_flight_kv=recompute"), 2, cuda=False)
     validate(run_of("trainer.max_staleness=0"), 1, cuda=False)  # 0: the synchronous loop anywhere
+    for k in (2, 8):  # any k up to the bound, either stale policy
+        validate(run_of(*ASYNC[:2], f"trainer.max_staleness={k}", "trainer.stale_policy=recompute"), 2, cuda=False)
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["trainer.max_staleness=-1"], "trainer.max_staleness must be 0 (synchronous) or 1"),
-    (["trainer.max_staleness=2"], "trainer.max_staleness must be 0 (synchronous) or 1"),
+    (["trainer.max_staleness=-1"], "trainer.max_staleness must be an integer in [0, 8]"),
+    (["trainer.max_staleness=9"], "trainer.max_staleness must be an integer in [0, 8]: 0 synchronous"),
+    (["trainer.stale_policy=keep"], "trainer.stale_policy: 'keep' is not allowed; choose one of 'drop', 'recompute'"),
     (["trainer.in_flight_kv=drop"], "trainer.in_flight_kv: 'drop' is not allowed; choose one of 'keep', 'recompute'"),
 ])
 def test_bad_values_name_the_field(overrides, message):
@@ -42,6 +45,7 @@ def test_bad_values_name_the_field(overrides, message):
 @pytest.mark.parametrize("overrides,world,message", [
     (["trainer.max_staleness=1"], 1, "trainer.max_staleness = 1 samples on the rollout ranks while the learner ranks "
                                      "train: it needs the disaggregated placement"),
+    (["trainer.max_staleness=4"], 1, "trainer.max_staleness = 4 samples on the rollout ranks"),
     ([*ASYNC[:1], "launch.nproc_per_node=3", "launch.rollout_ranks=2", "trainer.max_staleness=1",
       "rollout.tensor_parallel_size=2", "parallel.tp=1"], 3, "needs rollout.tensor_parallel_size = 1 (got 2)"),
     ([*ASYNC, "trainer.in_flight_kv=recompute", "rollout.kv.policy=rkv", "rollout.kv.budget=16",
