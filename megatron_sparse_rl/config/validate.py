@@ -239,18 +239,18 @@ def _old_logprobs_problems(run: RunConfig) -> list[str]:
 
 
 def _async_problems(run: RunConfig) -> list[str]:
-    """What asynchronous RL (trainer.max_staleness 1) needs: rollout ranks, whole engines, no dense recompute of a
+    """What asynchronous RL (trainer.max_staleness k > 0) needs: rollout ranks, whole engines, no dense recompute of a
     compressed cache."""
     cfg = run.trainer
     if cfg.max_staleness == 0:
         return []
     problems = []
     if not run.launch.rollout_world_size:
-        problems.append("trainer.max_staleness = 1 samples on the rollout ranks while the learner ranks train: it "
-                        "needs the disaggregated placement (launch.rollout_ranks or launch.rollout_nodes > 0); "
-                        "colocated, sampling and training share each rank, so use max_staleness = 0")
+        problems.append(f"trainer.max_staleness = {cfg.max_staleness} samples on the rollout ranks while the learner "
+                        "ranks train: it needs the disaggregated placement (launch.rollout_ranks or "
+                        "launch.rollout_nodes > 0); colocated, sampling and training share each rank, so use max_staleness = 0")
     if run.rollout.tensor_parallel_size != 1:
-        problems.append(f"trainer.max_staleness = 1 needs rollout.tensor_parallel_size = 1 (got "
+        problems.append(f"trainer.max_staleness = {cfg.max_staleness} needs rollout.tensor_parallel_size = 1 (got "
                         f"{run.rollout.tensor_parallel_size}): every rank of an engine would have to take the new "
                         "weights at the same engine step")
     if cfg.in_flight_kv == "recompute" and run.rollout.kv.policy != "none":
