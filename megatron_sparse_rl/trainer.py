@@ -72,11 +72,17 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
             state.save_run(ctx, counters)
     if counters["rl_step"] == 0:
         report.warm_start(S.evaluate(ctx, correct, cfg.eval_prompts))
+    queued, task_states = counters["rl_step"] - 1, {}  # the last step handed to the engines; task positions
     for step in range(counters["rl_step"], cfg.steps):
-        batch, metrics = S.next_batch(ctx, step, score, correct)  # sampled ahead during the last step, or now
-        task_state = ctx.task.state_dict()  # a checkpoint after this step resumes with the next step's prompts
-        if cfg.max_staleness and step + 1 < cfg.steps:  # the placement holds it; the sync below collects it
-            S.sample_ahead(ctx, step + 1, score, correct)
+        batch, metrics = S.next_batch(ctx, step, score, correct)  # sampled ahead during earlier steps, or now
+        queued = max(queued, step)
+        # a checkpoint after this step resumes with the next step's prompts: the task's position before them
+        task_states.setdefault(step + 1, ctx.task.state_dict())
+        while queued < min(step + cfg.max_staleness, cfg.steps - 1):  # asynchronous: the placement holds up to k
+            queued += 1
+            S.sample_ahead(ctx, queued, score, correct)
+            task_states[queued + 1] = ctx.task.state_dict()
+        task_state = task_states.pop(step + 1)
         metrics.update(S.train_step(ctx, batch, version=step))
         metrics.update(S.sync_step(ctx, counters["syncs"], probe, version=step + 1))
         counters["syncs"] += 1
@@ -84,7 +90,7 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
             metrics["eval/accuracy"] = S.evaluate(ctx, correct, cfg.eval_prompts)
         counters["rl_step"] = step + 1
         report.step(step + 1, metrics)
-        # a checkpoint drops the batch sampled ahead: a resumed run samples that step again, under its weights
+        # a checkpoint drops the batches sampled ahead: a resumed run samples those steps again, under its weights
         if run.checkpoint.save_every and (step + 1) % run.checkpoint.save_every == 0:
             state.save_run(ctx, counters, task_state)
         why = state.stop_requested(ctx, stops)
@@ -118,8 +124,8 @@ def _announce(ctx, counters: dict) -> None:
              ctx.owner.run_id[:8], ctx.run_dir, where, ctx.spec.architecture, ctx.spec.parameter_count() / 1e6,
              ctx.run.trainer.steps, lay.tp, lay.pp, lay.ep, lay.dp,
              (f" + {lay.rollout_ranks} rollout ranks" if lay.rollout_ranks else "")
-             + (", asynchronous (trainer.max_staleness 1: the next batch sampled while this one trains)"
-                if ctx.run.trainer.max_staleness else ""), ctx.run_dir / "logs")
+             + (f", asynchronous (trainer.max_staleness {ctx.run.trainer.max_staleness}: up to that many batches "
+                "sampled ahead while this one trains)" if ctx.run.trainer.max_staleness else ""), ctx.run_dir / "logs")
 
 
 def sft_stage(ctx, correct, counters: dict, report, probe, stops: StopSignals) -> str | None:

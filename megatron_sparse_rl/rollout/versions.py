@@ -7,6 +7,8 @@
 
 A sample absent from an update's counts had already finished (it keeps `start` throughout); a sample that had
 not started yet is counted with 0 tokens (all of its tokens are newer).
+
+    too_stale(token_version, response_mask, version=7, bound=2)   # bool [B]: a token older than version 5
 """
 from __future__ import annotations
 
@@ -44,3 +46,9 @@ class VersionLog:
     def versions(self) -> int:
         """How many versions sampled (1 + updates)."""
         return 1 + len(self.updates)
+
+
+def too_stale(token_version: torch.Tensor, response_mask: torch.Tensor, version: int, bound: int) -> torch.Tensor:
+    """bool [B]: which samples hold a response token sampled more than `bound` versions before `version`
+    (trainer.max_staleness; the positions outside `response_mask` do not count)."""
+    return ((version - token_version > bound) & response_mask.bool()).any(dim=1)

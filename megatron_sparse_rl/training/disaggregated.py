@@ -20,6 +20,9 @@ dispatches them by type, `_HANDLERS`):
                       finished first; engine_mean re-scorings run after that, at the new weights; then the
                       batches and the rank's times come back (`AheadBatches`, `collect_ahead`). Stop as a word
                       instead stops the rank (rank 0's shutdown while it samples ahead)
+    RunAhead          trainer.max_staleness k > 1: the rank keeps sampling batch after batch, up to k ahead of the
+                      learner, and takes everything else as words (training/run_ahead.py); Collect answers the
+                      oldest batch
     Probe             each engine's prompt logprobs of the probe rows, for rank 0 to compare with the learner's
                       own forward (weight_sync/verify.py `compare_engines`)
     Stop              the rollout ranks leave `serve`, shut their engines down and confirm
@@ -45,9 +48,9 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.rollout.batch import RolloutBatch
-from megatron_sparse_rl.training.rollout_protocol import (SRC, AheadBatches, Command, EnginePart, Failure, Generate,
-                                                          GenerateAhead, Probe, Stop, SyncWeights, empty_word,
-                                                          from_word, to_word)
+from megatron_sparse_rl.training.rollout_protocol import (FOLLOWS, SRC, AheadBatches, Collect, Command, EnginePart,
+                                                          Failure, Generate, GenerateAhead, Probe, RunAhead, Stop,
+                                                          SyncWeights, empty_word, from_word, to_word)
 from megatron_sparse_rl.weight_sync import WeightSyncError, receive_weights, send_weights
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,7 @@ class RemoteEngine:
         self.driver = dist.get_rank() == SRC  # learner ranks keep their global ranks in the learner world
         self.stopped = False
         self.ahead = False  # the rollout ranks are sampling ahead (generate_ahead until collect_ahead)
+        self.running_ahead = False  # they run ahead (run_ahead, trainer.max_staleness > 1) until Stop
 
     def _command(self, command: Command) -> list:
         """Send `command` to every rollout rank, gather their answers (a rollout rank's error is raised here)."""
@@ -103,7 +107,11 @@ class RemoteEngine:
             raise RuntimeError(f"only learner rank {SRC} drives the rollout ranks (this is rank {dist.get_rank()})")
         if self.stopped:
             raise RuntimeError("the rollout ranks were stopped")
-        if self.ahead:
+        if self.running_ahead:
+            self.group.broadcast(to_word(command, running_ahead=True), src=SRC)
+            if isinstance(command, FOLLOWS):
+                self.group.broadcast_object(command, src=SRC)
+        elif self.ahead:
             self.group.broadcast(to_word(command), src=SRC)
         else:
             self.group.broadcast_object(command, src=SRC)
@@ -145,9 +153,21 @@ class RemoteEngine:
         self._send(GenerateAhead(per_engine, recompute))
         self.ahead = True
 
+    def run_ahead(self, calls: list[tuple], *, recompute: bool) -> None:
+        """trainer.max_staleness > 1: one more batch (`calls` as `generate_ahead` takes them) for the rollout ranks,
+        which sample the batches handed to them one after another until Stop (training/run_ahead.py); the weights
+        reach them between engine steps; `collect_ahead` returns the oldest batch."""
+        per_call = [self._parts(*call) for call in calls]
+        per_engine = tuple(tuple(parts[e] for parts in per_call) for e in range(len(self.ranks) // self.engine_tp))
+        self._send(RunAhead(per_engine, recompute))
+        self.running_ahead = True
+
     def collect_ahead(self) -> tuple[list[RolloutBatch], dict[str, float]]:
-        """After the `sync_weights` that follows `generate_ahead`: one batch per call (the engines' parts joined) and
-        the rollout ranks' seconds (the slowest rank's): sampling, waiting for the weights after sampling, loading."""
+        """After the `sync_weights` that follows `generate_ahead` (running ahead: whenever; it waits for the oldest
+        batch): one batch per call (the engines' parts joined) and the rollout ranks' seconds (the slowest rank's):
+        sampling, waiting for the weights after sampling (running ahead: idle before the batch), loading."""
+        if self.running_ahead:
+            self._send(Collect())
         answers: list[AheadBatches] = [a for a in self._gather() if a is not None]  # raises a rollout rank's error
         self.ahead = False
         calls = len(answers[0].batches)
@@ -164,7 +184,7 @@ class RemoteEngine:
             self._send(SyncWeights(version))
         stats = send_weights(learner, self.group, src=SRC, bucket_mb=bucket_mb, shards=self.shards,
                              shard_groups=self.shard_groups, convert=convert)
-        if self.driver and not self.ahead:
+        if self.driver and not (self.ahead or self.running_ahead):
             self._gather()  # every engine verified its buckets and loaded them
         return replace(stats, seconds=time.perf_counter() - start)
 
@@ -271,7 +291,17 @@ def _drain(rr: RolloutRank, arrival, word: torch.Tensor) -> None:
     receive_weights(None, rr.weights_group or rr.sync_group, src=SRC)
 
 
-_HANDLERS = {Generate: _generate, SyncWeights: _sync, GenerateAhead: _sample_ahead, Probe: _probe}
+def _run_ahead(rr: RolloutRank, command: RunAhead) -> None:
+    """RunAhead: sample batch after batch until Stop (training/run_ahead.py); never answers as a command."""
+    from megatron_sparse_rl.training.run_ahead import AheadRank
+
+    if rr.engine_tp > 1:
+        raise RuntimeError("running ahead needs rollout.tensor_parallel_size 1")
+    AheadRank(rr, command, handle=_handle, receive=_receive, stopped=_Stopped).run()
+
+
+_HANDLERS = {Generate: _generate, SyncWeights: _sync, GenerateAhead: _sample_ahead, RunAhead: _run_ahead,
+             Probe: _probe}
 """What a rollout rank runs for each command (Stop ends `serve`); the handler's result is the answer."""
 
 

@@ -22,11 +22,14 @@ which rank runs it, so the three placements give the same results:
   engine in each call), and keeps its own.
 - `Disaggregated`: the engines live on the rollout ranks (training/disaggregated.py); learner rank 0 runs
   `work` for every share through them and broadcasts the results over the learner ranks. It alone samples ahead
-  (`sample_ahead`, trainer.max_staleness 1, docs/async.md): config validation refuses the others.
+  (`sample_ahead`, trainer.max_staleness k > 0, docs/async.md): config validation refuses the others. With k = 1
+  the sync collects the one batch held; with k > 1 (`run_ahead`) it holds up to k, the rollout ranks sample them
+  one after another without waiting for the syncs, and `take_ahead` collects the oldest.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -42,11 +45,15 @@ Work = Callable[[Any, int], T]
 
 @dataclass
 class AheadBatch:
-    """A rollout sampled ahead (asynchronous RL, trainer.max_staleness 1), held by the placement from `sample_ahead`
-    to `take_ahead`. The `sync` after `sample_ahead` reaches the engines while they sample, then collects it."""
+    """A rollout sampled ahead (asynchronous RL, trainer.max_staleness k > 0), held by the placement from
+    `sample_ahead` to `take_ahead`. With k = 1 the `sync` after `sample_ahead` reaches the engines while they sample,
+    then collects it; with k > 1 `take_ahead` collects it."""
 
     finish: Callable[[Any, int], Any]
     """finish(batch of share d, d) -> that share's result (on the rank that drives the engines)."""
+    calls: list[tuple] | None = None
+    """What was asked per share ((prompt ids, sampling, group ids, rescore)), to sample it again
+    (trainer.stale_policy recompute)."""
     result: Any = None
     """This rank's share's finish(...), once collected."""
     engine_s: dict[str, float] | None = None
@@ -163,11 +170,12 @@ class Disaggregated(Placement):
     from learner rank 0. `learner_group`: every learner rank, over which rank 0 hands out the shares."""
 
     def __init__(self, remote, groups, dp: int, learner_ranks: int, *, recompute_kv: bool = False,
-                 weights: EngineWeights = EngineWeights()):
+                 weights: EngineWeights = EngineWeights(), depth: int = 1):
         self.remote, self.groups, self.dp, self.learner_ranks = remote, groups, dp, learner_ranks
         self.pad_id, self.weights = remote.pad_id, weights
         self.recompute_kv = recompute_kv  # trainer.in_flight_kv = recompute
-        self._ahead: AheadBatch | None = None  # the batch sampled ahead, from sample_ahead to take_ahead
+        self.depth = depth  # trainer.max_staleness: batches held at most; > 1 runs the rollout ranks ahead
+        self._ahead: deque[AheadBatch] = deque()  # the batches sampled ahead, oldest first
 
     def _from_driver(self, out: list | None) -> Any:
         """Learner rank 0's per-share results `out`; this rank's share."""
@@ -181,22 +189,30 @@ class Disaggregated(Placement):
         return self._from_driver([work(self.remote, d) for d in range(self.dp)] if self.remote.driver else None)
 
     def sample_ahead(self, calls: list[tuple], finish: Callable[[Any, int], Any]) -> None:
-        if self._ahead is not None:
-            raise RuntimeError("a batch sampled ahead is still held: take_ahead first")
+        if len(self._ahead) >= self.depth:
+            raise RuntimeError(f"{len(self._ahead)} batches sampled ahead are held already (trainer.max_staleness "
+                               f"{self.depth}): take_ahead first")
         if self.remote.driver:
-            self.remote.generate_ahead(calls, recompute=self.recompute_kv)
-        self._ahead = AheadBatch(finish)
+            if self.depth > 1:
+                self.remote.run_ahead(calls, recompute=self.recompute_kv)
+            else:
+                self.remote.generate_ahead(calls, recompute=self.recompute_kv)
+        self._ahead.append(AheadBatch(finish, calls))
 
     def take_ahead(self) -> AheadBatch | None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and not ahead.collected:
-            raise RuntimeError("take_ahead before the sync that collects the batch sampled ahead")
+        if not self._ahead:
+            return None
+        ahead = self._ahead.popleft()
+        if not ahead.collected:
+            if self.depth == 1:
+                raise RuntimeError("take_ahead before the sync that collects the batch sampled ahead")
+            self._collect(ahead)
         return ahead
 
     def sync(self, learner, *, bucket_mb: float, version: int = 0):
         stats = self.remote.sync_weights(learner, bucket_mb=bucket_mb, version=version, convert=self.weights.convert)
-        if self._ahead is not None and not self._ahead.collected:  # the engines took these weights while sampling
-            self._collect(self._ahead)
+        if self.depth == 1 and self._ahead and not self._ahead[0].collected:  # taken while sampling: collect it
+            self._collect(self._ahead[0])
         return stats
 
     def _collect(self, ahead: AheadBatch) -> None:

@@ -13,6 +13,10 @@ part e of a command that carries parts:
                                   asynchronous RL (docs/async.md): engine e samples each call's parts[e] while the
                                   learner trains; no answer until the next SyncWeights has loaded, then one
                                   `AheadBatches`
+    RunAhead(parts, recompute)    trainer.max_staleness k > 1 (training/run_ahead.py): like GenerateAhead, but the
+                                  rank keeps sampling batch after batch; more batches (RunAhead), weights
+                                  (SyncWeights), Collect and commands for its engine (Probe, Generate) arrive as
+                                  words; each Collect is answered with the oldest batch (`AheadBatches`)
     Probe(rows)                   each engine's prompt logprobs of the rows (float32 [B, S-1])
     Stop()                        the rollout ranks shut their engines down; answer None once down
 
@@ -20,8 +24,10 @@ A command that raises on a rollout rank is answered with a `Failure` instead, wh
 
 While it samples ahead, a rollout rank is inside the engine's step loop and can only poll between engine steps.
 A pickled object cannot be polled for: `broadcast_object` is two blocking broadcasts (size, then bytes). So the
-two commands rank `SRC` sends then, SyncWeights and Stop, travel as a `word`: two int64 (a `Word` code and the
-version), broadcast by `Bridge.broadcast_async`, whose completion the rank polls (`to_word` / `from_word`).
+commands rank `SRC` sends then travel as a `word`: two int64 (a `Word` code and the version), broadcast by
+`Bridge.broadcast_async`, whose completion the rank polls (`to_word` / `from_word`): SyncWeights and Stop, and
+while running ahead Collect, and OBJECT, which says a pickled command follows at once (`broadcast_object`: a
+RunAhead batch, or a Probe / Generate that the rank runs between two batches).
 """
 from __future__ import annotations
 
@@ -68,6 +74,21 @@ class GenerateAhead:
 
 
 @dataclass(frozen=True, slots=True)
+class RunAhead:
+    """One more batch for a rollout rank running ahead (trainer.max_staleness > 1)."""
+
+    parts: tuple[tuple[EnginePart, ...], ...]
+    """Per engine, its part of each call."""
+    recompute: bool
+    """As GenerateAhead.recompute."""
+
+
+@dataclass(frozen=True, slots=True)
+class Collect:
+    """Answer the oldest batch sampled ahead (once sampled), as `AheadBatches`."""
+
+
+@dataclass(frozen=True, slots=True)
 class Probe:
     rows: list[list[int]]
 
@@ -77,7 +98,7 @@ class Stop:
     pass
 
 
-Command = Generate | SyncWeights | GenerateAhead | Probe | Stop
+Command = Generate | SyncWeights | GenerateAhead | RunAhead | Collect | Probe | Stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +108,10 @@ class AheadBatches:
     batches: list
     """One RolloutBatch (None: an empty part) per call."""
     seconds: dict[str, float]
-    """generate_s, wait_s (for the weights, after sampling), load_s, and in_flight (1.0: loaded while sampling)."""
+    """generate_s, wait_s (for the weights, after sampling; running ahead: idle before this batch), load_s, and
+    in_flight (1.0: loaded while sampling)."""
+    calls: tuple | None = None
+    """The rank's own record of the calls (running ahead, until collected); not sent back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,14 +128,26 @@ class Word(IntEnum):
 
     SYNC_WEIGHTS = 1
     STOP = 2
+    COLLECT = 3
+    OBJECT = 4
+    """A pickled command follows (running ahead only)."""
 
 
-def to_word(command: SyncWeights | Stop) -> torch.Tensor:
-    """`command` as the int64 [2] word a rollout rank sampling ahead polls for."""
+FOLLOWS = (RunAhead, Probe, Generate)
+"""The commands that travel as an OBJECT word and then pickled, while the rollout ranks run ahead."""
+
+
+def to_word(command: Command, *, running_ahead: bool = False) -> torch.Tensor:
+    """`command` as the int64 [2] word a rollout rank sampling ahead polls for (running ahead: also Collect, and
+    OBJECT for the commands of `FOLLOWS`, which the caller then sends pickled)."""
     if isinstance(command, SyncWeights):
         return torch.tensor([Word.SYNC_WEIGHTS, command.version], dtype=torch.int64)
     if isinstance(command, Stop):
         return torch.tensor([Word.STOP, 0], dtype=torch.int64)
+    if running_ahead and isinstance(command, Collect):
+        return torch.tensor([Word.COLLECT, 0], dtype=torch.int64)
+    if running_ahead and isinstance(command, FOLLOWS):
+        return torch.tensor([Word.OBJECT, 0], dtype=torch.int64)
     raise TypeError(f"{type(command).__name__} cannot be sent while the rollout ranks sample ahead")
 
 
@@ -120,11 +156,15 @@ def empty_word() -> torch.Tensor:
     return torch.zeros(2, dtype=torch.int64)
 
 
-def from_word(word: torch.Tensor) -> SyncWeights | Stop:
-    """The command a received word holds."""
+def from_word(word: torch.Tensor) -> SyncWeights | Stop | Collect | Word:
+    """The command a received word holds (`Word.OBJECT`: receive the pickled command that follows)."""
     code, version = word.tolist()
     if code == Word.SYNC_WEIGHTS:
         return SyncWeights(version)
     if code == Word.STOP:
         return Stop()
+    if code == Word.COLLECT:
+        return Collect()
+    if code == Word.OBJECT:
+        return Word.OBJECT
     raise ValueError(f"not a command word: {word.tolist()}")

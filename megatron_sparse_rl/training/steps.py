@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.learner.finite import require_finite
 from megatron_sparse_rl.learner.sft import make_sft_loss
+from megatron_sparse_rl.rollout.versions import too_stale
 from megatron_sparse_rl.training import rollout as R
 from megatron_sparse_rl.training import update as U
 from megatron_sparse_rl.training.context import RunContext
@@ -73,11 +74,39 @@ def next_batch(ctx: RunContext, step: int, score, correct) -> tuple:
     if ahead is None:
         return rollout_step(ctx, step, score, correct)
     (batch, is_correct), engine = ahead.result, ahead.engine_s
+    batch, is_correct, guard = _stale_guard(ctx, step, ahead, batch, is_correct)
     metrics = _rollout_metrics(ctx, batch, is_correct, engine["generate_s"])
+    metrics.update(guard)
     metrics.update({"async/learner_wait_s": ahead.learner_wait_s,
                     "async/engine_wait_s": engine["wait_s"], "async/engine_load_s": engine["load_s"],
                     "async/in_flight_update": engine["in_flight"]})
     return batch, metrics
+
+
+def _stale_guard(ctx: RunContext, step: int, ahead, batch, is_correct) -> tuple:
+    """trainer.stale_policy for samples with a token more than trainer.max_staleness versions behind `step` (the
+    pipeline holds at most that many batches, so none should be): "drop" them (a rank left without a sample:
+    sample the step again), "recompute": sample the step's batch again now, with the same prompts and seeds, at
+    the training version. Counted (global): async/dropped_samples, async/resampled."""
+    cfg = ctx.run.trainer
+    stale = (too_stale(batch.token_version, batch.response_mask, step, cfg.max_staleness)
+             if batch.token_version is not None else torch.zeros(len(batch), dtype=torch.bool))
+    n_stale, emptied = _global_sum(ctx, [float(stale.sum()), float(bool(stale.all()))])
+    if n_stale and cfg.stale_policy == "drop" and not emptied:  # each rank keeps a sample
+        keep = torch.nonzero(~stale).flatten()
+        log.warning("RL step %d: dropping %d samples more than %d versions stale", step + 1, n_stale,
+                    cfg.max_staleness)
+        return batch.select(keep), is_correct[keep], {"async/dropped_samples": n_stale, "async/resampled": 0.0}
+    if n_stale:
+        log.warning("RL step %d: %d samples more than %d versions stale: sampling the step again", step + 1,
+                    n_stale, cfg.max_staleness)
+
+        def again(engine, d: int):
+            prompts, sampling, group_ids, rescore = ahead.calls[d]
+            return ahead.finish(engine.generate(prompts, sampling, group_ids, rescore=rescore), d)
+
+        batch, is_correct = ctx.placement.generate(again)
+    return batch, is_correct, {"async/dropped_samples": 0.0, "async/resampled": float(n_stale > 0)}
 
 
 def _rollout_metrics(ctx: RunContext, batch, is_correct, seconds: float) -> dict[str, float]:

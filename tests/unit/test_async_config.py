@@ -1,6 +1,7 @@
 """Asynchronous RL's configuration and bookkeeping: `trainer.max_staleness` / `trainer.in_flight_kv` refused where
 they cannot run (each error names the field and what is allowed), and `VersionLog`, which says which weight version
-sampled each token of a partial rollout (checked against a hand-built expectation).
+sampled each token of a partial rollout, and `too_stale` (checked against hand-built expectations); the words of
+the rollout protocol while running ahead.
 
     .venv/bin/python -m pytest -q tests/unit/test_async_config.py
 """
@@ -13,7 +14,8 @@ import torch
 
 from megatron_sparse_rl.config import ConfigError, RunConfig, validate
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
-from megatron_sparse_rl.rollout.versions import VersionLog
+from megatron_sparse_rl.rollout.versions import VersionLog, too_stale
+from megatron_sparse_rl.training.rollout_protocol import Collect, Probe, Stop, SyncWeights, Word, from_word, to_word
 
 
 def run_of(*overrides: str) -> RunConfig:
@@ -66,3 +68,24 @@ def test_version_log_marks_the_tokens_after_each_update():
     assert torch.equal(VersionLog(start=0).token_versions([("x", 0)], width=2), torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="versions must increase"):
         log.update(5, {})
+
+
+def test_too_stale_marks_samples_with_a_token_older_than_the_bound():
+    versions = torch.tensor([[5, 5, 6], [4, 6, 7], [3, 3, 3], [7, 7, 7]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [0, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    # at version 7 with bound 2 a token of version 4 is 3 behind; row 2's old tokens are padding
+    assert too_stale(versions, mask, version=7, bound=2).tolist() == [False, True, False, False]
+    assert too_stale(versions, mask, version=7, bound=1).tolist() == [True, True, False, False]
+    assert not too_stale(versions, mask, version=7, bound=8).any()
+
+
+@pytest.mark.parametrize("command,word", [(SyncWeights(3), [1, 3]), (Stop(), [2, 0]), (Collect(), [3, 0]),
+                                          (Probe([[1, 2]]), [4, 0])])
+def test_running_ahead_words(command, word):
+    """While running ahead Collect is a word and a Probe an OBJECT word (the pickled Probe follows); sampling one
+    batch ahead (max_staleness 1) only SyncWeights and Stop travel as words."""
+    assert to_word(command, running_ahead=True).tolist() == word
+    assert from_word(torch.tensor(word)) == (Word.OBJECT if word[0] == Word.OBJECT else command)
+    if isinstance(command, (Collect, Probe)):
+        with pytest.raises(TypeError, match="cannot be sent while the rollout ranks sample ahead"):
+            to_word(command)
