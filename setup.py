@@ -25,6 +25,9 @@ EXTRAS = {
     "plot": ["matplotlib>=3.8", "tensorboard>=2.15"],
     "math": ["math-verify>=0.9"],  # reward.kind: math (pure Python: latex2sympy2_extended, sympy, antlr4)
     "parquet": ["pyarrow>=15"],  # data.source: parquet
+    # logging.trackers: wandb / mlflow (observability/trackers.py); mlflow-skinny has the tracking client and the
+    # local file store without the server's dependencies.
+    "trackers": ["wandb>=0.31", "mlflow-skinny>=3.17"],
 }
 MAPPED = ("moe", "launch", "tools")
 """Repository folders installed as subpackages of megatron_sparse_rl (megatron_sparse_rl.<folder>)."""
@@ -37,7 +40,9 @@ setup(
     name="megatron_sparse_rl",
     version="0.1.0",
     description="RL post-training for large MoE LLMs: Megatron-Core learners, vLLM sparse-KV rollouts.",
-    python_requires=">=3.11,<3.12",
+    # 3.11-3.13: every pinned dependency ships wheels for them (README, "Python versions"); megatron-core 0.16.1
+    # has no 3.14 wheel.
+    python_requires=">=3.11,<3.14",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
     package_data={"megatron_sparse_rl": ["assets/*", "assets/**/*"]},

@@ -9,8 +9,8 @@
 # 2. Installs every wheel in $MSRL_WHEELS (default ./wheels: megatron-core's cp312 wheel, optionally transformers
 #    and regex) into a fresh $MSRL_GPU_SITE with pip --target --no-index --no-deps; a carried transformers that
 #    does not import there is removed again (the machine's own is used, and the log says so).
-# 3. Makes the checkout importable without installing it (setup.py's python_requires stops Python 3.12): a tree of
-#    symbolic links in $MSRL_GPU_TREE where megatron_sparse_rl/ holds the package's entries plus moe/, launch/
+# 3. Makes the checkout importable without installing it (nothing goes into the machine's site-packages): a tree
+#    of symbolic links in $MSRL_GPU_TREE where megatron_sparse_rl/ holds the package's entries plus moe/, launch/
 #    and tools/, as setup.py's package_dir maps them; pytest runs from there.
 # 4. Runs `pytest tests/gpu` with a per-test limit of $MSRL_GPU_TEST_TIMEOUT s (pytest-timeout where installed,
 #    else tests/gpu/conftest.py's alarm) inside a total limit of $MSRL_GPU_TOTAL_S s; tests/gpu/conftest.py writes

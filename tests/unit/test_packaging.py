@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 import configparser
+import email.message
+import email.parser
 import os
 import shutil
 import subprocess
@@ -20,6 +22,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 REPO = Path(__file__).resolve().parents[2]
 MAPPED = ("moe", "launch", "tools")
@@ -64,6 +68,23 @@ def test_wheel_console_script_and_top_level(wheel):
     parsed = configparser.ConfigParser()
     parsed.read_string(entry_points)
     assert dict(parsed["console_scripts"]) == {"msrl": "megatron_sparse_rl.tools.cli:main"}
+
+
+def _metadata(wheel: Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as z:
+        return email.parser.Parser().parsestr(z.read("megatron_sparse_rl-0.1.0.dist-info/METADATA").decode())
+
+
+def test_wheel_python_range_and_trackers_extra(wheel):
+    """Python 3.11-3.13 install (README, "Python versions": megatron-core 0.16.1 has no 3.14 wheel), and the
+    `trackers` extra brings W&B and the MLflow client (logging.trackers)."""
+    meta = _metadata(wheel)
+    allowed = SpecifierSet(meta["Requires-Python"])
+    assert [v for v in ("3.10", "3.11.0", "3.12.1", "3.13.5", "3.14.0") if v in allowed] == ["3.11.0", "3.12.1",
+                                                                                          "3.13.5"]
+    extra = {Requirement(r).name for r in meta.get_all("Requires-Dist")
+             if 'extra == "trackers"' in str(Requirement(r).marker)}
+    assert extra == {"wandb", "mlflow-skinny"}
 
 
 def test_installed_wheel_imports_from_its_own_folder(wheel, tmp_path):
