@@ -65,20 +65,25 @@ def masked_max(values: torch.Tensor, mask: torch.Tensor, empty: float = 0.0) -> 
     return torch.where(mask.any(), out, fill)
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: torch.Tensor | float) -> torch.Tensor:
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: torch.Tensor | float,
+              counted: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce per-token values [batch, tokens] to this micro-batch's share of the batch loss.
 
     token_mean:          sum_{i,t} m v / normalizer                      (normalizer = global token count)
-    seq_mean_token_mean: sum_i (sum_t m v / sum_t m) / normalizer        (normalizer = global seq count)
+    seq_mean_token_mean: sum_i (sum_t m v / sum_t c) / normalizer        (normalizer = global seq count)
     seq_mean_token_sum:  sum_{i,t} m v / normalizer                      (normalizer = global seq count)
-    A normalizer of 0 (everything masked) is treated as 1, so the loss is 0, never NaN.
+    c = `counted` [batch, tokens], the tokens each sequence's mean divides by (default: `mask`); a superset of
+    the mask keeps tokens that add nothing in the denominator (algorithm.loss.dropped_tokens_in_denominator,
+    with the normalizer taken over the same `counted`). A normalizer of 0 (everything masked) is treated as 1,
+    so the loss is 0, never NaN.
     """
     _check_mode(mode)
     mask = mask.bool()
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     masked = torch.where(mask, values, zero)
     if mode == "seq_mean_token_mean":
-        per_seq = masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1).to(values.dtype)
+        per_seq_count = (mask if counted is None else counted.bool()).sum(dim=-1)
+        per_seq = masked.sum(dim=-1) / per_seq_count.clamp(min=1).to(values.dtype)
         total = per_seq.sum()
     else:
         total = masked.sum()

@@ -5,7 +5,9 @@ rho_t = pi_old(y_t) / mu(y_t) with mu the rollout engine's probabilities. Each c
 weights (applied outside the policy-loss clip) and a keep mask; `apply_corrections` multiplies the
 weights and ANDs the keep masks of the enabled ones. Run it on the full batch (or pass the DP `group`)
 before splitting into micro-batches, then train with `mask & keep`, normalise with
-`loss_normalizer(mask & keep, mode)` so rejected tokens leave the denominators, and pass `weights`:
+`loss_normalizer(mask & keep, mode)` so rejected tokens leave the denominators (or, with
+algorithm.loss.dropped_tokens_in_denominator, over `valid` and pass it as the losses' `counted`), and pass
+`weights`:
 
     corr = apply_corrections(cfg.corrections, old_logprobs, rollout_logprobs, mask, advantages=adv)
 
@@ -63,6 +65,9 @@ class CorrectionResult(NamedTuple):
     """[batch, tokens] bool, already ANDed with the response mask."""
     metrics: Metrics
     """Scalar tensors."""
+    valid: torch.Tensor | None = None
+    """[batch, tokens] bool: the response tokens with finite logprobs, before any correction drops one (set by
+    `apply_corrections`; the loss normaliser's mask under algorithm.loss.dropped_tokens_in_denominator)."""
 
 
 def _seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -271,4 +276,4 @@ def apply_corrections(cfg: CorrectionsConfig, old_logprobs: torch.Tensor, rollou
     metrics["corrections/kept_seq_frac"] = _frac(keep.any(dim=-1), response.any(dim=-1))
     metrics["corrections/all_rejected"] = (~keep.any()).float()
     metrics["corrections/weight_mean"] = masked_mean(weights, keep)
-    return CorrectionResult(weights * keep, keep, metrics)
+    return CorrectionResult(weights * keep, keep, metrics, x.mask)

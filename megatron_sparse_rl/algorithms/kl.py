@@ -68,11 +68,15 @@ def unbiased_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs
 
 def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *, cfg: KLConfig,
             aggregation: str, normalizer: torch.Tensor | float, old_logprobs: torch.Tensor | None = None,
-            weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            weights: torch.Tensor | None = None,
+            counted: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """coef * aggregate(KL_t), to be added to the policy loss (same aggregation and normalizer).
 
-    logprobs, ref_logprobs, mask, old_logprobs, weights: [batch, tokens]. `old_logprobs` is required
-    when cfg.use_unbiased. Metrics: "kl_ref" (masked mean of the per-token estimate, no grad).
+    logprobs, ref_logprobs, mask, old_logprobs, weights, counted: [batch, tokens]. `old_logprobs` is required
+    when cfg.use_unbiased. cfg.clamp caps each token's k3 (or unbiased) estimate from above (k3 >= 0 already).
+    `weights` multiply the per-token estimate when given (the trainer passes the correction weights only when
+    cfg.correction_weights). `counted`: see `aggregate`. Metrics: "kl_ref" (masked mean of the per-token
+    estimate, capped and weighted as in the loss, no grad).
     """
     mask = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
@@ -84,7 +88,9 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
         per_token = unbiased_kl(lp, torch.where(mask, old_logprobs.to(lp.dtype), zero), ref)
     else:
         per_token = KL_ESTIMATORS[cfg.estimator](lp, ref)
+    if cfg.clamp is not None:
+        per_token = per_token.clamp(max=cfg.clamp)
     if weights is not None:
         per_token = per_token * weights.detach()
-    loss = cfg.coef * aggregate(per_token, mask, aggregation, normalizer)
+    loss = cfg.coef * aggregate(per_token, mask, aggregation, normalizer, counted)
     return loss, {"kl_ref": masked_mean(per_token.detach(), mask)}

@@ -2,13 +2,16 @@
 
 Every loss has the same signature and is a pure function (no host sync, metrics stay tensors):
 
-    loss, metrics = fn(logprobs, old_logprobs, advantages, mask, *, cfg, normalizer, weights=None, entropy=None)
+    loss, metrics = fn(logprobs, old_logprobs, advantages, mask, *, cfg, normalizer, weights=None, entropy=None,
+                       counted=None)
 
 Shapes: logprobs, old_logprobs, mask, weights, entropy: [batch, tokens], right-padded, `mask` true on
 response tokens to train on (response mask AND the corrections' keep mask). advantages: [batch]
 (one per sequence) or [batch, tokens]. normalizer: from `aggregation.loss_normalizer` on the full
 batch's mask for `cfg.aggregation`, so micro-batch and DP-rank losses sum to the full-batch loss.
 weights: correction coefficients (no grad), applied outside the clip: l_t = w_t * surrogate_t.
+counted: [batch, tokens] bool, a superset of `mask` whose extra tokens add 0 but count in each sequence's token
+count under seq_mean_token_mean (`aggregation.aggregate`; algorithm.loss.dropped_tokens_in_denominator); None: mask.
 cfg: `LossConfig`; clip bounds come from `cfg.clip_bounds(name)` of the loss actually called.
 
 Papers: GRPO arXiv 2402.03300, DAPO 2503.14476, dual-clip PPO 1912.09729, GSPO 2507.18071,
@@ -84,32 +87,37 @@ def _metrics(ratio, log_ratio, mask, clip_low, clip_high, entropy, dual=None) ->
     return m
 
 
-def _ppo_family(name, logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy, dual_c=None):
+def _ppo_family(name, logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy, counted,
+                dual_c=None):
     low, high = cfg.clip_bounds(name)
     mask, log_ratio, adv, w = _inputs(logprobs, old_logprobs, advantages, mask, weights)
     log_ratio = _clamped(log_ratio)
     ratio = torch.exp(log_ratio)
     token_loss, clip_low, clip_high, dual = _clip_surrogate(ratio, adv, low, high, dual_c)
-    loss = aggregate(w * token_loss, mask, cfg.aggregation, normalizer)
+    loss = aggregate(w * token_loss, mask, cfg.aggregation, normalizer, counted)
     metrics = _metrics(ratio, log_ratio, mask, clip_low, clip_high, entropy, dual if dual_c is not None else None)
     return loss, metrics
 
 
-def grpo_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None, entropy=None):
-    """GRPO/PPO token clip: l_t = -w_t min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A), r_t = pi_theta/pi_old."""
-    return _ppo_family("grpo", logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy)
+def grpo_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None, entropy=None,
+              counted=None):
+    """GRPO/PPO token clip: l_t = -w_t min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A), r_t = pi_theta/pi_old.
+
+    No cap for A < 0: the term grows with r_t (verl's default PPO loss caps it at -3 A: that is `dual_clip`)."""
+    return _ppo_family("grpo", logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy, counted)
 
 
-def dapo_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None, entropy=None):
+def dapo_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None, entropy=None,
+              counted=None):
     """DAPO clip-higher: the GRPO surrogate with a wider upper bound (default eps_high 0.28)."""
-    return _ppo_family("dapo", logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy)
+    return _ppo_family("dapo", logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy, counted)
 
 
 def dual_clip_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None,
-                   entropy=None):
+                   entropy=None, counted=None):
     """Dual-clip PPO: the GRPO surrogate, and for A < 0 additionally min(., -c A) (c = cfg.dual_clip_c)."""
     return _ppo_family("dual_clip", logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy,
-                       dual_c=cfg.dual_clip_c)
+                       counted, dual_c=cfg.dual_clip_c)
 
 
 def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -119,7 +127,8 @@ def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return _clamped(log_ratio.sum(dim=-1, keepdim=True) / length)
 
 
-def _gspo_family(name, logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy, per_token):
+def _gspo_family(name, logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy, counted,
+                 per_token):
     low, high = cfg.clip_bounds(name)
     mask, log_ratio, adv, w = _inputs(logprobs, old_logprobs, advantages, mask, weights)
     seq_log_ratio = _sequence_log_ratio(log_ratio, mask)
@@ -128,7 +137,7 @@ def _gspo_family(name, logprobs, old_logprobs, advantages, mask, cfg, normalizer
         seq_log_ratio = seq_log_ratio.detach() + log_ratio - log_ratio.detach()
     ratio = torch.exp(seq_log_ratio).expand_as(log_ratio)
     token_loss, clip_low, clip_high, _ = _clip_surrogate(ratio, adv, low, high)
-    loss = aggregate(w * token_loss, mask, cfg.aggregation, normalizer)
+    loss = aggregate(w * token_loss, mask, cfg.aggregation, normalizer, counted)
     token_log_ratio = _clamped(log_ratio.detach())  # token ratio metrics only
     metrics = _metrics(torch.exp(token_log_ratio), token_log_ratio, mask, clip_low, clip_high, entropy)
     with torch.no_grad():
@@ -136,26 +145,29 @@ def _gspo_family(name, logprobs, old_logprobs, advantages, mask, cfg, normalizer
     return loss, metrics
 
 
-def gspo_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None, entropy=None):
+def gspo_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None, entropy=None,
+              counted=None):
     """GSPO: s_i = exp(mean_t log r_t); l = -w_t min(s_i A, clip(s_i, 1-eps_l, 1+eps_r) A) on every token.
 
     With `seq_mean_token_mean` this is the paper's J = mean_i min(s_i A_i, clip(s_i) A_i).
     Clip metrics count tokens of clipped sequences.
     """
-    return _gspo_family("gspo", logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy, False)
+    return _gspo_family("gspo", logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy, counted,
+                        False)
 
 
 def gspo_token_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None,
-                    entropy=None):
+                    entropy=None, counted=None):
     """GSPO-token: s_{i,t} = sg[s_i] pi_theta(y_t)/sg[pi_theta(y_t)] with per-token advantages.
 
     Equal to GSPO in value and gradient when A is constant over each sequence.
     """
     return _gspo_family("gspo_token", logprobs, old_logprobs, advantages, mask, cfg, normalizer, weights, entropy,
-                        True)
+                        counted, True)
 
 
-def cispo_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None, entropy=None):
+def cispo_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None, entropy=None,
+               counted=None):
     """CISPO: gradient of -w_t sg[clip(r_t, 1-eps_low, 1+eps_high)] A log pi_theta(y_t); no token loses its gradient.
 
     Written as l_t = -w_t sg[clip(r_t)/r_t] r_t A so the value is the clipped-IS surrogate -w clip(r) A
@@ -166,7 +178,7 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, nor
     log_ratio = _clamped(log_ratio)
     ratio = torch.exp(log_ratio)
     coef = (ratio.clamp(1.0 - low, 1.0 + high) / ratio).detach()
-    loss = aggregate(-w * coef * ratio * adv, mask, cfg.aggregation, normalizer)
+    loss = aggregate(-w * coef * ratio * adv, mask, cfg.aggregation, normalizer, counted)
     metrics = _metrics(ratio, log_ratio, mask, ratio < 1.0 - low, ratio > 1.0 + high, entropy)
     return loss, metrics
 
@@ -190,8 +202,8 @@ def get_policy_loss(name: str) -> PolicyLoss:
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, cfg: LossConfig, normalizer, weights=None,
-                entropy=None) -> tuple[torch.Tensor, Metrics]:
+                entropy=None, counted=None) -> tuple[torch.Tensor, Metrics]:
     """Dispatch to the loss named by `cfg.name`."""
     fn = get_policy_loss(cfg.name)
     return fn(logprobs, old_logprobs, advantages, mask, cfg=cfg, normalizer=normalizer, weights=weights,
-              entropy=entropy)
+              entropy=entropy, counted=counted)

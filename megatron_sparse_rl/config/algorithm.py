@@ -74,6 +74,12 @@ class LossConfig:
     """dual_clip only: for negative advantages the token loss is capped at -c * A."""
     aggregation: Aggregation = "token_mean"
     """token_mean, seq_mean_token_mean (Sparse-RL, GSPO) or seq_mean_token_sum (Dr.GRPO-like)."""
+    dropped_tokens_in_denominator: bool = False
+    """Whether the response tokens a rollout-time correction drops (mis, icepop, geo_rs, veto, sparse_rl,
+    batch_skip) still count in the loss's denominators: the normaliser (token or sequence count) and, with
+    seq_mean_token_mean, each sequence's token count. false: they leave them (the kept tokens carry the whole
+    mean). true: they stay, adding 0 to the numerator (slime's and miles' convention, and verl's for IcePop; see
+    docs/from_verl_slime.md). Tokens with non-finite logprobs and preempted sparse-KV samples leave either way."""
 
     def __post_init__(self) -> None:
         _require_choice(self.name, get_args(LossName), "algorithm.loss.name")
@@ -84,6 +90,8 @@ class LossConfig:
         if self.clip_high is not None:
             _require(self.clip_high >= 0, "algorithm.loss.clip_high", "must be >= 0", self.clip_high)
         _require(self.dual_clip_c > 1, "algorithm.loss.dual_clip_c", "must be > 1", self.dual_clip_c)
+        _require(isinstance(self.dropped_tokens_in_denominator, bool), "algorithm.loss.dropped_tokens_in_denominator",
+                 "must be true or false", self.dropped_tokens_in_denominator)
 
     def clip_bounds(self, name: str | None = None) -> tuple[float, float]:
         """(clip_low, clip_high); unset values come from the defaults of loss `name` (default: self.name)."""
@@ -267,10 +275,25 @@ class KLConfig:
     """k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - log(q/p) - 1 (low variance, >= 0)."""
     use_unbiased: bool = False
     """Use the off-policy unbiased estimator (pi_theta/pi_old) * k3 (DeepSeek-V3.2) instead."""
+    clamp: float | None = None
+    """k3 only: cap each token's KL estimate at this value (with use_unbiased, the product (pi_theta/pi_old) * k3);
+    a capped token adds the constant `clamp` and no gradient. null: no cap (the estimate is unbounded above, so a
+    token far from the reference keeps pulling back). 10 is verl's low_var_kl/k3 and slime's/miles' low_var_kl."""
+    correction_weights: bool = True
+    """Multiply each token's KL estimate by its rollout-time correction weight (tis, icepop, mis reweight,
+    sparse_rl: the same w_t as the policy term), which makes it an estimate under pi_old although the tokens were
+    sampled from mu. false: unweighted (verl, slime and miles put no correction weight on their KL terms)."""
 
     def __post_init__(self) -> None:
         _require(self.coef >= 0, "algorithm.kl.coef", "must be >= 0", self.coef)
         _require_choice(self.estimator, get_args(KLEstimator), "algorithm.kl.estimator")
+        if self.clamp is not None:
+            _require(self.clamp > 0, "algorithm.kl.clamp", "must be null (no cap) or > 0", self.clamp)
+            if self.estimator != "k3":
+                raise ValueError("algorithm.kl.clamp caps the k3 estimate only: it needs algorithm.kl.estimator = "
+                                 f"'k3' (got {self.estimator!r}), or clamp = null")
+        _require(isinstance(self.correction_weights, bool), "algorithm.kl.correction_weights", "must be true or false",
+                 self.correction_weights)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -57,6 +57,9 @@ class PreparedBatch:
     """rollout.sampling_mask.SamplingSupport the learner renormalises over (algorithm.keep_sampling_mask)."""
     token_version: torch.Tensor | None = None
     """float [B, T-1]: the weight version that sampled each response token (RolloutBatch.token_version), or None."""
+    counted: torch.Tensor | None = None
+    """bool [B, T-1]: the tokens the loss's denominators count (algorithm.loss.dropped_tokens_in_denominator: every
+    finite response token, the corrections' drops included; off: `mask`); None means `mask`."""
     learner_routes: Any = None
     """moe.RouteStore: the routes pi_old's routers chose themselves in the learner's old-logprob forward (off/R2: the
     routes it ran; R3 with routing.record_stats: their own top-k beside the replay), which every update's own routes
@@ -248,12 +251,14 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
             raise ValueError("algorithm.kl.coef > 0 needs reference logprobs, but no reference model was built")
         ref_lp = reference.forward_logprobs(tokens, lengths=lengths)["logprobs"]
     keep = mask & corr.keep
+    counted = mask & corr.valid if cfg.loss.dropped_tokens_in_denominator else keep
     if batch.kv_keep is not None:
         keep, metrics["kv/preempted_dropped_frac"] = drop_preempted(keep, batch.kv_keep)
+        counted, _ = drop_preempted(counted, batch.kv_keep)
     versions = None if batch.token_version is None else _aligned(batch, batch.token_version, mask.shape)
     return PreparedBatch(tokens, keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
-                         response_mask=mask, sampling_support=support, token_version=versions,
+                         response_mask=mask, sampling_support=support, token_version=versions, counted=counted,
                          learner_routes=old.learner_routes if old else None)
 
 
@@ -267,8 +272,9 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
     totals: dict[str, float] = {}
     routed: list[dict[str, float]] = []
     rows = torch.arange(prep.tokens.shape[0])
+    counted = prep.counted if prep.counted is not None else prep.mask
     for chunk in rows.chunk(updates):
-        norm = loss_normalizer(prep.mask[chunk], cfg.loss.aggregation, group=dp_group)
+        norm = loss_normalizer(counted[chunk], cfg.loss.aggregation, group=dp_group)
         loss_fn = make_loss(prep, chunk, cfg, norm)
         request = None
         if learner.routing:
@@ -311,15 +317,17 @@ def make_loss(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, no
     micro-batch's current (detached) logprobs leave the policy term (not the KL term, which DeepSeek-V3.2 keeps
     outside the mask); `norm` (from the whole mini-batch's mask) still counts them, as there. With TIS ratio
     pi_theta, its factor min(rho_t, C / r_t) (corrections.py `tis_correction`) multiplies the policy term's
-    weights only; the KL term keeps the rollout-time weights."""
+    weights only; the KL term keeps the rollout-time weights (algorithm.kl.correction_weights; off: none).
+    `prep.counted` (algorithm.loss.dropped_tokens_in_denominator) gives both terms' per-sequence token counts."""
     mask, old = prep.mask[chunk], prep.old_logprobs[chunk]
+    counted = (prep.counted if prep.counted is not None else prep.mask)[chunk]
     adv, weights = prep.advantages[chunk], prep.weights[chunk]
     response = (prep.response_mask if prep.response_mask is not None else prep.mask)[chunk]
     rollout, opsm, tis = prep.rollout_logprobs[chunk], cfg.corrections.opsm, cfg.corrections.tis
 
     def loss_fn(logprobs, entropy, index):
         dev = logprobs.device
-        m, counts = mask[index].to(dev), {}
+        m, counts, c = mask[index].to(dev), {}, counted[index].to(dev)
         m_kl, w, tis_metrics = m, weights[index].to(dev), {}
         if opsm.enabled:
             keep = opsm_keep(opsm, rollout[index].to(dev), logprobs, response[index].to(dev), adv[index].to(dev))
@@ -331,12 +339,13 @@ def make_loss(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, no
             current = tis_correction(tis, x)
             w, tis_metrics = w * current.weights.to(w.dtype), current.metrics
         loss, metrics = policy_loss(logprobs, old[index].to(dev), adv[index].to(dev), m, cfg=cfg.loss,
-                                    normalizer=norm, weights=w, entropy=entropy)
+                                    normalizer=norm, weights=w, entropy=entropy, counted=c)
         metrics = {**metrics, **tis_metrics}
         if prep.ref_logprobs is not None:
+            kl_w = weights[index].to(dev) if cfg.kl.correction_weights else None
             kl, kl_metrics = kl_loss(logprobs, prep.ref_logprobs[chunk][index].to(dev), m_kl, cfg=cfg.kl,
                                      aggregation=cfg.loss.aggregation, normalizer=norm,
-                                     old_logprobs=old[index].to(dev), weights=weights[index].to(dev))
+                                     old_logprobs=old[index].to(dev), weights=kl_w, counted=c)
             loss = loss + kl
             metrics = {**metrics, **kl_metrics}
         n = m.sum().float()

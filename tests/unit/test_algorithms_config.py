@@ -31,6 +31,9 @@ def test_defaults_follow_references():
     assert c.batch_skip.max_k1 == 0.1
     assert not any(getattr(c, f.name).enabled for f in dataclasses.fields(c))
     assert cfg.kl.coef == 0.0 and cfg.kl.estimator == "k3"
+    # the conventions docs/from_verl_slime.md compares: no k3 cap, KL weighted like the policy term, dropped tokens
+    # out of the denominators, grpo without a negative-advantage cap (dual_clip has it)
+    assert cfg.kl.clamp is None and cfg.kl.correction_weights and not cfg.loss.dropped_tokens_in_denominator
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
