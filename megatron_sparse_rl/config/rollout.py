@@ -173,6 +173,12 @@ class RolloutConfig:
     """Fraction of device memory vLLM may take (on CPU: of host memory, checked at start-up)."""
     enforce_eager: bool = True
     """No torch.compile / CUDA graphs (required on CPU; faster start-up for tests)."""
+    prefix_caching: bool = False
+    """vLLM's automatic prefix caching: a request whose leading full KV blocks another request computed reuses them
+    instead of prefilling them again. Multi-turn episodes (env.kind) need it to continue an episode without
+    re-prefilling its earlier turns (rollout/episodes.py measures what is re-prefilled). Off by default: single-turn
+    rollouts share no prefixes worth it, and sparse KV (rollout.kv.policy) rewrites blocks in place, so it refuses
+    this. vLLM's CPU platform turns it off for multi-head latent attention models."""
     record_sampling_mask: bool = False
     """Record, at every sampled token, the ids the sampler could draw (what top-k/top-p kept) in
     RolloutBatch.sampling_mask, for algorithm.keep_sampling_mask. Needs logprobs_mode = processed."""
@@ -208,6 +214,9 @@ class RolloutConfig:
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1",
                  self.tensor_parallel_size)
         _require(self.seed >= 0, "rollout.seed", "must be >= 0", self.seed)
+        if self.prefix_caching and self.kv.policy != "none":
+            raise ValueError(f"rollout.prefix_caching = true cannot run with rollout.kv.policy = {self.kv.policy!r}: "
+                             "sparse KV rewrites cached blocks in place, so no block holds a prefix to share")
         # None: checked against the value resolved from the model (config/resolve.py)
         if self.max_model_len is not None and self.sampling.max_tokens >= self.max_model_len:
             raise ValueError(f"rollout.sampling.max_tokens must be < rollout.max_model_len "

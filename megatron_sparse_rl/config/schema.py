@@ -12,6 +12,7 @@ from typing import Literal
 
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
 from megatron_sparse_rl.config.data import DataConfig, RewardConfig
+from megatron_sparse_rl.config.env import EnvConfig
 from megatron_sparse_rl.config.launch import LaunchConfig
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.routing import RoutingConfig
@@ -319,6 +320,8 @@ class RunConfig:
     """Prompt data: the built-in arithmetic task or JSONL/parquet files."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """How responses are scored."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes: the environment, its tools and limits (kind none: single-turn rollouts)."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     """MoE routing replay (R2/R3) and routing statistics."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

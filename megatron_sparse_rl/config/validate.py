@@ -21,6 +21,7 @@ from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.config.resolve import max_model_len, max_model_len_origin
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.schema import RunConfig
+from megatron_sparse_rl.envs.tools import TOOLS
 
 
 def _has_config(run: RunConfig) -> bool:
@@ -259,6 +260,31 @@ def _async_problems(run: RunConfig) -> list[str]:
     return problems
 
 
+def _env_problems(run: RunConfig) -> list[str]:
+    """What multi-turn episodes (env.kind) need: registered tools, chat-templated data, and none of the engine
+    features that do not follow an episode across turns yet (docs/episodes.md)."""
+    env = run.env
+    if not env.episodes:
+        return []
+    problems = [f"env.tools: {name!r} is not a registered tool; registered: {', '.join(map(repr, sorted(TOOLS)))}"
+                for name in env.tools if name not in TOOLS]
+    if run.data.template != "chat":
+        problems.append(f"data.template = {run.data.template!r} with env.kind = {env.kind!r}: an episode's turns are "
+                        "chat-template messages (tool results come back as tool messages); set data.template: chat")
+    unsupported = {"rollout.kv.policy": run.rollout.kv.policy != "none",
+                   "routing.mode = 'R3' / routing.capture_rollout_routes": run.routing.capture,
+                   "rollout.record_sampling_mask": run.rollout.record_sampling_mask,
+                   "trainer.max_staleness": run.trainer.max_staleness > 0}
+    problems += [f"{name} cannot run with env.kind = {env.kind!r} yet: it does not follow an episode across turns "
+                 "(docs/episodes.md); turn it off" for name, on in unsupported.items() if on]
+    if run.rollout.max_model_len is not None and run.data.max_prompt_tokens + env.max_total_tokens > \
+            run.rollout.max_model_len:
+        problems.append(f"data.max_prompt_tokens + env.max_total_tokens = {run.data.max_prompt_tokens} + "
+                        f"{env.max_total_tokens} must be <= rollout.max_model_len = {run.rollout.max_model_len}: "
+                        "an episode must fit the engine")
+    return problems
+
+
 def cpu_engine_runs_bf16() -> bool:
     """Whether vLLM's CPU platform computes in bfloat16 on this machine (its `supported_dtypes`)."""
     import torch
@@ -312,6 +338,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _rollout_algorithm_problems(run, world_size, spec)
     problems += _old_logprobs_problems(run)
     problems += _async_problems(run)
+    problems += _env_problems(run)
     problems += _precision_problems(run, spec, cuda)
     if run.routing.engine_routes == "vllm" and not cuda:
         problems.append("routing.engine_routes = 'vllm' needs CUDA (vLLM returns routed experts from its GPU model "

@@ -1,6 +1,8 @@
 """Prompt datasets (JSONL, parquet, the built-in arithmetic task), encoding, and the resumable stream.
 
-- JSONL: one JSON object per line, UTF-8, with `data.prompt_key` (a string that is not only whitespace) and
+- JSONL: one JSON object per line, UTF-8, with `data.prompt_key` (a string that is not only whitespace, or chat
+  data: a non-empty list of messages {"role": system/user/assistant/tool, "content": a string}, which needs
+  `data.template: chat`) and
   `data.answer_key` (a non-blank string, or a finite number, which becomes the decimal numeral a response writes:
   19.0 -> "19", 1e-07 -> "0.0000001"). Blank lines are ignored. Any other problem (undecodable bytes, bad or
   pathologically nested JSON, not an object, a missing key, a key given twice, a wrong type, an empty answer)
@@ -36,7 +38,7 @@ from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.data import BUILT_IN_SOURCES, DataConfig
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.data import arithmetic, chain
-from megatron_sparse_rl.data.templates import encode_prompt, unknown_characters
+from megatron_sparse_rl.data.templates import CHAT_ROLES, encode_messages, encode_prompt, unknown_characters
 from megatron_sparse_rl.data.types import Example, Prompt
 
 T = TypeVar("T")
@@ -69,6 +71,9 @@ def _record(obj: Any, where: str, prompt_key: str, answer_key: str) -> Prompt:
             raise DatasetError(f"{where}: missing key {key!r} (need {prompt_key!r} and {answer_key!r}; "
                                f"has {sorted(obj)})")
     prompt, answer = obj[prompt_key], obj[answer_key]
+    messages = _messages(prompt, where, prompt_key) if isinstance(prompt, list) else ()
+    if messages:
+        prompt = "\n".join(content for _, content in messages)
     if not isinstance(prompt, str) or not prompt:
         raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty string (got {prompt!r})")
     if not prompt.strip():
@@ -81,7 +86,25 @@ def _record(obj: Any, where: str, prompt_key: str, answer_key: str) -> Prompt:
     if isinstance(answer, str) and not answer.strip():
         raise DatasetError(f"{where}: {answer_key!r} is empty (got {answer!r}): it would reward a response that "
                            "answers nothing")
-    return Prompt(text=prompt, answer=answer if isinstance(answer, str) else number_text(answer), source=where)
+    return Prompt(text=prompt, answer=answer if isinstance(answer, str) else number_text(answer), source=where,
+                  messages=messages)
+
+
+def _messages(value: list, where: str, key: str) -> tuple[tuple[str, str], ...]:
+    """Chat data: a non-empty list of {"role", "content"} objects as (role, content) pairs; `DatasetError` naming the
+    message otherwise."""
+    if not value:
+        raise DatasetError(f"{where}: {key!r} is an empty list of messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise DatasetError(f"{where}: {key}[{i}] must be an object with exactly the keys 'role' and 'content' "
+                               f"(got {m!r})")
+        if m["role"] not in CHAT_ROLES or not isinstance(m["content"], str):
+            raise DatasetError(f"{where}: {key}[{i}] needs a role among {', '.join(map(repr, CHAT_ROLES))} and a "
+                               f"string content (got {m!r})")
+        out.append((m["role"], m["content"]))
+    return tuple(out)
 
 
 def number_text(value: int | float) -> str:
@@ -242,7 +265,13 @@ def encode_one(prompt: Prompt, tokenizer, cfg: DataConfig) -> Example | None:
     """The templated, tokenized prompt; None when it is over `cfg.max_prompt_tokens` and
     on_long_prompt="skip"; `DatasetError` naming its line when on_long_prompt="error", or when the prompt or
     the answer holds characters the tokenizer cannot encode."""
-    text, ids = encode_prompt(tokenizer, prompt.text, cfg.template)
+    if prompt.messages and cfg.template != "chat":
+        raise DatasetError(f"{prompt.source}: chat data (a list of messages) needs data.template: chat (got "
+                           f"{cfg.template!r}): the messages are rendered with the tokenizer's chat template")
+    if prompt.messages:
+        text, ids = encode_messages(tokenizer, [{"role": r, "content": c} for r, c in prompt.messages])
+    else:
+        text, ids = encode_prompt(tokenizer, prompt.text, cfg.template)
     _check_encodable(prompt, tokenizer, ids)
     if len(ids) <= cfg.max_prompt_tokens:
         return Example(prompt=text, answer=prompt.answer, ids=tuple(ids), difficulty=prompt.difficulty,

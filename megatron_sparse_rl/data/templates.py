@@ -6,6 +6,10 @@ Templates (`data.template`):
 - chat: the tokenizer's own chat template (one user turn, generation prompt added) when it has one;
   otherwise the simple format `SIMPLE_CHAT_FORMAT` = "q: {prompt}\\na: ", which stays inside the
   character tokenizer's alphabet.
+- chat data (a JSONL record whose prompt is a list of `messages`, each {"role", "content"}): rendered by
+  `render_messages` with the tokenizer's chat template, or `CHAR_CHAT_TEMPLATE` without one (user "q: ...",
+  assistant "a: ...", tool "r: ...", one line each; the generation prompt "a: "), which renders one user message
+  exactly as `SIMPLE_CHAT_FORMAT`. Multi-turn episodes show a tool's result as `tool_observation`.
 
 `tokenizer` is a Hugging Face tokenizer (e.g. `AutoTokenizer.from_pretrained(model_dir)`).
 """
@@ -15,6 +19,17 @@ from megatron_sparse_rl.data.types import Example, SFTExample
 
 SIMPLE_CHAT_FORMAT = "q: {prompt}\na: "
 TEMPLATES = ("plain", "chat")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAR_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}{{ 'q: ' + m['content'] + '\\n' }}"
+    "{%- elif m['role'] == 'assistant' -%}{{ 'a: ' + m['content'] + '\\n' }}"
+    "{%- elif m['role'] == 'tool' -%}{{ 'r: ' + m['content'] + '\\n' }}"
+    "{%- else -%}{{ m['content'] + '\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'a: ' }}{%- endif -%}")
+"""The chat template of tokenizers without one (the built-in character tokenizer): one line per message, roles
+written "q:", "a:", "r:" (tool), a system message as it is; all inside the character tokenizer's alphabet."""
 
 
 def _has_chat_template(tokenizer) -> bool:
@@ -31,6 +46,34 @@ def apply_template(tokenizer, text: str, template: str) -> str:
                                                  add_generation_prompt=True)
         return SIMPLE_CHAT_FORMAT.format(prompt=text)
     raise ValueError(f"data.template: {template!r} is not allowed; choose one of {', '.join(map(repr, TEMPLATES))}")
+
+
+def render_messages(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    """`messages` ([{"role", "content"}, ...]) as text: the tokenizer's chat template, or `CHAR_CHAT_TEMPLATE`."""
+    own = _has_chat_template(tokenizer)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **({} if own else {"chat_template": CHAR_CHAT_TEMPLATE}))
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
+    """(rendered text with the generation prompt, token ids). The tokenizer's own template writes its special tokens;
+    `CHAR_CHAT_TEMPLATE` gets the tokenizer's (<bos>), as the simple chat format does."""
+    text = render_messages(tokenizer, messages)
+    ids = tokenizer(text, add_special_tokens=not _has_chat_template(tokenizer))["input_ids"]
+    return text, list(ids)
+
+
+def tool_observation(tokenizer, result: str) -> str:
+    """The text a tool's `result` adds after a model turn: the chat template's tool message, then the generation
+    prompt (the difference between rendering [user, assistant] and [user, assistant, tool] + generation prompt).
+    ValueError when the template does not render the longer conversation as a continuation of the shorter."""
+    head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    before = render_messages(tokenizer, head, add_generation_prompt=False)
+    after = render_messages(tokenizer, head + [{"role": "tool", "content": result}])
+    if not after.startswith(before):
+        raise ValueError("the tokenizer's chat template does not render a tool message as a continuation of the "
+                         "conversation before it; multi-turn episodes need one that does")
+    return after[len(before):]
 
 
 def encode_prompt(tokenizer, text: str, template: str) -> tuple[str, list[int]]:

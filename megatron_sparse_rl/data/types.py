@@ -19,6 +19,9 @@ class Prompt:
     solution: str = ""
     """The full reference response the SFT warm start trains on when it is more than the answer (the scratchpad
     arithmetic task's worked columns, ending with the answer); '' = the answer itself."""
+    messages: tuple[tuple[str, str], ...] = ()
+    """Chat data: the conversation as (role, content) pairs, rendered with the chat template (data.template chat);
+    `text` then holds the contents one per line, for error messages. () = the prompt is `text`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,12 @@ class RolloutBatch:
                       masked; or None.
     token_version:    int64 [B, R], the weight version that sampled each response token (RolloutEngine.weight_version;
                       two versions in one row when the weights changed while it ran, asynchronous RL); or None.
+    loss_mask:        bool [B, R] or None. Multi-turn episodes (rollout/episodes.py): true on the model's own tokens,
+                      false on the environment's tokens (tool results, chat markup) that sit in the response between
+                      turns; the loss, the corrections and the mismatch metrics read only the tokens it marks
+                      (training/update.py `align_rollout`). None: every response token is the model's.
+    episodes:         sums over the batch's episodes (counts and token totals, per turn too; rollout/episodes.py
+                      `EPISODE_KEYS`), not per row; None for single-turn rollouts.
     kv_usage:         vLLM's KV block pool while this batch was sampled (not per row): peak_blocks (most blocks
                       in use after any step), pool_blocks (usable blocks), mean_running (requests running per
                       step), preemptions; summed over the engines that sampled it; None when the engine core is
@@ -88,6 +94,8 @@ class RolloutBatch:
     rescored_logprobs: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
     token_version: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
     kv_usage: dict[str, float] | None = _joined(Join.SUMMED, default=None)
+    loss_mask: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
+    episodes: dict[str, float] | None = _joined(Join.SUMMED, default=None)
 
     def __post_init__(self) -> None:
         b = self.prompt_ids.shape[0]
@@ -110,6 +118,11 @@ class RolloutBatch:
         if self.response_ids.shape[0] != b or len(self.finish_reasons) != b:
             raise ValueError(f"RolloutBatch rows disagree: prompt_ids {b}, response_ids "
                              f"{self.response_ids.shape[0]}, finish_reasons {len(self.finish_reasons)}")
+        lm = self.loss_mask
+        if lm is not None and (tuple(lm.shape) != tuple(self.response_ids.shape) or lm.dtype != torch.bool
+                               or bool((lm & ~self.response_mask).any())):
+            raise ValueError(f"RolloutBatch.loss_mask must be bool of shape {tuple(self.response_ids.shape)} and true "
+                             f"only on response tokens (got {lm.dtype} {tuple(lm.shape)})")
         if self.response_mask.dtype != torch.bool:
             raise ValueError(f"RolloutBatch.response_mask must be bool (got {self.response_mask.dtype})")
 
@@ -156,7 +169,7 @@ class RolloutBatch:
                 values[f.name] = v[idx]
             elif isinstance(v, tuple):
                 values[f.name] = tuple(v[i] for i in idx.tolist())
-            elif v is None or f.name == "kv_usage":  # kv_usage describes the sampling call, not rows
+            elif v is None or f.metadata["join"] is Join.SUMMED:  # describes the sampling call, not rows
                 values[f.name] = v
             else:
                 raise NotImplementedError(f"RolloutBatch.select cannot subset field {f.name!r} yet")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,20 @@ from megatron_sparse_rl.rollout.extension import EngineExtension
 from megatron_sparse_rl.rollout.versions import VersionLog
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTurn:
+    """One sampled turn of an episode (`RolloutEngine.sample_turns`)."""
+
+    token_ids: list[int]
+    """The sampled tokens (a stop string's token included)."""
+    logprobs: list[float]
+    """The sampled tokens' logprobs (RolloutConfig.logprobs_mode)."""
+    finish_reason: str
+    """stop (EOS or a stop string), length (max_tokens) or abort."""
+    cached_tokens: int
+    """Prompt tokens whose KV came from vLLM's prefix cache (not prefilled again)."""
 
 
 class RolloutEngine:
@@ -112,7 +127,7 @@ class RolloutEngine:
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
-            enable_prefix_caching=False,  # the sparse-KV integration rewrites blocks in place
+            enable_prefix_caching=cfg.prefix_caching,  # off unless asked: sparse KV rewrites blocks in place
             use_tqdm_on_load=False,  # vLLM logs the load time; a progress bar per (re)start only clutters the console
             load_format="safetensors",  # never a pickled *.bin from the model directory (it could run code)
         )
@@ -200,6 +215,29 @@ class RolloutEngine:
         if rescore:
             batch.rescored_logprobs = self.rescore(batch, rescore)
         return batch
+
+    def sample_turns(self, prompt_token_ids: list[list[int]], sampling: list[SamplingConfig]) -> list[SampledTurn]:
+        """One sample (n = 1) per prompt, each with its own sampling: one turn of each running episode
+        (rollout/episodes.py), the whole episode so far as the prompt. With rollout.prefix_caching the prompt's
+        leading blocks that an earlier turn computed are reused (`SampledTurn.cached_tokens`). Refused while
+        extensions ride on the engine (routes, sampler support, sparse KV do not follow an episode yet)."""
+        if self.extensions:
+            raise ValueError(f"multi-turn episodes cannot run with engine extensions yet (got "
+                             f"{[type(e).__name__ for e in self.extensions]}): docs/episodes.md")
+        if len(sampling) != len(prompt_token_ids) or any(s.n != 1 for s in sampling):
+            raise ValueError("sample_turns takes one SamplingConfig with n = 1 per prompt")
+        for prompt, s in zip(prompt_token_ids, sampling):
+            self._check_prompts([prompt], s.max_tokens)
+        params = [self._sampling_params(s, 0) for s in sampling]
+        outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
+                                     use_tqdm=False)
+        turns = []
+        for out in outputs:
+            c = out.outputs[0]
+            turns.append(SampledTurn(token_ids=list(c.token_ids), logprobs=_sampled_logprobs(c.token_ids, c.logprobs),
+                                     finish_reason=c.finish_reason or "abort",
+                                     cached_tokens=int(out.num_cached_tokens or 0)))
+        return turns
 
     def _run_stepwise(self, requests: list[dict], params: list, between_steps: Callable[[], None]) -> list:
         """`LLM.generate` one engine step at a time (vLLM's public enqueue/step), `between_steps()` after each step

@@ -67,9 +67,12 @@ class PreparedBatch:
 
 
 def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [B, T], response mask [B, T-1], rollout logprobs [B, T-1]) in the learner's shifted layout."""
+    """(tokens [B, T], response mask [B, T-1], rollout logprobs [B, T-1]) in the learner's shifted layout. The mask
+    marks the model's tokens: every response token, or those of `batch.loss_mask` when the batch has one."""
     tokens, _, response_positions = batch.sequences(pad_id)
     mask = response_positions[:, 1:]
+    if batch.loss_mask is not None:  # episodes: the environment's tokens stay in `tokens`, out of the loss
+        mask = _aligned(batch, batch.loss_mask, mask.shape).bool()
     return tokens, mask, _aligned(batch, batch.rollout_logprobs, mask.shape)
 
 

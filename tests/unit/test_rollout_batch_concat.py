@@ -42,7 +42,8 @@ def _first() -> RolloutBatch:
         rollout_logprobs=torch.tensor([[-0.1, 0.0]]), finish_reasons=("stop",), group_ids=torch.tensor([0]),
         reward=torch.tensor([1.0]), sampling_mask=_support([2], [[2]], [[3, 11]]), routed_experts=_routes([3], 0),
         kv_keep=("a",), rescored_logprobs=torch.tensor([[[-0.15, 0.0], [-0.25, 0.0]]]),
-        token_version=torch.tensor([[3, 0]]), kv_usage=_usage(2.0, 10.0, 1.0, 0.0))
+        token_version=torch.tensor([[3, 0]]), kv_usage=_usage(2.0, 10.0, 1.0, 0.0),
+        loss_mask=torch.tensor([[T, F]]), episodes={"turns": 1.0, "tool_calls": 0.0})
 
 
 def _second() -> RolloutBatch:
@@ -55,7 +56,8 @@ def _second() -> RolloutBatch:
         sampling_mask=_support([3, 1], [[0, 1, 0], [1, 1]], [[13], [15, 16]]), routed_experts=_routes([6, 3], 1),
         kv_keep=("b", "c"), rescored_logprobs=torch.tensor([[[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]],
                                                              [[-7.0, -8.0, 0.0], [-9.0, -10.0, 0.0]]]),
-        token_version=torch.tensor([[3, 4, 4], [4, 4, 0]]), kv_usage=_usage(5.0, 10.0, 2.0, 1.0))
+        token_version=torch.tensor([[3, 4, 4], [4, 4, 0]]), kv_usage=_usage(5.0, 10.0, 2.0, 1.0),
+        loss_mask=torch.tensor([[T, F, T], [T, T, F]]), episodes={"turns": 3.0, "tool_calls": 2.0})
 
 
 def _expected() -> dict:
@@ -80,6 +82,8 @@ def _expected() -> dict:
                                            [[-7.0, -8.0, 0.0], [-9.0, -10.0, 0.0]]]),
         "token_version": torch.tensor([[3, 0, 0], [3, 4, 4], [4, 4, 0]]),
         "kv_usage": _usage(7.0, 20.0, 3.0, 1.0),
+        "loss_mask": torch.tensor([[T, F, F], [T, F, T], [T, T, F]]),
+        "episodes": {"turns": 4.0, "tool_calls": 2.0},
     }
 
 

@@ -1,0 +1,69 @@
+"""The built-in tool task: multiplications of numbers too long for a tiny model to work out, with a `calc` tool that
+knows the answer, as JSONL chat data.
+
+Each record is {"messages": [{"role": "user", "content": "4738291*5821="}], "answer": "27581591911"}: operands of
+`min_digits`..`max_digits` digits (defaults 5..7, products of 9..14 digits), drawn from `random.Random(seed)`,
+distinct. A model that writes the product at once is almost always wrong; a model that writes
+`calc(4738291*5821)` gets "r: 27581591911" back (env.kind: tools) and has only to copy it as its next turn, which
+a tiny model can learn. The reward is on that final answer (exact match).
+
+Write the files the config configs/tool_calc.yaml reads:
+    python -m megatron_sparse_rl.envs.calc_task megatron_sparse_rl/assets/tool_calc
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+
+def calc_records(count: int, *, min_digits: int = 5, max_digits: int = 7, seed: int = 0,
+                 exclude: frozenset[tuple[int, int]] = frozenset()) -> list[dict]:
+    """`count` distinct multiplication records (pairs in `exclude` skipped, a*b and b*a counted once)."""
+    if not 1 <= min_digits <= max_digits <= 12:
+        raise ValueError(f"digits must satisfy 1 <= min_digits <= max_digits <= 12 (got {min_digits}, {max_digits})")
+    rng = random.Random(seed)
+    seen, out = set(exclude), []
+    while len(out) < count:
+        a, b = (rng.randint(10 ** (d - 1), 10 ** d - 1)
+                for d in (rng.randint(min_digits, max_digits), rng.randint(min_digits, max_digits)))
+        key = (min(a, b), max(a, b))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append({"messages": [{"role": "user", "content": f"{a}*{b}="}], "answer": str(a * b)})
+    return out
+
+
+def _pairs(records: list[dict]) -> frozenset[tuple[int, int]]:
+    keys = set()
+    for r in records:
+        a, b = map(int, r["messages"][0]["content"].rstrip("=").split("*"))
+        keys.add((min(a, b), max(a, b)))
+    return frozenset(keys)
+
+
+def write_calc_jsonl(out_dir: str | Path, *, train: int = 512, eval_: int = 64, seed: int = 0) -> tuple[Path, Path]:
+    """Write train.jsonl and eval.jsonl (disjoint) into `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    held_out = calc_records(eval_, seed=seed + 1)
+    splits = {"train.jsonl": calc_records(train, seed=seed, exclude=_pairs(held_out)), "eval.jsonl": held_out}
+    for name, records in splits.items():
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return out / "train.jsonl", out / "eval.jsonl"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out_dir")
+    p.add_argument("--train", type=int, default=512)
+    p.add_argument("--eval", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print(*write_calc_jsonl(a.out_dir, train=a.train, eval_=a.eval, seed=a.seed))
+
+
+if __name__ == "__main__":
+    main()

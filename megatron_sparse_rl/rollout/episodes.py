@@ -1,0 +1,156 @@
+"""Multi-turn episodes on the rollout engine: sample a model turn for every running episode, let each episode's
+environment answer, append its observation, and sample again, until every episode is done.
+
+    batch = run_episodes(engine, tokenizer, examples, sampling, env_cfg, make_env)
+
+Every example gives `sampling.n` episodes (group id = the example's index, or `group_ids`). Each turn is one
+`RolloutEngine.sample_turns` call over the running episodes, the whole episode so far as the prompt; with
+`rollout.prefix_caching` vLLM reuses the full KV blocks an earlier turn computed, otherwise it prefills the whole
+history again. What it prefilled again is measured (`episode/reprefill_tokens`).
+
+The batch: `prompt_ids` is the first observation (the example's prompt); `response_ids` everything after it, model
+turns and environment tokens in order; `response_mask` all of them; `loss_mask` the model's tokens only;
+`rollout_logprobs` the model tokens' logprobs (0 on environment tokens); `reward` the sum of the episode's step
+rewards; `finish_reasons` "stop" when the environment ended the episode, "length" when `env.max_turns` or
+`env.max_total_tokens` did. `episodes` holds the sums of `EPISODE_KEYS` and, per turn k (1-based),
+`turn{k}/episodes`, `turn{k}/tokens` (model tokens), `turn{k}/tool_calls`, `turn{k}/tool_errors`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_sparse_rl.config.env import EnvConfig
+from megatron_sparse_rl.config.rollout import SamplingConfig
+from megatron_sparse_rl.envs.base import Environment, Observation
+from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
+
+EPISODE_KEYS = ("episodes", "turns", "model_tokens", "env_tokens", "tool_calls", "tool_errors", "prefill_tokens",
+                "reprefill_tokens", "cached_tokens")
+"""The batch-wide sums in `RolloutBatch.episodes` (besides the per-turn ones)."""
+TURN_KEYS = ("episodes", "tokens", "tool_calls", "tool_errors")
+"""The sums kept per turn k as `turn{k}/<key>` (k = 1 .. env.max_turns)."""
+
+
+@dataclass
+class _Episode:
+    """One running episode: its environment, its sequence so far and what was counted."""
+
+    env: Environment
+    group: int
+    prompt: list[int]
+    response: list[int] = field(default_factory=list)
+    model: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    finish: str = "length"
+
+    def extend(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        self.response += list(ids)
+        self.model += [logprobs is not None] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+
+def _ids(tokenizer, obs: Observation) -> list[int]:
+    """An observation's token ids: as given, or the text encoded without special tokens."""
+    return list(obs) if not isinstance(obs, str) else list(tokenizer(obs, add_special_tokens=False)["input_ids"])
+
+
+def _turn_sampling(sampling: SamplingConfig, env: EnvConfig, seed_offset: int, left: int) -> SamplingConfig:
+    seed = None if sampling.seed is None else sampling.seed + seed_offset
+    return dataclasses.replace(sampling, n=1, seed=seed, max_tokens=min(sampling.max_tokens, left),
+                               stop=tuple(dict.fromkeys(sampling.stop + env.turn_stop)))
+
+
+def _step(e: _Episode, turn, tokenizer, env: EnvConfig, last_turn: bool, stats: dict) -> None:
+    """Append a sampled turn to `e`, hand it to the environment and append its observation (or end `e`)."""
+    e.extend(turn.token_ids, turn.logprobs)
+    result = e.env.step(tokenizer.decode(turn.token_ids, skip_special_tokens=True))
+    e.reward += float(result.reward)
+    stats["tool_calls"] += result.tool_calls
+    stats["tool_errors"] += result.tool_errors
+    if result.done:
+        e.done, e.finish = True, "stop"
+        return
+    obs = _ids(tokenizer, result.observation)
+    if last_turn or len(e.response) + len(obs) >= env.max_total_tokens:
+        e.done = True  # out of turns, or no room for the observation and one more model token: unrewarded end
+        return
+    e.extend(obs, None)
+    stats["env_tokens"] += len(obs)
+
+
+def run_episodes(engine, tokenizer, examples: Sequence, sampling: SamplingConfig, env: EnvConfig,
+                 make_env: Callable[[], Environment], group_ids: Sequence[int] | None = None) -> RolloutBatch:
+    """`sampling.n` episodes per example, run to the end on `engine`; the RolloutBatch described in the module
+    docstring. Sampling seeds: episode i's turn t uses sampling.seed + t * (number of episodes) + i."""
+    gids = list(range(len(examples))) if group_ids is None else list(group_ids)
+    if len(gids) != len(examples):
+        raise ValueError(f"group_ids must have one id per example (got {len(gids)} for {len(examples)})")
+    episodes = []
+    for example, gid in zip(examples, gids):
+        for _ in range(sampling.n):
+            e = _Episode(env=make_env(), group=gid, prompt=[])
+            e.prompt = _ids(tokenizer, e.env.reset(example))
+            episodes.append(e)
+    stats = dict.fromkeys(EPISODE_KEYS + tuple(f"turn{t + 1}/{k}" for t in range(env.max_turns)
+                                                for k in TURN_KEYS), 0.0)
+    stats["episodes"] = float(len(episodes))
+    for t in range(env.max_turns):
+        live = [(i, e) for i, e in enumerate(episodes) if not e.done]
+        if not live:
+            break
+        params = [_turn_sampling(sampling, env, t * len(episodes) + i, env.max_total_tokens - len(e.response))
+                  for i, e in live]
+        turns = engine.sample_turns([e.prompt + e.response for _, e in live], params)
+        for (_, e), turn in zip(live, turns):
+            seen = len(e.prompt) + len(e.response)
+            stats["prefill_tokens"] += seen - turn.cached_tokens
+            stats["cached_tokens"] += turn.cached_tokens
+            if t:  # the history an earlier turn computed, less what the prefix cache gave back
+                stats["reprefill_tokens"] += max(0, seen - _trailing_observation(e) - turn.cached_tokens)
+            stats["model_tokens"] += len(turn.token_ids)
+            stats["turns"] += 1
+            before = (stats["tool_calls"], stats["tool_errors"])
+            _step(e, turn, tokenizer, env, t == env.max_turns - 1, stats)
+            if len(e.response) >= env.max_total_tokens:
+                e.done = True
+            k = f"turn{t + 1}/"
+            stats[k + "episodes"] += 1
+            stats[k + "tokens"] += len(turn.token_ids)
+            stats[k + "tool_calls"] += stats["tool_calls"] - before[0]
+            stats[k + "tool_errors"] += stats["tool_errors"] - before[1]
+    return _batch(episodes, engine.pad_id, engine.weight_version, stats)
+
+
+def _trailing_observation(e: _Episode) -> int:
+    """Length of the observation that ends `e`'s response (the environment tokens after its last model token)."""
+    n = 0
+    while n < len(e.model) and not e.model[-1 - n]:
+        n += 1
+    return n
+
+
+def _batch(episodes: list[_Episode], pad_id: int, version: int, stats: dict[str, float]) -> RolloutBatch:
+    responses = [e.response for e in episodes]
+    response_ids = pad_rows(responses, pad_id, torch.long)
+    lens = torch.tensor([len(r) for r in responses])
+    response_mask = torch.arange(response_ids.shape[1])[None, :] < lens[:, None]
+    return RolloutBatch(
+        prompt_ids=pad_rows([e.prompt for e in episodes], pad_id, torch.long),
+        prompt_lens=torch.tensor([len(e.prompt) for e in episodes], dtype=torch.long),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        rollout_logprobs=pad_rows([e.logprobs for e in episodes], 0.0, torch.float32),
+        finish_reasons=tuple(e.finish for e in episodes),
+        group_ids=torch.tensor([e.group for e in episodes], dtype=torch.long),
+        reward=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+        token_version=torch.full(response_ids.shape, version, dtype=torch.long),
+        loss_mask=pad_rows([[float(m) for m in e.model] for e in episodes], 0.0, torch.float32).bool()
+        & response_mask,
+        episodes=stats,
+    )
