@@ -40,6 +40,11 @@ def run_summary(run: RunConfig, spec, world_size: int) -> list[str]:
     s, kv, a = run.rollout.sampling, run.rollout.kv, run.algorithm
     lines.append(f"rollout: n {s.n}, temperature {s.temperature}, max_tokens {s.max_tokens}, kv policy {kv.policy}"
                  + (f" (budget {kv.budget}, window {kv.window})" if kv.policy != "none" else ""))
+    if run.env.episodes:
+        e = run.env
+        lines.append(f"episodes: env {e.kind}, tools {', '.join(e.tools)}, at most {e.max_turns} turns and "
+                     f"{e.max_total_tokens} tokens after the prompt; prefix caching "
+                     f"{'on' if run.rollout.prefix_caching else 'off (every turn prefills the whole history again)'}")
     enabled = [n for n in ("tis", "mis", "geo_rs", "veto", "icepop", "opsm", "sparse_rl", "batch_skip")
                if getattr(a.corrections, n).enabled]
     lines.append(f"algorithm: advantage {a.advantage.estimator}, loss {a.loss.name} ({a.loss.aggregation}), "

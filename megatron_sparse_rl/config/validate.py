@@ -274,7 +274,9 @@ def _env_problems(run: RunConfig) -> list[str]:
     unsupported = {"rollout.kv.policy": run.rollout.kv.policy != "none",
                    "routing.mode = 'R3' / routing.capture_rollout_routes": run.routing.capture,
                    "rollout.record_sampling_mask": run.rollout.record_sampling_mask,
-                   "trainer.max_staleness": run.trainer.max_staleness > 0}
+                   "trainer.max_staleness": run.trainer.max_staleness > 0,
+                   "launch.rollout_ranks / launch.rollout_nodes (disaggregated)": bool(run.launch.rollout_world_size),
+                   "algorithm.old_logprobs = 'engine_mean'": run.algorithm.old_logprobs == "engine_mean"}
     problems += [f"{name} cannot run with env.kind = {env.kind!r} yet: it does not follow an episode across turns "
                  "(docs/episodes.md); turn it off" for name, on in unsupported.items() if on]
     if run.rollout.max_model_len is not None and run.data.max_prompt_tokens + env.max_total_tokens > \

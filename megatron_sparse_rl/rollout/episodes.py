@@ -154,3 +154,14 @@ def _batch(episodes: list[_Episode], pad_id: int, version: int, stats: dict[str,
         & response_mask,
         episodes=stats,
     )
+
+
+def final_turns(batch: RolloutBatch) -> list[list[int]]:
+    """Each row's last model turn (the response tokens after its last environment token; the whole response of a
+    row without a loss mask)."""
+    out = []
+    for i, ids in enumerate(batch.response_ids):
+        n = int(batch.response_mask[i].sum())
+        env_at = [] if batch.loss_mask is None else (~batch.loss_mask[i, :n]).nonzero().flatten().tolist()
+        out.append(ids[(env_at[-1] + 1 if env_at else 0):n].tolist())
+    return out

@@ -1,13 +1,17 @@
 """The engine side of one RL step: encode prompts, sample with the rollout engine, score the responses,
-and greedy evaluation on held-out prompts."""
+and greedy evaluation on held-out prompts. With an environment (`env.kind`) every sample is a multi-turn episode
+(`collect_episodes`, rollout/episodes.py) rewarded by the environment on its final answer."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 
+from megatron_sparse_rl.config.env import EnvConfig
 from megatron_sparse_rl.config.rollout import SamplingConfig
+from megatron_sparse_rl.envs.tool_env import environment_factory
 from megatron_sparse_rl.rollout.batch import RolloutBatch
+from megatron_sparse_rl.rollout.episodes import final_turns, run_episodes
 
 
 def decode(tokenizer, rows: list[list[int]]) -> list[str]:
@@ -37,14 +41,30 @@ def scored(batch: RolloutBatch, tokenizer, examples, *, score, correct) -> tuple
     return batch, torch.tensor(correct(texts, answers), dtype=torch.float32)
 
 
+def collect_episodes(engine, tokenizer, examples, sampling: SamplingConfig, env: EnvConfig, *, seed: int, score,
+                     correct) -> tuple[RolloutBatch, torch.Tensor]:
+    """`collect` for multi-turn episodes: `sampling.n` episodes per example, each rewarded by its environment with
+    `score` of its final answer; correct = `correct` of the final turn of the episodes the environment ended (an
+    episode out of turns or tokens is not)."""
+    make = environment_factory(env, tokenizer, lambda text, answer: float(score([text], [answer])[0]))
+    batch = run_episodes(engine, tokenizer, examples, dataclasses.replace(sampling, seed=seed), env, make)
+    answers = [examples[g].answer for g in batch.group_ids.tolist()]
+    right = correct(decode(tokenizer, final_turns(batch)), answers)
+    ended = [float(r == "stop") for r in batch.finish_reasons]
+    return batch, torch.tensor(right, dtype=torch.float32) * torch.tensor(ended)
+
+
 def accuracy(engine, tokenizer, examples, *, max_tokens: int, score, temperature: float, samples: int,
-             seed: int = 0) -> tuple[float, int]:
+             seed: int = 0, env: EnvConfig | None = None) -> tuple[float, int]:
     """(sum of correctness, count) on `examples`: `samples` samples per prompt at `temperature` (one
-    greedy answer when temperature is 0)."""
+    greedy answer when temperature is 0); with an environment `env`, episodes judged on their final answer."""
     if not examples:
         return 0.0, 0
     n = 1 if temperature == 0 else samples
     params = SamplingConfig(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
+    if env is not None and env.episodes:
+        _, right = collect_episodes(engine, tokenizer, examples, params, env, seed=seed, score=score, correct=score)
+        return float(right.sum()), len(right)
     batch = engine.generate([list(e.ids) for e in examples], params)
     answers = [examples[g].answer for g in batch.group_ids.tolist()]
     rewards = score(decode(tokenizer, batch.responses()), answers)

@@ -48,8 +48,12 @@ def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
     examples = ctx.task.next_train(ctx.run.trainer.prompts_per_step)
 
     def collect(engine, dp_rank: int):
-        return R.collect(engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp], ctx.run.rollout.sampling,
-                         seed=_seed(ctx, step, dp_rank), score=score, correct=correct, rescore=_rescore(ctx))
+        share, seed = examples[dp_rank::ctx.layout.dp], _seed(ctx, step, dp_rank)
+        if ctx.run.env.episodes:
+            return R.collect_episodes(engine, ctx.tokenizer, share, ctx.run.rollout.sampling, ctx.run.env, seed=seed,
+                                      score=score, correct=correct)
+        return R.collect(engine, ctx.tokenizer, share, ctx.run.rollout.sampling, seed=seed, score=score,
+                         correct=correct, rescore=_rescore(ctx))
 
     batch, is_correct = ctx.placement.generate(collect)
     return batch, _rollout_metrics(ctx, batch, is_correct, time.perf_counter() - t0)
@@ -119,6 +123,27 @@ def _rollout_metrics(ctx: RunContext, batch, is_correct, seconds: float) -> dict
                "rollout/tokens_per_s": length / max(seconds, 1e-9),
                "rollout/truncated_frac": sum(r == "length" for r in batch.finish_reasons) / len(batch)}
     metrics.update(_kv_usage_metrics(ctx, batch.kv_usage))
+    if batch.episodes is not None:
+        metrics.update(_episode_metrics(ctx, batch.episodes))
+    return metrics
+
+
+def _episode_metrics(ctx: RunContext, sums: dict[str, float]) -> dict[str, float]:
+    """Multi-turn episodes (global): per episode `episode/turns`, `episode/tool_calls`, `episode/tool_errors`,
+    `episode/env_tokens`, `episode/reprefill_tokens` (history the engine prefilled again: rollout/episodes.py),
+    `episode/prefix_cached_tokens`; per turn k over the episodes that reached it `turn{k}/tokens` (model tokens),
+    `turn{k}/tool_calls`, `turn{k}/tool_errors`, and `turn{k}/episodes` (how many reached it)."""
+    keys = sorted(sums)
+    total = dict(zip(keys, _global_sum(ctx, [sums[k] for k in keys])))
+    n = max(total["episodes"], 1.0)
+    metrics = {f"episode/{k}": total[k] / n for k in ("turns", "tool_calls", "tool_errors", "env_tokens",
+                                                      "reprefill_tokens")}
+    metrics["episode/prefix_cached_tokens"] = total["cached_tokens"] / n
+    for k in keys:
+        if k.startswith("turn") and "/" in k and not k.endswith("/episodes"):
+            metrics[k] = total[k] / max(total[k.split("/")[0] + "/episodes"], 1.0)
+        elif k.endswith("/episodes"):
+            metrics[k] = total[k]
     return metrics
 
 
@@ -236,7 +261,7 @@ def evaluate(ctx: RunContext, correct, n: int) -> float:
         return R.accuracy(engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp],
                           max_tokens=ctx.run.rollout.sampling.max_tokens, score=correct,
                           temperature=cfg.eval_temperature, samples=cfg.eval_samples,
-                          seed=ctx.run.rollout.seed + 7919 * dp_rank)
+                          seed=ctx.run.rollout.seed + 7919 * dp_rank, env=ctx.run.env)
 
     total, count = ctx.placement.generate(score)
     total, count = _global_sum(ctx, [total, count])

@@ -142,6 +142,8 @@ def test_env_config_refusals_name_the_field():
         validate(run_of("env.kind=tools"), 1, cuda=False)
     with pytest.raises(ConfigError, match=r"rollout.kv.policy cannot run with env.kind = 'tools'"):
         validate(run_of(*TOOLS_ENV, "rollout.kv.policy=snapkv"), 1, cuda=False)
+    with pytest.raises(ConfigError, match=r"algorithm.old_logprobs = 'engine_mean' cannot run with env.kind"):
+        validate(run_of(*TOOLS_ENV, "algorithm.old_logprobs=engine_mean"), 1, cuda=False)
     with pytest.raises(ConfigError, match=r"data.max_prompt_tokens \+ env.max_total_tokens = 256 \+ 96 must be <="):
         validate(run_of(*TOOLS_ENV, "rollout.max_model_len=300"), 1, cuda=False)
     validate(run_of(*TOOLS_ENV), 1, cuda=False)
@@ -224,3 +226,19 @@ def test_loss_mask_outside_the_response_is_refused():
     RolloutBatch(**kw, loss_mask=torch.tensor([[True, False, False]]))
     with pytest.raises(ValueError, match="loss_mask must be bool"):
         RolloutBatch(**kw, loss_mask=torch.tensor([[True, False, True]]))
+
+
+def test_collect_episodes_rewards_and_judges_the_final_answer(tok):
+    from megatron_sparse_rl.training.rollout import collect_episodes
+
+    sample = Example(prompt="q: 12*3=\na: ", answer="36", ids=tuple(tok("q: 12*3=\na: ")["input_ids"]))
+    engine = ScriptedEngine(tok, [["calc(12*3)\n", "36\n", "calc(1+1)\n"], ["36\n", "35\n"]])
+    env = EnvConfig(kind="tools", max_turns=2, max_total_tokens=60)
+
+    def exact(texts, answers):
+        return [float(t.strip() == a) for t, a in zip(texts, answers)]
+
+    batch, right = collect_episodes(engine, tok, [sample], SamplingConfig(n=3, max_tokens=16), env, seed=1,
+                                    score=exact, correct=exact)
+    assert batch.reward.tolist() == [1.0, 1.0, 0.0] and right.tolist() == [1.0, 1.0, 0.0]
+    assert batch.finish_reasons == ("stop", "stop", "stop") and batch.episodes["turn2/episodes"] == 2
