@@ -15,7 +15,8 @@ learner ranks, real vLLM engines on the rollout ranks, tiny MoE on CPU, gloo).
 - colocated engine tensor parallelism: learner DP2 with one TP2 engine over both ranks equals the run with a
   TP-1 engine per rank.
 - asynchronous RL (trainer.max_staleness 1): staleness at most one version per token, fresh tokens exact with the
-  KV recomputed, every sync verified, killed with SIGKILL and resumed from its checkpoint; trainer.max_staleness 0
+  KV recomputed, every sync verified, killed with SIGKILL and resumed from its checkpoint; the same at
+  trainer.max_staleness 2, where tokens are up to two versions behind; trainer.max_staleness 0
   (said explicitly in the 1 + 1 run) is the synchronous loop, equal to the colocated run.
 
     .venv/bin/python -m pytest -q -m e2e tests/e2e/test_trainer_disaggregated.py
@@ -169,10 +170,24 @@ def async_run(tmp_path_factory, model_dir):
     """trainer.max_staleness 1 on 1 learner + 1 rollout rank, KV recomputed on in-flight updates, 6 steps of
     up-to-48-token rollouts of the random model (no warm-start), checkpoints every 2 steps; killed with SIGKILL
     (every process of the launch) once step 3 is logged, then resumed (from step 2's checkpoint)."""
-    run_dir = tmp_path_factory.mktemp("async")
-    extra = ["trainer.max_staleness=1", "trainer.in_flight_kv=recompute", "rollout.sampling.max_tokens=48",
-             "trainer.sft.max_steps=0", "reward.partial_credit=0.5", "reward.format_penalty=0.5",
-             "checkpoint.save_every=2"]
+    return _killed_and_resumed(tmp_path_factory.mktemp("async"), model_dir,
+                               ["trainer.max_staleness=1", "rollout.sampling.max_tokens=48"])
+
+
+@pytest.fixture(scope="module")
+def async_run_k2(tmp_path_factory, model_dir):
+    """As `async_run` with trainer.max_staleness 2 (the rollout rank runs up to two batches ahead) and answers of at
+    most 6 tokens: sampling a batch is quicker than training one, so the rank samples each batch as soon as it is
+    handed over, two weight versions before the one that trains it."""
+    return _killed_and_resumed(tmp_path_factory.mktemp("async_k2"), model_dir,
+                               ["trainer.max_staleness=2", "rollout.sampling.max_tokens=6"])
+
+
+def _killed_and_resumed(run_dir: Path, model_dir: Path, extra: list[str]) -> Path:
+    """An asynchronous 1 + 1 run of 6 steps (KV recomputed on in-flight updates, no warm-start, checkpoints every 2
+    steps) killed with SIGKILL once step 3 is logged, then resumed (from step 2's checkpoint)."""
+    extra = [*extra, "trainer.in_flight_kv=recompute", "trainer.sft.max_steps=0", "reward.partial_credit=0.5",
+             "reward.format_penalty=0.5", "checkpoint.save_every=2"]
     # no warm-start: the random model writes long answers; shaped rewards differ within a group, so steps move it
     sets = _sets(run_dir, model_dir, rollout_ranks=1, steps=6, extra=extra)
     cmd = [*MSRL, "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"),
@@ -242,6 +257,29 @@ def test_async_run_trains_each_token_at_most_one_version_stale_and_resumes_after
     assert len(diffs) >= 7 and max(diffs) < TOL, diffs
     print("async: in-flight updates at steps", [s for s in ahead if rl[s]["async/in_flight_update"]],
           "stale token share", [round(rl[s]["async/stale_frac"], 3) for s in ahead])
+
+
+def test_async_run_two_versions_ahead_resumes_after_kill(async_run_k2):
+    """trainer.max_staleness 2: steps 1 and 3 start a launch (sampled synchronously), step 2 and 4 were handed to the
+    engines one step before (at most one version behind), the others two steps before: their tokens were sampled
+    up to two versions before the training version, never more (nothing dropped or sampled again). The batches in
+    flight at the kill were sampled again: each step logged once, every sync verified."""
+    records = _records(async_run_k2)
+    rl = {r["step"]: r for r in records if r["phase"] == "rl"}
+    assert sorted(r["step"] for r in records if r["phase"] == "rl") == [1, 2, 3, 4, 5, 6]
+    for step, rec in rl.items():
+        bound = {1: 0, 3: 0, 2: 1, 4: 1}.get(step, 2)
+        assert 0.0 <= rec["async/staleness_mean"] <= rec["async/staleness_max"] <= bound, (step, rec)
+        if step not in (1, 3):
+            assert rec["async/dropped_samples"] == 0 and rec["async/resampled"] == 0, (step, rec)
+        if rec["async/stale_frac"] < 1.0:  # tokens sampled by the training version: the learner's pi_old
+            assert abs(rec["mismatch/k1_fresh"]) < 1e-4, (step, rec["mismatch/k1_fresh"])
+        assert not rec.get("nonfinite") and all(math.isfinite(v) for v in rec.values() if isinstance(v, float))
+    assert max(rl[s]["async/staleness_max"] for s in (5, 6)) == 2.0, [rl[s]["async/staleness_max"] for s in rl]
+    diffs = [r["sync/probe_max_abs_diff"] for r in records if "sync/probe_max_abs_diff" in r]
+    assert len(diffs) >= 7 and max(diffs) < TOL, diffs
+    print("async k=2: staleness max per step", [rl[s]["async/staleness_max"] for s in sorted(rl)],
+          "mean", [round(rl[s]["async/staleness_mean"], 3) for s in sorted(rl)])
 
 
 def test_sigterm_to_an_async_launch_stops_every_rank_with_a_checkpoint_and_resumes(tmp_path, model_dir):
