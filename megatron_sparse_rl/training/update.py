@@ -84,6 +84,20 @@ def _aligned(batch: RolloutBatch, values: torch.Tensor, shape) -> torch.Tensor:
     return aligned
 
 
+def tool_split_metrics(batch: RolloutBatch, old_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, *,
+                       group=None) -> dict[str, float]:
+    """Episodes: the mu / pi_old mismatch (k1, k3) of the model's tokens before the first environment token of their
+    row (`mismatch/k1_before_tool`) and after it (`mismatch/k1_after_tool`), where a tool's output the model never
+    generated precedes them. All [B, T-1] in the learner's layout; `mask` the model's tokens (`align_rollout`)."""
+    env_tokens = _aligned(batch, (batch.response_mask & ~batch.loss_mask).float(), mask.shape) > 0
+    after = mask & (env_tokens.cumsum(dim=1) > 0)
+    out = {}
+    for name, part in (("before_tool", mask & ~after), ("after_tool", after)):
+        m = mismatch_metrics(old_lp, rollout_lp, part, group=group)
+        out.update({f"mismatch/k1_{name}": m["mismatch/k1"], f"mismatch/k3_{name}": m["mismatch/k3"]})
+    return _scalar_metrics(out)
+
+
 @dataclass(frozen=True)
 class OldPolicyInputs:
     """What a pi_old source reads: the batch and its learner layout (`align_rollout`)."""
@@ -239,6 +253,8 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     corr = apply_corrections(_rollout_time(cfg.corrections), old_lp, rollout_lp, mask, advantages=advantages,
                              group=dp_group)
     metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask, group=dp_group))
+    if batch.loss_mask is not None:
+        metrics.update(tool_split_metrics(batch, old_lp, rollout_lp, mask, group=dp_group))
     metrics.update(source_metrics)
     if cfg.corrections.opsm.enabled:
         metrics["opsm/masked_seq_frac_at_pi_old"] = _opsm_frac_at_old(cfg.corrections, rollout_lp, old_lp, mask,

@@ -242,3 +242,23 @@ def test_collect_episodes_rewards_and_judges_the_final_answer(tok):
                                     score=exact, correct=exact)
     assert batch.reward.tolist() == [1.0, 1.0, 0.0] and right.tolist() == [1.0, 1.0, 0.0]
     assert batch.finish_reasons == ("stop", "stop", "stop") and batch.episodes["turn2/episodes"] == 2
+
+
+def test_k1_before_and_after_the_tool_by_hand():
+    from megatron_sparse_rl.training.update import tool_split_metrics
+
+    # prompt [1, 2]; response: model 10, 11 | env 20, 21 | model 12 (row 0); model 13 only (row 1, no tool)
+    batch = RolloutBatch(
+        prompt_ids=torch.tensor([[1, 2], [1, 2]]), prompt_lens=torch.tensor([2, 2]),
+        response_ids=torch.tensor([[10, 11, 20, 21, 12], [13, 0, 0, 0, 0]]),
+        response_mask=torch.tensor([[True] * 5, [True] + [False] * 4]),
+        rollout_logprobs=torch.zeros(2, 5), finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]),
+        loss_mask=torch.tensor([[True, True, False, False, True], [True] + [False] * 4]))
+    tokens, mask, _ = align_rollout(batch, pad_id=0)
+    assert mask.tolist() == [[False, True, True, False, False, True], [False, True, False, False, False, False]]
+    mu = torch.tensor([[0.0, -1.0, -2.0, 0.0, 0.0, -3.0], [0.0, -0.5, 0.0, 0.0, 0.0, 0.0]])
+    old = torch.tensor([[0.0, -1.1, -2.3, -9.0, -9.0, -2.0], [0.0, -0.4, 0.0, 0.0, 0.0, 0.0]])
+    m = tool_split_metrics(batch, old, mu, mask)
+    # k1 = mean(mu - pi_old): before the tool tokens 10, 11 (row 0) and 13 (row 1); after it token 12 only
+    assert m["mismatch/k1_before_tool"] == pytest.approx((0.1 + 0.3 - 0.1) / 3, abs=1e-6)
+    assert m["mismatch/k1_after_tool"] == pytest.approx(-1.0, abs=1e-6)
