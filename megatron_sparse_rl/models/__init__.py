@@ -5,13 +5,15 @@ import logging
 
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.deepseek import DeepseekV3Adapter
+from megatron_sparse_rl.models.dsa import DeepseekV32Adapter, GlmMoeDsaAdapter
 from megatron_sparse_rl.models.mixtral import MixtralAdapter
 from megatron_sparse_rl.models.qwen import Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter
 from megatron_sparse_rl.models.spec import ModelSpec, read_hf_config
 
 log = logging.getLogger(__name__)
 ADAPTERS: dict[str, type[GPTAdapter]] = {
-    cls.architecture: cls for cls in (Qwen3MoeAdapter, Qwen3Adapter, Qwen2Adapter, MixtralAdapter, DeepseekV3Adapter)
+    cls.architecture: cls for cls in (Qwen3MoeAdapter, Qwen3Adapter, Qwen2Adapter, MixtralAdapter, DeepseekV3Adapter,
+                                      DeepseekV32Adapter, GlmMoeDsaAdapter)
 }
 
 

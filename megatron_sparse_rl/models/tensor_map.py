@@ -3,7 +3,9 @@
 A `TensorMap` says which HF tensors one Megatron parameter is made of and how they combine:
 - copy: one HF tensor, same layout;
 - qkv: q, k, v projections fused into Megatron's grouped [groups, q_per_group + 2, head_dim, ...] layout;
-- glu: gate and up projections stacked into one fc1 weight ([gate; up]).
+- glu: gate and up projections stacked into one fc1 weight ([gate; up]);
+- rows: one HF tensor with its rows (dim 0) reordered: Megatron row j is HF row `rows[j]` (a DSA indexer's rope
+  dims, which Megatron keeps last and reads interleaved; models/dsa.py).
 "Full" Megatron names use the GLOBAL layer number (0-based) and GLOBAL expert index; `learner/params.py`
 maps them to a rank's local shards. Each map also carries the shape of each HF tensor, derived from the config by
 the adapter (`GPTAdapter.hf_shapes`): conversion checks checkpoint headers against it; and how a rank of a
@@ -19,7 +21,7 @@ import torch
 
 from megatron_sparse_rl.models.spec import ModelSpec
 
-Kind = Literal["copy", "qkv", "glu"]
+Kind = Literal["copy", "qkv", "glu", "rows"]
 
 EngineSplit = Literal["replicated", "column", "kv_heads", "row", "vocab"]
 """How one rank of a tensor-parallel vLLM engine (t ranks) slices an HF tensor, named after the vLLM 0.32 layer
@@ -43,10 +45,15 @@ class TensorMap:
     """The shape of each tensor of `hf` (same order), derived from the model config by the adapter."""
     engine: tuple[EngineSplit, ...] = ()
     """How an engine tensor-parallel rank slices each tensor of `hf` (same order); empty: all "replicated"."""
+    rows: tuple[int, ...] = ()
+    """kind "rows": the HF row of each Megatron row (a permutation of range(dim 0))."""
 
     def __post_init__(self):
         if self.engine and len(self.engine) != len(self.hf):
             raise ValueError(f"tensor map {self.mcore}: {len(self.engine)} engine splits for {len(self.hf)} HF tensors")
+        if (self.kind == "rows") != bool(self.rows) or (self.rows and sorted(self.rows) != list(range(len(self.rows)))):
+            raise ValueError(f"tensor map {self.mcore}: kind 'rows' needs `rows`, a permutation of range(dim 0), and "
+                             f"only it takes one (kind {self.kind!r}, {len(self.rows)} rows)")
 
     @property
     def engine_splits(self) -> tuple[EngineSplit, ...]:
@@ -58,6 +65,8 @@ def to_mcore(tm: TensorMap, tensors: list[torch.Tensor], spec: ModelSpec) -> tor
     """Combine the HF tensors of `tm` (in `tm.hf` order) into the full Megatron tensor."""
     if tm.kind == "copy":
         return tensors[0]
+    if tm.kind == "rows":
+        return tensors[0][torch.tensor(tm.rows)]
     if tm.kind == "glu":
         return torch.cat(tensors, dim=0)
     q, k, v = tensors
@@ -74,6 +83,8 @@ def to_hf(tm: TensorMap, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Te
     """Split a full Megatron tensor back into the HF tensors of `tm` (in `tm.hf` order)."""
     if tm.kind == "copy":
         return [tensor]
+    if tm.kind == "rows":
+        return [tensor[torch.argsort(torch.tensor(tm.rows))]]
     if tm.kind == "glu":
         return list(torch.chunk(tensor, 2, dim=0))
     groups, hd = spec.num_kv_heads, spec.head_dim

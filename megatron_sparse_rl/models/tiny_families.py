@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face Mixtral and DeepSeek-V3-style checkpoints, built with transformers' own classes.
+"""Tiny random Hugging Face Mixtral, DeepSeek-V3-style and DSA (DeepSeek-V3.2, GLM-5) checkpoints, built with
+transformers' own classes.
 
 Like `models/tiny.py` (Qwen3): config.json, model.safetensors, generation_config.json and the character
 tokenizer of `models/char_tokenizer.py`, so transformers and the adapters load them as they would a hub model.
@@ -103,5 +104,38 @@ def build_tiny_deepseek(out_dir, *, seed: int = 0, bias_std: float = 0.1, **conf
         torch.manual_seed(seed)
         model = DeepseekV3ForCausalLM(hf_config)
         for layer in model.model.layers[first_k_dense:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, bias_std)
+    return _save(model, out_dir)
+
+
+def build_tiny_dsa(out_dir, *, arch: str = "deepseek_v32", seed: int = 0, bias_std: float = 0.1,
+                   index_heads: int = 16, index_head_dim: int = 128, index_topk: int = 4, q_lora_rank: int = 32,
+                   **config) -> Path:
+    """A random DeepSeek Sparse Attention model: `arch` "deepseek_v32" (`DeepseekV32ForCausalLM`, half-split indexer
+    rope) or "glm_moe_dsa" (`GlmMoeDsaForCausalLM`, interleaved indexer rope), the DeepSeek-V3 body of
+    `deepseek_config_kwargs(**config)` with a q latent, and an indexer of `index_heads` x `index_head_dim` (a power
+    of two: the Hadamard rotation) choosing `index_topk` tokens per query: a sequence longer than that really
+    selects. The indexer's key LayerNorm is drawn (weight 1 + N(0, 0.2), bias N(0, 0.2)) so its layout is tested."""
+    import torch
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    classes = {"deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM),
+               "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM)}
+    if arch not in classes:
+        raise ValueError(f"arch must be one of {', '.join(classes)} (got {arch!r})")
+    kwargs = deepseek_config_kwargs(q_lora_rank=q_lora_rank, **config)
+    kwargs.update(index_n_heads=index_heads, index_head_dim=index_head_dim, index_topk=index_topk)
+    config_cls, model_cls = classes[arch]
+    hf_config = config_cls(**kwargs)
+    for key in ("topk_method", "scoring_func"):  # as build_tiny_deepseek: the released router's keys
+        setattr(hf_config, key, kwargs[key])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(hf_config)
+        for layer in model.model.layers:
+            norm = layer.self_attn.indexer.k_norm
+            norm.weight.data.normal_(1.0, 0.2)
+            norm.bias.data.normal_(0.0, 0.2)
+        for layer in model.model.layers[kwargs["first_k_dense_replace"]:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, bias_std)
     return _save(model, out_dir)

@@ -26,7 +26,7 @@ def test_unknown_architecture_lists_supported():
 
 def test_adapter_lookup_is_exact():
     assert set(ADAPTERS) == {"Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
-                             "DeepseekV3ForCausalLM"}
+                             "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
     with pytest.raises(ValueError):
         get_adapter({"architectures": ["Qwen3MoeForCausalLMX"]})
 
