@@ -1,20 +1,23 @@
 """Asynchronous RL's configuration and bookkeeping: `trainer.max_staleness` / `trainer.in_flight_kv` refused where
 they cannot run (each error names the field and what is allowed), and `VersionLog`, which says which weight version
-sampled each token of a partial rollout, and `too_stale` (checked against hand-built expectations); the words of
-the rollout protocol while running ahead.
+sampled each token of a partial rollout, `too_stale` and trainer.stale_policy's guard (checked against hand-built
+expectations); the words of the rollout protocol while running ahead.
 
     .venv/bin/python -m pytest -q tests/unit/test_async_config.py
 """
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_sparse_rl.config import ConfigError, RunConfig, validate
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
+from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.rollout.versions import VersionLog, too_stale
+from megatron_sparse_rl.training.steps import _stale_guard
 from megatron_sparse_rl.training.rollout_protocol import Collect, Probe, Stop, SyncWeights, Word, from_word, to_word
 
 
@@ -89,3 +92,53 @@ def test_running_ahead_words(command, word):
     if isinstance(command, (Collect, Probe)):
         with pytest.raises(TypeError, match="cannot be sent while the rollout ranks sample ahead"):
             to_word(command)
+
+
+def _versioned_batch(versions: list[list[int]]) -> RolloutBatch:
+    """One row per entry of `versions` (3 response tokens each, ids 10 r .. 10 r + 2, all real)."""
+    b = len(versions)
+    return RolloutBatch(
+        prompt_ids=torch.ones(b, 2, dtype=torch.long), prompt_lens=torch.full((b,), 2),
+        response_ids=torch.tensor([[10 * r, 10 * r + 1, 10 * r + 2] for r in range(b)]),
+        response_mask=torch.ones(b, 3, dtype=torch.bool), rollout_logprobs=torch.zeros(b, 3),
+        finish_reasons=("stop",) * b, group_ids=torch.zeros(b, dtype=torch.long), reward=torch.zeros(b),
+        token_version=torch.tensor(versions))
+
+
+class _Engine:
+    """Stands for the engines: records the call and answers a fresh batch of the training version (5)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, sampling, group_ids, *, rescore=0):
+        self.calls.append((prompts, sampling, group_ids, rescore))
+        return _versioned_batch([[5, 5, 5]] * len(prompts))
+
+
+def _guard(policy: str, versions: list[list[int]]):
+    engine = _Engine()
+    placement = SimpleNamespace(generate=lambda work: work(engine, 0))
+    ctx = SimpleNamespace(run=SimpleNamespace(trainer=SimpleNamespace(max_staleness=2, stale_policy=policy)),
+                          layout=SimpleNamespace(dp=1), dp_group=None, placement=placement)
+    ahead = SimpleNamespace(calls=[([[1, 1]] * len(versions), "sampling", None, 0)],
+                            finish=lambda batch, d: (batch, torch.ones(len(batch))))
+    batch = _versioned_batch(versions)
+    got, correct, metrics = _stale_guard(ctx, 5, ahead, batch, torch.arange(len(versions), dtype=torch.float32))
+    return got, correct, metrics, engine.calls
+
+
+def test_stale_guard_drops_or_resamples_samples_older_than_max_staleness():
+    """Training version 5, max_staleness 2: a token of version 2 is too old, versions 3-5 are not."""
+    fine = [[3, 4, 5], [3, 3, 3]]
+    got, correct, metrics, calls = _guard("drop", fine)
+    assert got.response_ids.tolist() == [[0, 1, 2], [10, 11, 12]] and not calls
+    assert metrics == {"async/dropped_samples": 0.0, "async/resampled": 0.0}
+    got, correct, metrics, calls = _guard("drop", [[3, 4, 5], [2, 3, 4], [4, 4, 4]])
+    assert got.response_ids.tolist() == [[0, 1, 2], [20, 21, 22]] and correct.tolist() == [0.0, 2.0]
+    assert metrics == {"async/dropped_samples": 1.0, "async/resampled": 0.0} and not calls
+    for policy, versions in (("recompute", [[3, 4, 5], [2, 3, 4]]), ("drop", [[1, 1, 1], [2, 5, 5]])):
+        got, correct, metrics, calls = _guard(policy, versions)  # recompute, or drop with nothing left
+        assert calls == [([[1, 1], [1, 1]], "sampling", None, 0)], policy  # the step's own request again
+        assert got.token_version.tolist() == [[5, 5, 5]] * 2 and correct.tolist() == [1.0, 1.0]
+        assert metrics == {"async/dropped_samples": 0.0, "async/resampled": 1.0}
