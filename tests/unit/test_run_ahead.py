@@ -1,0 +1,142 @@
+"""A rollout rank running ahead (training/run_ahead.py `AheadRank`, trainer.max_staleness > 1) against a scripted
+learner rank 0: words arrive after given engine steps, and the answers it gathers back are checked against the
+order the protocol promises (docs/async.md): Collect answered with the oldest batch once sampled, a Probe run
+between two batches, weights loaded in flight, a failed batch answered as a Failure while the weights that follow
+are still drained, Stop leaving. The engine and the bridge are stand-ins (no vLLM, no process group).
+
+    .venv/bin/python -m pytest -q tests/unit/test_run_ahead.py
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_sparse_rl.config.rollout import SamplingConfig
+from megatron_sparse_rl.training import run_ahead
+from megatron_sparse_rl.training.rollout_protocol import (AheadBatches, Collect, EnginePart, Failure, Probe, RunAhead,
+                                                          Stop, SyncWeights, to_word)
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _Batch(list):
+    """A stand-in batch: its prompts' first tokens (and room for rescored_logprobs)."""
+
+
+class _Engine:
+    """Three engine steps per generate call; a batch is the list of its prompts."""
+
+    def __init__(self, fail: bool = False):
+        self.steps, self.fail, self.log = 0, fail, []
+
+    def generate(self, prompts, sampling, *, group_ids, between_steps):
+        self.log.append(("generate", prompts[0][0]))
+        for _ in range(3):
+            self.steps += 1
+            if self.fail:
+                raise RuntimeError("engine step failed")
+            between_steps()
+        self.log.append(("done", prompts[0][0]))
+        return _Batch(p[0] for p in prompts)
+
+    def update_in_flight(self, load, version, *, recompute):
+        load()
+        self.log.append(("in flight", version, recompute))
+
+    def rescore(self, batch, n):
+        self.log.append(("rescore", batch[0]))
+        return torch.zeros(1)
+
+
+class _Bridge:
+    """Rank 0's side, scripted: (engine step after which it is sent, command) in order; what the rank gathers.
+    Like rank 0 it sends nothing after a request (Collect, Probe) until the answer came back."""
+
+    def __init__(self, engine: _Engine, script: list[tuple[int, object]]):
+        self.engine, self.script, self.answers, self.following = engine, list(script), [], None
+        self.waiting = False
+
+    def broadcast_async(self, word, src):
+        bridge = self
+
+        class Arrival:
+            def is_completed(self):
+                ready = bool(bridge.script) and not bridge.waiting and bridge.script[0][0] <= bridge.engine.steps
+                if ready:
+                    bridge._deliver(word)
+                return ready
+
+            def wait(self):
+                assert bridge.script and not bridge.waiting, "the rank waits for a word that never comes"
+                bridge._deliver(word)
+
+        return Arrival()
+
+    def _deliver(self, word):
+        _, command = self.script.pop(0)
+        word.copy_(to_word(command, running_ahead=True))
+        self.following, self.waiting = command, isinstance(command, (Collect, Probe))
+
+    def broadcast_object(self, obj, src):
+        return self.following
+
+    def gather_object(self, answer, dst):
+        assert self.waiting, "an answer nobody asked for"
+        self.answers.append(answer)
+        self.waiting = False
+
+
+def _part(first: int, rescore: int = 0) -> EnginePart:
+    return EnginePart([[first, 0]], SamplingConfig(), [0], rescore)
+
+
+def _run(engine: _Engine, script, *, rescore: int = 0):
+    bridge = _Bridge(engine, script)
+    rr = SimpleNamespace(engine=engine, sync_group=bridge, weights_group=None, rank=1, index=0)
+    loads = []
+    rank = run_ahead.AheadRank(rr, RunAhead(((_part(100, rescore),),), True), handle=lambda rr, c: ("probed", c.rows),
+                               receive=lambda rr, version: loads.append(version), stopped=_Stopped)
+    with pytest.raises(_Stopped):
+        rank.run()
+    assert not bridge.script  # every word was taken
+    return bridge.answers, loads
+
+
+def test_collect_probe_and_in_flight_weights_in_protocol_order():
+    engine = _Engine()
+    script = [(1, SyncWeights(1)), (1, RunAhead(((_part(200),),), True)), (2, Collect()), (2, Probe([[7]])),
+              (2, Collect()), (2, Stop())]
+    answers, loads = _run(engine, script)
+    first, probed, second = answers
+    assert isinstance(first, AheadBatches) and first.batches == [[100]] and first.calls is None
+    assert first.seconds["in_flight"] == 1.0 and second.seconds["in_flight"] == 0.0
+    assert probed == ("probed", [[7]]) and second.batches == [[200]]
+    # version 1 loaded between engine steps of the first batch, by the engine's in-flight update (KV recomputed)
+    assert loads == [None] and engine.log == [("generate", 100), ("in flight", 1, True), ("done", 100),
+                                   ("generate", 200), ("done", 200)]
+
+
+def test_collect_with_rescorings_waits_for_the_weights_and_the_end_of_the_batch():
+    """engine_mean: the oldest batch is re-scored after the weights the learner trains it with were loaded, and
+    between two batches (the engine runs one generate at a time)."""
+    engine = _Engine()
+    script = [(1, RunAhead(((_part(200, rescore=2),),), True)), (4, SyncWeights(1)), (4, Collect()), (6, Collect()),
+              (6, Stop())]
+    answers, loads = _run(engine, script, rescore=2)
+    assert [a.batches for a in answers] == [[[100]], [[200]]]
+    # the first Collect came while the second batch was sampled: answered after it, re-scored at version 1
+    assert engine.log == [("generate", 100), ("done", 100), ("generate", 200), ("in flight", 1, True),
+                          ("done", 200), ("rescore", 100), ("rescore", 200)]
+    assert loads == [None]
+
+
+def test_a_failed_batch_is_answered_as_a_failure_and_the_weights_are_still_drained(monkeypatch):
+    drained = []
+    monkeypatch.setattr(run_ahead, "receive_weights", lambda engine, group, src: drained.append(engine))
+    answers, loads = _run(_Engine(fail=True), [(0, SyncWeights(1)), (0, Collect()), (0, Stop())])
+    assert answers == [Failure("RuntimeError: engine step failed")]
+    assert drained == [None] and loads == []  # received into nothing, so the bridge stays in step
