@@ -2,7 +2,8 @@
 
 - JSONL: one JSON object per line, UTF-8, with `data.prompt_key` (a string that is not only whitespace, or chat
   data: a non-empty list of messages {"role": system/user/assistant/tool, "content": a string}, which needs
-  `data.template: chat`) and
+  `data.template: chat`; the messages before the first assistant message are the prompt, the rest a demonstrated
+  episode the SFT warm start trains on) and
   `data.answer_key` (a non-blank string, or a finite number, which becomes the decimal numeral a response writes:
   19.0 -> "19", 1e-07 -> "0.0000001"). Blank lines are ignored. Any other problem (undecodable bytes, bad or
   pathologically nested JSON, not an object, a missing key, a key given twice, a wrong type, an empty answer)
@@ -38,7 +39,8 @@ from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.data import BUILT_IN_SOURCES, DataConfig
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.data import arithmetic, chain
-from megatron_sparse_rl.data.templates import CHAT_ROLES, encode_messages, encode_prompt, unknown_characters
+from megatron_sparse_rl.data.templates import (CHAT_ROLES, encode_demo, encode_messages, encode_prompt,
+                                               unknown_characters)
 from megatron_sparse_rl.data.types import Example, Prompt
 
 T = TypeVar("T")
@@ -72,6 +74,11 @@ def _record(obj: Any, where: str, prompt_key: str, answer_key: str) -> Prompt:
                                f"has {sorted(obj)})")
     prompt, answer = obj[prompt_key], obj[answer_key]
     messages = _messages(prompt, where, prompt_key) if isinstance(prompt, list) else ()
+    first_turn = next((i for i, (role, _) in enumerate(messages) if role == "assistant"), len(messages))
+    messages, demo = messages[:first_turn], messages[first_turn:]
+    if demo and not messages:
+        raise DatasetError(f"{where}: {prompt_key!r} starts with an assistant message: nothing comes before the "
+                           "model's first turn")
     if messages:
         prompt = "\n".join(content for _, content in messages)
     if not isinstance(prompt, str) or not prompt:
@@ -87,7 +94,7 @@ def _record(obj: Any, where: str, prompt_key: str, answer_key: str) -> Prompt:
         raise DatasetError(f"{where}: {answer_key!r} is empty (got {answer!r}): it would reward a response that "
                            "answers nothing")
     return Prompt(text=prompt, answer=answer if isinstance(answer, str) else number_text(answer), source=where,
-                  messages=messages)
+                  messages=messages, demo=demo)
 
 
 def _messages(value: list, where: str, key: str) -> tuple[tuple[str, str], ...]:
@@ -268,14 +275,17 @@ def encode_one(prompt: Prompt, tokenizer, cfg: DataConfig) -> Example | None:
     if prompt.messages and cfg.template != "chat":
         raise DatasetError(f"{prompt.source}: chat data (a list of messages) needs data.template: chat (got "
                            f"{cfg.template!r}): the messages are rendered with the tokenizer's chat template")
+    demo_ids, demo_mask = (), ()
     if prompt.messages:
         text, ids = encode_messages(tokenizer, [{"role": r, "content": c} for r, c in prompt.messages])
+        if prompt.demo:
+            demo_ids, demo_mask = encode_demo(tokenizer, prompt.messages, prompt.demo)
     else:
         text, ids = encode_prompt(tokenizer, prompt.text, cfg.template)
     _check_encodable(prompt, tokenizer, ids)
     if len(ids) <= cfg.max_prompt_tokens:
         return Example(prompt=text, answer=prompt.answer, ids=tuple(ids), difficulty=prompt.difficulty,
-                       source=prompt.source, solution=prompt.solution)
+                       source=prompt.source, solution=prompt.solution, demo_ids=demo_ids, demo_mask=demo_mask)
     if cfg.on_long_prompt == "error":
         raise DatasetError(f"{prompt.source}: the prompt is {len(ids)} tokens after the {cfg.template!r} "
                            f"template, more than data.max_prompt_tokens={cfg.max_prompt_tokens} "

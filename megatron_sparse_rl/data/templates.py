@@ -63,6 +63,31 @@ def encode_messages(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
     return text, list(ids)
 
 
+def encode_demo(tokenizer, prompt: tuple[tuple[str, str], ...], demo: tuple[tuple[str, str], ...]
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(ids, loss mask) of a demonstrated episode after `prompt` (both (role, content) pairs), as an episode lays
+    it out: each message's tokens are what the chat template adds for it (an assistant turn after the generation
+    prompt, through its line end: mask 1; a tool result with the next generation prompt: mask 0), each piece
+    encoded on its own without special tokens, as the episode runner appends them."""
+    def text(messages, generation: bool) -> str:
+        return render_messages(tokenizer, [{"role": r, "content": c} for r, c in messages],
+                               add_generation_prompt=generation)
+
+    ids, mask, done = [], [], tuple(prompt)
+    for k, message in enumerate(demo):
+        model = message[0] == "assistant"
+        before = text(done, generation=model)
+        after = text(done + (message,), generation=not model and k + 1 < len(demo))
+        if not after.startswith(before):
+            raise ValueError(f"the chat template does not render message {k} of the demonstration as a "
+                             "continuation of the conversation before it")
+        piece = tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [int(model)] * len(piece)
+        done += (message,)
+    return tuple(ids), tuple(mask)
+
+
 def tool_observation(tokenizer, result: str) -> str:
     """The text a tool's `result` adds after a model turn: the chat template's tool message, then the generation
     prompt (the difference between rendering [user, assistant] and [user, assistant, tool] + generation prompt).
@@ -106,10 +131,15 @@ def unknown_characters(tokenizer, text: str) -> list[str]:
 def encode_sft(tokenizer, example: Example) -> SFTExample:
     """The encoded prompt's ids + the SFT target's ids + eos, with the loss on the target and eos only. The target
     is `example.sft_target`: the worked solution when the task has one (scratchpad arithmetic), else the answer.
+    Chat data with a demonstrated episode (`example.demo_ids`): the prompt's ids + the episode's, the loss on its
+    assistant turns only (`example.demo_mask`).
 
     The target is tokenized on its own (no special tokens); with the character tokenizer this equals
     tokenizing the concatenation. Raises ValueError if the tokenizer has no eos token.
     """
+    if example.demo_ids:  # a demonstrated episode: its assistant turns are the target (they end at the turn stop)
+        return SFTExample(input_ids=tuple(example.ids) + example.demo_ids,
+                          loss_mask=(0,) * len(example.ids) + example.demo_mask)
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         raise ValueError("SFT examples need a tokenizer with an eos token (tokenizer.eos_token_id is None)")

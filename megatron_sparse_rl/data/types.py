@@ -20,8 +20,12 @@ class Prompt:
     """The full reference response the SFT warm start trains on when it is more than the answer (the scratchpad
     arithmetic task's worked columns, ending with the answer); '' = the answer itself."""
     messages: tuple[tuple[str, str], ...] = ()
-    """Chat data: the conversation as (role, content) pairs, rendered with the chat template (data.template chat);
-    `text` then holds the contents one per line, for error messages. () = the prompt is `text`."""
+    """Chat data: the conversation before the model's first turn as (role, content) pairs, rendered with the chat
+    template (data.template chat); `text` then holds the contents one per line, for error messages. () = the prompt
+    is `text`."""
+    demo: tuple[tuple[str, str], ...] = ()
+    """Chat data: the record's messages from the first assistant message on (assistant turns and tool results), a
+    demonstrated episode the SFT warm start trains on (the assistant turns only); () = none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,11 @@ class Example:
     """Where the raw prompt came from ("file.jsonl:12", "arithmetic")."""
     solution: str = ""
     """The raw prompt's full reference response for SFT ('' = the answer itself)."""
+    demo_ids: tuple[int, ...] = ()
+    """A demonstrated episode after the prompt (`Prompt.demo` rendered by the chat template), what the SFT warm
+    start trains on instead of the answer; () = none."""
+    demo_mask: tuple[int, ...] = ()
+    """One per `demo_ids`: 1 on the assistant turns' tokens (trained), 0 on tool results and chat markup."""
 
     @property
     def sft_target(self) -> str:

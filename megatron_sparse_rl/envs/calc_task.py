@@ -1,9 +1,10 @@
 """The built-in tool task: multiplications of numbers too long for a tiny model to work out, with a `calc` tool that
 knows the answer, as JSONL chat data.
 
-Each record is {"messages": [{"role": "user", "content": "4738291*5821="}], "answer": "27581591911"}: operands of
-`min_digits`..`max_digits` digits (defaults 5..7, products of 9..14 digits), drawn from `random.Random(seed)`,
-distinct. A model that writes the product at once is almost always wrong; a model that writes
+Each record is {"messages": [user "4738291*5821=", assistant "calc(4738291*5821)", tool "27581591911", assistant
+"27581591911"], "answer": "27581591911"}: the user message is the prompt, the rest a demonstrated episode that the SFT
+warm start trains on (data/templates.py `encode_demo`). Operands of `min_digits`..`max_digits` digits (defaults
+5..7, products of 9..14 digits), drawn from `random.Random(seed)`, distinct. A model that writes the product at once is almost always wrong; a model that writes
 `calc(4738291*5821)` gets "r: 27581591911" back (env.kind: tools) and has only to copy it as its next turn, which
 a tiny model can learn. The reward is on that final answer (exact match).
 
@@ -32,7 +33,11 @@ def calc_records(count: int, *, min_digits: int = 5, max_digits: int = 7, seed: 
         if key in seen:
             continue
         seen.add(key)
-        out.append({"messages": [{"role": "user", "content": f"{a}*{b}="}], "answer": str(a * b)})
+        product = str(a * b)
+        out.append({"messages": [{"role": "user", "content": f"{a}*{b}="},
+                                 {"role": "assistant", "content": f"calc({a}*{b})"},
+                                 {"role": "tool", "content": product},
+                                 {"role": "assistant", "content": product}], "answer": product})
     return out
 
 

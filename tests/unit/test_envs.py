@@ -262,3 +262,27 @@ def test_k1_before_and_after_the_tool_by_hand():
     # k1 = mean(mu - pi_old): before the tool tokens 10, 11 (row 0) and 13 (row 1); after it token 12 only
     assert m["mismatch/k1_before_tool"] == pytest.approx((0.1 + 0.3 - 0.1) / 3, abs=1e-6)
     assert m["mismatch/k1_after_tool"] == pytest.approx(-1.0, abs=1e-6)
+
+
+def test_a_demonstrated_episode_trains_the_model_turns_and_matches_the_episode_layout(tmp_path, tok):
+    from megatron_sparse_rl.data.templates import encode_sft
+
+    (record,) = calc_records(1, seed=7)
+    question, product = record["messages"][0]["content"], record["answer"]
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    (prompt,) = read_jsonl(path, "messages")
+    assert prompt.messages == (("user", question),) and [r for r, _ in prompt.demo] == ["assistant", "tool", "assistant"]
+    (ex,), _ = encode_prompts([prompt], tok, DataConfig(source="jsonl", path=str(path), prompt_key="messages",
+                                                        template="chat"))
+    sft = encode_sft(tok, ex)
+    call = f"calc({question.rstrip('=')})\n"
+    assert tok.decode(sft.input_ids) == f"<bos>q: {question}\na: {call}r: {product}\na: {product}\n"
+    hand = [0] * len(ex.ids) + [1] * len(call) + [0] * len(f"r: {product}\na: ") + [1] * len(product + "\n")
+    assert list(sft.loss_mask) == hand
+    # the episode a model following the demonstration would sample lays out the same tokens and the same mask
+    env = EnvConfig(kind="tools")
+    batch = run_episodes(ScriptedEngine(tok, [[call], [product + "\n"]]), tok, [ex], SamplingConfig(n=1, max_tokens=24),
+                         env, environment_factory(env, tok))
+    assert batch.prompts()[0] + batch.responses()[0] == list(sft.input_ids)
+    assert [0] * len(ex.ids) + batch.loss_mask[0].int().tolist() == hand and batch.reward.tolist() == [1.0]
