@@ -2,8 +2,8 @@
 
 Each component's dataclass checks its own fields in `__post_init__`; `validate` checks what spans
 components: parallel degrees against the world size and the model's shapes, the model against vLLM's
-CPU attention (MLA models: the latent width, no sparse KV) and against what its adapter can build, the launch
-shape against the world size, rollout sampling against the algorithm.
+CPU attention (MLA models: the latent width, no sparse KV; DSA models: no CPU engine) and against what its adapter
+can build, the launch shape against the world size, rollout sampling against the algorithm.
 
     spec = validate(run, world_size=4)   # ModelSpec (or None); ConfigError listing every problem
     run = resolve(run, spec)             # config/resolve.py: the values left to the model filled in
@@ -134,7 +134,22 @@ def _mla_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
         problems.append(f"{names} = {spec.kv_lora_rank} + {spec.qk_rope_head_dim} = {spec.latent_width} (the MLA "
                         f"latent) is not supported by vLLM's CPU MLA decode (no CUDA here); allowed: kv_lora_rank "
                         f"{lora} + qk_rope_head_dim {rope} = {lora + rope}")
-    return problems + mla_rollout_problems(run.rollout, spec.architecture, cuda)
+    return problems + dsa_rollout_problems(spec, cuda) + mla_rollout_problems(run.rollout, spec.architecture, cuda)
+
+
+def dsa_rollout_problems(spec, cuda: bool) -> list[str]:
+    """A DeepSeek Sparse Attention model (models/dsa.py) has no rollout engine without CUDA: vLLM's CPU platform
+    refuses sparse attention (`CpuPlatform.get_attn_backend_cls`: "Sparse Attention is not supported on CPU.")."""
+    from megatron_sparse_rl.models import ADAPTERS
+    from megatron_sparse_rl.models.dsa import DeepseekV32Adapter, DsaSpec
+
+    if cuda or not isinstance(spec, DsaSpec):
+        return []
+    dense = sorted(a for a, cls in ADAPTERS.items() if not issubclass(cls, DeepseekV32Adapter))
+    return [f"the model's architecture {spec.architecture} uses DeepSeek Sparse Attention (an indexer choosing "
+            f"index_topk = {spec.index_topk} tokens per query), which vLLM cannot serve on CPU (its CPU platform "
+            "refuses sparse attention) and this run needs a rollout engine (no CUDA here); allowed without CUDA: "
+            f"{', '.join(dense)}; a DSA model's learner and checkpoint conversion (msrl convert) do run on CPU"]
 
 
 def mla_rollout_problems(rollout: RolloutConfig, model: str, cuda: bool) -> list[str]:

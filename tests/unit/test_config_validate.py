@@ -462,3 +462,15 @@ def test_world_size_alone_needs_no_launch_shape():
         validate(run_of("parallel.ep=3"), 3, cuda=False)
     with pytest.raises(ConfigError, match=r"world size 2 != launch\.nodes \* launch\.nproc_per_node = 1 \* 4 = 4"):
         validate(run_of("launch.nproc_per_node=4"), 2, cuda=False)  # a launch shape set: it must agree
+
+
+@pytest.mark.parametrize("name, arch", [("deepseek-v3.2", "DeepseekV32ForCausalLM"),
+                                        ("glm-5", "GlmMoeDsaForCausalLM")])
+def test_dsa_model_has_no_rollout_engine_without_cuda(tmp_path, name, arch):
+    path = asset_model(tmp_path, name)
+    with pytest.raises(ConfigError) as e:
+        validate(run_of(f"model.path={path}"), 1, cuda=False)
+    assert (f"the model's architecture {arch} uses DeepSeek Sparse Attention (an indexer choosing index_topk = 2048 "
+            "tokens per query), which vLLM cannot serve on CPU") in str(e.value)
+    assert "allowed without CUDA: DeepseekV3ForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM" in str(e.value)
+    assert validate(run_of(f"model.path={path}"), 1, cuda=True).architecture == arch  # a GPU engine may serve it
