@@ -25,9 +25,9 @@ EXTRAS = {
     "plot": ["matplotlib>=3.8", "tensorboard>=2.15"],
     "math": ["math-verify>=0.9"],  # reward.kind: math (pure Python: latex2sympy2_extended, sympy, antlr4)
     "parquet": ["pyarrow>=15"],  # data.source: parquet
-    # logging.trackers: wandb / mlflow (observability/trackers.py); mlflow-skinny has the tracking client and the
-    # local file store without the server's dependencies.
-    "trackers": ["wandb>=0.31", "mlflow-skinny>=3.17"],
+    # logging.trackers: wandb / mlflow (observability/trackers.py): mlflow-skinny is MLflow's client without its
+    # server; sqlalchemy and alembic make its default local store, sqlite:///<logging.dir>/mlflow.db.
+    "trackers": ["wandb>=0.31", "mlflow-skinny>=3.17", "sqlalchemy>=2", "alembic>=1.13"],
 }
 MAPPED = ("moe", "launch", "tools")
 """Repository folders installed as subpackages of megatron_sparse_rl (megatron_sparse_rl.<folder>)."""

@@ -17,6 +17,7 @@ from megatron_sparse_rl.config.launch import LaunchConfig
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.trainer import TrainerConfig
+from megatron_sparse_rl.config.trackers import MlflowConfig, Tracker, WandbConfig
 from megatron_sparse_rl.config.checks import check as _check
 from megatron_sparse_rl.config.checks import require_finite
 
@@ -268,14 +269,23 @@ class LoggingConfig:
     console (`msrl train --verbose`); they always go to <dir>/logs/rank<N>.log."""
     tensorboard: bool = True
     """Also write TensorBoard event files (when tensorboard is installed)."""
+    trackers: tuple[Tracker, ...] = ()
+    """Experiment trackers to log to as well, any of wandb, mlflow: the metric names and steps TensorBoard gets and
+    the run's resolved config (config/trackers.py; docs/data.md, "Trackers"). Rank 0 logs."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B settings, used when `trackers` names wandb."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow settings, used when `trackers` names mlflow."""
     overwrite: bool = False
     """Start a fresh run even when `dir` holds a previous run: what that run recorded in its run.json that it wrote
-    (run.json, metrics, plots, TensorBoard events, logs, hf_final, the checkpoints carrying its id) is removed
-    first, nothing else; files no run recorded are refused instead. Off: such a directory is refused unless the
-    run resumes it."""
+    (run.json, metrics, plots, TensorBoard events, the W&B offline run and MLflow's default store, logs, hf_final,
+    the checkpoints carrying its id) is removed first, nothing else; files no run recorded are refused instead.
+    Off: such a directory is refused unless the run resumes it."""
 
     def __post_init__(self):
         _check_run_dir(self.dir)
+        twice = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
+        _check(not twice, f"logging.trackers names {', '.join(twice)} more than once (got {list(self.trackers)})")
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

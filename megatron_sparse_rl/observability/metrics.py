@@ -1,4 +1,5 @@
-"""Per-step metrics sinks: `metrics.jsonl` (always) and TensorBoard event files (when installed).
+"""Per-step metrics sinks: `metrics.jsonl` (always), TensorBoard event files (when installed) and the trackers
+`logging.trackers` names (W&B, MLflow: observability/trackers.py), which get the numbers under TensorBoard's names.
 
 One JSON object per `log()` call, written with a single append `os.write` (a whole line or nothing
 under concurrent readers; no user-space buffer to lose): {"step": 12, "phase": "rl", "time": <unix s>,
@@ -19,7 +20,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from megatron_sparse_rl._optional import _has
 from megatron_sparse_rl.config.loader import ConfigError
@@ -69,6 +70,14 @@ def to_record(step: int, metrics: Mapping[str, Any], *, phase: str = "rl", now: 
     return record
 
 
+def scalars(metrics: Mapping[str, Any], phase: str) -> dict[str, float]:
+    """The numbers of a record as TensorBoard and the trackers get them: bools as 0/1 (strings and None are
+    JSONL-only), named by the metric, prefixed with the phase when it is not "rl" ("sft/eval/accuracy")."""
+    prefix = "" if phase == "rl" else f"{phase}/"
+    values = {key: _value(key, v) for key, v in metrics.items()}
+    return {prefix + key: float(v) for key, v in values.items() if isinstance(v, (int, float))}
+
+
 def _restore(record: dict) -> dict:
     for key, kind in record.pop("nonfinite", {}).items():
         record[key] = float(kind)
@@ -94,9 +103,12 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 class MetricsWriter:
-    """Appends one record per step to `<run_dir>/metrics.jsonl`; mirrors numbers to TensorBoard."""
+    """Appends one record per step to `<run_dir>/metrics.jsonl`; mirrors numbers to TensorBoard and to `trackers`
+    (objects with `log(step, scalars)` and `close()`, observability/trackers.py open_trackers), closed with it."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, *, keep_records: int | None = None):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, *, keep_records: int | None = None,
+                 trackers: Sequence[Any] = ()):
+        self.trackers = list(trackers)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / FILENAME
@@ -142,19 +154,19 @@ class MetricsWriter:
             return False
 
     def log(self, step: int, metrics: Mapping[str, Any], *, phase: str = "rl") -> dict:
-        """Write one record; returns it. TensorBoard tags are the metric names (prefixed with the phase
-        when it is not "rl", e.g. "sft/eval/accuracy")."""
+        """Write one record; returns it. TensorBoard tags and tracker names are `scalars`' (the metric names,
+        prefixed with the phase when it is not "rl", e.g. "sft/eval/accuracy")."""
         record = to_record(step, metrics, phase=phase)
         data = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
         self._append(data, step)
         self.records += 1
+        values = scalars(metrics, phase)
         if self._tb is not None:
-            prefix = "" if phase == "rl" else f"{phase}/"
-            for key, v in metrics.items():
-                v = _value(key, v)
-                if isinstance(v, (int, float)):  # bools too (as 0/1); strings and None are JSONL-only
-                    self._tb.add_scalar(prefix + key, float(v), global_step=int(step))
+            for tag, v in values.items():
+                self._tb.add_scalar(tag, v, global_step=int(step))
             self._tb.flush()
+        for tracker in self.trackers:
+            tracker.log(step, values)
         return record
 
     def _append(self, data: bytes, step: int) -> None:
@@ -182,6 +194,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -163,12 +163,14 @@ def _checked(run: RunConfig):
     from megatron_sparse_rl.config.resolve import resolve
     from megatron_sparse_rl.config.summary import run_summary
     from megatron_sparse_rl.observability.logging import init_logging
+    from megatron_sparse_rl.observability.trackers import require_trackers
     from megatron_sparse_rl.parallel.world import on_rank0
     from megatron_sparse_rl.training.preflight import check_files
 
     rank, world = init_world(run.parallel)
     init_logging(rank, run.logging.level, verbose=run.logging.verbose)
     spec = validate(run, world)
+    require_trackers(run.logging.trackers)  # a missing wandb / mlflow fails here, before anything starts
     summary = run_summary(run, spec, world) if rank == 0 else []  # says what the model resolves (max_model_len)
     run = resolve(run, spec)  # every rank's engine and records see the values left to the model filled in
     on_rank0(lambda: check_files(run, spec))
@@ -256,8 +258,14 @@ def _engine_extensions(run: RunConfig, spec) -> list:
 
 
 def open_metrics(ctx: RunContext, keep_records: int | None) -> None:
-    """Rank 0's metrics sink; on resume, records written after the checkpoint are dropped."""
+    """Rank 0's metrics sink with the trackers `logging.trackers` names, each given the run's resolved config and
+    its id (a resumed run goes on logging to the same tracker run); on resume, records written after the
+    checkpoint are dropped."""
+    from megatron_sparse_rl.config.loader import to_dict
     from megatron_sparse_rl.observability.metrics import MetricsWriter
+    from megatron_sparse_rl.observability.trackers import open_trackers
 
     if ctx.is_main:
-        ctx.writer = MetricsWriter(ctx.run_dir, tensorboard=ctx.run.logging.tensorboard, keep_records=keep_records)
+        cfg = ctx.run.logging
+        ctx.writer = MetricsWriter(ctx.run_dir, tensorboard=cfg.tensorboard, keep_records=keep_records)
+        ctx.writer.trackers = open_trackers(cfg, ctx.run_dir, getattr(ctx.owner, "run_id", None), to_dict(ctx.run))

@@ -77,14 +77,14 @@ def _metadata(wheel: Path) -> email.message.Message:
 
 def test_wheel_python_range_and_trackers_extra(wheel):
     """Python 3.11-3.13 install (README, "Python versions": megatron-core 0.16.1 has no 3.14 wheel), and the
-    `trackers` extra brings W&B and the MLflow client (logging.trackers)."""
+    `trackers` extra brings W&B, the MLflow client and its sqlite store (logging.trackers)."""
     meta = _metadata(wheel)
     allowed = SpecifierSet(meta["Requires-Python"])
     assert [v for v in ("3.10", "3.11.0", "3.12.1", "3.13.5", "3.14.0") if v in allowed] == ["3.11.0", "3.12.1",
                                                                                           "3.13.5"]
     extra = {Requirement(r).name for r in meta.get_all("Requires-Dist")
              if 'extra == "trackers"' in str(Requirement(r).marker)}
-    assert extra == {"wandb", "mlflow-skinny"}
+    assert extra == {"wandb", "mlflow-skinny", "sqlalchemy", "alembic"}
 
 
 def test_installed_wheel_imports_from_its_own_folder(wheel, tmp_path):
