@@ -61,8 +61,8 @@ def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
 
 def sample_ahead(ctx: RunContext, step: int, score, correct) -> None:
     """Asynchronous RL: start step `step`'s rollout (the same prompts and seeds as `rollout_step`) on the engines and
-    return at once. The placement holds it; the next weight sync reaches the engines while they sample and then
-    collects it, and `next_batch` hands it over."""
+    return at once. The placement holds it (up to trainer.max_staleness batches); the weight syncs reach the engines
+    while they sample, and `next_batch` hands it over (k = 1: the next sync collects it; k > 1: `next_batch`)."""
     examples, dp = ctx.task.next_train(ctx.run.trainer.prompts_per_step), ctx.layout.dp
     calls = [R.request(examples[d::dp], ctx.run.rollout.sampling, seed=_seed(ctx, step, d), rescore=_rescore(ctx))
              for d in range(dp)]
@@ -71,9 +71,10 @@ def sample_ahead(ctx: RunContext, step: int, score, correct) -> None:
 
 
 def next_batch(ctx: RunContext, step: int, score, correct) -> tuple:
-    """Step `step`'s batch with rewards and rollout metrics (global): the one sampled ahead during the previous step
-    when the placement holds it, else sampled now (`rollout_step`). For a batch sampled ahead time/rollout_s is the
-    engines' sampling time and async/* add the learner's wait for the batch and the engines' wait and load times."""
+    """Step `step`'s batch with rewards and rollout metrics (global): the oldest one sampled ahead during earlier
+    steps when the placement holds one (checked against trainer.stale_policy), else sampled now (`rollout_step`).
+    For a batch sampled ahead time/rollout_s is the engines' sampling time and async/* add the learner's wait for
+    the batch and the engines' wait and load times."""
     ahead = ctx.placement.take_ahead()
     if ahead is None:
         return rollout_step(ctx, step, score, correct)
