@@ -36,7 +36,8 @@ class MlflowConfig:
     -e .[trackers])."""
 
     tracking_uri: str | None = None
-    """Where runs are stored. None: `sqlite:///<logging.dir>/mlflow.db`, a local store that needs no server.
+    """Where runs are stored. None: `sqlite:///<logging.dir>/mlflow.db`, a local store that needs no server (its
+    artifacts in <logging.dir>/mlflow_artifacts).
     A server (`http://host:5000`) or another database URI works as MLflow accepts it; a file store
     (`file:///path/mlruns`) also needs MLFLOW_ALLOW_FILE_STORE=true, MLflow's own switch for that store."""
     experiment: str = "megatron_sparse_rl"

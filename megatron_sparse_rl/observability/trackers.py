@@ -10,7 +10,8 @@ Only rank 0 opens trackers (training/context.py open_metrics).
   run. The config is the W&B run config. Each record is one `log` call whose row carries the metrics and `step`
   (every metric is charted against `step`: an SFT stage and the RL steps after it both count from 1, which W&B's
   own step, strictly increasing, could not hold).
-- MLflow: `MlflowClient(logging.mlflow.tracking_uri)` (default: sqlite:///<logging.dir>/mlflow.db), experiment
+- MLflow: `MlflowClient(logging.mlflow.tracking_uri)` (default: sqlite:///<logging.dir>/mlflow.db, its artifacts in
+  <logging.dir>/mlflow_artifacts), experiment
   `logging.mlflow.experiment`, a run tagged `msrl.run_id` = this run's id (a resumed run finds it and goes on
   logging to it). The config is logged as the run's params (flattened dotted keys, values as text; a param keeps its
   first value, so a resume with an accepted change logs only the keys that are new) and as the artifact
@@ -37,6 +38,9 @@ HINT = "Install the trackers extra: pip install -e .[trackers] (wandb, mlflow-sk
 TAG = "msrl.run_id"
 """The MLflow run tag holding this project's run id (run.json)."""
 PARAM_BATCH = 100  # MLflow's limit of params per log_batch
+ARTIFACT_DIR = "mlflow_artifacts"
+"""Where the default MLflow store (<logging.dir>/mlflow.db) keeps the runs' artifacts (config.json), in the run
+directory."""
 
 
 def require_trackers(names: tuple[str, ...]) -> None:
@@ -94,9 +98,13 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         uri = cfg.tracking_uri or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+        # The default store keeps its artifacts beside it (MLflow would put a sqlite store's in ./mlruns of the
+        # current directory); a store the user names keeps MLflow's own artifact location.
+        artifacts = None if cfg.tracking_uri else (run_dir.resolve() / ARTIFACT_DIR).as_uri()
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(cfg.experiment)
-        exp_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment)
+        exp_id = (experiment.experiment_id if experiment
+                  else self.client.create_experiment(cfg.experiment, artifact_location=artifacts))
         found = self.client.search_runs([exp_id], filter_string=f"tags.`{TAG}` = '{run_id}'") if run_id else []
         run = found[0] if found else self.client.create_run(exp_id, run_name=run_dir.name,
                                                               tags={TAG: run_id} if run_id else None)

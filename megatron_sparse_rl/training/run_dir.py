@@ -43,10 +43,10 @@ from megatron_sparse_rl.training.run_lock import (
 log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
-# What a run writes into logging.dir (the model directory and vLLM's cache are not run artifacts); wandb/ and
-# mlflow.db: the W&B offline run and the default MLflow store (logging.trackers).
+# What a run writes into logging.dir (the model directory and vLLM's cache are not run artifacts); wandb/,
+# mlflow.db and mlflow_artifacts/: the W&B offline run and the default MLflow store (logging.trackers).
 ARTIFACTS = (RUN_FILE, "metrics.jsonl", "metrics.png", "tensorboard", "hf_final", ".hf_final.tmp", "logs", "wandb",
-             "mlflow.db")
+             "mlflow.db", "mlflow_artifacts")
 CHECKPOINT_GLOB = "step_*"
 
 
