@@ -5,7 +5,8 @@ Hadamard shim of patches/megatron_dsa_hadamard.py) against transformers 5.19 (fp
   index_topk 4 on sequences of 16: every query from position 4 on really selects. Per layer and query, Megatron's
   DSAIndexer picks the same tokens as transformers' indexer (no tie at the k-th score, checked, so "the same" is
   defined), logprobs and entropies are within 1e-4 (measured here: about 1e-6), and the selection matters: the
-  same model with top-k >= length (dense MLA) moves the logprobs by more than 1e-2.
+  same model with top-k >= length (dense MLA) moves the logprobs by more than 1e-2. Also at TP2 x EP2
+  (DeepSeek-V3.2) and TP2 (GLM-5), sequence parallel.
 - HF -> torch_dist -> HF round trips bit-exact (every tensor, the indexer's included): DeepSeek-V3.2 at TP2 x EP2,
   GLM-5 at PP2.
 Run: .venv/bin/python -m pytest -q tests/distributed/test_dsa.py
@@ -91,6 +92,20 @@ def test_learner_selects_as_transformers_and_matches_logprobs(dsa_dir):
     assert float((ent.double() - ref_ent).abs().max()) < 1e-4
     dense_lp, _ = hf_reference(model_dir, TOKENS, attn_implementation="eager", index_topk=TOKENS.shape[1])
     assert float((dense_lp - ref_lp).abs().max()) > 1e-2, "top-k did not change the model: the test would not see it"
+
+
+LEARNER_LAYOUTS = {"deepseek_v32": (2, 2), "glm_moe_dsa": (2, 1)}
+
+
+def test_tensor_parallel_learner_matches_transformers(dsa_dir):
+    """TP2 (sequence parallel: the indexer gathers its input; its projections are whole on both ranks), with EP2
+    for DeepSeek-V3.2."""
+    arch, model_dir = dsa_dir
+    tp, ep = LEARNER_LAYOUTS[arch]
+    ref_lp, ref_ent = hf_reference(model_dir, TOKENS, attn_implementation="eager")
+    for lp, ent in run_distributed(W.logprobs_worker, 2, args=(model_dir, TOKENS, tp, ep), timeout=300):
+        assert float((lp.double() - ref_lp).abs().max()) < 1e-4
+        assert float((ent.double() - ref_ent).abs().max()) < 1e-4
 
 
 # ---- conversion -------------------------------------------------------------------------------------------------
