@@ -80,7 +80,8 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
                                                  "model_type": "deepseek_v3"})
         heads, dim, topk = (_positive(cfg, k, arch) for k in INDEXER_KEYS)
         if base.q_lora_rank is None:
-            raise NotImplementedError(f"{arch} without q_lora_rank is not supported: the DSA indexer reads the q latent")
+            raise NotImplementedError(f"{arch} without q_lora_rank is not supported: the DSA indexer reads the q "
+                                      "latent")
         rope = base.qk_rope_head_dim
         if dim <= rope or dim & (dim - 1):
             raise ValueError(f"config.json index_head_dim must be a power of two (the Hadamard rotation) above "
@@ -122,10 +123,10 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
     def _attention_maps(self, spec: DsaSpec, hf: str, mc: str) -> list[TensorMap]:
         ix, mx = f"{hf}.self_attn.indexer", f"{mc}.self_attention.core_attention.indexer"
         d, heads, h = spec.index_head_dim, spec.index_n_heads, spec.hidden_size
-        one = indexer_row_order(d, spec.qk_rope_head_dim, 1, spec.indexer_rope_interleaved)
+        one, every = (indexer_row_order(d, spec.qk_rope_head_dim, n, spec.indexer_rope_interleaved) for n in (1, heads))
         return super()._attention_maps(spec, hf, mc) + [
-            TensorMap(f"{mx}.linear_wq_b.weight", (f"{ix}.wq_b.weight",), "rows", shapes=((heads * d, spec.q_lora_rank),),
-                      rows=indexer_row_order(d, spec.qk_rope_head_dim, heads, spec.indexer_rope_interleaved)),
+            TensorMap(f"{mx}.linear_wq_b.weight", (f"{ix}.wq_b.weight",), "rows",
+                      shapes=((heads * d, spec.q_lora_rank),), rows=every),
             TensorMap(f"{mx}.linear_wk.weight", (f"{ix}.wk.weight",), "rows", shapes=((d, h),), rows=one),
             TensorMap(f"{mx}.k_norm.weight", (f"{ix}.k_norm.weight",), "rows", shapes=((d,),), rows=one),
             TensorMap(f"{mx}.k_norm.bias", (f"{ix}.k_norm.bias",), "rows", shapes=((d,),), rows=one),

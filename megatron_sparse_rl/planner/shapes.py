@@ -11,10 +11,9 @@ kv_lora_rank + qk_rope_head_dim values shared by every head), shared experts, th
 `first_k_dense_replace` layers dense, the router's correction bias. Multi-token-prediction layers are left out
 of the totals, as in the published counts (DeepSeek-V3: 671B main model + 14B MTP module).
 
-DeepSeek Sparse Attention models (`DeepseekV32ForCausalLM`: DeepSeek-V3.2; `GlmMoeDsaForCausalLM`: GLM-5) have no
-training adapter yet. Until they do, `read_dsa_without_adapter` (the one place that knows this) reads them as their
-MLA base through the DeepSeek-V3 adapter plus the lightning indexer (`DsaShape`: its parameters, the key cache an
-engine keeps for it, the top-k a replay record stores).
+DeepSeek Sparse Attention models (`DeepseekV32ForCausalLM`: DeepSeek-V3.2; `GlmMoeDsaForCausalLM`: GLM-5) are read
+through their adapter (models/dsa.py) like the rest; `DsaShape` is the lightning indexer's part (its parameters, the
+key cache an engine keeps for it, the top-k a replay record stores).
 """
 from __future__ import annotations
 
@@ -172,18 +171,22 @@ def _mla_attention(spec) -> dict:
                 act_attn=(q_lora or 0) + spec.latent_width + heads * (2 * qk + 2 * spec.v_head_dim), notes=notes)
 
 
-def _from_spec(name: str, spec, dsa: DsaShape | None = None, architecture: str | None = None) -> ModelShape:
-    """The shape of `spec` (an adapter's ModelSpec); `dsa` and `architecture` only from read_dsa_without_adapter."""
+def _from_spec(name: str, spec) -> ModelShape:
+    """The shape of `spec` (an adapter's ModelSpec), with the indexer of a DSA model (models/dsa.py DsaSpec)."""
     from megatron_sparse_rl.models.deepseek import DeepseekSpec
+    from megatron_sparse_rl.models.dsa import DsaSpec
 
     h, deepseek = spec.hidden_size, isinstance(spec, DeepseekSpec)
     # DeepSeek's sigmoid router has a correction bias per expert (Megatron's router.expert_bias)
     router = spec.num_experts * (h + 1 if deepseek else h)
     attention = _mla_attention(spec) if deepseek else _gqa_attention(spec)
-    if dsa is not None:
-        attention["notes"] += _dsa_notes(dsa, architecture)
+    dsa = None
+    if isinstance(spec, DsaSpec):
+        dsa = DsaShape(n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk,
+                       layers=spec.num_layers, q_rank=spec.q_lora_rank, hidden=h)
+        attention["notes"] += _dsa_notes(dsa)
     return ModelShape(
-        name=name, architecture=architecture or spec.architecture, hidden=h, layers=spec.num_layers,
+        name=name, architecture=spec.architecture, hidden=h, layers=spec.num_layers,
         vocab=spec.vocab_size, heads=spec.num_heads, dense_mlp_params=3 * h * spec.ffn_hidden_size,
         expert_params=3 * h * spec.moe_ffn_hidden_size, shared_params=3 * h * spec.shared_expert_ffn_hidden_size,
         router_params=router, num_experts=spec.num_experts, topk=spec.moe_topk,
@@ -194,81 +197,26 @@ def _from_spec(name: str, spec, dsa: DsaShape | None = None, architecture: str |
     )
 
 
-# ---- DeepSeek Sparse Attention without a training adapter --------------------------------------------------------
-DSA_WITHOUT_ADAPTER = {"DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
-"""DSA architectures (and their model_type) the planner reads without a training adapter. When models/ has adapters
-for them, remove them here and give `_from_spec` the indexer from the adapter's spec: read_dsa_without_adapter and
-this table are the only code that stands in for those adapters."""
-INDEXER_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
-
-
-def read_dsa_without_adapter(cfg: dict, name: str) -> ModelShape:
-    """A DSA model's shape: the config read as its MLA base through the DeepSeek-V3 adapter (the same keys and, apart
-    from the indexer, the same tensors), plus the indexer from index_n_heads / index_head_dim / index_topk (required:
-    transformers would default them). The learner-side spec stays the base's (architecture DeepseekV3ForCausalLM),
-    which is what the layout check and the weight-sync slicing read; `ModelShape.architecture` is the DSA one."""
-    from megatron_sparse_rl.models.deepseek import DeepseekV3Adapter
-
-    arch = cfg["architectures"][0]
-    if cfg.get("model_type", DSA_WITHOUT_ADAPTER[arch]) != DSA_WITHOUT_ADAPTER[arch]:
-        raise ValueError(f"{name}: config.json says {arch!r} but model_type {cfg['model_type']!r} (expected "
-                         f"{DSA_WITHOUT_ADAPTER[arch]!r})")
-    for key in INDEXER_KEYS:
-        if not (isinstance(cfg.get(key), int) and not isinstance(cfg[key], bool) and cfg[key] > 0):
-            raise ValueError(f"{name}: config.json {key} must be a positive integer for {arch} (got "
-                             f"{cfg.get(key, 'nothing')!r})")
-    shared = [i for i, kind in enumerate(_indexer_types(cfg, cfg["num_hidden_layers"])) if kind != "full"]
-    if shared:
-        raise NotImplementedError(f"{name}: indexer layers {shared[:8]} reuse another layer's top-k (GLM-5.2 index "
-                                  "sharing: indexer_types / index_topk_pattern / index_topk_freq): not planned, as "
-                                  "Megatron-Core 0.16.1's DSA has no shared index layers")
-    spec = DeepseekV3Adapter().spec_from_hf({**cfg, "architectures": ["DeepseekV3ForCausalLM"],
-                                             "model_type": "deepseek_v3"})
-    if cfg["index_head_dim"] < spec.qk_rope_head_dim:
-        raise ValueError(f"{name}: config.json index_head_dim ({cfg['index_head_dim']}) must hold the rope part, "
-                         f"qk_rope_head_dim ({spec.qk_rope_head_dim})")
-    dsa = DsaShape(n_heads=cfg["index_n_heads"], head_dim=cfg["index_head_dim"], topk=cfg["index_topk"],
-                   layers=spec.num_layers, q_rank=spec.q_lora_rank or spec.hidden_size, hidden=spec.hidden_size)
-    return _from_spec(name, spec, dsa, arch)
-
-
-def _indexer_types(cfg: dict, layers: int) -> list[str]:
-    """Per layer 'full' (runs the indexer) or 'shared' (reuses a full layer's top-k), as transformers'
-    GlmMoeDsaConfig derives them: indexer_types, else index_topk_pattern ('F'/'S'), else index_topk_freq (1) and
-    index_skip_topk_offset (2). DeepSeek-V3.2 and GLM-5 have none of these keys: every layer is 'full'."""
-    if cfg.get("indexer_types") is not None:
-        return list(cfg["indexer_types"])
-    pattern = cfg.get("index_topk_pattern")
-    if pattern is not None:
-        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
-    freq, offset = max(cfg.get("index_topk_freq") or 1, 1), cfg.get("index_skip_topk_offset", 2)
-    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
-
-
-def _dsa_notes(dsa: DsaShape, architecture: str) -> tuple[str, ...]:
+def _dsa_notes(dsa: DsaShape) -> tuple[str, ...]:
     return (f"DSA indexer: {dsa.n_heads} heads x {dsa.head_dim}, top-{dsa.topk}, on all {dsa.layers} layers; "
             f"{dsa.params:,} parameters per layer (wq_b {dsa.q_rank}x{dsa.n_heads * dsa.head_dim}, wk "
             f"{dsa.hidden}x{dsa.head_dim}, k_norm 2x{dsa.head_dim}, weights_proj {dsa.hidden}x{dsa.n_heads}), "
             "whole on every TP rank (Megatron builds them duplicated)",
             f"DSA: the engine caches the indexer key beside the latent row: {dsa.cache_bytes} B per token per layer "
-            f"(vLLM: {dsa.head_dim} fp8 values + one fp32 scale per {INDEXER_QUANT_BLOCK}), whole on every TP rank",
-            f"{architecture} has no training adapter yet (issue 33): read as its MLA base (DeepSeek-V3 shape) plus "
-            "the indexer; msrl train cannot run it until the adapter lands")
+            f"(vLLM: {dsa.head_dim} fp8 values + one fp32 scale per {INDEXER_QUANT_BLOCK}), whole on every TP rank")
 
 
 def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
-    """A ModelShape from an HF config dict, through the architecture's training adapter (DSA models: see
-    read_dsa_without_adapter); ValueError naming the architecture when nothing reads it."""
+    """A ModelShape from an HF config dict, through the architecture's training adapter; ValueError naming the
+    architecture when nothing reads it."""
     from megatron_sparse_rl.models import ADAPTERS, get_adapter
 
     archs = cfg.get("architectures") or []
     if len(archs) != 1:
         raise ValueError(f"{name}: config must name exactly one architecture (got {archs!r})")
-    if archs[0] in DSA_WITHOUT_ADAPTER:
-        return read_dsa_without_adapter(cfg, name)
     if archs[0] not in ADAPTERS:
         raise ValueError(f"{name}: architecture {archs[0]!r} is not supported by the planner; supported: "
-                         f"{', '.join(sorted([*ADAPTERS, *DSA_WITHOUT_ADAPTER]))}")
+                         f"{', '.join(sorted(ADAPTERS))}")
     return _from_spec(name, get_adapter(cfg).spec_from_hf(cfg))
 
 

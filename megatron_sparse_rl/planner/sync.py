@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, fields
 
 from megatron_sparse_rl.planner.memory import stage_params
-from megatron_sparse_rl.planner.shapes import DSA_WITHOUT_ADAPTER, ModelShape
+from megatron_sparse_rl.planner.shapes import ModelShape
 
 BENCH_BYTES = 397_149_184
 """Bytes one sync of `msrl bench sync` moves (its default model: 99,287,296 fp32 parameters)."""
@@ -110,8 +110,7 @@ def engine_rank_bytes(shape: ModelShape, engine_tp: int, weight_bytes: int) -> l
     """Bytes each rank of one engine of tensor-parallel size `engine_tp` receives from a sliced sync: its slice of
     every split tensor, replicated tensors whole, `weight_bytes` per element. The slices are the ones the sync cuts
     (EngineShards over the model adapter's tensor maps); tensors of one split and shape are counted once. A DSA
-    model read without an adapter (shapes.DSA_WITHOUT_ADAPTER) gets its indexer whole on every rank (vLLM replicates
-    it)."""
+    model's indexer is whole on every rank (its maps are "replicated": vLLM replicates it)."""
     from megatron_sparse_rl.models import adapter_for
     from megatron_sparse_rl.weight_sync.engine_shards import EngineShards
 
@@ -126,8 +125,6 @@ def engine_rank_bytes(shape: ModelShape, engine_tp: int, weight_bytes: int) -> l
             cut = shards.slice_of(example[split, dims], dims, rank)
             elems = math.prod(dims) if cut is None else math.prod(dims) // dims[cut.dim] * cut.length
             out[rank] += n * elems * weight_bytes
-    if shape.architecture in DSA_WITHOUT_ADAPTER:  # the MLA base's tensor maps lack the indexer: vLLM replicates it
-        out = [b + shape.layers * shape.indexer_params * weight_bytes for b in out]
     return out
 
 

@@ -27,10 +27,11 @@ def test_spec_and_megatron_config_from_config_json():
                                                                                                          False)
     assert get_adapter(_cfg("GlmMoeDsaForCausalLM", "glm_moe_dsa")).spec_from_hf(
         _cfg("GlmMoeDsaForCausalLM", "glm_moe_dsa")).indexer_rope_interleaved
-    config = adapter.transformer_config(spec, tp=1, pp=1, ep=1, etp=1)
-    assert config.experimental_attention_variant == "dsa" and config.multi_latent_attention
-    assert (config.dsa_indexer_n_heads, config.dsa_indexer_head_dim, config.dsa_indexer_topk) == (16, 128, 4)
-    assert config.dsa_indexer_loss_coeff == 0.0  # Megatron multiplies by it whenever it trains: None would raise
+    kw = adapter.config_kwargs(spec, tp=1, pp=1, ep=1, etp=1, sequence_parallel=False, dtype=torch.float32,
+                               recompute=False, aux_loss_coeff=0.0)  # MLATransformerConfig's: built in test_dsa.py
+    assert kw["experimental_attention_variant"] == "dsa" and kw["multi_latent_attention"]
+    assert (kw["dsa_indexer_n_heads"], kw["dsa_indexer_head_dim"], kw["dsa_indexer_topk"]) == (16, 128, 4)
+    assert kw["dsa_indexer_loss_coeff"] == 0.0  # Megatron multiplies by it whenever it trains: None would raise
     # by hand: wq_b 32 x 16*128, wk 64 x 128, k_norm 2 x 128, weights_proj 64 x 16
     assert spec.indexer_params == 32 * 2048 + 64 * 128 + 256 + 64 * 16
 
