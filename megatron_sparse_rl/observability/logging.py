@@ -74,16 +74,23 @@ class ConsoleFilter(logging.Filter):
         return record.levelno >= logging.ERROR or not _benign(record.getMessage())
 
 
+def reroute(name: str) -> None:
+    """Send library logger `name`'s records to the root logger's handlers (the console filter and the log file)
+    instead of its own console handler; for a library imported after `init_logging` (MLflow, at a tracker's
+    start: observability/trackers.py), call it after the import."""
+    lib = logging.getLogger(name)
+    lib.handlers[:] = []
+    lib.propagate = True
+    lib.setLevel(logging.NOTSET)
+
+
 def _reroute_library_handlers(verbose: bool) -> None:
     """Send vLLM's and transformers' records to the root logger's handlers (the console filter and the
     log file) instead of their own console handlers. The variable covers a later `import vllm` (and spawned
     engine processes); loggers already set up are rewired directly."""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     for name in _OWN_HANDLERS:
-        lib = logging.getLogger(name)
-        lib.handlers[:] = []
-        lib.propagate = True
-        lib.setLevel(logging.NOTSET)
+        reroute(name)
     if not verbose and "transformers" in sys.modules:
         import transformers
 

@@ -2,8 +2,8 @@
 
 `MetricsWriter` hands each tracker the numbers of a record (observability/metrics.py `scalars`: bools as 0/1,
 strings and None stay JSONL-only) under the names TensorBoard gets: the metric's name, prefixed with the phase when
-it is not "rl" ("sft/eval/accuracy"), at the record's step. Each tracker gets the run's resolved config once, when it opens.
-Only rank 0 opens trackers (training/context.py open_metrics).
+it is not "rl" ("sft/eval/accuracy"), at the record's step. Each tracker gets the run's resolved config once, when
+it opens. Only rank 0 opens trackers (training/context.py open_metrics).
 
 - W&B: `wandb.init(mode=logging.wandb.mode, dir=<logging.dir>)` (offline by default: the run is written under
   <logging.dir>/wandb/, no network), run id = this run's id (run.json), so a resumed run continues the same W&B
@@ -11,11 +11,11 @@ Only rank 0 opens trackers (training/context.py open_metrics).
   (every metric is charted against `step`: an SFT stage and the RL steps after it both count from 1, which W&B's
   own step, strictly increasing, could not hold).
 - MLflow: `MlflowClient(logging.mlflow.tracking_uri)` (default: sqlite:///<logging.dir>/mlflow.db, its artifacts in
-  <logging.dir>/mlflow_artifacts), experiment
-  `logging.mlflow.experiment`, a run tagged `msrl.run_id` = this run's id (a resumed run finds it and goes on
-  logging to it). The config is logged as the run's params (flattened dotted keys, values as text; a param keeps its
-  first value, so a resume with an accepted change logs only the keys that are new) and as the artifact
-  `config.json`, rewritten at every start. Each record is one `log_batch` at the record's step.
+  <logging.dir>/mlflow_artifacts), experiment `logging.mlflow.experiment`, a run tagged `msrl.run_id` = this run's
+  id (a resumed run finds it and goes on logging to it). The config is logged as the run's params (flattened
+  dotted keys, values as text; a param keeps its first value, so a resume with an accepted change logs only the keys
+  that are new) and as the artifact `config.json`, rewritten at every start. Each record is one `log_batch` at the
+  record's step.
 
 Steps replayed after a resume are logged again (W&B and MLflow keep both values; metrics.jsonl and TensorBoard drop
 the old ones).
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from megatron_sparse_rl._optional import require
+from megatron_sparse_rl.observability.logging import reroute
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,14 @@ class WandbTracker:
         import wandb
 
         settings = wandb.Settings(console="off", silent=True)
+        # W&B's own terminal lines (its tips on start) follow the settings of wandb.setup, not init's
+        wandb.setup(settings=settings)
         self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=str(run_dir),
                               id=run_id, resume="allow" if run_id else None, name=run_dir.name,
                               config=config, settings=settings)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
-        log.info("W&B run %s (%s) in %s", self.run.id, cfg.mode, self.run.dir)
+        log.info("W&B run %s (%s) in %s", self.run.id, cfg.mode, Path(self.run.dir).parent)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         if values:
@@ -96,6 +99,8 @@ class MlflowTracker:
     def __init__(self, cfg, run_dir: Path, run_id: str | None, config: dict):
         require_trackers(("mlflow",))
         from mlflow.tracking import MlflowClient
+
+        reroute("mlflow")  # its INFO lines (creating the sqlite store's tables) go to the log file, not the console
 
         uri = cfg.tracking_uri or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
         # The default store keeps its artifacts beside it (MLflow would put a sqlite store's in ./mlruns of the
