@@ -45,6 +45,7 @@ class AheadRank:
         self.done: deque[AheadBatches] = deque()     # sampled, not collected
         self.open = None                             # Collect() or a command, until answered
         self.failure: Failure | None = None
+        self.sampling = False                        # a batch is being sampled (taken off the queue)
         self.load_s, self.loads, self.idle_s = 0.0, 0, 0.0
         self._listen()
 
@@ -74,6 +75,7 @@ class AheadRank:
         """One batch, this engine's part of each of its calls; the words that arrive meanwhile are taken between
         engine steps."""
         start, load_before, loads_before = time.perf_counter(), self.load_s, self.loads
+        self.sampling = True
         try:
             batches = [self.rr.engine.generate(c.prompts, c.sampling, group_ids=c.group_ids,
                                                between_steps=self._between_steps) if c.prompts else None
@@ -84,6 +86,8 @@ class AheadRank:
             log.error("rollout rank %d: sampling ahead failed:\n%s", self.rr.rank, traceback.format_exc())
             self.failure = Failure(f"{type(e).__name__}: {e}", sync=isinstance(e, WeightSyncError))
             return
+        finally:
+            self.sampling = False
         load_s = self.load_s - load_before
         seconds = {"generate_s": time.perf_counter() - start - load_s, "wait_s": self.idle_s, "load_s": load_s,
                    "in_flight": float(self.loads > loads_before)}
@@ -129,7 +133,7 @@ class AheadRank:
         (between batches when it has re-scorings to run); a command between batches."""
         if self.open is None:
             return
-        if self.failure is None and isinstance(self.open, Collect) and not (self.done or self.queue):
+        if self.failure is None and isinstance(self.open, Collect) and not (self.done or self.sampling or self.queue):
             self.failure = Failure("Collect with no batch sampled or queued")
         if self.failure is not None:
             answer = self.failure

@@ -120,6 +120,13 @@ def test_collect_probe_and_in_flight_weights_in_protocol_order():
                                    ("generate", 200), ("done", 200)]
 
 
+def test_collect_of_the_batch_being_sampled_waits_for_it():
+    """The last batch handed over, collected while it is sampled (nothing queued behind it): answered once done."""
+    engine = _Engine()
+    answers, loads = _run(engine, [(1, Collect()), (3, Stop())])
+    assert [a.batches for a in answers] == [[[100]]] and engine.log == [("generate", 100), ("done", 100)]
+
+
 def test_collect_with_rescorings_waits_for_the_weights_and_the_end_of_the_batch():
     """engine_mean: the oldest batch is re-scored after the weights the learner trains it with were loaded, and
     between two batches (the engine runs one generate at a time)."""
