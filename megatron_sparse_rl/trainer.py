@@ -107,6 +107,8 @@ def _stopped(ctx, why: str, counters: dict, checkpoint) -> dict:
     where = f"RL step {counters['rl_step']}, SFT step {counters['sft_step']}"
     if ctx.is_main:
         state.record_stop(ctx, why, where, checkpoint)
+        if ctx.writer is not None:  # flushes metrics.jsonl and ends the tracker runs (a resume reopens them)
+            ctx.writer.close()
         log.warning("stopped (%s) at %s; %s; run the same command again to resume", why, where,
                     f"checkpoint {checkpoint}" if checkpoint else "no new checkpoint (stopped before the first step)")
     return {"rank": ctx.rank, "stopped": why, "preempted": why.startswith("preemption"), "at": where,

@@ -114,6 +114,8 @@ class MlflowTracker:
         run = found[0] if found else self.client.create_run(exp_id, run_name=run_dir.name,
                                                               tags={TAG: run_id} if run_id else None)
         self.run_id = run.info.run_id
+        if found:  # a resumed run: FINISHED when it stopped, running again
+            self.client.update_run(self.run_id, status="RUNNING")
         self._log_config(config, set(run.data.params))
         log.info("MLflow run %s (experiment %r) at %s", self.run_id, cfg.experiment, uri)
 

@@ -38,8 +38,8 @@ def _logging(tmp_path: Path, trackers: list[str], **extra) -> LoggingConfig:
                      "logging")
 
 
-def _log_run(tmp_path: Path, cfg: LoggingConfig, run_id: str | None = RUN_ID, logged=LOGGED) -> None:
-    trackers = open_trackers(cfg, tmp_path, run_id, CONFIG)
+def _log_run(tmp_path: Path, cfg: LoggingConfig, logged=LOGGED, config: dict = CONFIG) -> None:
+    trackers = open_trackers(cfg, tmp_path, RUN_ID, config)
     with MetricsWriter(tmp_path, tensorboard=False, trackers=trackers) as writer:
         for step, metrics, phase in logged:
             writer.log(step, metrics, phase=phase)
@@ -141,12 +141,10 @@ def test_mlflow_resume_continues_the_run(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    global CONFIG
-    first, CONFIG = CONFIG, {**CONFIG, "trainer": {"steps": 9, "lr": 1e-3}, "extra": 1}
-    try:
-        _log_run(tmp_path, cfg, logged=LOGGED[2:])
-    finally:
-        CONFIG = first
+    (reopened,) = open_trackers(cfg, tmp_path, RUN_ID, CONFIG)  # a resumed run is running again until it closes
+    assert client.get_run(reopened.run_id).info.status == "RUNNING"
+    reopened.close()
+    _log_run(tmp_path, cfg, logged=LOGGED[2:], config={**CONFIG, "trainer": {"steps": 9, "lr": 1e-3}, "extra": 1})
     run = _mlflow_run_dir(tmp_path)  # still one run
     assert _mlflow_metric(run, "rollout/reward") == [(1, 0.5), (2, 0.75)]
     data = client.get_run(run.name).data
