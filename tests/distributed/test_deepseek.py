@@ -77,20 +77,19 @@ def grads_worker(rank, world, model_dir, tokens):
             if getattr(lp.param, "main_grad", None) is not None}
 
 
-def test_learner_gradients_match_transformers(ds_dir):
-    """Every parameter's gradient (MLA projections and latent norms, YaRN RoPE path, grouped sigmoid router,
-    experts, shared experts) within 1e-4 relative of transformers' autograd on the same loss."""
+def hf_grads(model_dir, tokens, **load) -> dict[str, torch.Tensor]:
+    """transformers' fp32 autograd of the mean next-token NLL: HF checkpoint name -> gradient (fused experts split
+    per expert as the checkpoint names them); parameters without a gradient are left out. `load`: from_pretrained
+    arguments."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_sparse_rl.models import load_spec
-    from megatron_sparse_rl.models.tensor_map import to_mcore
-
-    ours = run_distributed(grads_worker, 1, args=(ds_dir, TOKENS))[0]
-    model = AutoModelForCausalLM.from_pretrained(ds_dir, dtype=torch.float32)
-    logp = torch.log_softmax(model(TOKENS).logits[:, :-1].double(), -1).gather(-1, TOKENS[:, 1:, None])[..., 0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load)
+    logp = torch.log_softmax(model(tokens).logits[:, :-1].double(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
     (-logp.mean()).backward()
     hf = {}
     for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
         if n.endswith("mlp.experts.gate_up_proj"):  # transformers 5 fuses experts in memory: [E, 2 ffn, h]
             for e, g in enumerate(p.grad.float()):
                 gate, up = g.chunk(2)
@@ -101,6 +100,17 @@ def test_learner_gradients_match_transformers(ds_dir):
                 hf[n.replace("down_proj", f"{e}.down_proj.weight")] = g
         else:
             hf[n] = p.grad.float()
+    return hf
+
+
+def test_learner_gradients_match_transformers(ds_dir):
+    """Every parameter's gradient (MLA projections and latent norms, YaRN RoPE path, grouped sigmoid router,
+    experts, shared experts) within 1e-4 relative of transformers' autograd on the same loss."""
+    from megatron_sparse_rl.models import load_spec
+    from megatron_sparse_rl.models.tensor_map import to_mcore
+
+    ours = run_distributed(grads_worker, 1, args=(ds_dir, TOKENS))[0]
+    hf = hf_grads(ds_dir, TOKENS)
     adapter, spec = load_spec(ds_dir)
     compared = 0
     for tm in adapter.tensor_maps(spec):

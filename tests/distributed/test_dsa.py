@@ -6,7 +6,8 @@ Hadamard shim of patches/megatron_dsa_hadamard.py) against transformers 5.19 (fp
   DSAIndexer picks the same tokens as transformers' indexer (no tie at the k-th score, checked, so "the same" is
   defined), logprobs and entropies are within 1e-4 (measured here: about 1e-6), and the selection matters: the
   same model with top-k >= length (dense MLA) moves the logprobs by more than 1e-2. Also at TP2 x EP2
-  (DeepSeek-V3.2) and TP2 (GLM-5), sequence parallel.
+  (DeepSeek-V3.2) and TP2 (GLM-5), sequence parallel; every parameter's gradient within 1e-4 relative of
+  transformers' autograd (DeepSeek-V3.2; the indexer's are zero on both sides).
 - HF -> torch_dist -> HF round trips bit-exact (every tensor, the indexer's included): DeepSeek-V3.2 at TP2 x EP2,
   GLM-5 at PP2.
 Run: .venv/bin/python -m pytest -q tests/distributed/test_dsa.py
@@ -106,6 +107,32 @@ def test_tensor_parallel_learner_matches_transformers(dsa_dir):
     for lp, ent in run_distributed(W.logprobs_worker, 2, args=(model_dir, TOKENS, tp, ep), timeout=300):
         assert float((lp.double() - ref_lp).abs().max()) < 1e-4
         assert float((ent.double() - ref_ent).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("dsa_dir", ["deepseek_v32"], indirect=True)
+def test_learner_gradients_match_transformers(dsa_dir):
+    """Every parameter's gradient within 1e-4 relative of transformers' autograd on the same loss, through the
+    sparse attention; the indexer's own are zero on both sides (transformers runs it under no_grad; Megatron trains
+    it only through its KL loss, whose coefficient the adapter sets to 0)."""
+    from megatron_sparse_rl.models import load_spec
+    from megatron_sparse_rl.models.tensor_map import to_mcore
+
+    from tests.distributed.test_deepseek import grads_worker, hf_grads
+
+    _, model_dir = dsa_dir
+    ours = run_distributed(grads_worker, 1, args=(model_dir, TOKENS), timeout=300)[0]
+    hf = hf_grads(model_dir, TOKENS, attn_implementation="eager")
+    adapter, spec = load_spec(model_dir)
+    compared = indexer = 0
+    for tm in adapter.tensor_maps(spec):
+        if ".indexer." in tm.mcore:
+            assert not any(n in hf for n in tm.hf) and torch.count_nonzero(ours[tm.mcore]) == 0, tm.mcore
+            indexer += 1
+        elif not tm.mcore.endswith("router.expert_bias"):  # a buffer: no gradient on either side
+            ref = to_mcore(tm, [hf[n] for n in tm.hf], spec)
+            assert ref.norm() > 0 and float((ours[tm.mcore] - ref).norm() / ref.norm()) < 1e-4, tm.mcore
+            compared += 1
+    assert indexer == 2 * 5 and compared + indexer == len(ours)
 
 
 # ---- conversion -------------------------------------------------------------------------------------------------
