@@ -105,3 +105,25 @@ def test_glm_shared_index_layers_are_refused(over):
     cfg = _cfg("GlmMoeDsaForCausalLM", "glm_moe_dsa", **over)
     with pytest.raises(NotImplementedError, match="Megatron-Core 0.16.1's DSA runs an indexer in every layer"):
         get_adapter(cfg).spec_from_hf(cfg)
+
+
+def test_indexer_shapes_that_do_not_fit_the_weights_are_refused_naming_the_tensor(tmp_path):
+    """A config.json whose index_n_heads does not match the checkpoint: the pre-conversion header check names the
+    indexer tensors with expected and found shapes (nothing is read or written)."""
+    import json
+
+    from megatron_sparse_rl.checkpoint.checks import check_hf_tensors
+    from megatron_sparse_rl.formats.hf_io import HFCheckpoint
+    from megatron_sparse_rl.models import load_spec
+    from megatron_sparse_rl.models.tiny_families import build_tiny_dsa
+
+    hf = build_tiny_dsa(tmp_path / "hf", layers=1, first_k_dense=1, index_heads=16)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "index_n_heads": 8}))
+    adapter, spec = load_spec(hf)
+    with pytest.raises(ValueError) as e:
+        check_hf_tensors(HFCheckpoint(hf), adapter, spec, hf / "config.json")
+    assert "model.layers.0.self_attn.indexer.wq_b.weight (in model.safetensors): expected shape (1024, 32), found " \
+           "(2048, 32)" in str(e.value)
+    assert "model.layers.0.self_attn.indexer.weights_proj.weight (in model.safetensors): expected shape (8, 64), " \
+           "found (16, 64)" in str(e.value)
