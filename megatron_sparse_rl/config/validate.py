@@ -134,22 +134,34 @@ def _mla_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
         problems.append(f"{names} = {spec.kv_lora_rank} + {spec.qk_rope_head_dim} = {spec.latent_width} (the MLA "
                         f"latent) is not supported by vLLM's CPU MLA decode (no CUDA here); allowed: kv_lora_rank "
                         f"{lora} + qk_rope_head_dim {rope} = {lora + rope}")
-    return problems + dsa_rollout_problems(spec, cuda) + mla_rollout_problems(run.rollout, spec.architecture, cuda)
+    dsa = dsa_rollout_problems(spec, run.rollout, cuda)
+    return problems + dsa + mla_rollout_problems(run.rollout, spec.architecture, cuda)
 
 
-def dsa_rollout_problems(spec, cuda: bool) -> list[str]:
+def dsa_rollout_problems(spec, rollout: RolloutConfig, cuda: bool) -> list[str]:
     """A DeepSeek Sparse Attention model (models/dsa.py) has no rollout engine without CUDA: vLLM's CPU platform
-    refuses sparse attention (`CpuPlatform.get_attn_backend_cls`: "Sparse Attention is not supported on CPU.")."""
+    refuses sparse attention (`CpuPlatform.get_attn_backend_cls`: "Sparse Attention is not supported on CPU.").
+    Sparse KV is refused on any device: the engine's compaction would drop latent rows and keep the indexer's keys,
+    and the learner's keep-set masks reach DotProductAttention only, which a DSA layer does not have."""
     from megatron_sparse_rl.models import ADAPTERS
     from megatron_sparse_rl.models.dsa import DeepseekV32Adapter, DsaSpec
 
-    if cuda or not isinstance(spec, DsaSpec):
+    if not isinstance(spec, DsaSpec):
         return []
+    problems = []
+    if rollout.kv.policy != "none":
+        problems.append(f"rollout.kv.policy = {rollout.kv.policy!r}: sparse KV does not run on a DeepSeek Sparse "
+                        f"Attention model ({spec.architecture}: its attention already reads index_topk = "
+                        f"{spec.index_topk} tokens chosen by the indexer); set rollout.kv.policy = 'none'")
+    if cuda:
+        return problems
     dense = sorted(a for a, cls in ADAPTERS.items() if not issubclass(cls, DeepseekV32Adapter))
-    return [f"the model's architecture {spec.architecture} uses DeepSeek Sparse Attention (an indexer choosing "
-            f"index_topk = {spec.index_topk} tokens per query), which vLLM cannot serve on CPU (its CPU platform "
-            "refuses sparse attention) and this run needs a rollout engine (no CUDA here); allowed without CUDA: "
-            f"{', '.join(dense)}; a DSA model's learner and checkpoint conversion (msrl convert) do run on CPU"]
+    problems.append(f"the model's architecture {spec.architecture} uses DeepSeek Sparse Attention (an indexer "
+                    f"choosing index_topk = {spec.index_topk} tokens per query), which vLLM cannot serve on CPU (its "
+                    "CPU platform refuses sparse attention) and this run needs a rollout engine (no CUDA here); "
+                    f"allowed without CUDA: {', '.join(dense)}; a DSA model's learner and checkpoint conversion (msrl "
+                    "convert) do run on CPU")
+    return problems
 
 
 def mla_rollout_problems(rollout: RolloutConfig, model: str, cuda: bool) -> list[str]:

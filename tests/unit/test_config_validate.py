@@ -474,3 +474,6 @@ def test_dsa_model_has_no_rollout_engine_without_cuda(tmp_path, name, arch):
             "tokens per query), which vLLM cannot serve on CPU") in str(e.value)
     assert "allowed without CUDA: DeepseekV3ForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM" in str(e.value)
     assert validate(run_of(f"model.path={path}"), 1, cuda=True).architecture == arch  # a GPU engine may serve it
+    with pytest.raises(ConfigError, match=r"^rollout\.kv\.policy = 'rkv': sparse KV does not run on a DeepSeek Sparse "
+                                          rf"Attention model \({arch}: its attention already reads index_topk = 2048"):
+        validate(run_of(f"model.path={path}", "rollout.kv.policy=rkv", "rollout.kv.budget=256"), 1, cuda=True)
