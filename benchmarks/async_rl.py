@@ -1,6 +1,7 @@
-"""Asynchronous RL against the synchronous loop: the same run, once with trainer.max_staleness 0 and once with 1.
+"""Asynchronous RL against the synchronous loop: the same run with trainer.max_staleness 0 and each k of
+--staleness (default 0, 1, 2 and 4).
 
-    msrl bench async [--config configs/async_tiny_moe.yaml --steps 16 --set trainer.prompts_per_step=32 ...]
+    msrl bench async [--config configs/async_tiny_moe.yaml --steps 16 --staleness 0,1,2,4 --set KEY=VALUE ...]
     .venv/bin/python benchmarks/async_rl.py [same options]
 
 Each run is `msrl launch local CONFIG --nproc 2` on one learner rank + one rollout rank (launch.rollout_ranks 1),
@@ -13,7 +14,8 @@ last (which also evaluates):
   generates, loads weights and idles (synchronous: while the learner trains and syncs; asynchronous: waiting for
   the weights after it finished sampling);
 - how the runs learn: mean reward over the last five RL steps and held-out accuracy at the end (a fixed short run:
-  the two should agree within the run-to-run noise; a batch sampled one version behind is an off-policy batch).
+  they should agree within the run-to-run noise; a batch sampled k versions behind is an off-policy batch);
+- one table, a row per k: s/step, steps/s over k = 0's, the phases, the staleness of the trained tokens, learning.
 The config should make generation and training take comparable time (the overlap can at best hide the shorter
 of the two); `configs/async_tiny_moe.yaml` is sized for that on a 2-core CPU machine.
 """
@@ -37,8 +39,23 @@ LAST = 5  # RL steps whose mean reward is printed
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=str(REPO / "configs" / "async_tiny_moe.yaml"))
     p.add_argument("--steps", type=positive(), default=16, help="RL steps per run (>= 4)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for both runs")
+    p.add_argument("--staleness", type=_ks, default=(0, 1, 2, 4),
+                   help="comma-separated trainer.max_staleness values to run; 0 (the baseline) is always run")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run")
     p.add_argument("--timeout", type=positive(), default=1800, help="seconds before a run is killed")
+
+
+def _ks(text: str) -> tuple[int, ...]:
+    """--staleness: 0 first, then the others in order, each in [0, MAX_STALENESS]."""
+    from megatron_sparse_rl.config.trainer import MAX_STALENESS
+
+    try:
+        ks = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--staleness takes comma-separated integers (got {text!r})") from None
+    if any(not 0 <= k <= MAX_STALENESS for k in ks):
+        raise argparse.ArgumentTypeError(f"--staleness values must be in [0, {MAX_STALENESS}] (got {text!r})")
+    return (0, *sorted(set(ks) - {0}))
 
 
 def _launch(args, tmp: Path, staleness: int) -> list[dict]:
@@ -71,31 +88,41 @@ def summarise(records: list[dict]) -> dict[str, float]:
         "load_s": mean("async/engine_load_s"),
         "rollout_idle_s": mean("async/engine_wait_s") if asynchronous else train + sync,
         "in_flight": mean("async/in_flight_update"), "stale_frac": mean("async/stale_frac"),
+        "staleness_mean": mean("async/staleness_mean"),
+        "staleness_max": max((r.get("async/staleness_max", 0.0) for r in middle), default=0.0),
         "reward_last": statistics.fmean(r["rollout/reward"] for r in rl[-LAST:]),
         "accuracy": rl[-1].get("eval/accuracy", float("nan")),
     }
 
 
-def _line(label: str, s: dict[str, float]) -> str:
-    return (f"{label}: {1 / s['steps_per_s']:.3f} s/step; learner rank: train {s['train_s']:.3f} s, sync "
-            f"{s['sync_s']:.3f} s, waiting for the batch {s['learner_wait_s']:.3f} s; rollout rank: generate "
-            f"{s['generate_s']:.3f} s, load weights {s['load_s']:.3f} s, idle {s['rollout_idle_s']:.3f} s")
+HEADER = ("k", "s/step", "x k=0", "train", "sync", "learner wait", "generate", "load", "rollout idle", "in flight",
+          "stale mean", "stale max", f"reward last {LAST}", "accuracy")
+
+
+def _row(k: int, s: dict[str, float], base: dict[str, float]) -> tuple:
+    return (k, f"{1 / s['steps_per_s']:.3f}", f"{s['steps_per_s'] / base['steps_per_s']:.2f}", *(
+        f"{s[key]:.3f}" for key in ("train_s", "sync_s", "learner_wait_s", "generate_s", "load_s", "rollout_idle_s")),
+        f"{s['in_flight']:.0%}", f"{s['staleness_mean']:.2f}", f"{s['staleness_max']:.0f}",
+        f"{s['reward_last']:.3f}", f"{s['accuracy']:.3f}")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.steps < 4:
         raise SystemExit(f"error: --steps must be >= 4 (the first and last steps are not timed; got {args.steps})")
     tmp = Path(tempfile.mkdtemp(prefix="msrl_bench_async_"))  # kept when a run fails: its logs are there
-    sync, asyn = (summarise(_launch(args, tmp, k)) for k in (0, 1))
+    runs = {k: summarise(_launch(args, tmp, k)) for k in args.staleness}
     shutil.rmtree(tmp, ignore_errors=True)
-    print(_line("synchronous  (max_staleness 0)", sync))
-    print(_line("asynchronous (max_staleness 1)", asyn))
-    print(f"asynchronous: weights arrived while sampling in {asyn['in_flight']:.0%} of the steps; "
-          f"{asyn['stale_frac']:.0%} of the trained tokens were one version behind")
-    print(f"learning over {args.steps} RL steps: mean reward of the last {LAST} steps sync {sync['reward_last']:.3f}, "
-          f"async {asyn['reward_last']:.3f}; held-out accuracy at the end sync {sync['accuracy']:.3f}, "
-          f"async {asyn['accuracy']:.3f}")
-    print(f"async/sync steps/s = {asyn['steps_per_s'] / sync['steps_per_s']:.2f}")
+    rows = [HEADER, *(_row(k, s, runs[0]) for k, s in runs.items())]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(HEADER))]
+    for r in rows:
+        print("  ".join(str(v).rjust(w) for v, w in zip(r, widths)))
+    print(f"(seconds per step, mean over RL steps 2..{args.steps - 1}; learner: train, sync, waiting for its batch; "
+          f"rollout rank: generate, load weights, idle; stale: versions behind the training version per trained "
+          f"token; learning: mean reward of the last {LAST} steps, held-out accuracy at the end)")
+    best = max((k for k in runs if k), key=lambda k: runs[k]["steps_per_s"], default=None)
+    if best is not None:
+        print(f"async/sync steps/s = {runs[best]['steps_per_s'] / runs[0]['steps_per_s']:.2f} "
+              f"(best k = {best})")
     return 0
 
 

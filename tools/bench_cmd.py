@@ -6,7 +6,7 @@ docs/algorithms.md "Cost", docs/routing.md, docs/conversion.md, docs/async.md).
     msrl bench learner [--seq 256 --batch 16 ...]          learner tokens/s; corrections / keep-mask overhead
     msrl bench routing [--experts 64 --topk 8 ...]         routing replay overhead, route bytes per token
     msrl bench convert [--hidden 512 --layers 6 ...]       conversion GB/s over raw read+write (~80M params)
-    msrl bench async [--config ... --steps 16]              asynchronous RL steps/s over the synchronous loop's
+    msrl bench async [--config ... --staleness 0,1,2,4]     async RL steps/s over the synchronous loop's, per k
 
 Only this project's lines reach the console; vLLM's, Megatron-Core's and the other libraries' warnings go to
 <temp dir>/msrl/bench.log (`--verbose`: on the console too; observability/logging.py, `init_tool_logging`).
@@ -30,7 +30,7 @@ KINDS: dict[str, str] = {
     "learner": "learner step tokens/s; overhead of the off-policy corrections and of keep-sampling-mask",
     "routing": "learner step time with routing replay over without; route storage bytes per token",
     "convert": "HF <-> Megatron conversion GB/s over a raw read+write of the same bytes; peak memory",
-    "async": "asynchronous RL (trainer.max_staleness 1) steps/s over the synchronous loop's, per-phase times per role",
+    "async": "asynchronous RL (trainer.max_staleness 1, 2, 4) steps/s over the synchronous loop's, phases, learning",
 }
 MODULES = {"async": "async_rl"}  # `async` is a Python keyword: no module of that name
 
