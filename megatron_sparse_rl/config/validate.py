@@ -21,7 +21,6 @@ from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.config.resolve import max_model_len, max_model_len_origin
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.schema import RunConfig
-from megatron_sparse_rl.envs.tools import TOOLS
 
 
 def _has_config(run: RunConfig) -> bool:
@@ -288,13 +287,12 @@ def _async_problems(run: RunConfig) -> list[str]:
 
 
 def _env_problems(run: RunConfig) -> list[str]:
-    """What multi-turn episodes (env.kind) need: registered tools, chat-templated data, and none of the engine
+    """What multi-turn episodes (env.kind) need: chat-templated data, and none of the engine
     features that do not follow an episode across turns yet (docs/episodes.md)."""
     env = run.env
     if not env.episodes:
         return []
-    problems = [f"env.tools: {name!r} is not a registered tool; registered: {', '.join(map(repr, sorted(TOOLS)))}"
-                for name in env.tools if name not in TOOLS]
+    problems = []  # tool names against the registry: training/preflight.py tool_problems
     if run.data.template != "chat":
         problems.append(f"data.template = {run.data.template!r} with env.kind = {env.kind!r}: an episode's turns are "
                         "chat-template messages (tool results come back as tool messages); set data.template: chat")

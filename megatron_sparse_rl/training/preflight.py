@@ -7,6 +7,8 @@ write nothing else.
   the engine cannot serve on this machine, a tokenizer that loads, encodes and fits the model's vocabulary;
 - FP8 rollouts (rollout.quantization fp8): every quantised tensor of the model fits the engine's tensor-parallel
   shards in whole 128x128 blocks (`fp8_rollout_problems`);
+- episodes (env.kind set): every tool in env.tools registered (`tool_problems`; the registry lives in envs/, above
+  config/, so the check runs here);
 - the run and checkpoint directories: directories, writable or creatable;
 - the data: every record (`check_data`: file and line of the first problem), and every templated prompt short
   enough for the engine (`rollout.max_model_len`, a response needs one position at least).
@@ -19,6 +21,7 @@ import os
 from pathlib import Path
 
 from megatron_sparse_rl.config import ConfigError
+from megatron_sparse_rl.envs.tools import TOOLS
 
 
 def _model_problems(model, spec, cuda: bool) -> list[str]:
@@ -111,12 +114,20 @@ def fp8_rollout_problems(rollout, spec) -> list[str]:
     return [f"rollout.quantization = 'fp8' with rollout.tensor_parallel_size = {tp}: {problems[0]}"] if problems else []
 
 
+def tool_problems(env) -> list[str]:
+    """env.tools names that are not registered tools (none when no environment is configured)."""
+    if not env.episodes:
+        return []
+    return [f"env.tools: {name!r} is not a registered tool; registered: {', '.join(map(repr, sorted(TOOLS)))}"
+            for name in env.tools if name not in TOOLS]
+
+
 def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
     """Check the files `run` points to (reading them, writing nothing); the data lines of the summary.
     `spec` is the model's ModelSpec from `validate` (None when unknown); `run` as resolved (`resolve`) where
     max_model_len comes from the model.
 
-    Raises ConfigError listing every problem: model directory, FP8 rollout shapes, run and checkpoint directories,
+    Raises ConfigError listing every problem: model directory, FP8 rollout shapes, env.tools, run and checkpoint directories,
     the data.
     """
     from megatron_sparse_rl.data import DatasetError, check_data
@@ -126,7 +137,8 @@ def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
         import torch
 
         cuda = torch.cuda.is_available()
-    problems = _model_problems(run.model, spec, cuda) + fp8_rollout_problems(run.rollout, spec)
+    problems = (_model_problems(run.model, spec, cuda) + fp8_rollout_problems(run.rollout, spec)
+                + tool_problems(run.env))
     tokenizer = None
     if not problems:
         try:

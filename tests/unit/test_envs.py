@@ -7,6 +7,7 @@ episode runner's sequence and loss mask over a scripted engine (the real engine:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.rollout.engine import SampledTurn
 from megatron_sparse_rl.rollout.episodes import run_episodes
 from megatron_sparse_rl.tools import cli
+from megatron_sparse_rl.training.preflight import tool_problems
 from megatron_sparse_rl.training.update import align_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,8 +138,9 @@ def test_env_config_refusals_name_the_field():
         run_of(*TOOLS_ENV, "env.max_turns=0")
     with pytest.raises(ConfigError, match="unknown key env.tool "):
         run_of("env.tool=[calc]")
-    with pytest.raises(ConfigError, match=r"env.tools: 'abacus' is not a registered tool; registered: .*'calc'"):
-        validate(run_of(*TOOLS_ENV, "env.tools=[calc, abacus]"), 1, cuda=False)
+    [problem] = tool_problems(run_of(*TOOLS_ENV, "env.tools=[calc, abacus]").env)  # msrl validate: preflight
+    assert re.fullmatch(r"env.tools: 'abacus' is not a registered tool; registered: .*'calc'.*", problem), problem
+    assert tool_problems(run_of(*TOOLS_ENV).env) == [] == tool_problems(run_of("env.tools=[abacus]").env)
     with pytest.raises(ConfigError, match=r"data.template = 'plain' with env.kind = 'tools'.*set data.template: chat"):
         validate(run_of("env.kind=tools"), 1, cuda=False)
     with pytest.raises(ConfigError, match=r"rollout.kv.policy cannot run with env.kind = 'tools'"):
@@ -154,6 +157,8 @@ def test_msrl_validate_refuses_zero_turns(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert cli.main(["validate", "configs/tiny_moe.yaml", "--set", *TOOLS_ENV, "env.max_turns=0"]) == 2
     assert "env.max_turns must be >= 1" in capsys.readouterr().err
+    assert cli.main(["validate", "configs/tool_calc.yaml", "--set", "env.tools=[calc,abacus]"]) == 2
+    assert "env.tools: 'abacus' is not a registered tool" in capsys.readouterr().err
 
 
 # ---- the episode runner and the loss mask ---------------------------------------------------------------------------
