@@ -1,12 +1,15 @@
 """The built-in tool task: multiplications of numbers too long for a tiny model to work out, with a `calc` tool that
 knows the answer, as JSONL chat data.
 
-Each record is {"messages": [user "4738291*5821=", assistant "calc(4738291*5821)", tool "27581591911", assistant
-"27581591911"], "answer": "27581591911"}: the user message is the prompt, the rest a demonstrated episode that the SFT
-warm start trains on (data/templates.py `encode_demo`). Operands of `min_digits`..`max_digits` digits (defaults
-5..7, products of 9..14 digits), drawn from `random.Random(seed)`, distinct. A model that writes the product at once is almost always wrong; a model that writes
-`calc(4738291*5821)` gets "r: 27581591911" back (env.kind: tools) and has only to copy it as its next turn, which
-a tiny model can learn. The reward is on that final answer (exact match).
+Each record is {"messages": [user "47382*5821=", assistant "calc(47382*5821)", tool "275810622", assistant
+"275810622"], "answer": "275810622"}: the user message is the prompt, the rest a demonstrated episode that the SFT
+warm start trains on (data/templates.py `encode_demo`). Operands of `min_digits`..`max_digits` digits
+(defaults 4..5, products of 7..10 digits), drawn from `random.Random(seed)`, distinct. A tiny model cannot multiply
+such numbers, so one that writes the product at once is almost always wrong; a model that writes `calc(47382*5821)`
+gets "r: 275810622" back (env.kind: tools) and has only to copy it as its next turn. The reward is on that final
+answer (exact match). Why 4..5 and not longer: the model must copy both operands into the call and the whole product
+into its answer without one wrong digit; with 5..7 digits a 64-wide tiny model needed far more warm-start steps
+than a CPU run affords (docs/episodes.md, what was run and seen).
 
 Write the files the config configs/tool_calc.yaml reads:
     python -m megatron_sparse_rl.envs.calc_task megatron_sparse_rl/assets/tool_calc
@@ -19,7 +22,7 @@ import random
 from pathlib import Path
 
 
-def calc_records(count: int, *, min_digits: int = 5, max_digits: int = 7, seed: int = 0,
+def calc_records(count: int, *, min_digits: int = 4, max_digits: int = 5, seed: int = 0,
                  exclude: frozenset[tuple[int, int]] = frozenset()) -> list[dict]:
     """`count` distinct multiplication records (pairs in `exclude` skipped, a*b and b*a counted once)."""
     if not 1 <= min_digits <= max_digits <= 12:
@@ -49,12 +52,14 @@ def _pairs(records: list[dict]) -> frozenset[tuple[int, int]]:
     return frozenset(keys)
 
 
-def write_calc_jsonl(out_dir: str | Path, *, train: int = 512, eval_: int = 64, seed: int = 0) -> tuple[Path, Path]:
+def write_calc_jsonl(out_dir: str | Path, *, train: int = 512, eval_: int = 64, seed: int = 0, min_digits: int = 4,
+                     max_digits: int = 5) -> tuple[Path, Path]:
     """Write train.jsonl and eval.jsonl (disjoint) into `out_dir`; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    held_out = calc_records(eval_, seed=seed + 1)
-    splits = {"train.jsonl": calc_records(train, seed=seed, exclude=_pairs(held_out)), "eval.jsonl": held_out}
+    digits = {"min_digits": min_digits, "max_digits": max_digits}
+    held_out = calc_records(eval_, seed=seed + 1, **digits)
+    splits = {"train.jsonl": calc_records(train, seed=seed, exclude=_pairs(held_out), **digits), "eval.jsonl": held_out}
     for name, records in splits.items():
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in records))
     return out / "train.jsonl", out / "eval.jsonl"
@@ -66,8 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train", type=int, default=512)
     p.add_argument("--eval", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-digits", type=int, default=4)
+    p.add_argument("--max-digits", type=int, default=5)
     a = p.parse_args(argv)
-    print(*write_calc_jsonl(a.out_dir, train=a.train, eval_=a.eval, seed=a.seed))
+    print(*write_calc_jsonl(a.out_dir, train=a.train, eval_=a.eval, seed=a.seed, min_digits=a.min_digits,
+                            max_digits=a.max_digits))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ ends with `score(answer text, reference answer)` as its reward. Running out of t
 (rollout/episodes.py).
 
 With the character tokenizer an episode of the calc task reads:
-    <bos>q: 4738291*5821=\\na: calc(4738291*5821)\\nr: 27581591911\\na: 27581591911\\n
+    <bos>q: 47382*5821=\\na: calc(47382*5821)\\nr: 275810622\\na: 275810622\\n
 model turns after each "a: ", environment tokens "r: ...\\na: " between them.
 """
 from __future__ import annotations

@@ -120,7 +120,7 @@ def test_calc_task_records_are_distinct_correct_and_the_assets_are_reproducible(
     pairs = set()
     for r in recs:
         a, b = r["messages"][0]["content"].rstrip("=").split("*")
-        assert 5 <= len(a) <= 7 and 5 <= len(b) <= 7 and int(r["answer"]) == int(a) * int(b)
+        assert 4 <= len(a) <= 5 and 4 <= len(b) <= 5 and int(r["answer"]) == int(a) * int(b)
         pairs.add(frozenset((a, b)))
     assert len(pairs) == 200
     train, held_out = write_calc_jsonl(tmp_path)
