@@ -59,7 +59,8 @@ def write_calc_jsonl(out_dir: str | Path, *, train: int = 512, eval_: int = 64, 
     out.mkdir(parents=True, exist_ok=True)
     digits = {"min_digits": min_digits, "max_digits": max_digits}
     held_out = calc_records(eval_, seed=seed + 1, **digits)
-    splits = {"train.jsonl": calc_records(train, seed=seed, exclude=_pairs(held_out), **digits), "eval.jsonl": held_out}
+    splits = {"train.jsonl": calc_records(train, seed=seed, exclude=_pairs(held_out), **digits),
+              "eval.jsonl": held_out}
     for name, records in splits.items():
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in records))
     return out / "train.jsonl", out / "eval.jsonl"
