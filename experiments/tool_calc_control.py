@@ -1,7 +1,10 @@
 """The control of the calc tool task (docs/episodes.md): a trained model's held-out episodes with the `calc` tool,
 and the same episodes with the tool answering an error, on the real rollout engine.
 
-    python experiments/tool_calc_control.py configs/tool_calc.yaml runs/tool_calc/hf_final [--samples 4]
+    python experiments/tool_calc_control.py configs/tool_calc.yaml runs/tool_calc/hf_final [--samples 4] [--set ...]
+
+`--set` takes the run's overrides (e.g. `rollout.seed=1 data.seed=1`), so that the `calc` arm repeats the run's
+final evaluation exactly when `--samples` is its trainer.eval_samples.
 
 Both arms run training/rollout.py `collect_episodes` (what the trainer's evaluation runs) on one vLLM engine with
 the model's weights, over every held-out prompt of the config's data, `--samples` episodes each at
@@ -25,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("config")
     p.add_argument("model_dir", type=Path)
     p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--set", nargs="+", default=[], metavar="A.B=V", help="the run's config overrides")
     a = p.parse_args(argv)
     if a.samples < 1:
         raise SystemExit(f"--samples must be >= 1 (got {a.samples})")
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.training.rollout import collect_episodes
 
-    run = load_config(a.config, [])
+    run = load_config(a.config, a.set)
     register_tool("unavailable", _never_called)
     tokenizer = AutoTokenizer.from_pretrained(str(a.model_dir))
     examples = build_task(run.data, tokenizer).eval_examples()
@@ -58,10 +62,10 @@ def main(argv: list[str] | None = None) -> None:
             batch, right = collect_episodes(engine, tokenizer, examples, sampling, env, seed=run.rollout.seed,
                                             score=correct, correct=correct)
             ep = batch.episodes
+            calls, errors = ep["tool_calls"] / ep["episodes"], ep["tool_errors"] / ep["episodes"]
             print(f"{arm}: accuracy {float(right.mean()):.3f} over {len(right)} episodes "
-                  f"({len(examples)} held-out prompts x {a.samples}), tool calls/episode "
-                  f"{ep['tool_calls'] / ep['episodes']:.2f}, tool errors/episode {ep['tool_errors'] / ep['episodes']:.2f}, "
-                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+                  f"({len(examples)} held-out prompts x {a.samples}), tool calls/episode {calls:.2f}, "
+                  f"tool errors/episode {errors:.2f}, {time.perf_counter() - t0:.1f} s", flush=True)
     finally:
         engine.shutdown()
 
