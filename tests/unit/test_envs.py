@@ -22,7 +22,7 @@ from megatron_sparse_rl.data.datasets import DatasetError, encode_prompts, read_
 from megatron_sparse_rl.data.templates import SIMPLE_CHAT_FORMAT, render_messages, tool_observation
 from megatron_sparse_rl.data.types import Example
 from megatron_sparse_rl.envs import TOOLS, ToolError, call_tool, register_tool
-from megatron_sparse_rl.envs.calc_task import calc_records, write_calc_jsonl
+from megatron_sparse_rl.envs.calc_task import calc_records, main as calc_task_main, write_calc_jsonl
 from megatron_sparse_rl.envs.tool_env import environment_factory
 from megatron_sparse_rl.models.char_tokenizer import character_tokenizer
 from megatron_sparse_rl.rollout.batch import RolloutBatch
@@ -130,6 +130,19 @@ def test_calc_task_records_are_distinct_correct_and_the_assets_are_reproducible(
                  for p in (train, held_out)]
     assert not questions[0] & questions[1]
 
+
+
+def test_calc_task_cli_writes_the_digit_range_asked_and_refuses_a_bad_one(tmp_path, capsys):
+    calc_task_main([str(tmp_path), "--train", "30", "--eval", "6", "--min-digits", "2", "--max-digits", "3"])
+    assert capsys.readouterr().out.split() == [str(tmp_path / "train.jsonl"), str(tmp_path / "eval.jsonl")]
+    for name, count in (("train.jsonl", 30), ("eval.jsonl", 6)):
+        records = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        assert len(records) == count
+        for r in records:
+            a, b = r["messages"][0]["content"].rstrip("=").split("*")
+            assert 2 <= len(a) <= 3 and 2 <= len(b) <= 3 and r["answer"] == str(int(a) * int(b))
+    with pytest.raises(ValueError, match=r"1 <= min_digits <= max_digits <= 12 \(got 4, 3\)"):
+        calc_records(1, min_digits=4, max_digits=3)
 
 # ---- the env config -----------------------------------------------------------------------------------------------
 
