@@ -8,6 +8,7 @@ from typing import Literal, get_args
 RoutingMode = Literal["off", "R2", "R3"]
 AuxLossUnderReplay = Literal["off", "replayed"]
 EngineRoutes = Literal["auto", "hook", "vllm"]
+IndexerReplay = Literal["none", "R2", "R3"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -40,6 +41,11 @@ class RoutingConfig:
     """How the engine reports the routes it used: vllm = vLLM's own routed-experts output
     (enable_return_routed_experts; runs in its GPU model runner, needs CUDA); hook = a callback on every vLLM
     MoE router (CPU and GPU); auto = vllm with CUDA, else hook."""
+    indexer_replay: IndexerReplay = "none"
+    """DeepSeek Sparse Attention models only (DeepSeek-V3.2, GLM-5): none = every forward attends its indexer's own
+    top-k; R2 = the old-logprob forward records each DSA layer's top-k per query and every update attends exactly
+    those (learner/indexer_replay.py; metrics indexer/flip_rate, indexer/flip_rate/layer_<i>); R3 (the engine's
+    indices) is refused: no engine here records them (vLLM's DSA runs on GPU only)."""
 
     def __post_init__(self):
         if self.mode not in get_args(RoutingMode):
@@ -49,6 +55,13 @@ class RoutingConfig:
         if self.engine_routes not in get_args(EngineRoutes):
             raise ValueError(f"routing.engine_routes must be one of {get_args(EngineRoutes)} "
                              f"(got {self.engine_routes!r})")
+        if self.indexer_replay not in get_args(IndexerReplay):
+            raise ValueError(f"routing.indexer_replay must be one of {get_args(IndexerReplay)} "
+                             f"(got {self.indexer_replay!r})")
+        if self.indexer_replay == "R3":
+            raise ValueError("routing.indexer_replay = 'R3' replays the engine's indexer choices, but no rollout engine "
+                             "here records them (vLLM runs DeepSeek Sparse Attention on GPU only and its indices are "
+                             "not captured); use 'R2' (the learner's old forward) or 'none'")
         if self.attribute_mismatch and not self.capture:
             raise ValueError(f"routing.attribute_mismatch needs the engine's routes, which routing.mode = "
                              f"{self.mode!r} does not capture: set routing.mode = 'R3' or "

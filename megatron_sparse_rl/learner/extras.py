@@ -2,14 +2,16 @@
 
     extras = ForwardExtras(sampling_support=batch.sampling_mask,              # keep-sampling-mask
                            attention_mask=batch_attention_mask(batch.kv_keep, T - 1),  # sparse-KV pi_sparse
-                           routes=RouteRequest(replay=routes))                # MoE routing replay (R2/R3)
+                           routes=RouteRequest(replay=routes),                # MoE routing replay (R2/R3)
+                           indexer=IndexerRequest(replay=indices))            # DSA indexer replay (R2)
     out = learner.forward_logprobs(tokens, lengths=lengths, extras=extras)
     metrics = learner.train_step(tokens[rows], loss_fn, lengths=lengths[rows], extras=extras.select(rows))
 
 Every extra is optional and describes the call's rows (row i of each extra is row i of `tokens`). The learner
 applies each one for the duration of that call only (learner/learner.py): the sampling support in its scoring,
 the attention mask as the micro-batch's argument to Megatron's forward, the routes through the routing state
-the learner owns (learner/routing.py). Nothing is left on the learner or on a module between calls.
+the learner owns (learner/routing.py), the indexer's selection through its indexer state
+(learner/indexer_replay.py). Nothing is left on the learner or on a module between calls.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 if TYPE_CHECKING:
     from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
     from megatron_sparse_rl.moe.storage import RouteStore
+    from megatron_sparse_rl.learner.indexer_replay import IndexerRequest
 
 
 def _rows(index) -> torch.Tensor:
@@ -80,6 +83,9 @@ class ForwardExtras:
     attention (learner/attention_mask.py)."""
     routes: RouteRequest | None = None
     """MoE routing replay / recording for this call (RouteRequest); None = the routers route themselves."""
+    indexer: IndexerRequest | None = None
+    """DSA indexer replay / recording for this call (learner/indexer_replay.py IndexerRequest); None = every
+    DSA layer attends its indexer's own top-k."""
 
     def select(self, index) -> ForwardExtras:
         """The extras of rows `index` of the call's rows (e.g. one update's mini-batch)."""
@@ -87,7 +93,8 @@ class ForwardExtras:
         return ForwardExtras(
             sampling_support=None if self.sampling_support is None else self.sampling_support.select(rows),
             attention_mask=None if self.attention_mask is None else self.attention_mask[rows],
-            routes=None if self.routes is None else self.routes.select(rows))
+            routes=None if self.routes is None else self.routes.select(rows),
+            indexer=None if self.indexer is None else self.indexer.select(rows))
 
 
 NO_EXTRAS = ForwardExtras()

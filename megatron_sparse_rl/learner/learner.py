@@ -30,6 +30,7 @@ from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
 from megatron_sparse_rl.formats.hf_io import iter_mcore_tensors
 from megatron_sparse_rl.learner.attention_mask import LayerAttentionMasks, pad_causal
 from megatron_sparse_rl.learner.extras import NO_EXTRAS, ForwardExtras
+from megatron_sparse_rl.learner.indexer_replay import LearnerIndexer
 from megatron_sparse_rl.learner.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_sparse_rl.learner.model import build_gpt_model
 from megatron_sparse_rl.learner.params import load_full_tensors, local_params
@@ -70,6 +71,14 @@ class Learner:
         config.grad_sync_func = None
         # This model's routing replay/recording state (learner/routing.py); calls use it through extras.routes.
         self.routing = LearnerRouting(self.model, layout, groups, routing) if routing is not None else None
+        # DSA models: the indexers' replay/recording state (learner/indexer_replay.py), used through extras.indexer.
+        self.indexer = None
+        if getattr(config, "experimental_attention_variant", None) == "dsa":
+            mode = routing.indexer_replay if routing is not None else "none"
+            self.indexer = LearnerIndexer(self.model, layout, groups, mode)
+        elif routing is not None and routing.indexer_replay != "none":
+            raise ValueError(f"routing.indexer_replay = {routing.indexer_replay!r} needs a DeepSeek Sparse Attention "
+                             f"model (DeepSeek-V3.2, GLM-5); {spec.architecture} has no indexer: set 'none'")
         self.optimizer, self.scheduler = self._build_optimizer(cfg, model_cfg, total_steps)
         self.step = 0
 
@@ -185,6 +194,8 @@ class Learner:
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
             if extras.routes is not None:
                 self.routing.before_micro_batch(index, inputs)
+            if extras.indexer is not None:
+                self.indexer.before_micro_batch(index, inputs)
             mask = None  # None: Megatron's causal mask; else the per-layer mask its core-attention hooks slice
             if blocked is not None:
                 width = inputs.shape[1]
@@ -226,6 +237,8 @@ class Learner:
                 self._layer_masks = LayerAttentionMasks(self.model, self.groups.tp_rank)
         if extras.routes is not None and self.routing is None:
             raise ValueError("extras.routes: this learner was built without routing (Learner(..., routing=...))")
+        if extras.indexer is not None and self.indexer is None:
+            raise ValueError(f"extras.indexer: {self.spec.architecture} has no DeepSeek Sparse Attention indexer")
 
     def _mask_kv_heads(self) -> int:
         """KV heads of a per-layer attention mask (kv_keep records): 1 for multi-head latent attention (one latent
@@ -236,18 +249,22 @@ class Learner:
 
     @contextlib.contextmanager
     def _routes_applied(self, tokens: torch.Tensor, lengths: torch.Tensor | None, extras: ForwardExtras):
-        """`extras.routes` in force for the block (one call): yields a dict that holds "routing" (the
-        RoutingResult) once the block has run; the routers route themselves again after it, also on error."""
+        """`extras.routes` and `extras.indexer` in force for the block (one call): yields a dict that holds
+        "routing" (the RoutingResult) and "indexer" (the IndexerResult) once the block has run; the routers and
+        indexers select themselves again after it, also on error."""
         done: dict = {}
-        if extras.routes is None:
-            yield done
-            return
-        self.routing.begin(tokens, lengths, extras.routes)
+        states = [(name, state, request) for name, state, request in
+                  (("routing", self.routing, extras.routes), ("indexer", self.indexer, extras.indexer))
+                  if request is not None]
         try:
+            for _, state, request in states:
+                state.begin(tokens, lengths, request)
             yield done
-            done["routing"] = self.routing.finish()
+            for name, state, _ in states:
+                done[name] = state.finish()
         finally:
-            self.routing.stop()
+            for _, state, _ in states:
+                state.stop()
 
     @torch.no_grad()
     def forward_logprobs(self, tokens: torch.Tensor, *, lengths=None,
@@ -336,8 +353,9 @@ class Learner:
                 metrics[k] = metrics.get(k, 0.0) + float(v)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        if "routing" in routed:
-            metrics.update(routed["routing"].metrics)
+        for name in ("routing", "indexer"):
+            if name in routed:
+                metrics.update(routed[name].metrics)
         return metrics
 
     def named_full_parameters(self):

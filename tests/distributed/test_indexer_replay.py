@@ -1,0 +1,147 @@
+"""Indexer replay (R2 for DeepSeek Sparse Attention) on a 1-rank Megatron learner (learner/indexer_replay.py), against
+transformers (fp32, eager) whose indexer output a forward hook replaces by the recorded indices:
+
+- replaying the old forward's recorded indices gives the logprobs of transformers' forward forced to that selection
+  (forward_logprobs and train_step's update forward), within 1e-4;
+- after the indexers' weights_proj is negated on both sides (so their fresh top-k changes), the learner's own
+  selection moves the logprobs away from that reference, and replay brings them back within 1e-4;
+- indexer/flip_rate (and per layer) equal the share of real queries whose token set differs between the recorded
+  indices and transformers' fresh (perturbed) indexer choice on the replayed forward, counted here by hand;
+- misshapen indices are refused before the forward.
+One tiny DeepSeek-V3.2 (2 DSA layers, index_topk 4), 4 rows of lengths 17, 17, 9, 12 in micro-batches of 2.
+Run: .venv/bin/python -m pytest -q tests/distributed/test_indexer_replay.py
+"""
+import pytest
+import torch
+
+from tests import learner_workers as W
+from tests.spawn import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+TOPK = 4
+TOKENS = torch.randint(3, 40, (4, 17), generator=torch.Generator().manual_seed(2))
+LENGTHS = torch.tensor([17, 17, 9, 12])
+
+
+def _logprob_loss(seen):
+    def loss_fn(logprobs, entropy, index):
+        seen.append((index.clone(), logprobs.detach().clone()))
+        return logprobs.sum() * 0.0, {}
+    return loss_fn
+
+
+def replay_worker(rank, world, model_dir, tokens, lengths):
+    from megatron_sparse_rl.config.routing import RoutingConfig
+    from megatron_sparse_rl.learner.extras import ForwardExtras
+    from megatron_sparse_rl.learner.indexer_replay import IndexerReplayError, IndexerRequest
+
+    learner = W.make_learner(world, model_dir, mbs=2, routing=RoutingConfig(indexer_replay="R2", record_stats=False))
+    out = {}
+
+    def call(request):
+        return learner.forward_logprobs(tokens, lengths=lengths, extras=ForwardExtras(indexer=request))
+
+    old = call(learner.indexer.old_forward())  # R2: record
+    recorded = old["indexer"].indices
+    out["old"], out["recorded"] = old["logprobs"], recorded
+    out["replayed"] = call(IndexerRequest(replay=recorded))["logprobs"]
+    for module in learner.indexer.model.indexers:  # pi_theta's indexer now chooses otherwise
+        module.linear_weights_proj.weight.data.neg_()
+    out["fresh"] = call(None)["logprobs"]
+    again = call(IndexerRequest(replay=recorded, record=True, compare_with=recorded))
+    out["again"], out["again_metrics"] = again["logprobs"], again["indexer"].metrics
+    seen = []
+    metrics = learner.train_step(tokens, _logprob_loss(seen), lengths=lengths,
+                                 extras=ForwardExtras(indexer=learner.indexer.update(recorded)))
+    update_lp = torch.zeros_like(out["old"])
+    for index, lp in seen:
+        update_lp[index, :lp.shape[1]] = lp.float()
+    out["update"], out["update_metrics"] = update_lp, metrics
+    try:
+        call(IndexerRequest(replay=recorded[:, :-1]))
+    except IndexerReplayError as e:
+        out["refusal"] = str(e)
+    return out
+
+
+def hf_forced(model_dir, tokens, forced, negate: bool):
+    """transformers' logprobs with every layer's indexer output replaced by forced[:, :, layer] (int [B, S-1, k]),
+    and each layer's own (fresh) indexer output on that forward; `negate`: weights_proj negated first."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    fresh = []
+    for j, layer in enumerate(model.model.layers):
+        indexer = layer.self_attn.indexer
+        if negate:
+            indexer.weights_proj.weight.data.neg_()
+
+        def hook(mod, args, output, _j=j):
+            fresh.append(output.clone())
+            return forced[:, :, _j].to(output.dtype)
+        indexer.register_forward_hook(hook)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits.double()
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return logp, fresh
+
+
+@pytest.fixture(scope="module")
+def replay_run(tmp_path_factory):
+    from megatron_sparse_rl.models.tiny_families import build_tiny_dsa
+
+    model_dir = str(build_tiny_dsa(tmp_path_factory.mktemp("dsa") / "hf", arch="deepseek_v32", layers=2,
+                                   index_topk=TOPK, rope="yarn", seed=3))
+    return model_dir, run_distributed(replay_worker, 1, args=(model_dir, TOKENS, LENGTHS), timeout=300)[0]
+
+
+def _real():
+    return torch.arange(TOKENS.shape[1] - 1)[None, :] < (LENGTHS - 1)[:, None]
+
+
+def _gap(a, b):
+    return float((a.double() - b.double()).abs()[_real()].max())
+
+
+def test_replay_matches_forced_selection_reference(replay_run):
+    model_dir, out = replay_run
+    recorded = out["recorded"]
+    assert recorded.dtype == torch.int16 and tuple(recorded.shape) == (4, 16, 2, TOPK)
+    ref, _ = hf_forced(model_dir, TOKENS, recorded, negate=False)
+    assert _gap(out["old"], ref) < 1e-4  # the recorded indices are the ones the old forward attended
+    assert _gap(out["replayed"], ref) < 1e-4
+
+
+def test_replay_after_indexer_change(replay_run):
+    model_dir, out = replay_run
+    ref, fresh = hf_forced(model_dir, TOKENS, out["recorded"], negate=True)
+    assert _gap(out["fresh"], ref) > 1e-3, "the indexer change did not move the logprobs: the test would not see it"
+    assert _gap(out["again"], ref) < 1e-4
+    assert _gap(out["update"], ref) < 1e-4
+
+
+def test_flip_rate_equals_hand_count(replay_run):
+    model_dir, out = replay_run
+    _, fresh = hf_forced(model_dir, TOKENS, out["recorded"], negate=True)
+    recorded, real = out["recorded"], _real()
+    rates = []
+    for layer in range(2):
+        flips = total = 0
+        for b in range(4):
+            for q in range(16):
+                if real[b, q]:
+                    mine = {int(i) for i in recorded[b, q, layer] if i <= q}
+                    theirs = {int(i) for i in fresh[layer][b, q] if i <= q}
+                    flips, total = flips + (mine != theirs), total + 1
+        rates.append(flips / total)
+        for metrics in (out["again_metrics"], out["update_metrics"]):
+            assert metrics[f"indexer/flip_rate/layer_{layer}"] == pytest.approx(rates[-1], abs=1e-12)
+    assert 0 < sum(rates) / 2 < 1
+    assert out["update_metrics"]["indexer/flip_rate"] == pytest.approx(sum(rates) / 2, abs=1e-12)
+
+
+def test_misshapen_indices_refused(replay_run):
+    _, out = replay_run
+    assert "IndexerRequest.replay must be integer [rows, seq-1, DSA layers, index_topk] = [4, 16, 2, 4]" \
+        in out["refusal"]
