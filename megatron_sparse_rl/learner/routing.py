@@ -46,6 +46,9 @@ class RoutingResult:
     routes: RouteStore | None = None
     learner_routes: RouteStore | None = None
     metrics: dict = field(default_factory=dict)
+    indexer: torch.Tensor | None = None
+    """DSA models under routing.indexer_replay = R2: the old forward's recorded indexer top-k per row
+    (learner/indexer_replay.py `IndexerResult.indices`), which every update replays; else None."""
 
 
 class LearnerRouting:

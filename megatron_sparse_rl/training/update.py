@@ -25,6 +25,7 @@ from megatron_sparse_rl.algorithms.corrections import correction_inputs, opsm_ke
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig
 from megatron_sparse_rl.learner.extras import ForwardExtras
+from megatron_sparse_rl.learner.routing import RoutingResult
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.training.sparse_kv import drop_preempted
 
@@ -64,6 +65,9 @@ class PreparedBatch:
     """moe.RouteStore: the routes pi_old's routers chose themselves in the learner's old-logprob forward (off/R2: the
     routes it ran; R3 with routing.record_stats: their own top-k beside the replay), which every update's own routes
     are compared with (routing/drift/...); None without that forward."""
+    indexer_indices: torch.Tensor | None = None
+    """int [B, T-1, DSA layers, index_topk]: the indexer top-k recorded in the learner's old forward, which every
+    update attends (routing.indexer_replay = R2; learner/indexer_replay.py); None otherwise."""
 
 
 def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,13 +122,17 @@ OldPolicy = Callable[[Any, OldPolicyInputs], tuple[torch.Tensor, Any, dict[str, 
 
 
 def _learner_recompute(learner, x: OldPolicyInputs):
-    """The learner's dense recompute (R2 records its routes, R3 replays the engine's); with
-    routing.attribute_mismatch a second forward routed the other way (`_routing_attribution`)."""
+    """The learner's dense recompute (R2 records its routes, R3 replays the engine's; DSA with
+    routing.indexer_replay = R2 records the indexers' top-k); with routing.attribute_mismatch a second forward
+    routed the other way (`_routing_attribution`)."""
     routing = learner.routing
     request = routing.old_forward(x.batch.routed_experts) if routing else None
+    indexer = learner.indexer.old_forward() if learner.indexer else None
     out = learner.forward_logprobs(x.tokens, lengths=x.lengths,
-                                   extras=ForwardExtras(sampling_support=x.support, routes=request))
+                                   extras=ForwardExtras(sampling_support=x.support, routes=request, indexer=indexer))
     old = routing.after_old_forward(out.get("routing"), x.batch.routed_experts) if routing else None
+    if indexer is not None:
+        old = replace(old or RoutingResult(), indexer=out["indexer"].indices)
     metrics = {"old_logprobs/learner_forwards": 1.0}
     if routing and routing.cfg.attribute_mismatch:
         metrics.update(_routing_attribution(learner, x, out["logprobs"]))
@@ -142,6 +150,9 @@ def _routing_attribution(learner, x: OldPolicyInputs, old_lp: torch.Tensor) -> d
 
 
 def _no_learner_forward(learner, x: OldPolicyInputs):
+    if learner.indexer is not None and learner.indexer.mode == "R2":
+        raise ValueError("routing.indexer_replay = 'R2' records the indexers' top-k in the learner's old-policy "
+                         "forward, which this algorithm.old_logprobs source skips; use 'learner'")
     routing = learner.routing
     return routing.without_old_forward(x.batch.routed_experts) if routing else None
 
@@ -278,7 +289,8 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     return PreparedBatch(tokens, keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
                          response_mask=mask, sampling_support=support, token_version=versions, counted=counted,
-                         learner_routes=old.learner_routes if old else None)
+                         learner_routes=old.learner_routes if old else None,
+                         indexer_indices=old.indexer if old else None)
 
 
 def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group) -> dict[str, float]:
@@ -298,12 +310,15 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
         request = None
         if learner.routing:
             request = learner.routing.update(_rows_of(prep.routes, chunk), _rows_of(prep.learner_routes, chunk))
+        indexer = None
+        if learner.indexer:
+            indexer = learner.indexer.update(None if prep.indexer_indices is None else prep.indexer_indices[chunk])
         support = _rows_of(prep.sampling_support, chunk)
         out = learner.train_step(prep.tokens[chunk], loss_fn, lengths=prep.lengths[chunk],
-                                 extras=ForwardExtras(sampling_support=support, routes=request))
-        routed.append({k: float(v) for k, v in out.items() if k.startswith("routing/")})
+                                 extras=ForwardExtras(sampling_support=support, routes=request, indexer=indexer))
+        routed.append({k: float(v) for k, v in out.items() if k.startswith(("routing/", "indexer/"))})
         for k, v in out.items():
-            if not k.startswith("routing/"):
+            if not k.startswith(("routing/", "indexer/")):
                 totals[k] = totals.get(k, 0.0) + v
     return {**reduce_metrics(totals, updates, dp_group), **_routing_over_updates(routed)}
 
@@ -317,10 +332,14 @@ def _routing_over_updates(per_update: list[dict[str, float]]) -> dict[str, float
     """The updates' routing metrics as the step logs them: the expert drift (routing/drift/layer{L},
     routing/drift_mean, routing/drift_token_fraction; each update's already global over the data-parallel ranks)
     averaged over the updates, and routing/drift_last, the last update's drift_mean (the furthest pi_theta gets from
-    pi_old in the step); the rest (routing/replay_applied_fraction) as the last update left it."""
+    pi_old in the step); indexer/flip_rate... (DSA indexer replay, global) averaged over the updates; the rest
+    (routing/replay_applied_fraction) as the last update left it."""
     out: dict[str, float] = {}
     for metrics in per_update:
         out.update(metrics)
+    for k in out:
+        if k.startswith("indexer/"):
+            out[k] = sum(m[k] for m in per_update) / len(per_update)
     drifts = [m for m in per_update if "routing/drift_mean" in m]
     if drifts:
         for k in drifts[0]:

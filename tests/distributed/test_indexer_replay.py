@@ -62,7 +62,26 @@ def replay_worker(rank, world, model_dir, tokens, lengths):
         call(IndexerRequest(replay=recorded[:, :-1]))
     except IndexerReplayError as e:
         out["refusal"] = str(e)
+    out["step"] = _rl_step(learner, tokens, lengths)
     return out
+
+
+def _rl_step(learner, tokens, lengths):
+    """The RL step's wiring (training/update.py): the old forward records, two updates (zero advantages: pi_theta
+    stays pi_old) replay their rows' indices."""
+    from types import SimpleNamespace
+
+    from megatron_sparse_rl.config.algorithm import AlgorithmConfig
+    from megatron_sparse_rl.training.update import OldPolicyInputs, PreparedBatch, _learner_recompute, update
+
+    mask = torch.arange(tokens.shape[1] - 1)[None, :] < (lengths - 1)[:, None]
+    x = OldPolicyInputs(SimpleNamespace(routed_experts=None), tokens, mask, torch.zeros(mask.shape), lengths, None)
+    old_lp, old, _ = _learner_recompute(learner, x)
+    own = learner.forward_logprobs(tokens, lengths=lengths)["logprobs"]
+    prep = PreparedBatch(tokens, mask, old_lp, old_lp, torch.zeros(tokens.shape[0]), torch.ones(mask.shape), {},
+                         lengths=lengths, indexer_indices=old.indexer)
+    metrics = update(learner, prep, AlgorithmConfig(), updates=2, dp_group=None)
+    return {"recorded": old.indexer, "old_lp": old_lp, "own_lp": own, "metrics": metrics}
 
 
 def hf_forced(model_dir, tokens, forced, negate: bool):
@@ -139,6 +158,17 @@ def test_flip_rate_equals_hand_count(replay_run):
             assert metrics[f"indexer/flip_rate/layer_{layer}"] == pytest.approx(rates[-1], abs=1e-12)
     assert 0 < sum(rates) / 2 < 1
     assert out["update_metrics"]["indexer/flip_rate"] == pytest.approx(sum(rates) / 2, abs=1e-12)
+
+
+def test_rl_step_records_and_replays(replay_run):
+    _, out = replay_run
+    step = out["step"]
+    assert tuple(step["recorded"].shape) == (4, 16, 2, TOPK)
+    assert _gap(step["old_lp"], step["own_lp"]) == 0.0  # recording leaves the old forward as it was
+    metrics = step["metrics"]
+    # zero advantages: pi_theta = pi_old in both updates, so every row's fresh choice is its recorded one
+    assert {k: metrics[k] for k in metrics if k.startswith("indexer/")} == {
+        "indexer/flip_rate": 0.0, "indexer/flip_rate/layer_0": 0.0, "indexer/flip_rate/layer_1": 0.0}
 
 
 def test_misshapen_indices_refused(replay_run):

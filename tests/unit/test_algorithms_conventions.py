@@ -90,6 +90,7 @@ class _Learner:
     """Old forward: pi_old; train_step: the loss function on the current logprobs pi_theta, one micro-batch."""
 
     routing = None
+    indexer = None  # no DSA indexer
 
     def __init__(self, old, current):
         self.old, self.current = old, current

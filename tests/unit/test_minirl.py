@@ -186,6 +186,7 @@ def test_prepare_leaves_the_current_policy_tis_to_the_updates():
 
     class Learner:
         routing = None
+        indexer = None  # no DSA indexer
 
         def forward_logprobs(self, tokens, *, lengths=None, extras=None):
             return {"logprobs": torch.where(mask, mu + 2.5, torch.zeros(()))}  # rho = e^2.5 > 5 on every token

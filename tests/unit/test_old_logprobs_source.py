@@ -99,6 +99,7 @@ class CountingLearner:
     """Stands in for the Megatron learner where only our selection logic is under test: counts old forwards."""
 
     routing = None
+    indexer = None  # no DSA indexer
 
     def __init__(self, logprobs: torch.Tensor):
         self.logprobs, self.forwards = logprobs, 0

@@ -155,6 +155,7 @@ class RoutedLearner:
     def __init__(self, cfg: RoutingConfig, engine_lp, own_lp, own_routes):
         self.routing = object.__new__(LearnerRouting)  # no model: only the step logic is under test
         self.routing.cfg, self.routing.groups = cfg, SimpleNamespace(dp=None)
+        self.indexer = None  # no DSA indexer
         self.engine_lp, self.own_lp, self.own_routes, self.calls = engine_lp, own_lp, own_routes, []
 
     def forward_logprobs(self, tokens, *, lengths=None, extras=None):

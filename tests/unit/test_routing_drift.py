@@ -128,6 +128,7 @@ class DriftingLearner:
 
     def __init__(self, cfg: RoutingConfig, new):
         self.routing, self.new, self.rows_run = _routing(cfg), new, []
+        self.indexer = None  # no DSA indexer
 
     def train_step(self, tokens, loss_fn, *, lengths=None, extras=None):
         full = _tokens()

@@ -81,6 +81,7 @@ class _FixedLearner:
     """A learner stand-in whose old-logprob forward returns fixed logprobs (no routing)."""
 
     routing = None
+    indexer = None  # no DSA indexer
 
     def __init__(self, logprobs):
         self.logprobs = logprobs

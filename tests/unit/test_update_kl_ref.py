@@ -24,6 +24,7 @@ class StandInLearner:
     plus loss, grad_norm and lr. Column 0 of `tokens` is the row's id in `policy` (the policy's logprobs)."""
 
     routing = None
+    indexer = None  # no DSA indexer
 
     def __init__(self, policy: torch.Tensor, micro: int):
         self.policy, self.micro, self.calls = policy, micro, []
