@@ -286,9 +286,10 @@ def _async_problems(run: RunConfig) -> list[str]:
     return problems
 
 
-def _env_problems(run: RunConfig) -> list[str]:
+def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
     """What multi-turn episodes (env.kind) need: chat-templated data, and none of the engine
-    features that do not follow an episode across turns yet (docs/episodes.md)."""
+    features that do not follow an episode across turns yet (docs/episodes.md). R3 / route capture does, through
+    the router callback (routing.engine_routes hook; auto without CUDA), not vLLM's own routed-experts output."""
     env = run.env
     if not env.episodes:
         return []
@@ -297,7 +298,8 @@ def _env_problems(run: RunConfig) -> list[str]:
         problems.append(f"data.template = {run.data.template!r} with env.kind = {env.kind!r}: an episode's turns are "
                         "chat-template messages (tool results come back as tool messages); set data.template: chat")
     unsupported = {"rollout.kv.policy": run.rollout.kv.policy != "none",
-                   "routing.mode = 'R3' / routing.capture_rollout_routes": run.routing.capture,
+                   f"routing.engine_routes = {run.routing.engine_routes!r} (vLLM's own routed-experts output; "
+                   "set routing.engine_routes: hook)": run.routing.capture and run.routing.vllm_routes(cuda),
                    "rollout.record_sampling_mask": run.rollout.record_sampling_mask,
                    "trainer.max_staleness": run.trainer.max_staleness > 0,
                    "launch.rollout_ranks / launch.rollout_nodes (disaggregated)": bool(run.launch.rollout_world_size),
@@ -365,7 +367,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _rollout_algorithm_problems(run, world_size, spec)
     problems += _old_logprobs_problems(run)
     problems += _async_problems(run)
-    problems += _env_problems(run)
+    problems += _env_problems(run, cuda)
     problems += _precision_problems(run, spec, cuda)
     if run.routing.engine_routes == "vllm" and not cuda:
         problems.append("routing.engine_routes = 'vllm' needs CUDA (vLLM returns routed experts from its GPU model "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,9 @@ class SampledTurn:
     """stop (EOS or a stop string), length (max_tokens) or abort."""
     cached_tokens: int
     """Prompt tokens whose KV came from vLLM's prefix cache (not prefilled again)."""
+    records: dict[str, Any] = field(default_factory=dict)
+    """What the engine's extensions keep of the sequence so far (prompt + this turn): {"routed_experts": a
+    one-sequence RouteStore} with R3 route capture; empty without extensions."""
 
 
 class RolloutEngine:
@@ -216,27 +219,41 @@ class RolloutEngine:
             batch.rescored_logprobs = self.rescore(batch, rescore)
         return batch
 
-    def sample_turns(self, prompt_token_ids: list[list[int]], sampling: list[SamplingConfig]) -> list[SampledTurn]:
+    def sample_turns(self, prompt_token_ids: list[list[int]], sampling: list[SamplingConfig],
+                     records: list[dict[str, Any]] | None = None) -> list[SampledTurn]:
         """One sample (n = 1) per prompt, each with its own sampling: one turn of each running episode
         (rollout/episodes.py), the whole episode so far as the prompt. With rollout.prefix_caching the prompt's
-        leading blocks that an earlier turn computed are reused (`SampledTurn.cached_tokens`). Refused while
-        extensions ride on the engine (routes, sampler support, sparse KV do not follow an episode yet)."""
-        if self.extensions:
-            raise ValueError(f"multi-turn episodes cannot run with engine extensions yet (got "
-                             f"{[type(e).__name__ for e in self.extensions]}): docs/episodes.md")
+        leading blocks that an earlier turn computed are reused (`SampledTurn.cached_tokens`). Extensions that
+        follow turns (R3 route capture) continue each row's `records` (its `SampledTurn.records` of the previous
+        turn; None: the first turn); any other extension (sparse KV, the sampler's support, vLLM's own routes) is
+        refused."""
+        blocked = [type(e).__name__ for e in self.extensions if not e.follows_turns]
+        if blocked:
+            raise ValueError(f"multi-turn episodes cannot run with the engine extensions {blocked} yet (they do not "
+                             "follow an episode across turns): docs/episodes.md")
         if len(sampling) != len(prompt_token_ids) or any(s.n != 1 for s in sampling):
             raise ValueError("sample_turns takes one SamplingConfig with n = 1 per prompt")
+        records = [{} for _ in prompt_token_ids] if records is None else records
+        if len(records) != len(prompt_token_ids):
+            raise ValueError(f"sample_turns needs one record per prompt (got {len(records)} for "
+                             f"{len(prompt_token_ids)} prompts)")
         for prompt, s in zip(prompt_token_ids, sampling):
             self._check_prompts([prompt], s.max_tokens)
         params = [self._sampling_params(s, 0) for s in sampling]
+        for ext in self.extensions:
+            ext.begin()
         outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
                                      use_tqdm=False)
+        fields: list[dict[str, Any]] = [{} for _ in outputs]
+        for ext in self.extensions:
+            for row, got in zip(fields, ext.turn_fields(outputs, prompt_token_ids, records)):
+                row.update(got)
         turns = []
-        for out in outputs:
+        for out, row in zip(outputs, fields):
             c = out.outputs[0]
             turns.append(SampledTurn(token_ids=list(c.token_ids), logprobs=_sampled_logprobs(c.token_ids, c.logprobs),
                                      finish_reason=c.finish_reason or "abort",
-                                     cached_tokens=int(out.num_cached_tokens or 0)))
+                                     cached_tokens=int(out.num_cached_tokens or 0), records=row))
         return turns
 
     def _run_stepwise(self, requests: list[dict], params: list, between_steps: Callable[[], None]) -> list:
@@ -263,6 +280,8 @@ class RolloutEngine:
         self.weight_version = version
         if recompute:
             self._llm.reset_prefix_cache(reset_running_requests=True)
+            for ext in self.extensions:
+                ext.on_prefix_reset()
 
     def rescore(self, batch: RolloutBatch, samples: int) -> torch.Tensor:
         """float32 [B, samples, R]: `samples` scorings of every row's response tokens given its prompt, 0 where
@@ -336,7 +355,13 @@ class RolloutEngine:
         # Cached prefixes were computed by the old weights (prefix caching is off, but stay safe); not while
         # requests run (update_in_flight: vLLM would only warn that their blocks are in use).
         if self._versions is None:
-            self._llm.reset_prefix_cache()
+            self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget vLLM's cached prefixes (with rollout.prefix_caching): the next requests compute every position."""
+        self._llm.reset_prefix_cache()
+        for ext in self.extensions:
+            ext.on_prefix_reset()
 
     def shutdown(self) -> None:
         """Stop the engine and free its model and KV cache (vLLM's sleep mode is a no-op on CPU).

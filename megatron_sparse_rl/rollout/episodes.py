@@ -14,6 +14,9 @@ turns and environment tokens in order; `response_mask` all of them; `loss_mask` 
 rewards; `finish_reasons` "stop" when the environment ended the episode, "length" when `env.max_turns` or
 `env.max_total_tokens` did. `episodes` holds the sums of `EPISODE_KEYS` and, per turn k (1-based),
 `turn{k}/episodes`, `turn{k}/tokens` (model tokens), `turn{k}/tool_calls`, `turn{k}/tool_errors`.
+With R3 route capture on the engine (rollout/routes.py `turn_fields`) `routed_experts` holds the routes of every
+input position of each row (prompt + response, less its last token): each position routed by the turn that first
+computed it. An episode always ends with a model turn, so its last record covers the whole row.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 from megatron_sparse_rl.config.env import EnvConfig
 from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.envs.base import Environment, Observation
+from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
 
 EPISODE_KEYS = ("episodes", "turns", "model_tokens", "env_tokens", "tool_calls", "tool_errors", "prefill_tokens",
@@ -48,6 +52,7 @@ class _Episode:
     reward: float = 0.0
     done: bool = False
     finish: str = "length"
+    records: dict = field(default_factory=dict)  # the engine extensions' record of the sequence so far
 
     def extend(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
         self.response += list(ids)
@@ -106,8 +111,11 @@ def run_episodes(engine, tokenizer, examples: Sequence, sampling: SamplingConfig
             break
         params = [_turn_sampling(sampling, env, t * len(episodes) + i, env.max_total_tokens - len(e.response))
                   for i, e in live]
-        turns = engine.sample_turns([e.prompt + e.response for _, e in live], params)
+        records = [e.records for _, e in live]
+        turns = engine.sample_turns([e.prompt + e.response for _, e in live], params,
+                                    **({"records": records} if any(records) else {}))
         for (_, e), turn in zip(live, turns):
+            e.records = turn.records
             seen = len(e.prompt) + len(e.response)
             stats["prefill_tokens"] += seen - turn.cached_tokens
             stats["cached_tokens"] += turn.cached_tokens
@@ -153,7 +161,23 @@ def _batch(episodes: list[_Episode], pad_id: int, version: int, stats: dict[str,
         loss_mask=pad_rows([[float(m) for m in e.model] for e in episodes], 0.0, torch.float32).bool()
         & response_mask,
         episodes=stats,
+        **_record_fields(episodes),
     )
+
+
+def _record_fields(episodes: list[_Episode]) -> dict:
+    """RolloutBatch fields from the episodes' last records: `routed_experts` (one route sequence per row)."""
+    keys = {k for e in episodes for k in e.records}
+    if keys - {"routed_experts"}:
+        raise ValueError(f"episode records {sorted(keys - {'routed_experts'})} have no RolloutBatch field")
+    if not keys:
+        return {}
+    for i, e in enumerate(episodes):
+        seq = e.prompt + e.response
+        store = e.records.get("routed_experts")
+        if store is None or int(store.lengths[0]) != len(seq) - 1 or int(store.token_hash[0]) != token_hash(seq[:-1]):
+            raise RoutingError(f"episode {i}: its routes do not cover its {len(seq) - 1} input positions")
+    return {"routed_experts": RouteStore.concat([e.records["routed_experts"] for e in episodes])}
 
 
 def final_turns(batch: RolloutBatch) -> list[list[int]]:

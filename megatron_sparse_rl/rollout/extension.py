@@ -7,8 +7,10 @@ rollout/routes_vllm.py `VLLMRouteOutput`) and the keep-sampling-mask record (rol
     engine = RolloutEngine(model_dir, cfg, extensions=[SparseKV(), EngineRouteCapture()])
 
 The engine calls the hooks below in this order: `vllm_features` and `engine_args` before vLLM starts,
-`on_started` once it runs, and per `generate` `begin` then `batch_fields`; `after_rescore` after re-scoring
-requests ran and `detach` when the feature is taken off again. Every hook does nothing unless overridden.
+`on_started` once it runs, and per `generate` `begin` then `batch_fields` (per turn of a multi-turn episode,
+`RolloutEngine.sample_turns`, `begin` then `turn_fields`: only an extension that `follows_turns`); `after_rescore`
+after re-scoring requests ran, `on_prefix_reset` when the engine empties vLLM's prefix cache, and `detach` when the
+feature is taken off again. Every hook does nothing unless overridden.
 """
 from __future__ import annotations
 
@@ -40,6 +42,18 @@ class EngineExtension:
         """RolloutBatch fields for the rows of vLLM's `outputs` (in batch order; `samples` holds each row's (output
         request id, sample index))."""
         return {}
+
+    follows_turns = False
+    """Whether `turn_fields` keeps the feature's record across an episode's turns (else sample_turns refuses it)."""
+
+    def turn_fields(self, outputs, prompts: list[list[int]], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Per row of vLLM's `outputs` (one sample per prompt, the whole episode so far as the prompt): the record
+        of the sequence so far (prompt + this turn's tokens), continuing `earlier` (that row's record after the
+        previous turn; empty on the first)."""
+        raise NotImplementedError(f"{type(self).__name__} does not follow an episode across turns")
+
+    def on_prefix_reset(self) -> None:
+        """The engine emptied vLLM's prefix cache (new weights): its cached prefixes are computed again."""
 
     def after_rescore(self) -> None:
         """Re-scoring requests ran (their results are not rows of any batch)."""

@@ -17,6 +17,16 @@ sequence and position. Routes are packed into a `moe.RouteStore` (uint8 when exp
 
     engine = RolloutEngine(model_dir, cfg, extensions=[EngineRouteCapture()])
     batch = engine.generate(prompts, sampling)    # batch.routed_experts: RouteStore, one sequence per row
+
+Across the turns of an episode (`turn_fields`, rollout/episodes.py) each row's record is a one-sequence RouteStore
+of the whole sequence so far: the positions an earlier turn routed are kept from that turn's record (the turn that
+first saw them: its prefill or decode steps), the rest come from this turn (the prefill of the observation and
+of the previous turn's last sampled token, then the decode steps). With prefix caching the cached prefix is not
+computed again, so its routes exist only in the earlier record; without it the recomputed routes are dropped.
+With prefix caching a request may also find blocks another request computed (the n episodes of one prompt in the
+same turn, an earlier generate since the last reset): every routed position is kept, until the engine's prefix
+cache is reset (`on_prefix_reset`: new weights), under (position, hash of the tokens up to it), and a position
+vLLM did not compute is taken from there; memory grows with the distinct tokens routed between two resets.
 """
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ from functools import partial
 import torch
 
 from megatron_sparse_rl import vllm_access
-from megatron_sparse_rl.moe.storage import RouteStore, RoutingError
+from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash
 from megatron_sparse_rl.rollout.step_capture import StepCapture
 
 
@@ -53,12 +63,15 @@ class EngineRouteCapture(StepCapture):
     field = "routed_experts"
     features = ("step", "moe")
     error = RoutingError
+    follows_turns = True
 
     def __init__(self):
         super().__init__()
         self.layers: tuple[int, ...] = ()
         self.num_experts = 0
         self._moe: list = []
+        self.keeps_prefixes = False  # rollout.prefix_caching: a position may be served from vLLM's cache, not computed
+        self._pool: dict[tuple[int, int], torch.Tensor] = {}  # (position, prefix hash) -> routes, until a cache reset
         # self._seen: internal request id -> position -> (token id, int16 [layers, k])
 
     # ---- worker side (runs in the engine's process) -------------------------------------------------
@@ -103,33 +116,92 @@ class EngineRouteCapture(StepCapture):
                 seen[int(step["positions"][t])] = (int(step["input_ids"][t]), routes[t])
 
     # ---- driver side -------------------------------------------------------------------------------
+    def on_started(self, engine) -> None:
+        super().on_started(engine)
+        self.keeps_prefixes = bool(engine.cfg.prefix_caching)
+
+    def on_prefix_reset(self) -> None:
+        self._pool.clear()
+
     def collect(self, outputs, prompts: list[list[int]]) -> RouteStore:
         """Stop capturing; routes of every (prompt, response) row of vLLM's `outputs`, in RolloutBatch order."""
         self._flush()
         self.active = False
         by_key = self._by_sample()
-        routes, tokens = [], []
+        seqs, seens = [], []
         for out, prompt in zip(outputs, prompts):
             for c in sorted(out.outputs, key=lambda c: c.index):
-                row = len(routes)
-                seq = list(prompt) + list(c.token_ids)
                 req = by_key.get((out.request_id, c.index))
                 if req is None:
-                    raise RoutingError(f"sequence {row}: no routes captured (request {out.request_id}, sample {c.index})")
-                routes.append(self._sequence_routes(row, seq, self._seen[req]))
-                tokens.append(seq[:-1])
+                    raise RoutingError(f"sequence {len(seqs)}: no routes captured (request {out.request_id}, "
+                                       f"sample {c.index})")
+                seqs.append(list(prompt) + list(c.token_ids))
+                seens.append(self._seen[req])
+        routes = self._rows_routes(seqs, seens, [None] * len(seqs))
         self._seen.clear()
-        return RouteStore.from_sequences(routes, tokens, num_experts=self.num_experts, layers=self.layers,
-                                         source="engine")
+        return RouteStore.from_sequences(routes, [s[:-1] for s in seqs], num_experts=self.num_experts,
+                                         layers=self.layers, source="engine")
 
-    def _sequence_routes(self, row: int, seq: list[int], seen: dict) -> torch.Tensor:
+    def turn_fields(self, outputs, prompts: list[list[int]], earlier: list[dict]) -> list[dict]:
+        """Stop capturing; per row (one sample per prompt) {"routed_experts": one-sequence RouteStore of prompt +
+        this turn's tokens}, continuing the row's earlier record (module docstring)."""
+        self._flush()
+        self.active = False
+        by_key = self._by_sample()
+        seqs, seens, olds = [], [], []
+        for row, (out, prompt, before) in enumerate(zip(outputs, prompts, earlier)):
+            seq = list(prompt) + list(out.outputs[0].token_ids)
+            req = by_key.get((out.request_id, 0))
+            kept = before.get(self.field)
+            old = None if kept is None else kept.sequence(0)
+            if old is not None and (old.shape[0] > len(seq) - 1 or
+                                    int(kept.token_hash[0]) != token_hash(seq[:old.shape[0]])):
+                raise RoutingError(f"sequence {row}: the earlier turn's routes ({old.shape[0]} positions) are not "
+                                   "of this sequence's leading tokens")
+            seqs.append(seq)
+            seens.append(self._seen[req] if req is not None else {})
+            olds.append(old)
+        routes = self._rows_routes(seqs, seens, olds)
+        self._seen.clear()
+        return [{self.field: RouteStore.from_sequences([r], [s[:-1]], num_experts=self.num_experts,
+                                                       layers=self.layers, source="engine")}
+                for r, s in zip(routes, seqs)]
+
+    def _rows_routes(self, seqs: list[list[int]], seens: list[dict], olds: list) -> list[torch.Tensor]:
+        """int16 [n - 1, layers, k] per row: each input position from the row's earlier-turn record (`olds`), else
+        from this call's steps, else (prefix caching: vLLM served it from its cache) from the pool of routes filed
+        under (position, hash of the tokens up to it), which a position's routes depend on alone."""
+        keys = [_prefix_keys(s[:-1]) for s in seqs]
+        for row, (seq, seen) in enumerate(zip(seqs, seens)):
+            for pos, (tok, _) in seen.items():
+                if pos < len(seq) - 1 and tok != seq[pos]:
+                    raise RoutingError(f"sequence {row}: position {pos} was routed for token {tok}, the sequence "
+                                       f"has {seq[pos]}")
+        pool = self._pool
+        if self.keeps_prefixes:
+            for k, seen, old in zip(keys, seens, olds):
+                n_old = 0 if old is None else old.shape[0]
+                pool.update(((pos, k[pos]), old[pos].to(torch.int16)) for pos in range(n_old)
+                            if (pos, k[pos]) not in pool)
+                pool.update(((pos, k[pos]), r) for pos, (_, r) in seen.items()
+                            if pos < len(k) and (pos, k[pos]) not in pool)
         out = []
-        for pos in range(len(seq) - 1):
-            if pos not in seen:
-                raise RoutingError(f"sequence {row}: the engine never routed position {pos}")
-            tok, r = seen[pos]
-            if tok != seq[pos]:
-                raise RoutingError(f"sequence {row}: position {pos} was routed for token {tok}, the sequence has "
-                                   f"{seq[pos]}")
-            out.append(r)
-        return torch.stack(out) if out else torch.zeros(0, len(self.layers), 1, dtype=torch.int16)
+        for row, (k, seen, old) in enumerate(zip(keys, seens, olds)):
+            n_old = 0 if old is None else old.shape[0]
+            picked = []
+            for pos, h in enumerate(k):
+                r = old[pos].to(torch.int16) if pos < n_old else seen[pos][1] if pos in seen else pool.get((pos, h))
+                if r is None:
+                    raise RoutingError(f"sequence {row}: the engine never routed position {pos}")
+                picked.append(r)
+            out.append(torch.stack(picked) if picked else torch.zeros(0, len(self.layers), 1, dtype=torch.int16))
+        return out
+
+
+def _prefix_keys(tokens: list[int]) -> list[int]:
+    """Per position t, a hash of tokens[:t + 1] (a chain, as vLLM's prefix cache keys its blocks)."""
+    h, keys = 0, []
+    for t in tokens:
+        h = hash((h, t))
+        keys.append(h)
+    return keys

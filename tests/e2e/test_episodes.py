@@ -4,7 +4,12 @@ A two-turn environment answers the first model turn with a fixed observation and
 turn. Checks: the engine's logprobs of the model's tokens equal an HF transformers forward over the whole
 concatenated sequence (prompt, turn 1, observation, turn 2) within 1e-4; the loss mask equals one built by hand
 from where the observation sits; the second turn reuses the first turn's KV blocks from vLLM's prefix cache, so
-what it prefills again is less than one block per episode.
+what it prefills again is less than one block per episode. With R3 route capture on the same engine: the routes the
+episode recorded (each position from the turn that first computed it; turn 1's prefix served from the prefix cache
+in turn 2 is not computed again) equal those of one prefill of each whole concatenated sequence by the same engine
+with its prefix cache emptied, for every position and MoE layer; a Megatron learner (R3) replays them in the old
+forward and in a training step on the episode batch (replay applied to every router call) and, replaying them,
+reproduces the engine's logprobs of the model's tokens.
 Run: .venv/bin/python -m pytest -q tests/e2e/test_episodes.py
 """
 import pytest
@@ -15,8 +20,11 @@ from megatron_sparse_rl.config.rollout import KVConfig, RolloutConfig, SamplingC
 from megatron_sparse_rl.envs.base import Environment, StepResult
 from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 from tests.e2e.test_rollout_engine import SEQS, hf_logprobs, max_diff
+from tests.spawn import run_distributed
 
 pytestmark = pytest.mark.e2e
+PROMPTS = [SEQS[0] * 3, SEQS[1] * 2]  # 39 and 44 tokens: at least one full block cached after turn 1
+ENV = EnvConfig(kind="tools", max_turns=3, max_total_tokens=100)
 
 ATOL = 1e-4
 BLOCK = 32
@@ -54,9 +62,7 @@ def test_two_turn_episode_logprobs_and_loss_mask_match_transformers(setup):
     from megatron_sparse_rl.rollout.episodes import run_episodes
 
     engine, base, tok = setup
-    prompts = [SEQS[0] * 3, SEQS[1] * 2]  # 39 and 44 tokens: at least one full block cached after turn 1
-    env = EnvConfig(kind="tools", max_turns=3, max_total_tokens=100)
-    batch = run_episodes(engine, tok, prompts, SamplingConfig(n=2, max_tokens=12, seed=11), env, TwoTurns)
+    batch = run_episodes(engine, tok, PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=11), ENV, TwoTurns)
     assert len(batch) == 4 and batch.finish_reasons == ("stop",) * 4 and batch.reward.tolist() == [1.0] * 4
     obs = tok(OBSERVATION, add_special_tokens=False)["input_ids"]
     seqs = [p + r for p, r in zip(batch.prompts(), batch.responses())]
@@ -79,3 +85,50 @@ def test_two_turn_episode_logprobs_and_loss_mask_match_transformers(setup):
     assert ep["env_tokens"] == 4 * len(obs) and ep["model_tokens"] == float(batch.loss_mask.sum())
     # turn 2 found turn 1's full blocks in the prefix cache: less than one block per episode prefilled again
     assert ep["cached_tokens"] >= 4 * BLOCK and ep["reprefill_tokens"] < 4 * BLOCK, ep
+
+
+def r3_learner_worker(rank, world_size, model_dir, batch):
+    """A Megatron learner (R3) on the episode batch: the old forward replaying its routes, then one training step."""
+    from megatron_sparse_rl.config.algorithm import AlgorithmConfig
+    from megatron_sparse_rl.config.routing import RoutingConfig
+    from megatron_sparse_rl.training import update as U
+    from tests.distributed.test_routing import _learner
+
+    learner = _learner(world_size, model_dir, routing=RoutingConfig(mode="R3"))
+    prep = U.prepare(learner, batch, AlgorithmConfig(), pad_id=0, dp_group=None)
+    step = U.update(learner, prep, AlgorithmConfig(), updates=1, dp_group=None)
+    diff = ((prep.old_logprobs - prep.rollout_logprobs).abs() * prep.mask).max()
+    return prep.metrics, step, float(diff), int(prep.mask.sum())
+
+
+def test_r3_routes_across_turns_equal_one_prefill_and_the_learner_replays_them(setup):
+    from megatron_sparse_rl.rollout.episodes import run_episodes
+    from megatron_sparse_rl.rollout.routes import EngineRouteCapture
+
+    engine, base, tok = setup
+    capture = EngineRouteCapture()
+    engine.add_extension(capture)
+    try:
+        engine.reset_prefix_cache()  # turn 1 computes every prompt position (the other test cached these prompts)
+        batch = run_episodes(engine, tok, PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=5), ENV, TwoTurns)
+        seqs = [p + r for p, r in zip(batch.prompts(), batch.responses())]
+        engine.reset_prefix_cache()  # the reference computes every position of the whole sequence in one prefill
+        ref = engine.generate(seqs, SamplingConfig(n=1, max_tokens=1, temperature=0.0)).routed_experts
+    finally:
+        engine.remove_extension(capture)
+    assert batch.episodes["cached_tokens"] >= 4 * BLOCK, batch.episodes  # turn 2 took turn 1's blocks from the cache
+    routes = batch.routed_experts
+    assert len(routes) == 4 and routes.layers == ref.layers and routes.layers
+    for i, seq in enumerate(seqs):
+        got, want = routes.sequence(i), ref.sequence(i)[:len(seq) - 1]
+        assert got.shape[0] == len(seq) - 1
+        diff = (got.sort(dim=-1).values != want.sort(dim=-1).values).any(dim=-1)  # [positions, layers]
+        assert not diff.any(), (i, diff.nonzero().tolist())
+    batch.reward = torch.tensor([1.0, 0.0, 0.0, 1.0])  # advantages of both signs: a step that moves the weights
+    old, step, diff, tokens = run_distributed(r3_learner_worker, 1, args=(str(base), batch), timeout=300)[0]
+    print(f"R3 over episodes: {tokens} model tokens, max |learner(replayed) - engine| logprob {diff:.2e}; old forward "
+          f"{ {k: v for k, v in old.items() if k.startswith('routing/')} }; step "
+          f"{ {k: v for k, v in step.items() if k.startswith(('routing/', 'train/grad_norm'))} }")
+    assert old["routing/replay_applied_fraction"] == 1.0 == step["routing/replay_applied_fraction"]
+    assert old["routing/flipped_token_fraction"] == 0.0  # the fp32 learner's own routers choose the same experts
+    assert diff < ATOL and tokens == int(batch.loss_mask.sum())
