@@ -229,6 +229,17 @@ def _rollout_algorithm_problems(run: RunConfig, world_size: int, spec) -> list[s
     return problems
 
 
+def _indexer_replay_problems(run: RunConfig, spec) -> list[str]:
+    """routing.indexer_replay needs a DeepSeek Sparse Attention model (R3 is refused by RoutingConfig itself)."""
+    from megatron_sparse_rl.models.dsa import DsaSpec
+
+    if run.routing.indexer_replay == "none" or spec is None or isinstance(spec, DsaSpec):
+        return []
+    return [f"routing.indexer_replay = {run.routing.indexer_replay!r} replays a DeepSeek Sparse Attention indexer's "
+            f"top-k, but {spec.architecture} has no indexer (DSA models: DeepseekV32ForCausalLM, "
+            "GlmMoeDsaForCausalLM); set routing.indexer_replay = 'none'"]
+
+
 # corrections of mu != pi_old that compare the two: with pi_old = mu (algorithm.old_logprobs = engine) rho = 1
 _RHO_CORRECTIONS = ("tis", "mis", "geo_rs", "veto", "icepop", "sparse_rl", "batch_skip")
 
@@ -244,6 +255,10 @@ def _old_logprobs_problems(run: RunConfig) -> list[str]:
         problems.append(f"algorithm.old_logprobs = {source!r} skips the learner's old-policy forward, which is where "
                         "routing.mode = 'R2' records the routes it replays; use R3 (the engine's routes) or "
                         "algorithm.old_logprobs = 'learner'")
+    if run.routing.indexer_replay == "R2":
+        problems.append(f"algorithm.old_logprobs = {source!r} skips the learner's old-policy forward, which is where "
+                        "routing.indexer_replay = 'R2' records the indexer top-k it replays; use "
+                        "algorithm.old_logprobs = 'learner' or routing.indexer_replay = 'none'")
     if run.routing.attribute_mismatch:
         problems.append(f"routing.attribute_mismatch compares the learner's pi_old with and without the engine's "
                         f"routes; algorithm.old_logprobs = {source!r} takes pi_old from the engine (use 'learner' "
@@ -366,6 +381,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _model_problems(run, spec, cuda)
     problems += _rollout_algorithm_problems(run, world_size, spec)
     problems += _old_logprobs_problems(run)
+    problems += _indexer_replay_problems(run, spec)
     problems += _async_problems(run)
     problems += _env_problems(run, cuda)
     problems += _precision_problems(run, spec, cuda)
