@@ -315,7 +315,6 @@ def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
     unsupported = {"rollout.kv.policy": run.rollout.kv.policy != "none",
                    f"routing.engine_routes = {run.routing.engine_routes!r} (vLLM's own routed-experts output; "
                    "set routing.engine_routes: hook)": run.routing.capture and run.routing.vllm_routes(cuda),
-                   "rollout.record_sampling_mask": run.rollout.record_sampling_mask,
                    "trainer.max_staleness": run.trainer.max_staleness > 0,
                    "launch.rollout_ranks / launch.rollout_nodes (disaggregated)": bool(run.launch.rollout_world_size),
                    "algorithm.old_logprobs = 'engine_mean'": run.algorithm.old_logprobs == "engine_mean"}

@@ -63,8 +63,8 @@ class SampledTurn:
     cached_tokens: int
     """Prompt tokens whose KV came from vLLM's prefix cache (not prefilled again)."""
     records: dict[str, Any] = field(default_factory=dict)
-    """What the engine's extensions keep of the sequence so far (prompt + this turn): {"routed_experts": a
-    one-sequence RouteStore} with R3 route capture; empty without extensions."""
+    """What the engine's extensions keep of the sequence so far (prompt + this turn): "routed_experts" (a
+    one-sequence RouteStore, R3 route capture), "sampling_mask" (a one-row SamplingSupport); empty without them."""
 
 
 class RolloutEngine:
@@ -224,9 +224,9 @@ class RolloutEngine:
         """One sample (n = 1) per prompt, each with its own sampling: one turn of each running episode
         (rollout/episodes.py), the whole episode so far as the prompt. With rollout.prefix_caching the prompt's
         leading blocks that an earlier turn computed are reused (`SampledTurn.cached_tokens`). Extensions that
-        follow turns (R3 route capture) continue each row's `records` (its `SampledTurn.records` of the previous
-        turn; None: the first turn); any other extension (sparse KV, the sampler's support, vLLM's own routes) is
-        refused."""
+        follow turns (R3 route capture, the sampler's support) continue each row's `records` (its
+        `SampledTurn.records` of the previous turn; None: the first turn); any other extension (sparse KV, vLLM's own
+        routes) is refused."""
         blocked = [type(e).__name__ for e in self.extensions if not e.follows_turns]
         if blocked:
             raise ValueError(f"multi-turn episodes cannot run with the engine extensions {blocked} yet (they do not "

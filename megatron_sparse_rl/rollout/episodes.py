@@ -16,7 +16,9 @@ rewards; `finish_reasons` "stop" when the environment ended the episode, "length
 `turn{k}/episodes`, `turn{k}/tokens` (model tokens), `turn{k}/tool_calls`, `turn{k}/tool_errors`.
 With R3 route capture on the engine (rollout/routes.py `turn_fields`) `routed_experts` holds the routes of every
 input position of each row (prompt + response, less its last token): each position routed by the turn that first
-computed it. An episode always ends with a model turn, so its last record covers the whole row.
+computed it. With the sampling-mask record (rollout/sampling_mask.py) `sampling_mask` holds the sampler's support
+at every response token (count 0, the full vocabulary, on the environment's). An episode always ends with a model
+turn, so its last records cover the whole row.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.envs.base import Environment, Observation
 from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
+from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
 
 EPISODE_KEYS = ("episodes", "turns", "model_tokens", "env_tokens", "tool_calls", "tool_errors", "prefill_tokens",
                 "reprefill_tokens", "cached_tokens")
@@ -166,18 +169,25 @@ def _batch(episodes: list[_Episode], pad_id: int, version: int, stats: dict[str,
 
 
 def _record_fields(episodes: list[_Episode]) -> dict:
-    """RolloutBatch fields from the episodes' last records: `routed_experts` (one route sequence per row)."""
+    """RolloutBatch fields from the episodes' last records: `routed_experts` (one route sequence per row) and
+    `sampling_mask` (the sampler's support at every response token; 0 = the full vocabulary on environment tokens)."""
     keys = {k for e in episodes for k in e.records}
-    if keys - {"routed_experts"}:
-        raise ValueError(f"episode records {sorted(keys - {'routed_experts'})} have no RolloutBatch field")
-    if not keys:
-        return {}
+    if keys - {"routed_experts", "sampling_mask"}:
+        raise ValueError(f"episode records {sorted(keys - {'routed_experts', 'sampling_mask'})} have no RolloutBatch "
+                         "field")
     for i, e in enumerate(episodes):
         seq = e.prompt + e.response
         store = e.records.get("routed_experts")
-        if store is None or int(store.lengths[0]) != len(seq) - 1 or int(store.token_hash[0]) != token_hash(seq[:-1]):
+        if "routed_experts" in keys and (store is None or int(store.lengths[0]) != len(seq) - 1
+                                         or int(store.token_hash[0]) != token_hash(seq[:-1])):
             raise RoutingError(f"episode {i}: its routes do not cover its {len(seq) - 1} input positions")
-    return {"routed_experts": RouteStore.concat([e.records["routed_experts"] for e in episodes])}
+        support = e.records.get("sampling_mask")
+        if "sampling_mask" in keys and (support is None or int(support.prompt_lens[0]) != len(e.prompt)
+                                        or len(support.counts[0]) != len(e.response)):
+            raise ValueError(f"episode {i}: its sampling support does not cover its {len(e.response)} response "
+                             "tokens")
+    return {k: (RouteStore.concat if k == "routed_experts" else SamplingSupport.concat)(
+        [e.records[k] for e in episodes]) for k in sorted(keys)}
 
 
 def final_turns(batch: RolloutBatch) -> list[list[int]]:

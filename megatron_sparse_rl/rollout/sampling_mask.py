@@ -13,6 +13,11 @@ mismatch raises naming the sequence and position.
     engine = RolloutEngine(model_dir, cfg, extensions=[SamplingMaskCapture()])  # rollout.record_sampling_mask
     batch = engine.generate(prompts, sampling)     # batch.sampling_mask: SamplingSupport
     learner.forward_logprobs(tokens, extras=ForwardExtras(sampling_support=batch.sampling_mask))
+
+Across the turns of an episode (`turn_fields`, rollout/episodes.py) each row's record is a one-row SamplingSupport
+over the episode's first prompt: the earlier turns' record, then count 0 (no sampler: the full vocabulary) for the
+environment's tokens since, then this turn's sampled tokens. The sampler only runs on new tokens, so prefix caching
+changes nothing here.
 """
 from __future__ import annotations
 
@@ -96,6 +101,7 @@ class SamplingMaskCapture(StepCapture):
     field = "sampling_mask"
     features = ("step", "sampling_mask")
     error = SamplingMaskError
+    follows_turns = True
 
     def __init__(self):
         super().__init__()
@@ -160,6 +166,27 @@ class SamplingMaskCapture(StepCapture):
         self._seen.clear()
         return SamplingSupport(prompt_lens=torch.tensor(prompt_lens, dtype=torch.long), counts=tuple(counts),
                                ids=tuple(ids))
+
+    def turn_fields(self, outputs, prompts: list[list[int]], earlier: list[dict]) -> list[dict]:
+        """Stop capturing; per row (one sample per prompt) {"sampling_mask": one-row SamplingSupport of the
+        episode's response so far}, continuing the row's earlier record (module docstring)."""
+        this = self.collect(outputs, prompts)
+        fields = []
+        for row, before in enumerate(earlier):
+            old = before.get(self.field)
+            if old is None:
+                fields.append({self.field: this.select([row])})
+                continue
+            first, done = int(old.prompt_lens[0]), len(old.counts[0])
+            gap = len(prompts[row]) - first - done  # the environment's tokens since the last turn
+            if gap < 0:
+                raise SamplingMaskError(f"sequence {row}: the earlier turn's support covers {done} response tokens "
+                                        f"after a {first}-token prompt, more than this turn's {len(prompts[row])}-"
+                                        "token prompt holds")
+            counts = torch.cat([old.counts[0], torch.zeros(gap, dtype=torch.int32), this.counts[row]])
+            fields.append({self.field: SamplingSupport(prompt_lens=old.prompt_lens.clone(), counts=(counts,),
+                                                       ids=(torch.cat([old.ids[0], this.ids[row]]),))})
+        return fields
 
     @staticmethod
     def _sequence_support(row: int, prompt_len: int, response: list[int], seen: dict):

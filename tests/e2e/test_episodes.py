@@ -9,7 +9,9 @@ episode recorded (each position from the turn that first computed it; turn 1's p
 in turn 2 is not computed again) equal those of one prefill of each whole concatenated sequence by the same engine
 with its prefix cache emptied, for every position and MoE layer; a Megatron learner (R3) replays them in the old
 forward and in a training step on the episode batch (replay applied to every router call) and, replaying them,
-reproduces the engine's logprobs of the model's tokens.
+reproduces the engine's logprobs of the model's tokens. With the sampling-support record (top-k 5): the support
+recorded at each model token is the top 5 of a transformers forward over the whole sequence, environment tokens have
+none (count 0), and a learner with algorithm.keep_sampling_mask reproduces the engine's top-k logprobs as pi_old.
 Run: .venv/bin/python -m pytest -q tests/e2e/test_episodes.py
 """
 import pytest
@@ -29,6 +31,7 @@ ENV = EnvConfig(kind="tools", max_turns=3, max_total_tokens=100)
 ATOL = 1e-4
 BLOCK = 32
 OBSERVATION = "r: 36\na: "
+TOP_K = 5
 
 
 class TwoTurns(Environment):
@@ -87,16 +90,18 @@ def test_two_turn_episode_logprobs_and_loss_mask_match_transformers(setup):
     assert ep["cached_tokens"] >= 4 * BLOCK and ep["reprefill_tokens"] < 4 * BLOCK, ep
 
 
-def r3_learner_worker(rank, world_size, model_dir, batch):
-    """A Megatron learner (R3) on the episode batch: the old forward replaying its routes, then one training step."""
+def learner_worker(rank, world_size, model_dir, batch, mode, keep_mask):
+    """A Megatron learner (routing `mode`, algorithm.keep_sampling_mask = `keep_mask`) on the episode batch: the old
+    forward, then one training step."""
     from megatron_sparse_rl.config.algorithm import AlgorithmConfig
     from megatron_sparse_rl.config.routing import RoutingConfig
     from megatron_sparse_rl.training import update as U
     from tests.distributed.test_routing import _learner
 
-    learner = _learner(world_size, model_dir, routing=RoutingConfig(mode="R3"))
-    prep = U.prepare(learner, batch, AlgorithmConfig(), pad_id=0, dp_group=None)
-    step = U.update(learner, prep, AlgorithmConfig(), updates=1, dp_group=None)
+    learner = _learner(world_size, model_dir, routing=RoutingConfig(mode=mode))
+    algorithm = AlgorithmConfig(keep_sampling_mask=keep_mask)
+    prep = U.prepare(learner, batch, algorithm, pad_id=0, dp_group=None)
+    step = U.update(learner, prep, algorithm, updates=1, dp_group=None)
     diff = ((prep.old_logprobs - prep.rollout_logprobs).abs() * prep.mask).max()
     return prep.metrics, step, float(diff), int(prep.mask.sum())
 
@@ -125,10 +130,44 @@ def test_r3_routes_across_turns_equal_one_prefill_and_the_learner_replays_them(s
         diff = (got.sort(dim=-1).values != want.sort(dim=-1).values).any(dim=-1)  # [positions, layers]
         assert not diff.any(), (i, diff.nonzero().tolist())
     batch.reward = torch.tensor([1.0, 0.0, 0.0, 1.0])  # advantages of both signs: a step that moves the weights
-    old, step, diff, tokens = run_distributed(r3_learner_worker, 1, args=(str(base), batch), timeout=300)[0]
+    old, step, diff, tokens = run_distributed(learner_worker, 1, args=(str(base), batch, "R3", False),
+                                              timeout=300)[0]
     print(f"R3 over episodes: {tokens} model tokens, max |learner(replayed) - engine| logprob {diff:.2e}; old forward "
           f"{ {k: v for k, v in old.items() if k.startswith('routing/')} }; step "
           f"{ {k: v for k, v in step.items() if k.startswith(('routing/', 'train/grad_norm'))} }")
     assert old["routing/replay_applied_fraction"] == 1.0 == step["routing/replay_applied_fraction"]
     assert old["routing/flipped_token_fraction"] == 0.0  # the fp32 learner's own routers choose the same experts
     assert diff < ATOL and tokens == int(batch.loss_mask.sum())
+
+
+def test_sampling_support_across_turns_is_the_top_k_and_the_learner_renormalises_over_it(setup):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_sparse_rl.rollout.episodes import run_episodes
+    from megatron_sparse_rl.rollout.sampling_mask import SamplingMaskCapture
+
+    engine, base, tok = setup
+    capture = SamplingMaskCapture()
+    engine.add_extension(capture)
+    try:
+        batch = run_episodes(engine, tok, PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=7, top_k=TOP_K), ENV,
+                             TwoTurns)
+    finally:
+        engine.remove_extension(capture)
+    support = batch.sampling_mask
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    for i, (prompt, response) in enumerate(zip(batch.prompts(), batch.responses())):
+        assert int(support.prompt_lens[i]) == len(prompt) and len(support.counts[i]) == len(response)
+        with torch.no_grad():  # the reference: the top-k ids of an fp32 transformers forward over the whole sequence
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+        want = [sorted(logits[j].topk(TOP_K).indices.tolist()) if m else [] for j, m in
+                enumerate(batch.loss_mask[i][:len(response)].tolist())]
+        counts = support.counts[i].tolist()
+        ids = support.ids[i].split(counts)
+        assert [sorted(x.tolist()) for x in ids] == want, i  # environment tokens: count 0 (no sampler ran)
+    batch.reward = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    old, step, diff, tokens = run_distributed(learner_worker, 1, args=(str(base), batch, "off", True),
+                                              timeout=300)[0]
+    print(f"sampling support over episodes: {tokens} model tokens, max |learner pi_old over the support - engine "
+          f"top-{TOP_K} logprob| {diff:.2e}; step grad norm {step['train/grad_norm']:.3f}")
+    assert diff < ATOL and tokens == int(batch.loss_mask.sum()) and step["train/grad_norm"] > 0
