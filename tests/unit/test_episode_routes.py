@@ -1,6 +1,7 @@
 """Which R3 route captures and sampling-support records multi-turn episodes accept (config/validate.py
-`_env_problems`), and that an episode batch refuses records that do not cover its rows (rollout/episodes.py). Both
-across turns on the real engine, and the learner using them: tests/e2e/test_episodes.py.
+`_env_problems`), that an episode batch refuses records that do not cover its rows (rollout/episodes.py), and how
+the route capture fills positions vLLM served from its prefix cache (rollout/routes.py `_rows_routes`, on hand-built
+step records). Both across turns on the real engine, and the learner using them: tests/e2e/test_episodes.py.
 Run: .venv/bin/python -m pytest -q tests/unit/test_episode_routes.py
 """
 import pytest
@@ -51,3 +52,39 @@ def test_episode_batch_support_must_cover_every_response_token():
     assert [c.tolist() for c in joined.counts] == [[2, 0, 1], [0, 0, 3]] and joined.prompt_lens.tolist() == [2, 2]
     with pytest.raises(ValueError, match=r"episode 1: its sampling support does not cover its 3 response tokens"):
         _record_fields([episode([2, 0, 1]), episode([2, 0])])
+
+
+def _capture(keeps_prefixes):
+    from megatron_sparse_rl.rollout.routes import EngineRouteCapture
+
+    capture = EngineRouteCapture()
+    capture.layers, capture.num_experts, capture.keeps_prefixes = (0,), 4, keeps_prefixes
+    return capture
+
+
+def _seen(seq, positions, expert):
+    return {p: (seq[p], torch.tensor([[expert, p % 4]], dtype=torch.int16)) for p in positions}
+
+
+def test_positions_served_from_the_prefix_cache_take_the_routes_of_the_same_prefix():
+    a, b, c = [1, 2, 3, 4, 5], [1, 2, 3, 7, 8], [9, 2, 3, 4, 5]
+    capture = _capture(True)
+    # b's first two positions came from the cache (a computed them); c differs from position 0 on: nothing to take
+    got_a, got_b = capture._rows_routes([a, b], [_seen(a, range(4), 0), _seen(b, range(2, 4), 1)], [None, None])
+    assert got_a[:, 0, 0].tolist() == [0, 0, 0, 0] and got_b[:, 0, 0].tolist() == [0, 0, 1, 1]
+    with pytest.raises(RoutingError, match=r"sequence 0: the engine never routed position 0"):
+        capture._rows_routes([c], [_seen(c, range(2, 4), 2)], [None])
+    # a later call (same weights) finds a's routes; after a prefix-cache reset it does not
+    [again] = capture._rows_routes([a], [_seen(a, [3], 3)], [None])
+    assert again[:, 0, 0].tolist() == [0, 0, 0, 3]
+    capture.on_prefix_reset()
+    with pytest.raises(RoutingError, match=r"never routed position 0"):
+        capture._rows_routes([a], [_seen(a, [3], 3)], [None])
+    # an earlier turn's record comes first; without prefix caching nothing is shared between rows
+    old = torch.full((2, 1, 2), 3, dtype=torch.int16)
+    [turn2] = capture._rows_routes([a], [_seen(a, range(4), 2)], [old])
+    assert turn2[:, 0, 0].tolist() == [3, 3, 2, 2]
+    with pytest.raises(RoutingError, match=r"sequence 1: the engine never routed position 0"):
+        _capture(False)._rows_routes([a, b], [_seen(a, range(4), 0), _seen(b, range(2, 4), 1)], [None, None])
+    with pytest.raises(RoutingError, match=r"sequence 0: position 1 was routed for token 9, the sequence has 2"):
+        capture._rows_routes([a], [{**_seen(a, range(4), 0), 1: (9, torch.zeros(1, 2, dtype=torch.int16))}], [None])
