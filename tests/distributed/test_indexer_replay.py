@@ -3,7 +3,7 @@ transformers (fp32, eager) whose indexer output a forward hook replaces by the r
 
 - replaying the old forward's recorded indices gives the logprobs of transformers' forward forced to that selection
   (forward_logprobs and train_step's update forward), within 1e-4;
-- after the indexers' weights_proj is negated on both sides (so their fresh top-k changes), the learner's own
+- after the indexers' weights_proj is moved on both sides (the same seeded noise) (so their fresh top-k changes), the learner's own
   selection moves the logprobs away from that reference, and replay brings them back within 1e-4;
 - indexer/flip_rate (and per layer) equal the share of real queries whose token set differs between the recorded
   indices and transformers' fresh (perturbed) indexer choice on the replayed forward, counted here by hand;
@@ -22,6 +22,16 @@ pytestmark = pytest.mark.distributed
 TOPK = 4
 TOKENS = torch.randint(3, 40, (4, 17), generator=torch.Generator().manual_seed(2))
 LENGTHS = torch.tensor([17, 17, 9, 12])
+
+
+def perturb(weight: torch.Tensor, layer: int) -> None:
+    """Move an indexer's weights_proj ([heads, hidden], the same layout on both sides) so that its top-k changes for
+    some queries, not all: Gaussian noise of PERTURBATION times the weight's std, seeded per layer."""
+    noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(7 + layer), dtype=weight.dtype)
+    weight.data.add_(noise * weight.std() * PERTURBATION)
+
+
+PERTURBATION = 0.5
 
 
 def _logprob_loss(seen):
@@ -46,8 +56,8 @@ def replay_worker(rank, world, model_dir, tokens, lengths):
     recorded = old["indexer"].indices
     out["old"], out["recorded"] = old["logprobs"], recorded
     out["replayed"] = call(IndexerRequest(replay=recorded))["logprobs"]
-    for module in learner.indexer.model.indexers:  # pi_theta's indexer now chooses otherwise
-        module.linear_weights_proj.weight.data.neg_()
+    for layer, module in enumerate(learner.indexer.model.indexers):  # pi_theta's indexer now chooses otherwise
+        perturb(module.linear_weights_proj.weight, layer)
     out["fresh"] = call(None)["logprobs"]
     again = call(IndexerRequest(replay=recorded, record=True, compare_with=recorded))
     out["again"], out["again_metrics"] = again["logprobs"], again["indexer"].metrics
@@ -84,17 +94,17 @@ def _rl_step(learner, tokens, lengths):
     return {"recorded": old.indexer, "old_lp": old_lp, "own_lp": own, "metrics": metrics}
 
 
-def hf_forced(model_dir, tokens, forced, negate: bool):
+def hf_forced(model_dir, tokens, forced, perturbed: bool):
     """transformers' logprobs with every layer's indexer output replaced by forced[:, :, layer] (int [B, S-1, k]),
-    and each layer's own (fresh) indexer output on that forward; `negate`: weights_proj negated first."""
+    and each layer's own (fresh) indexer output on that forward; `perturbed`: weights_proj moved by `perturb`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     fresh = []
     for j, layer in enumerate(model.model.layers):
         indexer = layer.self_attn.indexer
-        if negate:
-            indexer.weights_proj.weight.data.neg_()
+        if perturbed:
+            perturb(indexer.weights_proj.weight, j)
 
         def hook(mod, args, output, _j=j):
             fresh.append(output.clone())
@@ -127,14 +137,14 @@ def test_replay_matches_forced_selection_reference(replay_run):
     model_dir, out = replay_run
     recorded = out["recorded"]
     assert recorded.dtype == torch.int16 and tuple(recorded.shape) == (4, 16, 2, TOPK)
-    ref, _ = hf_forced(model_dir, TOKENS, recorded, negate=False)
+    ref, _ = hf_forced(model_dir, TOKENS, recorded, perturbed=False)
     assert _gap(out["old"], ref) < 1e-4  # the recorded indices are the ones the old forward attended
     assert _gap(out["replayed"], ref) < 1e-4
 
 
 def test_replay_after_indexer_change(replay_run):
     model_dir, out = replay_run
-    ref, fresh = hf_forced(model_dir, TOKENS, out["recorded"], negate=True)
+    ref, fresh = hf_forced(model_dir, TOKENS, out["recorded"], perturbed=True)
     assert _gap(out["fresh"], ref) > 1e-3, "the indexer change did not move the logprobs: the test would not see it"
     assert _gap(out["again"], ref) < 1e-4
     assert _gap(out["update"], ref) < 1e-4
@@ -142,7 +152,7 @@ def test_replay_after_indexer_change(replay_run):
 
 def test_flip_rate_equals_hand_count(replay_run):
     model_dir, out = replay_run
-    _, fresh = hf_forced(model_dir, TOKENS, out["recorded"], negate=True)
+    _, fresh = hf_forced(model_dir, TOKENS, out["recorded"], perturbed=True)
     recorded, real = out["recorded"], _real()
     rates = []
     for layer in range(2):
