@@ -159,6 +159,8 @@ class LearnerIndexer:
     `finish`, `stop`), driven by the Learner."""
 
     def __init__(self, model: torch.nn.Module, layout, groups, mode: str = "none"):
+        if mode not in ("none", "R2"):
+            raise ValueError(f"routing.indexer_replay must be 'none' or 'R2' on the learner (got {mode!r})")
         self.layout, self.groups, self.mode = layout, groups, mode
         self.model = ModelIndexer(model)
         self.layers = tuple(range(len(self.model.indexers)))

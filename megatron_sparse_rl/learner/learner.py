@@ -47,7 +47,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor
 class Learner:
     def __init__(self, adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout, groups: ParallelGroups, *,
                  model_cfg: ModelConfig, cfg: LearnerConfig, total_steps: int = 1, temperature: float = 1.0,
-                 routing: RoutingConfig | None = None):
+                 routing: RoutingConfig | None = None, indexer_replay: str = "none"):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
@@ -71,14 +71,14 @@ class Learner:
         config.grad_sync_func = None
         # This model's routing replay/recording state (learner/routing.py); calls use it through extras.routes.
         self.routing = LearnerRouting(self.model, layout, groups, routing) if routing is not None else None
-        # DSA models: the indexers' replay/recording state (learner/indexer_replay.py), used through extras.indexer.
+        # DSA models: the indexers' replay/recording state (learner/indexer_replay.py), used through extras.indexer;
+        # `indexer_replay` (routing.indexer_replay) says what the RL step's forwards ask of it.
         self.indexer = None
         if getattr(config, "experimental_attention_variant", None) == "dsa":
-            mode = routing.indexer_replay if routing is not None else "none"
-            self.indexer = LearnerIndexer(self.model, layout, groups, mode)
-        elif routing is not None and routing.indexer_replay != "none":
-            raise ValueError(f"routing.indexer_replay = {routing.indexer_replay!r} needs a DeepSeek Sparse Attention "
-                             f"model (DeepSeek-V3.2, GLM-5); {spec.architecture} has no indexer: set 'none'")
+            self.indexer = LearnerIndexer(self.model, layout, groups, indexer_replay)
+        elif indexer_replay != "none":
+            raise ValueError(f"routing.indexer_replay = {indexer_replay!r} needs a DeepSeek Sparse Attention model "
+                             f"(DeepSeek-V3.2, GLM-5); {spec.architecture} has no indexer: set 'none'")
         self.optimizer, self.scheduler = self._build_optimizer(cfg, model_cfg, total_steps)
         self.step = 0
 

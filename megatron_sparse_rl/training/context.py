@@ -208,14 +208,16 @@ def _pad_id(tokenizer) -> int:
 
 def _learners(run: RunConfig, adapter, spec, layout, groups, model_dir: Path, total_steps: int):
     """(learner, frozen reference or None), loaded from the HF model; the learner owns its routing replay
-    state when the model is MoE and routing replay or statistics are on."""
+    state when the model is MoE and routing replay or statistics are on, and a DSA model's indexer state
+    (routing.indexer_replay)."""
     from megatron_sparse_rl.learner.learner import Learner
 
     use_routing = spec.is_moe and run.routing.replay
     # The policy being optimised is the one that samples: logits / sampling temperature (1 for greedy).
     temperature = run.rollout.sampling.temperature or 1.0
     learner = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=total_steps,
-                      temperature=temperature, routing=run.routing if use_routing else None)
+                      temperature=temperature, routing=run.routing if use_routing else None,
+                      indexer_replay=run.routing.indexer_replay)
     learner.load_hf(model_dir)
     reference = None
     if run.algorithm.kl.coef > 0:  # KL to the initial policy needs its logprobs: a frozen copy of the model

@@ -42,11 +42,10 @@ def _logprob_loss(seen):
 
 
 def replay_worker(rank, world, model_dir, tokens, lengths):
-    from megatron_sparse_rl.config.routing import RoutingConfig
     from megatron_sparse_rl.learner.extras import ForwardExtras
     from megatron_sparse_rl.learner.indexer_replay import IndexerReplayError, IndexerRequest
 
-    learner = W.make_learner(world, model_dir, mbs=2, routing=RoutingConfig(indexer_replay="R2", record_stats=False))
+    learner = W.make_learner(world, model_dir, mbs=2, indexer_replay="R2")
     out = {}
 
     def call(request):
