@@ -304,7 +304,9 @@ def _async_problems(run: RunConfig) -> list[str]:
 def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
     """What multi-turn episodes (env.kind) need: chat-templated data, and none of the engine
     features that do not follow an episode across turns yet (docs/episodes.md). R3 / route capture does, through
-    the router callback (routing.engine_routes hook; auto without CUDA), not vLLM's own routed-experts output."""
+    the router callback (routing.engine_routes hook; auto without CUDA), not vLLM's own routed-experts output; sparse
+    KV (rollout.kv.policy) does, its keep record merged turn by turn (prefix caching with it is refused in
+    config/rollout.py)."""
     env = run.env
     if not env.episodes:
         return []
@@ -312,8 +314,7 @@ def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
     if run.data.template != "chat":
         problems.append(f"data.template = {run.data.template!r} with env.kind = {env.kind!r}: an episode's turns are "
                         "chat-template messages (tool results come back as tool messages); set data.template: chat")
-    unsupported = {"rollout.kv.policy": run.rollout.kv.policy != "none",
-                   f"routing.engine_routes = {run.routing.engine_routes!r} (vLLM's own routed-experts output; "
+    unsupported = {f"routing.engine_routes = {run.routing.engine_routes!r} (vLLM's own routed-experts output; "
                    "set routing.engine_routes: hook)": run.routing.capture and run.routing.vllm_routes(cuda),
                    "trainer.max_staleness": run.trainer.max_staleness > 0,
                    "launch.rollout_ranks / launch.rollout_nodes (disaggregated)": bool(run.launch.rollout_world_size),

@@ -8,8 +8,9 @@ Built where the run is set up when `rollout.kv.policy` is not "none", and handed
 
 Before vLLM starts it installs the runner hooks in this process (kv/vllm_hooks.py), asks the vLLM plugin to install
 them in the engine's spawned processes (kv/vllm_plugin.py) and gives vLLM the sparse-KV scheduler and settings.
-After each generate it pops every row's keep record from the worker(s); after re-scoring requests it drops the
-records they left. The worker calls below run through `RolloutEngine.apply_worker`.
+After each generate it pops every row's keep record from the worker(s); after each turn of multi-turn episodes it
+continues every episode's record with its turn's (`turn_fields`); after re-scoring requests it drops the records
+they left. The worker calls below run through `RolloutEngine.apply_worker`.
 """
 from __future__ import annotations
 
@@ -53,6 +54,20 @@ class SparseKV(EngineExtension):
         """`kv_keep`: one `KVKeepRecord` per row, popped from the worker."""
         records = self._engine.apply_worker(partial(_take_kv_records, samples=samples))
         return {"kv_keep": tuple(records[key] for key in samples)}
+
+    follows_turns = True
+
+    def turn_fields(self, outputs, prompts: list[list[int]], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Per row {"kv_keep": the episode's KVKeepRecord so far}: the row's earlier record followed by this turn's
+        request's record (`KVKeepRecord.next_turn`; its prompt, the whole episode so far, was prefilled densely)."""
+        samples = [(out.request_id, 0) for out in outputs]  # one sample per prompt: vLLM's sample index 0
+        records = self._engine.apply_worker(partial(_take_kv_records, samples=samples))
+        fields = []
+        for out, prompt, before, key in zip(outputs, prompts, earlier, samples):
+            record = before.get("kv_keep", KVKeepRecord(lengths=()))
+            end = len(prompt) + len(out.outputs[0].token_ids)
+            fields.append({"kv_keep": record.next_turn(records[key], len(prompt), end)})
+        return fields
 
     def after_rescore(self) -> None:
         """The scoring requests' (compaction) records: nobody reads them."""

@@ -64,7 +64,8 @@ class SampledTurn:
     """Prompt tokens whose KV came from vLLM's prefix cache (not prefilled again)."""
     records: dict[str, Any] = field(default_factory=dict)
     """What the engine's extensions keep of the sequence so far (prompt + this turn): "routed_experts" (a
-    one-sequence RouteStore, R3 route capture), "sampling_mask" (a one-row SamplingSupport); empty without them."""
+    one-sequence RouteStore, R3 route capture), "sampling_mask" (a one-row SamplingSupport), "kv_keep" (the
+    episode's KVKeepRecord, sparse KV); empty without them."""
 
 
 class RolloutEngine:
@@ -224,8 +225,8 @@ class RolloutEngine:
         """One sample (n = 1) per prompt, each with its own sampling: one turn of each running episode
         (rollout/episodes.py), the whole episode so far as the prompt. With rollout.prefix_caching the prompt's
         leading blocks that an earlier turn computed are reused (`SampledTurn.cached_tokens`). Extensions that
-        follow turns (R3 route capture, the sampler's support) continue each row's `records` (its
-        `SampledTurn.records` of the previous turn; None: the first turn); any other extension (sparse KV, vLLM's own
+        follow turns (R3 route capture, the sampler's support, sparse KV's keep record) continue each row's `records`
+        (its `SampledTurn.records` of the previous turn; None: the first turn); any other extension (vLLM's own
         routes) is refused."""
         blocked = [type(e).__name__ for e in self.extensions if not e.follows_turns]
         if blocked:

@@ -17,8 +17,10 @@ rewards; `finish_reasons` "stop" when the environment ended the episode, "length
 With R3 route capture on the engine (rollout/routes.py `turn_fields`) `routed_experts` holds the routes of every
 input position of each row (prompt + response, less its last token): each position routed by the turn that first
 computed it. With the sampling-mask record (rollout/sampling_mask.py) `sampling_mask` holds the sampler's support
-at every response token (count 0, the full vocabulary, on the environment's). An episode always ends with a model
-turn, so its last records cover the whole row.
+at every response token (count 0, the full vocabulary, on the environment's). With sparse KV (kv/engine_extension.py)
+`kv_keep` holds one KVKeepRecord per row, every turn's compactions merged (kv/record.py `next_turn`); a turn's
+request prefills the whole history densely, so the history's tokens and the environment's attend causally. An
+episode always ends with a model turn, so its last records cover the whole row.
 """
 from __future__ import annotations
 
@@ -168,13 +170,20 @@ def _batch(episodes: list[_Episode], pad_id: int, version: int, stats: dict[str,
     )
 
 
+_RECORD_KEYS = ("routed_experts", "sampling_mask", "kv_keep")
+
+
 def _record_fields(episodes: list[_Episode]) -> dict:
-    """RolloutBatch fields from the episodes' last records: `routed_experts` (one route sequence per row) and
-    `sampling_mask` (the sampler's support at every response token; 0 = the full vocabulary on environment tokens)."""
+    """RolloutBatch fields from the episodes' last records: `routed_experts` (one route sequence per row),
+    `sampling_mask` (the sampler's support at every response token; 0 = the full vocabulary on environment tokens)
+    and `kv_keep` (one KVKeepRecord per row, every turn merged: kv/record.py)."""
     keys = {k for e in episodes for k in e.records}
-    if keys - {"routed_experts", "sampling_mask"}:
-        raise ValueError(f"episode records {sorted(keys - {'routed_experts', 'sampling_mask'})} have no RolloutBatch "
-                         "field")
+    if keys - set(_RECORD_KEYS):
+        raise ValueError(f"episode records {sorted(keys - set(_RECORD_KEYS))} have no RolloutBatch field")
+    fields = {}
+    if "kv_keep" in keys:
+        fields["kv_keep"] = tuple(_kv_keep(i, e) for i, e in enumerate(episodes))
+        keys.discard("kv_keep")
     for i, e in enumerate(episodes):
         seq = e.prompt + e.response
         store = e.records.get("routed_experts")
@@ -186,8 +195,17 @@ def _record_fields(episodes: list[_Episode]) -> dict:
                                         or len(support.counts[0]) != len(e.response)):
             raise ValueError(f"episode {i}: its sampling support does not cover its {len(e.response)} response "
                              "tokens")
-    return {k: (RouteStore.concat if k == "routed_experts" else SamplingSupport.concat)(
+    return fields | {k: (RouteStore.concat if k == "routed_experts" else SamplingSupport.concat)(
         [e.records[k] for e in episodes]) for k in sorted(keys)}
+
+
+def _kv_keep(i: int, e: _Episode):
+    """Episode `i`'s merged keep record, which must end where its sequence does (its last turn merged)."""
+    record, n = e.records.get("kv_keep"), len(e.prompt) + len(e.response)
+    if record is None or not record.turn_ends or record.turn_ends[-1] != n:
+        covered = None if record is None else record.turn_ends
+        raise ValueError(f"episode {i}: its KV keep record (turn ends {covered}) does not cover its {n} tokens")
+    return record
 
 
 def final_turns(batch: RolloutBatch) -> list[list[int]]:

@@ -1,7 +1,8 @@
 """Metrics of rollouts generated with a sparse (fixed-budget) KV cache.
 
 Learner column t scores token t + 1 with the query at position t; in the engine that query attended to
-the compressed cache iff t >= the sample's first compaction length. Splitting the k1 mismatch
+the compressed cache iff t >= the sample's first compaction length (in a multi-turn episode, not on the queries a
+later turn's dense prefill computed: `KVKeepRecord.compressed_queries`). Splitting the k1 mismatch
 (log mu - log pi_old, the learner being dense) at that point separates what compression added from the
 engine-vs-learner numerics present before it:
   kv/k1_after_compression - kv/k1_before_compression = compression-induced logprob delta.
@@ -43,9 +44,8 @@ def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs
     if records is None:
         raise ValueError("rollout.kv.policy is set but the rollout batch carries no kv_keep records")
     lengths = (batch.prompt_lens + batch.response_mask.sum(dim=1)).tolist()
-    first = torch.tensor([r.lengths[0] if r.lengths else 10**9 for r in records])
-    cols = torch.arange(mask.shape[1])[None, :]
-    after = mask.bool() & (cols >= first[:, None])
+    compressed = torch.stack([r.compressed_queries(mask.shape[1]) for r in records])
+    after = mask.bool() & compressed
     before = mask.bool() & ~after
 
     def mean(delta: torch.Tensor, sel: torch.Tensor) -> float:

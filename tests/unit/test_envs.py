@@ -156,8 +156,9 @@ def test_env_config_refusals_name_the_field():
     assert tool_problems(run_of(*TOOLS_ENV).env) == [] == tool_problems(run_of("env.tools=[abacus]").env)
     with pytest.raises(ConfigError, match=r"data.template = 'plain' with env.kind = 'tools'.*set data.template: chat"):
         validate(run_of("env.kind=tools"), 1, cuda=False)
-    with pytest.raises(ConfigError, match=r"rollout.kv.policy cannot run with env.kind = 'tools'"):
-        validate(run_of(*TOOLS_ENV, "rollout.kv.policy=snapkv"), 1, cuda=False)
+    validate(run_of(*TOOLS_ENV, "rollout.kv.policy=snapkv"), 1, cuda=False)  # sparse KV follows turns
+    with pytest.raises(ConfigError, match=r"rollout.prefix_caching = true cannot run with rollout.kv.policy"):
+        run_of(*TOOLS_ENV, "rollout.kv.policy=snapkv", "rollout.prefix_caching=true")
     with pytest.raises(ConfigError, match=r"algorithm.old_logprobs = 'engine_mean' cannot run with env.kind"):
         validate(run_of(*TOOLS_ENV, "algorithm.old_logprobs=engine_mean"), 1, cuda=False)
     with pytest.raises(ConfigError, match=r"data.max_prompt_tokens \+ env.max_total_tokens = 256 \+ 96 must be <="):

@@ -23,8 +23,7 @@ def test_episodes_take_r3_through_the_router_callback_and_refuse_vllm_routes():
             validate(run_of(*TOOLS_ENV, "routing.mode=R3", f"routing.engine_routes={routes}"), 1, cuda=True)
     validate(run_of(*TOOLS_ENV, "routing.mode=R3", "rollout.record_sampling_mask=true",
                     "algorithm.keep_sampling_mask=true"), 1, cuda=False)
-    with pytest.raises(ConfigError, match=r"rollout.kv.policy cannot run with env.kind = 'tools'"):  # still refused
-        validate(run_of(*TOOLS_ENV, "routing.mode=R3", "rollout.kv.policy=snapkv"), 1, cuda=False)
+    validate(run_of(*TOOLS_ENV, "routing.mode=R3", "rollout.kv.policy=snapkv"), 1, cuda=False)  # both follow turns
 
 
 def _episode(prompt, response, routed):
