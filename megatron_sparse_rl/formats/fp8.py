@@ -1,5 +1,5 @@
-"""Block-wise FP8 weights of DeepSeek-V3 / Kimi-K2 release checkpoints, dequantised exactly on import, and the
-same format made from the learner's weights for fp8 rollouts.
+"""Block-wise FP8 weights of DeepSeek-V3 / Kimi-K2 / DeepSeek-V3.2 / GLM-5 release checkpoints, dequantised exactly
+on import, and the same format made from the learner's weights for fp8 rollouts.
 
 Such a checkpoint stores many 2-D weights as float8_e4m3fn, each with a float32 companion `<name>_scale_inv` of
 shape [ceil(rows / br), ceil(cols / bc)], and its config.json says how:
@@ -9,7 +9,9 @@ shape [ceil(rows / br), ceil(cols / bc)], and its config.json says how:
 
 The weight is float32(stored) * scale_inv[i // br, j // bc] for element (i, j); the last block of a row or column
 may be partial. Every e4m3 value and every scale is a float32 exactly, so the product computed in float32 is the
-exact product rounded once (it can need more than float32's 24 mantissa bits, hence no bf16 result).
+exact product rounded once (it can need more than float32's 24 mantissa bits, hence no bf16 result). A `scale_fmt`
+key (DeepSeek's "ue8m0": power-of-two scales) is not read: the product is the same for any scale the file stores
+in F32 / BF16 / F16 (another scale dtype is refused, naming the scale).
 
     q = BlockFp8.from_config(json.load(open("config.json")), "config.json")   # None when not quantised
     q.pair_problem(name, "F8_E4M3", (576, 64), ("F32", (5, 1)))               # None, or what is wrong
@@ -57,11 +59,15 @@ ZERO_BLOCK_SCALE = 1.0
 """The scale_inv of a block whose amax / 448 is 0 in float32 (an all-zero block, or one below about 6e-43): any
 positive scale avoids 0 / 0; 1 keeps the zeros zero and dequantises the block to exact zeros."""
 QUANTIZED_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
-                               "kv_b_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+                               "kv_b_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "wq_b", "wk"})
 """The attention and MLP / expert projections whose 2-D `.weight` the fp8 release checkpoints store as fp8
-(DeepSeek-V3, Kimi-K2, Qwen3-FP8; Mixtral's experts are w1 / w3 / w2). Not quantised: embed_tokens, lm_head, norms,
-the MoE router (`mlp.gate`, `block_sparse_moe.gate`) and its `e_score_correction_bias`, biases, and the
-multi-token-prediction layer's own tensors (eh_proj, shared_head), which the adapters never name."""
+(DeepSeek-V3, Kimi-K2, Qwen3-FP8; Mixtral's experts are w1 / w3 / w2), and the DSA lightning indexer's query and key
+projections `self_attn.indexer.wq_b` / `.wk` (DeepSeek-V3.2, GLM-5: DeepSeek-V3.2-Exp's inference/model.py builds
+them as its default, fp8, `Linear`; vLLM 0.32 loads wq_b as a block-fp8 linear and dequantises an fp8 wk with its
+`weight_scale_inv`). Not quantised: embed_tokens, lm_head, norms (the indexer's `k_norm` included), the indexer's
+`weights_proj` (bf16 in the release: the reference builds it `dtype=torch.float32` "stored in bf16", transformers
+keeps it in fp32), the MoE router (`mlp.gate`, `block_sparse_moe.gate`) and its `e_score_correction_bias`, biases,
+and the multi-token-prediction layer's own tensors (eh_proj, shared_head), which the adapters never name."""
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
 """An HF name inside a routed expert (`mlp.experts.3.`, `block_sparse_moe.experts.3.`; not `shared_experts.`):
 vLLM serves these with FusedMoE."""
