@@ -145,9 +145,15 @@ class ModelConfig:
     """Full activation recompute of every transformer layer in the backward pass."""
     moe_aux_loss_coeff: float = 0.0
     """Coefficient of Megatron's load-balancing auxiliary loss (0 = off)."""
+    dsa_indexer_loss_coeff: float = 0.0
+    """Coefficient of the DeepSeek Sparse Attention indexer's own KL loss (Megatron's `dsa_indexer_loss_coeff`;
+    learner/dsa_indexer_loss.py): trains the indexer towards the main attention's head-summed distribution, the
+    rest of the model untouched; step metric indexer/kl_loss. 0 = off; > 0 needs a DSA model."""
 
     def __post_init__(self):
         _check(self.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff must be >= 0 (got {self.moe_aux_loss_coeff})")
+        _check(self.dsa_indexer_loss_coeff >= 0,
+               f"model.dsa_indexer_loss_coeff must be >= 0 (got {self.dsa_indexer_loss_coeff})")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

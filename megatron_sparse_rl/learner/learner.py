@@ -29,6 +29,7 @@ from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
 from megatron_sparse_rl.formats.hf_io import iter_mcore_tensors
 from megatron_sparse_rl.learner.attention_mask import LayerAttentionMasks, pad_causal
+from megatron_sparse_rl.learner.dsa_indexer_loss import IndexerLoss, indexer_loss_config
 from megatron_sparse_rl.learner.extras import NO_EXTRAS, ForwardExtras
 from megatron_sparse_rl.learner.indexer_replay import LearnerIndexer
 from megatron_sparse_rl.learner.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -58,6 +59,7 @@ class Learner:
             recompute=model_cfg.recompute_activations, aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
             calculate_per_token_loss=True,
             **({"moe_enable_routing_replay": True} if routing is not None else {}),
+            **indexer_loss_config(spec, model_cfg.dsa_indexer_loss_coeff),
         )
         self.config = config
         self._layer_masks = None  # LayerAttentionMasks: hooks made on the first call with an attention mask
@@ -79,6 +81,10 @@ class Learner:
         elif indexer_replay != "none":
             raise ValueError(f"routing.indexer_replay = {indexer_replay!r} needs a DeepSeek Sparse Attention model "
                              f"(DeepSeek-V3.2, GLM-5); {spec.architecture} has no indexer: set 'none'")
+        # DSA indexer KL loss (model.dsa_indexer_loss_coeff > 0): its gradient scale and indexer/kl_loss per step
+        self.indexer_loss = None
+        if getattr(config, "dsa_indexer_loss_coeff", None):
+            self.indexer_loss = IndexerLoss(self.model, config, groups, dp=layout.dp, pp=layout.pp)
         self.optimizer, self.scheduler = self._build_optimizer(cfg, model_cfg, total_steps)
         self.step = 0
 
@@ -321,7 +327,8 @@ class Learner:
         routing metrics (routing/replay_applied_fraction; with `compare_with`, routing/drift/..., already global
         over the data-parallel ranks). `lengths`, `extras`: as in forward_logprobs (the loss_fn sees [b, S-1]
         logprobs either way; routes are replayed in the forward and in any activation-recompute backward; routes
-        recorded here are only compared with `compare_with`, not returned).
+        recorded here are only compared with `compare_with`, not returned). With model.dsa_indexer_loss_coeff > 0
+        also indexer/kl_loss (learner/dsa_indexer_loss.py: the DSA indexer's KL, already global).
 
         `lr` runs this step at a fixed learning rate outside the schedule (e.g. an SFT warm-start): the
         schedule and `self.step` do not advance.
@@ -338,7 +345,10 @@ class Learner:
             if lr is not None:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
+            if self.indexer_loss is not None:
+                self.indexer_loss.begin(len(self._micro_batches(tokens, lengths)))
             out = self._run_schedule(tokens, loss_fn, forward_only=False, extras=extras, lengths=lengths)
+            indexer_loss = self.indexer_loss.finish() if self.indexer_loss is not None else {}
             ok, grad_norm, _ = self.optimizer.step()
             if not ok:
                 raise FloatingPointError("optimizer step skipped: gradients were not finite")
@@ -356,6 +366,7 @@ class Learner:
         for name in ("routing", "indexer"):
             if name in routed:
                 metrics.update(routed[name].metrics)
+        metrics.update(indexer_loss)
         return metrics
 
     def named_full_parameters(self):
