@@ -102,13 +102,11 @@ def _mtp_layer(tensors: dict) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
-def release(request, tmp_path_factory):
-    """(arch, release directory, its stored tensors)."""
+def make_release(root, arch: str):
+    """(release directory, its stored tensors) of a tiny `arch` DSA model built under `root`."""
     from megatron_sparse_rl.models.tiny_families import build_tiny_dsa
 
-    arch, opts = request.param, ARCHS[request.param]
-    root = tmp_path_factory.mktemp(arch)
+    opts = ARCHS[arch]
     plain = build_tiny_dsa(root / "plain", arch=arch, layers=LAYERS, index_heads=HEADS, index_head_dim=DIM,
                            q_lora_rank=32, rope=opts["rope"], seed=opts["seed"])
     tensors = load_file(str(plain / "model.safetensors"))
@@ -122,10 +120,16 @@ def release(request, tmp_path_factory):
     quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK),
              **({"scale_fmt": "ue8m0"} if opts["pow2"] else {})}
     hf = write_checkpoint(plain, root / "release", tensors, quantization_config=quant, num_nextn_predict_layers=1)
-    return arch, hf, tensors
+    return hf, tensors
 
 
-def _reference(stored: dict, name: str) -> torch.Tensor:
+@pytest.fixture(scope="module", params=list(ARCHS))
+def release(request, tmp_path_factory):
+    """(arch, release directory, its stored tensors)."""
+    return request.param, *make_release(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def reference(stored: dict, name: str) -> torch.Tensor:
     """What the model holds for HF tensor `name`: an fp8 one's float64 dequantisation rounded to float32."""
     t = stored[name]
     return dequantise(t, stored[name + "_scale_inv"]).float() if t.dtype == torch.float8_e4m3fn else t
@@ -181,7 +185,7 @@ def test_every_megatron_tensor_is_the_reference_dequantisation(release, caplog):
     assert sorted(got) == sorted(maps)
     fp8_seen = 0
     for mcore, tm in maps.items():
-        parts = [_reference(stored, n) for n in tm.hf]
+        parts = [reference(stored, n) for n in tm.hf]
         fp8_seen += sum(stored[n].dtype == torch.float8_e4m3fn for n in tm.hf)
         want = torch.cat(parts) if tm.kind == "glu" else parts[0]
         if tm.kind == "rows":
