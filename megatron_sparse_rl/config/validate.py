@@ -240,6 +240,17 @@ def _indexer_replay_problems(run: RunConfig, spec) -> list[str]:
             "GlmMoeDsaForCausalLM); set routing.indexer_replay = 'none'"]
 
 
+def _indexer_loss_problems(run: RunConfig, spec) -> list[str]:
+    """model.dsa_indexer_loss_coeff > 0 needs a DeepSeek Sparse Attention model (learner/dsa_indexer_loss.py)."""
+    from megatron_sparse_rl.models.dsa import DsaSpec
+
+    coeff = run.model.dsa_indexer_loss_coeff
+    if coeff == 0 or spec is None or isinstance(spec, DsaSpec):
+        return []
+    return [f"model.dsa_indexer_loss_coeff = {coeff} trains a DeepSeek Sparse Attention indexer, but "
+            f"{spec.architecture} has none (DSA models: DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM); set it to 0"]
+
+
 # corrections of mu != pi_old that compare the two: with pi_old = mu (algorithm.old_logprobs = engine) rho = 1
 _RHO_CORRECTIONS = ("tis", "mis", "geo_rs", "veto", "icepop", "sparse_rl", "batch_skip")
 
@@ -382,6 +393,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _rollout_algorithm_problems(run, world_size, spec)
     problems += _old_logprobs_problems(run)
     problems += _indexer_replay_problems(run, spec)
+    problems += _indexer_loss_problems(run, spec)
     problems += _async_problems(run)
     problems += _env_problems(run, cuda)
     problems += _precision_problems(run, spec, cuda)
