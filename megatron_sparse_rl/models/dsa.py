@@ -18,7 +18,8 @@ indifferent to it, so the scores are the same function; the map is exact both wa
 
 Refused: GLM-5.2's shared index layers (`indexer_types` with "shared", `index_topk_pattern`, `index_topk_freq` > 1):
 Megatron-Core 0.16.1's DSA runs an indexer in every layer; and configs without q_lora_rank (the indexer reads the q
-latent). Not modelled: the indexer's own training loss (Megatron's KL loss, `dsa_indexer_loss_coeff`) is off (0.0).
+latent). The indexer's own training loss (Megatron's KL loss, `dsa_indexer_loss_coeff`) is 0.0 here, i.e. off; the
+learner turns it on from `model.dsa_indexer_loss_coeff` (learner/dsa_indexer_loss.py).
 """
 from __future__ import annotations
 

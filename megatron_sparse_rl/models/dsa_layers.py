@@ -17,7 +17,8 @@ Why this module builds the spec instead of calling Megatron's `get_dsa_module_sp
   transformers and vLLM use eps 1e-6 whatever rms_norm_eps (GLM-5: 1e-5). `IndexerKeyNorm` is that LayerNorm
   with eps `INDEXER_KEY_NORM_EPS` and no sequence-parallel assertion (the indexer gathers its input first).
 
-`dsa_indexer_loss_coeff` must be a number (Megatron multiplies by it whenever it trains); the adapter sets 0.0.
+`dsa_indexer_loss_coeff` must be a number (Megatron multiplies by it whenever it trains); the adapter sets 0.0, the
+learner `model.dsa_indexer_loss_coeff` (learner/dsa_indexer_loss.py).
 """
 from __future__ import annotations
 
