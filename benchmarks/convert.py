@@ -36,7 +36,9 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _child(direction: str, src: str, dst: str, port: int, out) -> None:
+def _child(direction: str, src: str, dst: str, port: int, out, rank_init) -> None:
+    if rank_init is not None:  # `msrl bench`: the libraries' lines go to its log file (tools/bench_cmd.py)
+        rank_init(0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch.distributed as dist
 
@@ -54,13 +56,14 @@ def _child(direction: str, src: str, dst: str, port: int, out) -> None:
     out.put((seconds, base, _peak_rss_mb()))
 
 
-def run_direction(direction: str, src: Path, dst: Path) -> tuple[float, float, float]:
-    """(seconds, RSS MB after imports, peak RSS MB) of one conversion in a fresh process."""
+def run_direction(direction: str, src: Path, dst: Path, rank_init=None) -> tuple[float, float, float]:
+    """(seconds, RSS MB after imports, peak RSS MB) of one conversion in a fresh process, set up first by
+    `rank_init(0)` when given."""
     from megatron_sparse_rl.parallel.ports import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    p = ctx.Process(target=_child, args=(direction, str(src), str(dst), free_port(), out))
+    p = ctx.Process(target=_child, args=(direction, str(src), str(dst), free_port(), out, rank_init))
     p.start()
     result = out.get(timeout=1800)
     p.join()
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"model: {nbytes / 4e6:.1f}M fp32 parameters, {gb * 1e3:.1f} MB of HF tensors ({len(files)} file(s))")
         print(f"raw read+write:  {gb / raw:8.3f} GB/s")
         for direction, src, dst in (("hf-to-mcore", hf, root / "mc"), ("mcore-to-hf", root / "mc", root / "back")):
-            seconds, base, peak = run_direction(direction, src, dst)
+            seconds, base, peak = run_direction(direction, src, dst, getattr(args, "rank_logging", None))
             print(f"{direction}:     {gb / seconds:8.3f} GB/s  ratio {raw / seconds:.3f} of raw  ({seconds:.1f} s); "
                   f"peak RSS {peak:.0f} MB ({peak - base:+.0f} MB over the {base:.0f} MB after imports; "
                   f"model {gb * 1e3:.0f} MB)")

@@ -183,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"model: Qwen3-MoE hidden {args.hidden}, {args.layers} layers, {args.experts} experts (top-{args.topk}); "
               f"batch {args.batch} x up to {args.seq} tokens, micro-batch {args.mbs}; {args.pairs} pairs; "
               f"1 rank, 1 torch thread", flush=True)
-        (out,) = run_ranks(bench_worker, 1, args=(str(model_dir), args), timeout=args.timeout)
+        (out,) = run_ranks(bench_worker, 1, args=(str(model_dir), args), timeout=args.timeout,
+                           rank_init=getattr(args, "rank_logging", None))
     step, _, _ = _summary(out["plain"])
     print(f"plain learner step (old-logprob forward + advantages + 1 update): median {step * 1e3:.0f} ms; "
           f"{out['response_tokens'] / step:.0f} response tokens/s, {out['all_tokens'] / step:.0f} tokens/s")

@@ -282,7 +282,8 @@ def expert_line(stats, args, what: str = "export + load") -> str:
 def run_colocated(model_dir, args) -> str:
     from megatron_sparse_rl.parallel.spawn import run_ranks
 
-    (out,) = run_ranks(colocated_worker, 1, args=(str(model_dir), args.bucket_mb, args.repeats), timeout=args.timeout)
+    (out,) = run_ranks(colocated_worker, 1, args=(str(model_dir), args.bucket_mb, args.repeats), timeout=args.timeout,
+                       rank_init=getattr(args, "rank_logging", None))
     sec, nbytes = min(out["seconds"]), out["stats"].bytes
     return (f"colocated:     sync {_gbps(nbytes / sec)} ({sec * 1e3:.0f} ms, {out['stats'].buckets} bucket(s)) / "
             f"plain copy {_gbps(out['copy_bps'])} = {nbytes / sec / out['copy_bps']:.4f}; "
@@ -304,7 +305,7 @@ def run_disaggregated(model_dir, args) -> str:
     from megatron_sparse_rl.parallel.spawn import run_ranks
 
     sent, got = run_ranks(disaggregated_worker, 2, args=(str(model_dir), args.bucket_mb, args.repeats),
-                          timeout=args.timeout)
+                          timeout=args.timeout, rank_init=getattr(args, "rank_logging", None))
     s, r = sent["stats"], got["stats"]
     if (s.bytes, s.tensors, s.buckets) != (r.bytes, r.tensors, r.buckets):
         raise RuntimeError(f"rank 1 received {r} but rank 0 sent {s}")

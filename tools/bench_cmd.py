@@ -9,7 +9,8 @@ docs/algorithms.md "Cost", docs/routing.md, docs/conversion.md, docs/async.md).
     msrl bench async [--config ... --staleness 0,1,2,4]     async RL steps/s over the synchronous loop's, per k
 
 Only this project's lines reach the console; vLLM's, Megatron-Core's and the other libraries' warnings go to
-<temp dir>/msrl/bench.log (`--verbose`: on the console too; observability/logging.py, `init_tool_logging`).
+<temp dir>/msrl/bench.log (`--verbose`: on the console too; observability/logging.py, `init_tool_logging`), also
+from the processes a kind spawns (`args.rank_logging`, handed to run_ranks or to its own child process).
 
 Each kind is a module `benchmarks/<kind>.py` (`MODULES` names the exceptions) exposing `add_arguments(parser)` and
 `run(args) -> int`; add one by writing that module and a line in KINDS. Only the chosen kind's module is imported.
@@ -21,7 +22,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from megatron_sparse_rl.observability.logging import init_tool_logging, tool_log_path
+from megatron_sparse_rl.observability.logging import RankLogging, init_tool_logging, tool_log_path
 
 # kind -> one-line help; the implementation is benchmarks/<kind>.py
 KINDS: dict[str, str] = {
@@ -54,5 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    init_tool_logging("bench", verbose=args.verbose)
+    # the kinds that spawn processes (sync, learner, convert) set them up with `rank_logging`: they log like this one
+    args.rank_logging = RankLogging(str(init_tool_logging("bench", verbose=args.verbose)), args.verbose)
     return int(args.bench_run(args) or 0)

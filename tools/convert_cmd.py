@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from megatron_sparse_rl.observability.logging import init_tool_logging, tool_log_path
+from megatron_sparse_rl.observability.logging import RankLogging, init_tool_logging, tool_log_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def convert(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.checkpoint import launch
 
-    init_tool_logging("convert", verbose=args.verbose)
+    log_file = init_tool_logging("convert", verbose=args.verbose)
     for name in ("tp", "ep", "pp", "etp"):
         if getattr(args, name) < 1:
             print(f"error: --{name} must be >= 1 (got {getattr(args, name)})", file=sys.stderr)
@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         return 0
-    errors = launch.run_local(convert, launch.min_world_size(args.tp, args.ep, args.pp, args.etp), args=(args,))
+    errors = launch.run_local(convert, launch.min_world_size(args.tp, args.ep, args.pp, args.etp), args=(args,),
+                              rank_init=RankLogging(str(log_file), args.verbose))  # the ranks log like this process
     if errors:
         print(f"error: {errors[0]}", file=sys.stderr)
         return 2

@@ -30,12 +30,15 @@ def _call(rank: int, world: int, fn: Callable, args: tuple) -> None:
     fn(*args)
 
 
-def run_local(fn: Callable, world_size: int, args: tuple = (), timeout: float | None = None) -> list[str]:
-    """Run `fn(*args)` on `world_size` spawned ranks (parallel/spawn.py); returns the error messages ([] when
-    every rank succeeded): `Type: message` for the input errors conversion raises (ValueError, OSError,
-    RuntimeError), the traceback for anything else."""
+def run_local(fn: Callable, world_size: int, args: tuple = (), timeout: float | None = None, *,
+              rank_init: Callable[[int], None] | None = None) -> list[str]:
+    """Run `fn(*args)` on `world_size` spawned ranks (parallel/spawn.py), each set up first by `rank_init(rank)`
+    when given (`msrl convert`: its tool logging); returns the error messages ([] when every rank succeeded):
+    `Type: message` for the input errors conversion raises (ValueError, OSError, RuntimeError), the traceback for
+    anything else."""
     try:
-        run_ranks(_call, world_size, args=(fn, args), timeout=timeout, backend="auto", threads=None)
+        run_ranks(_call, world_size, args=(fn, args), timeout=timeout, backend="auto", threads=None,
+                  rank_init=rank_init)
     except RankFailed as e:
         known = {"ValueError", "OSError", "RuntimeError"} & set(e.kinds)
         return [f"rank {e.rank}: {e.summary if known else e.traceback}"]

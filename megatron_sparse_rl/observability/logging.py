@@ -9,7 +9,8 @@ gradient buckets), which only `verbose` keeps. Python `warnings` are routed into
 
 The tools other than `msrl train` (`msrl bench`, `msrl convert`) call `init_tool_logging` instead: their console
 shows only this project's lines and the libraries' errors; the libraries' warnings go to `tool_log_path(command)`
-(all of them, with `verbose` on the console too).
+(all of them, with `verbose` on the console too). Their spawned ranks (parallel/spawn.py `run_ranks`) do the same
+through `RankLogging`, appending to the same file with a `[rank N]` prefix.
 """
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ import logging
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_sparse_rl._optional import _has
 
 OWN = ("megatron_sparse_rl", "moe", "tools", "launch", "__main__")
 # Warnings the libraries print on every start of this stack that need no action (docs/launch.md, "Logs"):
@@ -87,14 +91,17 @@ def reroute(name: str) -> None:
 def _reroute_library_handlers(verbose: bool) -> None:
     """Send vLLM's and transformers' records to the root logger's handlers (the console filter and the
     log file) instead of their own console handlers. The variable covers a later `import vllm` (and spawned
-    engine processes); loggers already set up are rewired directly."""
+    engine processes); transformers sets its handler up at its first import and never again, so it is imported
+    here (when installed: it comes with vLLM) and its handler rewired."""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if _has("transformers"):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.get_logger()  # its console handler, installed now so that reroute removes it
+        if not verbose:
+            hf_logging.disable_progress_bar()  # "Writing model shards" bars of the tiny builder
     for name in _OWN_HANDLERS:
         reroute(name)
-    if not verbose and "transformers" in sys.modules:
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars of the tiny builder
 
 
 def init_logging(rank: int = 0, level: int | str | None = None, *, verbose: bool = False,
@@ -122,13 +129,14 @@ def init_logging(rank: int = 0, level: int | str | None = None, *, verbose: bool
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 
-def attach_log_file(path: str | Path) -> Path:
+def attach_log_file(path: str | Path, *, rank: int | None = None) -> Path:
     """Also write every record (all loggers, INFO and up; DEBUG when the root is at DEBUG) to `path`,
-    appending (a resumed run continues its log)."""
+    appending (a resumed run continues its log); with `rank`, each line says `[rank N]` after the time."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    prefix = "" if rank is None else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"))
     handler.setLevel(logging.getLogger().level)
     logging.getLogger().addHandler(handler)
     return path
@@ -145,3 +153,20 @@ def init_tool_logging(command: str, *, verbose: bool = False, path: str | Path |
     below ERROR, on the console only when `verbose`. Returns the log file's path."""
     init_logging(0, verbose=verbose, library_level=logging.ERROR)
     return attach_log_file(tool_log_path(command) if path is None else path)
+
+
+@dataclass(frozen=True)
+class RankLogging:
+    """`init_tool_logging` for the ranks a tool spawns (`run_ranks(..., rank_init=RankLogging(path, verbose))`,
+    parallel/spawn.py): called with the rank first thing in each rank process, it sends the libraries' lines to
+    the tool's log file `path` (appended, each line `[rank N]`) and keeps them off the console unless `verbose`.
+    This project's lines reach the console as in `init_logging(rank)`: rank 0 from INFO, the others from WARNING."""
+
+    path: str
+    """The tool's log file: what `init_tool_logging` returned in the parent."""
+    verbose: bool = False
+    """Also show the libraries' warnings on the console (the tool's --verbose)."""
+
+    def __call__(self, rank: int) -> None:
+        init_logging(rank, verbose=self.verbose, library_level=logging.ERROR)
+        attach_log_file(self.path, rank=rank)

@@ -10,7 +10,9 @@ picks nccl with one GPU per rank when CUDA is there), destroyed after `fn`. As t
 process serves the world's store, on 127.0.0.1 only (bound before any rank starts, so no other job can take the
 port in between), and tells the ranks so (TORCHELASTIC_USE_AGENT_STORE): every rank is its client. With
 `threads=1` (the default) a rank runs with OMP_NUM_THREADS=1 and one torch thread (on a small machine ranks would
-otherwise fight over the cores). A failure on any rank raises `RankFailed` here with that rank's error and
+otherwise fight over the cores). `rank_init(rank)`, when given (a picklable callable, e.g. observability/logging.py
+`RankLogging` for `msrl bench` and `msrl convert`), runs first in each rank, before torch is imported, so it sees
+every line the libraries log in the rank. A failure on any rank raises `RankFailed` here with that rank's error and
 traceback; a hang past `timeout` kills every rank.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -35,38 +38,46 @@ class RankFailed(RuntimeError):
         self.rank, self.summary, self.kinds, self.traceback = rank, summary, kinds, trace
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, backend: str,
-               threads: int | None) -> None:
+def _join(rank: int, world_size: int, port: int, backend: str, threads: int | None) -> None:
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
     if threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch  # here, after OMP_NUM_THREADS is set for this rank
-    import torch.distributed as dist
 
     from megatron_sparse_rl.parallel.world import join_world  # imports torch
 
     if threads is not None:
         torch.set_num_threads(threads)
+    join_world(ParallelConfig(backend=backend))
+
+
+def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, backend: str,
+               threads: int | None, rank_init: Callable[[int], None] | None) -> None:
     try:
-        join_world(ParallelConfig(backend=backend))
+        if rank_init is not None:  # first: joining the world imports torch; fn, the libraries
+            rank_init(rank)
+        _join(rank, world_size, port, backend, threads)
         # plain pickle bytes: torch's queue reductions share memory that dies with this process
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent with its traceback
         kinds = tuple(c.__name__ for c in type(e).__mro__)
         results.put((rank, False, (f"{type(e).__name__}: {e}", kinds, traceback.format_exc())))
     finally:
-        if dist.is_initialized():
+        dist = sys.modules.get("torch.distributed")  # absent when the rank failed before importing torch
+        if dist is not None and dist.is_initialized():
             dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float | None = 300, *,
-              backend: str = "gloo", threads: int | None = 1) -> list[Any]:
+              backend: str = "gloo", threads: int | None = 1,
+              rank_init: Callable[[int], None] | None = None) -> list[Any]:
     """[fn's return value on rank 0, rank 1, ...] (see the module docstring)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = store_server(LOOPBACK, world_size=world_size)  # lives until every rank has ended (below)
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store.port, args, results, backend, threads))
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store.port, args, results, backend, threads,
+                                                    rank_init))
              for r in range(world_size)]
     for p in procs:
         p.start()
