@@ -17,9 +17,9 @@ What this module adds (`IndexerLoss`, owned by the Learner, only when the coeffi
   the scale the indexer's gradient would grow with the micro-batch count);
 - the value: `finish()` reads Megatron's tracker (`DSAIndexerLossLoggingHelper.tracker["values"]`, coeff x KL
   summed per layer over the step's calls) and returns `indexer/kl_loss`: the KL (nats, before the coefficient)
-  averaged over the DSA layers and, per layer, over the calls that trained (counted by a forward pre-hook, so an
-  activation-recompute forward, which computes the loss once more, is counted as often as it adds), global over the
-  data-parallel (and pipeline) ranks.
+  averaged over the DSA layers and, per layer, over the forward calls that added it (counted by a forward pre-hook
+  under DSAttention's own condition, training with grad enabled: with activation recompute that is the backward's
+  recompute forward, the first one runs without grad), global over the data-parallel (and pipeline) ranks.
 
 No CUDA shim is needed on CPU: `save_loss_to_tracker` allocates the tracker on `torch.cuda.current_device()`, which
 `patches/megatron_cpu.py` (`patch_current_device`) answers with the CPU. Megatron's `track_indexer_metrics` /

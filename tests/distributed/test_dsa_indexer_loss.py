@@ -8,7 +8,9 @@ against a float64 KL written here from transformers' weights and activations (fp
   indexer's weights and inputs; relative 1e-4;
 - indexer/kl_loss is that KL averaged over the layers (1e-4 relative);
 - every other parameter's gradient equals the one of the same step with the coefficient 0, where the indexer's
-  gradients are zero and indexer/kl_loss is absent.
+  gradients are zero and indexer/kl_loss is absent;
+- with model.recompute_activations (the loss is added in the backward's recompute forward) the same gradients and
+  indexer/kl_loss.
 One tiny DeepSeek-V3.2 (2 DSA layers, index_topk 4, sequences of 16).
 Run: .venv/bin/python -m pytest -q tests/distributed/test_dsa_indexer_loss.py
 """
@@ -32,7 +34,7 @@ def model_dir(tmp_path_factory):
                               rope="yarn", seed=3))
 
 
-def _learner(world, model_dir, coeff):
+def _learner(world, model_dir, coeff, recompute=False):
     from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_sparse_rl.learner.learner import Learner
     from megatron_sparse_rl.models import load_spec
@@ -43,7 +45,7 @@ def _learner(world, model_dir, coeff):
     adapter, spec = load_spec(model_dir)
     layout = ParallelLayout.from_config(ParallelConfig(), world)
     learner = Learner(adapter, spec, layout, layout.initialize(),
-                      model_cfg=ModelConfig(path=model_dir, dsa_indexer_loss_coeff=coeff),
+                      model_cfg=ModelConfig(path=model_dir, dsa_indexer_loss_coeff=coeff, recompute_activations=recompute),
                       cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-3, clip_grad=0.0)))
     learner.load_hf(model_dir)
     return learner
@@ -55,13 +57,13 @@ def step_worker(rank, world, model_dir, tokens):
     from megatron_sparse_rl.learner.sft import make_sft_loss
 
     out = {}
-    for coeff in (COEFF, 0.0):
-        learner = _learner(world, model_dir, coeff)
+    for key, coeff, recompute in (("on", COEFF, False), ("off", 0.0, False), ("recompute", COEFF, True)):
+        learner = _learner(world, model_dir, coeff, recompute)
         mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
         metrics = learner.train_step(tokens, make_sft_loss(mask, mask.sum().item()))
         grads = {n: lp.param.main_grad.clone() for n, lp in local_params(learner.model, learner.groups).items()
                  if getattr(lp.param, "main_grad", None) is not None}
-        out[coeff] = grads, metrics
+        out[key] = grads, metrics
     return out
 
 
@@ -129,7 +131,7 @@ def test_indexer_gradient_is_coeff_times_float64_kl_gradient(model_dir, monkeypa
     from megatron_sparse_rl.models.tensor_map import to_mcore
 
     out = run_distributed(step_worker, 1, args=(model_dir, TOKENS), timeout=300)[0]
-    (grads, metrics), (off_grads, off_metrics) = out[COEFF], out[0.0]
+    (grads, metrics), (off_grads, off_metrics), (re_grads, re_metrics) = out["on"], out["off"], out["recompute"]
     hf, kls = reference(model_dir, TOKENS[:, :-1], monkeypatch)
     adapter, spec = load_spec(model_dir)
     indexer = other = 0
@@ -138,6 +140,8 @@ def test_indexer_gradient_is_coeff_times_float64_kl_gradient(model_dir, monkeypa
             ref = COEFF * to_mcore(tm, [hf[n] for n in tm.hf], spec).double()
             err = float((grads[tm.mcore].double() - ref).norm() / ref.norm())
             assert err < 1e-4, (tm.mcore, err)
+            err = float((re_grads[tm.mcore].double() - ref).norm() / ref.norm())
+            assert err < 1e-4, ("recompute", tm.mcore, err)
             assert torch.count_nonzero(off_grads[tm.mcore]) == 0, tm.mcore
             indexer += 1
         elif not tm.mcore.endswith("router.expert_bias"):  # a buffer: no gradient
@@ -147,5 +151,6 @@ def test_indexer_gradient_is_coeff_times_float64_kl_gradient(model_dir, monkeypa
     assert indexer == 2 * 5 and indexer + other == len(grads)
     mean_kl = sum(kls) / len(kls)
     assert mean_kl > 1e-3, "a KL of ~0 would not show a wrong scale"
-    assert abs(metrics["indexer/kl_loss"] - mean_kl) < 1e-4 * mean_kl, (metrics["indexer/kl_loss"], kls)
+    for m in (metrics, re_metrics):
+        assert abs(m["indexer/kl_loss"] - mean_kl) < 1e-4 * mean_kl, (m["indexer/kl_loss"], kls)
     assert "indexer/kl_loss" not in off_metrics
