@@ -15,6 +15,12 @@ model turn k: the queries from position turn_ends[k] - 1 on (turn k's last sampl
 tokens, the next prompt) were computed by the next turn's dense prefill, so they attend causally to every
 earlier position, as do the next turn's decode queries until its first compaction. A single-turn record has no
 `turn_ends`. `preempted` is true when any turn was.
+
+One forward cannot replay a whole episode: a position of turn k has two histories in the engine, the sparse one
+of turn k's own decode (which scored its token) and the dense one of the next turn's prefill (whose KV the later
+turns attended). So the replay is one forward per compacted turn, `attention_mask(seq_len, turn=k)` with only
+turn k's compactions (exact for turn k's compressed queries and every query before turn k's first compaction),
+plus a causal forward for the dense queries after the last one (`replay_plan`, `batch_replays`).
 """
 from __future__ import annotations
 
@@ -86,26 +92,52 @@ class KVKeepRecord:
         return KVKeepRecord(self.lengths + turn.lengths, kept, self.preempted or turn.preempted,
                             self.turn_ends + (end,))
 
-    def compressed_queries(self, seq_len: int) -> torch.Tensor:
-        """bool [seq_len]: which query positions attended a compacted cache (not a dense or causal one)."""
+    def compaction_turns(self) -> tuple[int, ...]:
+        """The model turn (0-based) each compaction happened in (all 0 in a single-turn record)."""
+        return tuple(sum(n >= e - 1 for e in self.turn_ends) for n in self.lengths)
+
+    def compressed_queries(self, seq_len: int, turn: int | None = None) -> torch.Tensor:
+        """bool [seq_len]: which query positions attended a compacted cache (of model turn `turn` only, if given)."""
         out = torch.zeros(seq_len, dtype=torch.bool)
-        events = self._events()
+        events, turns = self._events(), self.compaction_turns()
         for (start, c), nxt in zip(events, events[1:] + [(seq_len, None)]):
-            if c is not None:
+            if c is not None and (turn is None or turns[c] == turn):
                 out[min(start, seq_len):min(nxt[0], seq_len)] = True
         return out
 
-    def attention_mask(self, seq_len: int) -> torch.Tensor:
+    def replay_plan(self, seq_len: int) -> list[tuple[int | None, torch.Tensor]]:
+        """The forwards that reproduce the engine's logprobs at the query positions 0..seq_len-1: (model turn whose
+        compactions the forward's mask replays, None for a causal forward; bool [seq_len] the queries it scores
+        exactly), in turn order, every query in exactly one. A query no compaction touched is exact in a forward
+        whose turn compacts only after it, else in a causal forward (after an earlier turn's compaction)."""
+        compressed = self.compressed_queries(seq_len)
+        todo, plan = torch.ones(seq_len, dtype=torch.bool), []
+        for turn in dict.fromkeys(self.compaction_turns()):
+            first = self.lengths[self.compaction_turns().index(turn)]
+            cols = self.compressed_queries(seq_len, turn) | (~compressed & (torch.arange(seq_len) < first))
+            plan.append((turn, cols & todo))
+            todo &= ~cols
+        if todo.any():
+            plan.append((None, todo))
+        return plan
+
+    def attention_mask(self, seq_len: int, turn: int | None = None) -> torch.Tensor:
         """bool [layers, kv_heads, seq_len, seq_len]: may query position t attend to key position s.
 
         Causal and dense before the first compaction and from each turn end's dense prefill on (until that turn's
-        next compaction); after a compaction per layer and KV head what the engine kept. Needs the full record
-        (`record_keep`); a learner recomputes pi_sparse with it.
+        next compaction); after a compaction per layer and KV head what the engine kept. `turn`: replay only that
+        model turn's compactions (an episode's record needs it when more than one turn compacted: module
+        docstring). Needs the full record (`record_keep`); a learner recomputes pi_sparse with it.
         """
         if self.kept is None:
             raise ValueError("KVKeepRecord.attention_mask needs the kept positions (set rollout.kv.record_keep)")
-        if not self.kept:
-            raise ValueError("KVKeepRecord.attention_mask: no compaction happened (use a causal mask)")
+        turns = self.compaction_turns()
+        if turn is None and len(set(turns)) > 1:
+            raise ValueError(f"KVKeepRecord.attention_mask: model turns {sorted(set(turns))} compacted; one forward "
+                             "cannot replay them all, pass turn= (replay_plan)")
+        if not self.kept or (turn is not None and turn not in turns):
+            where = "" if turn is None else f" in turn {turn}"
+            raise ValueError(f"KVKeepRecord.attention_mask: no compaction happened{where} (use a causal mask)")
         layers, heads, _ = self.kept[0].shape
         pos = torch.arange(seq_len)
         mask = (pos[None, :] <= pos[:, None]).expand(layers, heads, seq_len, seq_len).clone()
@@ -114,8 +146,8 @@ class KVKeepRecord:
             end = min(nxt, seq_len)
             if start >= seq_len:
                 break
-            if c is None:
-                continue  # a turn's dense prefill: causal, as built
+            if c is None or (turn is not None and turns[c] != turn):
+                continue  # a turn's dense prefill, or another turn's compaction: causal, as built
             rows = torch.zeros(layers, heads, seq_len, dtype=torch.bool)
             rows.scatter_(2, self.kept[c].long(), True)
             block = rows[:, :, None, :].expand(layers, heads, end - start, seq_len).clone()
@@ -144,8 +176,9 @@ def _joined_kept(record: KVKeepRecord, turn: KVKeepRecord) -> tuple[torch.Tensor
 
 
 def batch_attention_mask(records, seq_len: int) -> torch.Tensor | None:
-    """bool [B, layers, kv_heads, seq_len, seq_len] for a batch of records (rows without a compaction see
-    causally), or None when no row was compacted (the dense causal forward is already exact)."""
+    """bool [B, layers, kv_heads, seq_len, seq_len] for a batch of single-forward records (rows without a
+    compaction see causally), or None when no row was compacted (the dense causal forward is already exact).
+    Episodes whose turns compacted more than once: `batch_replays`."""
     compacted = [r for r in records if r.num_compactions]
     if not compacted:
         return None
@@ -155,3 +188,30 @@ def batch_attention_mask(records, seq_len: int) -> torch.Tensor | None:
     pos = torch.arange(seq_len)
     causal = (pos[None, :] <= pos[:, None]).expand(layers, heads, seq_len, seq_len)
     return torch.stack([r.attention_mask(seq_len) if r.num_compactions else causal for r in records])
+
+
+def batch_replays(records, seq_len: int) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """The learner forwards that recompute pi_sparse of a batch: (attention mask bool [B, layers, kv_heads, seq_len,
+    seq_len], None for a causal forward; bool [B, seq_len] the columns it scores exactly). Forward j replays each
+    row's j-th `replay_plan` entry (rows without one: causal, no columns); [] when no row was compacted. A
+    single-turn batch needs one forward, an episode batch one per compacted turn (+ a causal one)."""
+    compacted = [r for r in records if r.num_compactions]
+    if not compacted:
+        return []
+    if compacted[0].kept is None:
+        raise ValueError("recomputing sparse logprobs needs the kept positions (set rollout.kv.record_keep)")
+    layers, heads, _ = compacted[0].kept[0].shape
+    pos = torch.arange(seq_len)
+    causal = (pos[None, :] <= pos[:, None]).expand(layers, heads, seq_len, seq_len)
+    plans = [r.replay_plan(seq_len) if r.num_compactions else [(None, torch.ones(seq_len, dtype=torch.bool))]
+             for r in records]
+    out = []
+    for j in range(max(map(len, plans))):
+        steps = [plan[j] if j < len(plan) else (None, torch.zeros(seq_len, dtype=torch.bool)) for plan in plans]
+        columns = torch.stack([cols for _, cols in steps])
+        if all(turn is None for turn, _ in steps):
+            out.append((None, columns))
+            continue
+        out.append((torch.stack([causal if turn is None else r.attention_mask(seq_len, turn)
+                                 for r, (turn, _) in zip(records, steps)]), columns))
+    return out

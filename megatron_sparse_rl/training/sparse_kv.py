@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sparse_rl.kv.record import batch_attention_mask
+from megatron_sparse_rl.kv.record import batch_replays
 from megatron_sparse_rl.learner.extras import ForwardExtras
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 
@@ -26,14 +26,19 @@ from megatron_sparse_rl.rollout.batch import RolloutBatch
 def sparse_logprobs(learner, batch: RolloutBatch, tokens: torch.Tensor,
                     sampling_support=None) -> torch.Tensor | None:
     """pi_sparse [B, T-1]: the learner's logprobs under what the engine's sparse cache kept (None when no
-    sample was compacted), renormalised over `sampling_support` when given, like pi_old. Needs the full
-    records (`rollout.kv.record_keep`)."""
-    allowed = batch_attention_mask(batch.kv_keep, tokens.shape[1] - 1)
-    if allowed is None:
+    sample was compacted), renormalised over `sampling_support` when given, like pi_old. One forward for
+    single-turn rollouts; an episode batch takes one per compacted turn (+ a causal one), each scoring the columns
+    it replays exactly (kv/record.py `batch_replays`). Needs the full records (`rollout.kv.record_keep`)."""
+    replays = batch_replays(batch.kv_keep, tokens.shape[1] - 1)
+    if not replays:
         return None
     lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
-    extras = ForwardExtras(sampling_support=sampling_support, attention_mask=allowed)
-    return learner.forward_logprobs(tokens, lengths=lengths, extras=extras)["logprobs"]
+    out = None
+    for allowed, columns in replays:
+        extras = ForwardExtras(sampling_support=sampling_support, attention_mask=allowed)
+        logprobs = learner.forward_logprobs(tokens, lengths=lengths, extras=extras)["logprobs"]
+        out = logprobs if out is None else torch.where(columns.to(logprobs.device), logprobs, out)
+    return out
 
 
 def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
