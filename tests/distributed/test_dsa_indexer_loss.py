@@ -44,8 +44,8 @@ def _learner(world, model_dir, coeff, recompute=False):
     megatron_cpu.apply()
     adapter, spec = load_spec(model_dir)
     layout = ParallelLayout.from_config(ParallelConfig(), world)
-    learner = Learner(adapter, spec, layout, layout.initialize(),
-                      model_cfg=ModelConfig(path=model_dir, dsa_indexer_loss_coeff=coeff, recompute_activations=recompute),
+    model_cfg = ModelConfig(path=model_dir, dsa_indexer_loss_coeff=coeff, recompute_activations=recompute)
+    learner = Learner(adapter, spec, layout, layout.initialize(), model_cfg=model_cfg,
                       cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-3, clip_grad=0.0)))
     learner.load_hf(model_dir)
     return learner
