@@ -44,7 +44,8 @@ class RoutingConfig:
     indexer_replay: IndexerReplay = "none"
     """DeepSeek Sparse Attention models only (DeepSeek-V3.2, GLM-5): none = every forward attends its indexer's own
     top-k; R2 = the old-logprob forward records each DSA layer's top-k per query and every update attends exactly
-    those (learner/indexer_replay.py; metrics indexer/flip_rate, indexer/flip_rate/layer_<i>); R3 (the engine's
+    those (learner/indexer_replay.py; metrics indexer/flip_rate, indexer/agreement,
+    indexer/replay_applied_fraction, each also per layer); R3 (the engine's
     indices) is refused: no engine here records them (vLLM's DSA runs on GPU only)."""
 
     def __post_init__(self):

@@ -3,7 +3,7 @@
     extras = ForwardExtras(sampling_support=batch.sampling_mask,              # keep-sampling-mask
                            attention_mask=batch_attention_mask(batch.kv_keep, T - 1),  # sparse-KV pi_sparse
                            routes=RouteRequest(replay=routes),                # MoE routing replay (R2/R3)
-                           indexer=IndexerRequest(replay=indices))            # DSA indexer replay (R2)
+                           indexer=IndexerRequest(replay=record))             # DSA indexer replay (R2)
     out = learner.forward_logprobs(tokens, lengths=lengths, extras=extras)
     metrics = learner.train_step(tokens[rows], loss_fn, lengths=lengths[rows], extras=extras.select(rows))
 

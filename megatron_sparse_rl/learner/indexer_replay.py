@@ -7,15 +7,20 @@ fresh top-k (the indexer still runs: its fresh choice is what `indexer/flip_rate
 
     indexer = learner.indexer                                    # None: the model has no DSA layer
     out = learner.forward_logprobs(tokens, lengths=lengths, extras=ForwardExtras(indexer=indexer.old_forward()))
-    recorded = out["indexer"].indices                            # int16/int32 [B, S-1, DSA layers, index_topk]
+    recorded = out["indexer"].record                             # IndexerRecord: indices + each row's token hash
+    recorded.positions()                                         # int64 [B, S-1, DSA layers, index_topk]
     metrics = learner.train_step(tokens, loss_fn, lengths=lengths,
                                  extras=ForwardExtras(indexer=indexer.update(recorded)))
-    # metrics["indexer/flip_rate"], metrics["indexer/flip_rate/layer_<i>"]
+    # metrics["indexer/flip_rate"], ["indexer/agreement"], ["indexer/replay_applied_fraction"] (and per layer)
 
 Indices are stored per row and query position, each query's entries clamped to <= its position (the indexer's
 picks above it are -inf-score fillers the causal mask drops whatever they are), so a row's indices replay in a
 micro-batch of any width. `ModelIndexer` wraps each `DSAIndexer.forward_with_scores` of one model (the method
-DSAttention calls) for as long as it is open; between calls it returns the indexer's own choice unchanged.
+DSAttention calls) for as long as it is open; between calls it returns the indexer's own choice unchanged. A
+record carries the crc32 of each row's real tokens (moe/storage.py `token_hash`, as `RouteStore` does): a replay on
+other tokens, or on indices of the wrong shape, is refused before the forward. `indexer/replay_applied_fraction` is
+measured where the attention reads the selection: `unfused_dsa_fn`, the sparse attention DSAttention calls, is
+observed (`_AttendedIndices`) and its `topk_indices` compared with the replayed ones.
 Not here: R3 (the engine's indices: vLLM's DSA runs on GPU only and no engine side records them), pipeline
 parallelism (a stage sees only its layers; the learner refuses the request at pp > 1).
 """
@@ -25,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from megatron_sparse_rl.moe.storage import token_hash
 
 MEGATRON_VERSION = "0.16.1"
 
@@ -37,19 +44,73 @@ def _rows(index) -> torch.Tensor:
     return torch.as_tensor(index, dtype=torch.long).reshape(-1)
 
 
+@dataclass(frozen=True, slots=True)
+class IndexerRecord:
+    """The DSA layers' top-k of one call's rows: `indices` [B, S-1, DSA layers, index_topk], per row, query position
+    and layer, each entry clamped to <= its query position, stored as int16 read as unsigned (2 bytes for positions
+    up to 65535; int32 past them: `pack_positions`; read them with `positions()`); `token_hash` int64 [B], the crc32
+    of each row's real tokens (`row_hashes`), which a replay checks against the tokens it runs on."""
+
+    indices: torch.Tensor
+    token_hash: torch.Tensor
+
+    def __post_init__(self):
+        if self.indices.dim() != 4 or self.token_hash.shape != (self.indices.shape[0],):
+            raise IndexerReplayError(f"IndexerRecord needs indices [rows, seq-1, DSA layers, index_topk] and one "
+                                     f"token hash per row (got {list(self.indices.shape)} and "
+                                     f"{list(self.token_hash.shape)})")
+
+    def positions(self) -> torch.Tensor:
+        """The indices as int64 positions."""
+        return unpack_positions(self.indices)
+
+    def select(self, index) -> IndexerRecord:
+        """The record of rows `index`."""
+        rows = _rows(index)
+        return IndexerRecord(self.indices[rows], self.token_hash[rows])
+
+    @property
+    def nbytes(self) -> int:
+        return self.indices.numel() * self.indices.element_size() + self.token_hash.numel() * 8
+
+
+UNSIGNED16 = 2 ** 16
+"""Positions below this are stored in 2 bytes: int16 holding the unsigned 16-bit value (torch's uint16 lacks
+index_put on CPU)."""
+
+
+def pack_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """int positions (< width) as the record stores them: int16 read as unsigned while width <= 65536, else int32."""
+    if width <= UNSIGNED16:
+        return torch.where(positions >= 2 ** 15, positions - UNSIGNED16, positions).to(torch.int16)
+    return positions.to(torch.int32)
+
+
+def unpack_positions(stored: torch.Tensor) -> torch.Tensor:
+    """int64 positions of `pack_positions`' output."""
+    out = stored.long()
+    return out & (UNSIGNED16 - 1) if stored.dtype == torch.int16 else out
+
+
+def row_hashes(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: `token_hash` of each row's first lengths[b] tokens."""
+    return torch.tensor([token_hash(tokens[b, :int(n)]) for b, n in enumerate(lengths)], dtype=torch.int64)
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class IndexerRequest:
     """What the DSA indexers do in one learner call (rows = the call's rows)."""
 
-    replay: torch.Tensor | None = None
-    """int [B, S-1, DSA layers, index_topk]: per row, query position and DSA layer the tokens to attend (a
-    recorded `IndexerResult.indices`); used instead of the indexer's fresh top-k."""
+    replay: IndexerRecord | None = None
+    """Per row, query position and DSA layer the tokens to attend (a recorded `IndexerResult.record` of the same
+    tokens); used instead of the indexer's fresh top-k. Measured: `indexer/replay_applied_fraction`."""
     record: bool = False
-    """Return the indexer's own (fresh) top-k of the call (`IndexerResult.indices`); under replay, its choice
+    """Return the indexer's own (fresh) top-k of the call (`IndexerResult.record`); under replay, its choice
     beside the replayed one. Needed by `compare_with`."""
-    compare_with: torch.Tensor | None = None
-    """Indices to compare the call's fresh choice with (same layout as `replay`): `indexer/flip_rate` and per
-    layer `indexer/flip_rate/layer_<i>`, the share of real queries whose selected set differs."""
+    compare_with: IndexerRecord | None = None
+    """A record to compare the call's fresh choice with: `indexer/flip_rate` (the share of real queries whose
+    selected set differs) and `indexer/agreement` (the mean share of the recorded tokens the fresh choice also
+    selects), each also per layer (`.../layer_<i>`)."""
 
     def __post_init__(self):
         if self.replay is None and not self.record:
@@ -60,15 +121,16 @@ class IndexerRequest:
     def select(self, index) -> IndexerRequest:
         """The request for rows `index` of the call's rows."""
         rows = _rows(index)
-        return IndexerRequest(replay=None if self.replay is None else self.replay[rows], record=self.record,
-                              compare_with=None if self.compare_with is None else self.compare_with[rows])
+        return IndexerRequest(replay=None if self.replay is None else self.replay.select(rows), record=self.record,
+                              compare_with=None if self.compare_with is None else self.compare_with.select(rows))
 
 
 @dataclass(frozen=True)
 class IndexerResult:
-    """One call's outcome: the fresh `indices` (when recorded) and `metrics` (flip rates with compare_with)."""
+    """One call's outcome: the fresh top-k `record` (when recorded) and `metrics` (flip rate and agreement with
+    compare_with, applied fraction with replay)."""
 
-    indices: torch.Tensor | None = None
+    record: IndexerRecord | None = None
     metrics: dict = field(default_factory=dict)
 
 
@@ -79,33 +141,90 @@ def clamp_causal(indices: torch.Tensor) -> torch.Tensor:
     return torch.where(indices > pos, pos, indices)
 
 
+def _token_sets(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [..., S, width] membership sets of [..., S, k] indices `a` and `b` (duplicates collapse)."""
+    width = int(max(a.max(), b.max())) + 1
+    return tuple(torch.zeros(*x.shape[:-1], width, dtype=torch.bool).scatter_(-1, x.long(), True) for x in (a, b))
+
+
 def selected_sets_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """bool [..., S]: whether the token sets of [..., S, k] indices `a` and `b` differ at each query, after
     `clamp_causal` (duplicates collapse: a set, not a list)."""
-    width = int(max(a.max(), b.max())) + 1
-    sets = [torch.zeros(*x.shape[:-1], width, dtype=torch.bool).scatter_(-1, x.long(), True) for x in (a, b)]
-    return (sets[0] != sets[1]).any(-1)
+    sa, sb = _token_sets(a, b)
+    return (sa != sb).any(-1)
+
+
+def _real_queries(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [B, width]: the real queries (the first n - 1 positions of a row of n tokens)."""
+    return torch.arange(width).view(1, -1) < (lengths.view(-1, 1) - 1)
+
+
+def _per_layer(name: str, counts: torch.Tensor, layers: tuple[int, ...], group) -> dict[str, float]:
+    """`name` (the mean over layers) and `name/layer_<i>` from per-layer sums counts[:-1] over counts[-1] real
+    queries, the counts summed over `group` (data-parallel ranks) first."""
+    counts = counts.double()
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    total = max(float(counts[-1]), 1.0)
+    metrics = {f"{name}/layer_{layer}": float(counts[j]) / total for j, layer in enumerate(layers)}
+    metrics[name] = float(counts[:-1].sum()) / (total * len(layers))
+    return metrics
 
 
 def flip_rate_metrics(old: torch.Tensor, new: torch.Tensor, lengths: torch.Tensor, layers: tuple[int, ...],
                       group=None) -> dict[str, float]:
-    """`indexer/flip_rate` and `indexer/flip_rate/layer_<i>` over the real queries (the first n - 1 positions of a
-    row of n tokens) of [B, S-1, layers, k] indices `old` (pi_old's) and `new` (pi_theta's), counts summed over
-    `group` (data-parallel ranks)."""
-    real = torch.arange(old.shape[1]).view(1, -1) < (lengths.view(-1, 1) - 1)  # [B, S-1]
-    differ = selected_sets_differ(old.permute(0, 2, 1, 3), new.permute(0, 2, 1, 3))  # [B, layers, S-1]
-    counts = torch.cat([(differ & real.unsqueeze(1)).sum((0, 2)).double(), real.sum().double().view(1)])
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(counts, group=group)
-    total = max(float(counts[-1]), 1.0)
-    metrics = {f"indexer/flip_rate/layer_{layer}": float(counts[j]) / total for j, layer in enumerate(layers)}
-    metrics["indexer/flip_rate"] = float(counts[:-1].sum()) / (total * len(layers))
-    return metrics
+    """Over the real queries of [B, S-1, layers, k] indices `old` (pi_old's) and `new` (pi_theta's), counts summed
+    over `group`: `indexer/flip_rate` (share of queries whose selected set differs) and `indexer/agreement` (mean
+    share of old's selected tokens that new also selects), each also per layer (`.../layer_<i>`)."""
+    real = _real_queries(lengths, old.shape[1]).unsqueeze(1)  # [B, 1, S-1]
+    sa, sb = _token_sets(old.permute(0, 2, 1, 3), new.permute(0, 2, 1, 3))  # [B, layers, S-1, width]
+    differ = (sa != sb).any(-1) & real
+    overlap = ((sa & sb).sum(-1).double() / sa.sum(-1).clamp(min=1).double()) * real
+    n = real.sum().double().view(1)
+    return {**_per_layer("indexer/flip_rate", torch.cat([differ.sum((0, 2)).double(), n]), layers, group),
+            **_per_layer("indexer/agreement", torch.cat([overlap.sum((0, 2)), n]), layers, group)}
+
+
+def applied_metrics(applied: torch.Tensor, lengths: torch.Tensor, layers: tuple[int, ...],
+                    group=None) -> dict[str, float]:
+    """`indexer/replay_applied_fraction` (and per layer): the share of real queries whose attention read exactly the
+    replayed token set, from bool [B, S-1, layers] `applied`, counts summed over `group`."""
+    real = _real_queries(lengths, applied.shape[1]).unsqueeze(-1)
+    n = real.sum().double().view(1)
+    counts = torch.cat([(applied & real).sum((0, 1)).double(), n])
+    return _per_layer("indexer/replay_applied_fraction", counts, layers, group)
+
+
+_OBSERVER: dict = {"pending": None}
+"""The attention observer's one slot: the callback of the indexer call whose selection the next `unfused_dsa_fn`
+call attends (DSAttention calls its indexer, then the sparse attention, layer by layer)."""
+
+
+def _observe_attention() -> None:
+    """Wrap Megatron's `unfused_dsa_fn` (once per process) so that the indices it attends reach `_OBSERVER`; with
+    nothing pending the wrapper only forwards the call."""
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    fn = getattr(dsa, "unfused_dsa_fn", None)
+    if fn is None:
+        raise ImportError(f"megatron...dsa.unfused_dsa_fn is missing: indexer replay was written for Megatron-Core "
+                          f"{MEGATRON_VERSION}")
+    if getattr(fn, "msrl_observed", False):
+        return
+
+    def unfused_dsa_fn(query, key, value, topk_indices, softmax_scale):
+        seen, _OBSERVER["pending"] = _OBSERVER["pending"], None
+        if seen is not None:
+            seen(topk_indices)
+        return fn(query, key, value, topk_indices, softmax_scale)
+    unfused_dsa_fn.msrl_observed = True
+    dsa.unfused_dsa_fn = unfused_dsa_fn
 
 
 class ModelIndexer:
     """The DSA indexers of one model, wrapped while open: per micro-batch, replay the given indices and/or keep the
-    fresh ones (`set_micro_batch`); idle, every indexer returns its own choice."""
+    fresh ones (`set_micro_batch`); idle, every indexer returns its own choice. Under replay, `applied[j]` (bool
+    [b, S]) says per query whether layer j's sparse attention read exactly the replayed set."""
 
     def __init__(self, model: torch.nn.Module):
         from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
@@ -113,11 +232,13 @@ class ModelIndexer:
         if not hasattr(DSAIndexer, "forward_with_scores"):
             raise ImportError(f"DSAIndexer.forward_with_scores is missing: indexer replay was written for "
                               f"Megatron-Core {MEGATRON_VERSION}")
+        _observe_attention()
         self.indexers = [m for m in model.modules() if isinstance(m, DSAIndexer)]
         self.topk = self.indexers[0].index_topk if self.indexers else 0
         self._targets: list[torch.Tensor] | None = None
         self._keep = False
         self.fresh: list[torch.Tensor | None] = [None] * len(self.indexers)
+        self.applied: list[torch.Tensor | None] = [None] * len(self.indexers)
         for j, module in enumerate(self.indexers):
             module.forward_with_scores = self._wrap(j, module.forward_with_scores)
 
@@ -128,8 +249,13 @@ class ModelIndexer:
                 self.fresh[j] = self._padded(clamp_causal(indices.detach()))
             if self._targets is None:
                 return scores, indices
-            return scores, self._targets[j].to(indices.device)
+            target = self._targets[j].to(indices.device)
+            _OBSERVER["pending"] = lambda attended: self._attended(j, attended, target)
+            return scores, target
         return forward_with_scores
+
+    def _attended(self, j: int, attended: torch.Tensor, target: torch.Tensor) -> None:
+        self.applied[j] = ~selected_sets_differ(clamp_causal(attended.detach()).cpu(), target.cpu())
 
     def _padded(self, indices: torch.Tensor) -> torch.Tensor:
         """[b, S, k'] -> [b, S, topk]: a micro-batch narrower than topk picks k' = S; the extra entries repeat the
@@ -145,6 +271,8 @@ class ModelIndexer:
         whether to keep the fresh choice."""
         self._targets, self._keep = targets, keep
         self.fresh = [None] * len(self.indexers)
+        self.applied = [None] * len(self.indexers)
+        _OBSERVER["pending"] = None
 
     def close(self) -> None:
         """Unwrap the indexers (they select themselves again)."""
@@ -166,7 +294,8 @@ class LearnerIndexer:
         self.layers = tuple(range(len(self.model.indexers)))
         self._request: IndexerRequest | None = None
         self._lengths: torch.Tensor | None = None
-        self._parts: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self._tokens: torch.Tensor | None = None
+        self._parts: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]] = []
         self._pending: torch.Tensor | None = None
         self._shape: tuple[int, int] = (0, 0)
 
@@ -175,9 +304,9 @@ class LearnerIndexer:
         """R2: record the old-logprob forward's indices; none: nothing."""
         return IndexerRequest(record=True) if self.mode == "R2" else None
 
-    def update(self, recorded: torch.Tensor | None) -> IndexerRequest | None:
-        """R2: replay `recorded` (the old forward's `IndexerResult.indices` of the update's rows), comparing the
-        update's fresh choice with it (indexer/flip_rate); none: nothing."""
+    def update(self, recorded: IndexerRecord | None) -> IndexerRequest | None:
+        """R2: replay `recorded` (the old forward's `IndexerResult.record` of the update's rows), comparing the
+        update's fresh choice with it (indexer/flip_rate, indexer/agreement); none: nothing."""
         if self.mode == "none":
             return None
         if recorded is None:
@@ -186,20 +315,31 @@ class LearnerIndexer:
 
     # ---- one learner call ------------------------------------------------------------------------
     def begin(self, tokens: torch.Tensor, lengths: torch.Tensor | None, request: IndexerRequest) -> None:
-        """Check `request` against the call (before any forward) and start it."""
+        """Check `request` against the call (before any forward: shapes, and that each record belongs to the
+        call's tokens) and start it."""
         if self.layout.pp > 1:
             raise IndexerReplayError(f"indexer replay/recording runs with parallel.pp = 1 (got {self.layout.pp}): a "
                                      "pipeline stage holds only its own DSA layers")
         rows, width = tokens.shape[0], tokens.shape[1] - 1
+        lengths = (torch.full((rows,), width + 1, dtype=torch.long) if lengths is None
+                   else torch.as_tensor(lengths, dtype=torch.long).reshape(-1))
         want = (rows, width, len(self.layers), self.model.topk)
+        hashes = None
         for name in ("replay", "compare_with"):
             x = getattr(request, name)
-            if x is not None and (tuple(x.shape) != want or x.dtype.is_floating_point):
+            if x is None:
+                continue
+            if tuple(x.indices.shape) != want or x.indices.dtype.is_floating_point:
                 raise IndexerReplayError(f"IndexerRequest.{name} must be integer [rows, seq-1, DSA layers, "
-                                         f"index_topk] = {list(want)} (got {x.dtype} {list(x.shape)})")
-        self._request, self._shape = request, (rows, width)
-        self._lengths = (torch.full((rows,), width + 1, dtype=torch.long) if lengths is None
-                         else torch.as_tensor(lengths, dtype=torch.long).reshape(-1))
+                                         f"index_topk] = {list(want)} (got {x.indices.dtype} "
+                                         f"{list(x.indices.shape)})")
+            hashes = row_hashes(tokens, lengths) if hashes is None else hashes
+            wrong = (x.token_hash != hashes).nonzero().flatten().tolist()
+            if wrong:
+                raise IndexerReplayError(f"IndexerRequest.{name} was recorded for other tokens: rows {wrong[:8]} "
+                                         f"of {rows} do not match the call's tokens (token hash)")
+        self._request, self._shape, self._lengths = request, (rows, width), lengths
+        self._tokens = tokens if request.record else None
         self._parts, self._pending = [], None
 
     def before_micro_batch(self, index: torch.Tensor, inputs: torch.Tensor) -> None:
@@ -208,47 +348,61 @@ class LearnerIndexer:
         targets = None
         if self._request.replay is not None:
             width = inputs.shape[1]
-            rows = self._request.replay[index, :width].long()  # [b, width, layers, k]
+            rows = unpack_positions(self._request.replay.indices[index, :width])  # [b, width, layers, k]
             targets = [rows[:, :, j].contiguous() for j in range(len(self.layers))]
         self._pending = index.clone()
         self.model.set_micro_batch(targets, keep=self._request.record)
 
     def _collect(self) -> None:
-        if self._pending is not None and self._request.record:
-            if any(f is None for f in self.model.fresh):
+        if self._pending is not None:
+            if self._request.record and any(f is None for f in self.model.fresh):
                 raise IndexerReplayError("a DSA layer recorded no indices for a micro-batch")
-            self._parts.append((self._pending, list(self.model.fresh)))
+            self._parts.append((self._pending, list(self.model.fresh), list(self.model.applied)))
         self._pending = None
 
     def finish(self) -> IndexerResult:
-        """End the call: the fresh indices (record) and, with compare_with, the flip rates (global over the
-        data-parallel ranks: every rank's call must have compare_with)."""
-        request = self._request
+        """End the call: the fresh top-k (record); with compare_with, the flip rates and agreement; with replay,
+        the applied fraction (all global over the data-parallel ranks: every rank's call must ask the same)."""
+        request, lengths = self._request, self._lengths
         try:
             self._collect()
-            indices = self._assemble() if request.record else None
+            record = self._assemble() if request.record else None
+            applied = self._assemble_applied() if request.replay is not None else None
         finally:
             self.stop()
+        group = self.groups.dp if self.groups is not None else None
         metrics = {}
         if request.compare_with is not None:
-            metrics = flip_rate_metrics(request.compare_with, indices, self._lengths, self.layers,
-                                        group=self.groups.dp if self.groups is not None else None)
-        return IndexerResult(indices=indices, metrics=metrics)
+            metrics.update(flip_rate_metrics(request.compare_with.positions(), record.positions(), lengths,
+                                             self.layers, group=group))
+        if applied is not None:
+            metrics.update(applied_metrics(applied, lengths, self.layers, group=group))
+        return IndexerResult(record=record, metrics=metrics)
 
-    def _assemble(self) -> torch.Tensor:
+    def _assemble(self) -> IndexerRecord:
         rows, width = self._shape
-        dtype = torch.int16 if width < 2 ** 15 else torch.int32
         pos = torch.arange(width).view(1, -1, 1, 1)
-        out = pos.expand(rows, width, len(self.layers), self.model.topk).to(dtype).clone()
-        for index, fresh in self._parts:
+        out = pos.expand(rows, width, len(self.layers), self.model.topk).clone()
+        for index, fresh, _ in self._parts:
             mb = torch.stack([f.cpu() for f in fresh], dim=2)  # [b, w, layers, k]
-            out[index, :mb.shape[1]] = mb.to(dtype)
+            out[index, :mb.shape[1]] = mb.long()
+        return IndexerRecord(pack_positions(out, width), row_hashes(self._tokens, self._lengths))
+
+    def _assemble_applied(self) -> torch.Tensor:
+        """bool [B, S-1, layers]: queries whose attention read the replayed set (False where no attention call
+        was observed)."""
+        rows, width = self._shape
+        out = torch.zeros(rows, width, len(self.layers), dtype=torch.bool)
+        for index, _, applied in self._parts:
+            for j, a in enumerate(applied):
+                if a is not None:
+                    out[index, :a.shape[1], j] = a
         return out
 
     def stop(self) -> None:
         """The indexers select themselves again (also when a call fails half-way)."""
         self.model.set_micro_batch(None, keep=False)
-        self._request, self._pending, self._parts = None, None, []
+        self._request, self._pending, self._parts, self._tokens = None, None, [], None
 
     def close(self) -> None:
         self.model.close()

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.learner.extras import RouteRequest
+from megatron_sparse_rl.learner.indexer_replay import IndexerRecord
 from megatron_sparse_rl.moe.replay import ModelRouting
 from megatron_sparse_rl.moe.stats import drift_metrics, routing_metrics
 from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash
@@ -46,9 +47,9 @@ class RoutingResult:
     routes: RouteStore | None = None
     learner_routes: RouteStore | None = None
     metrics: dict = field(default_factory=dict)
-    indexer: torch.Tensor | None = None
+    indexer: IndexerRecord | None = None
     """DSA models under routing.indexer_replay = R2: the old forward's recorded indexer top-k per row
-    (learner/indexer_replay.py `IndexerResult.indices`), which every update replays; else None."""
+    (learner/indexer_replay.py `IndexerResult.record`), which every update replays; else None."""
 
 
 class LearnerRouting:

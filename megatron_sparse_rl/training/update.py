@@ -25,6 +25,7 @@ from megatron_sparse_rl.algorithms.corrections import correction_inputs, opsm_ke
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig
 from megatron_sparse_rl.learner.extras import ForwardExtras
+from megatron_sparse_rl.learner.indexer_replay import IndexerRecord
 from megatron_sparse_rl.learner.routing import RoutingResult
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.training.sparse_kv import drop_preempted
@@ -65,9 +66,10 @@ class PreparedBatch:
     """moe.RouteStore: the routes pi_old's routers chose themselves in the learner's old-logprob forward (off/R2: the
     routes it ran; R3 with routing.record_stats: their own top-k beside the replay), which every update's own routes
     are compared with (routing/drift/...); None without that forward."""
-    indexer_indices: torch.Tensor | None = None
-    """int [B, T-1, DSA layers, index_topk]: the indexer top-k recorded in the learner's old forward, which every
-    update attends (routing.indexer_replay = R2; learner/indexer_replay.py); None otherwise."""
+    indexer_record: IndexerRecord | None = None
+    """The indexer top-k recorded in the learner's old forward (indices [B, T-1, DSA layers, index_topk] and each
+    row's token hash), which every update attends (routing.indexer_replay = R2; learner/indexer_replay.py); None
+    otherwise."""
 
 
 def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,7 +134,7 @@ def _learner_recompute(learner, x: OldPolicyInputs):
                                    extras=ForwardExtras(sampling_support=x.support, routes=request, indexer=indexer))
     old = routing.after_old_forward(out.get("routing"), x.batch.routed_experts) if routing else None
     if indexer is not None:
-        old = replace(old or RoutingResult(), indexer=out["indexer"].indices)
+        old = replace(old or RoutingResult(), indexer=out["indexer"].record)
     metrics = {"old_logprobs/learner_forwards": 1.0}
     if routing and routing.cfg.attribute_mismatch:
         metrics.update(_routing_attribution(learner, x, out["logprobs"]))
@@ -290,7 +292,7 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
                          response_mask=mask, sampling_support=support, token_version=versions, counted=counted,
                          learner_routes=old.learner_routes if old else None,
-                         indexer_indices=old.indexer if old else None)
+                         indexer_record=old.indexer if old else None)
 
 
 def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, dp_group) -> dict[str, float]:
@@ -312,7 +314,7 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
             request = learner.routing.update(_rows_of(prep.routes, chunk), _rows_of(prep.learner_routes, chunk))
         indexer = None
         if learner.indexer:
-            indexer = learner.indexer.update(None if prep.indexer_indices is None else prep.indexer_indices[chunk])
+            indexer = learner.indexer.update(_rows_of(prep.indexer_record, chunk))
         support = _rows_of(prep.sampling_support, chunk)
         out = learner.train_step(prep.tokens[chunk], loss_fn, lengths=prep.lengths[chunk],
                                  extras=ForwardExtras(sampling_support=support, routes=request, indexer=indexer))

@@ -5,9 +5,12 @@ transformers (fp32, eager) whose indexer output a forward hook replaces by the r
   (forward_logprobs and train_step's update forward), within 1e-4;
 - after the indexers' weights_proj is moved on both sides (the same seeded noise) (so their fresh top-k changes), the learner's own
   selection moves the logprobs away from that reference, and replay brings them back within 1e-4;
-- indexer/flip_rate (and per layer) equal the share of real queries whose token set differs between the recorded
-  indices and transformers' fresh (perturbed) indexer choice on the replayed forward, counted here by hand;
-- misshapen indices are refused before the forward.
+- indexer/flip_rate and indexer/agreement (and per layer) equal the share of real queries whose token set differs
+  between the recorded indices and transformers' fresh (perturbed) indexer choice on the replayed forward, and the
+  mean share of the recorded tokens that choice keeps, counted here by hand;
+- indexer/replay_applied_fraction is 1 under replay, and equals a hand count when something between the indexer and
+  the attention changes one layer's selection (the attention's input is what it measures);
+- misshapen indices, and indices recorded for other tokens, are refused before the forward.
 One tiny DeepSeek-V3.2 (2 DSA layers, index_topk 4), 4 rows of lengths 17, 17, 9, 12 in micro-batches of 2.
 Run: .venv/bin/python -m pytest -q tests/distributed/test_indexer_replay.py
 """
@@ -43,7 +46,7 @@ def _logprob_loss(seen):
 
 def replay_worker(rank, world, model_dir, tokens, lengths):
     from megatron_sparse_rl.learner.extras import ForwardExtras
-    from megatron_sparse_rl.learner.indexer_replay import IndexerReplayError, IndexerRequest
+    from megatron_sparse_rl.learner.indexer_replay import IndexerRecord, IndexerReplayError, IndexerRequest
 
     learner = W.make_learner(world, model_dir, mbs=2, indexer_replay="R2")
     out = {}
@@ -52,8 +55,8 @@ def replay_worker(rank, world, model_dir, tokens, lengths):
         return learner.forward_logprobs(tokens, lengths=lengths, extras=ForwardExtras(indexer=request))
 
     old = call(learner.indexer.old_forward())  # R2: record
-    recorded = old["indexer"].indices
-    out["old"], out["recorded"] = old["logprobs"], recorded
+    recorded = old["indexer"].record
+    out["old"], out["recorded"] = old["logprobs"], recorded.indices
     out["replayed"] = call(IndexerRequest(replay=recorded))["logprobs"]
     for layer, module in enumerate(learner.indexer.model.indexers):  # pi_theta's indexer now chooses otherwise
         perturb(module.linear_weights_proj.weight, layer)
@@ -67,12 +70,39 @@ def replay_worker(rank, world, model_dir, tokens, lengths):
     for index, lp in seen:
         update_lp[index, :lp.shape[1]] = lp.float()
     out["update"], out["update_metrics"] = update_lp, metrics
-    try:
-        call(IndexerRequest(replay=recorded[:, :-1]))
-    except IndexerReplayError as e:
-        out["refusal"] = str(e)
+    out["overridden_metrics"] = _overridden_layer0(learner, call, IndexerRequest(replay=recorded))
+    for name, request, toks in (
+            ("refusal", IndexerRequest(replay=IndexerRecord(recorded.indices[:, :-1], recorded.token_hash)), tokens),
+            ("other_tokens", IndexerRequest(replay=recorded), _other_tokens(tokens))):
+        try:
+            learner.forward_logprobs(toks, lengths=lengths, extras=ForwardExtras(indexer=request))
+        except IndexerReplayError as e:
+            out[name] = str(e)
     out["step"] = _rl_step(learner, tokens, lengths)
     return out
+
+
+def _other_tokens(tokens):
+    """`tokens` with row 1's fifth token changed."""
+    other = tokens.clone()
+    other[1, 4] += 1
+    return other
+
+
+def _overridden_layer0(learner, call, request):
+    """The metrics of a replayed call in which something after the indexer wrapper hands the first DSA layer's
+    attention all-zero indices instead of the replayed ones."""
+    module = learner.indexer.model.indexers[0]
+    inner = module.forward_with_scores
+
+    def zeroed(*args, **kwargs):
+        scores, indices = inner(*args, **kwargs)
+        return scores, torch.zeros_like(indices)
+    module.forward_with_scores = zeroed
+    try:
+        return call(request)["indexer"].metrics
+    finally:
+        module.forward_with_scores = inner
 
 
 def _rl_step(learner, tokens, lengths):
@@ -88,9 +118,9 @@ def _rl_step(learner, tokens, lengths):
     old_lp, old, _ = _learner_recompute(learner, x)
     own = learner.forward_logprobs(tokens, lengths=lengths)["logprobs"]
     prep = PreparedBatch(tokens, mask, old_lp, old_lp, torch.zeros(tokens.shape[0]), torch.ones(mask.shape), {},
-                         lengths=lengths, indexer_indices=old.indexer)
+                         lengths=lengths, indexer_record=old.indexer)
     metrics = update(learner, prep, AlgorithmConfig(), updates=2, dp_group=None)
-    return {"recorded": old.indexer, "old_lp": old_lp, "own_lp": own, "metrics": metrics}
+    return {"recorded": old.indexer.indices, "old_lp": old_lp, "own_lp": own, "metrics": metrics}
 
 
 def hf_forced(model_dir, tokens, forced, perturbed: bool):
@@ -153,20 +183,36 @@ def test_flip_rate_equals_hand_count(replay_run):
     model_dir, out = replay_run
     _, fresh = hf_forced(model_dir, TOKENS, out["recorded"], perturbed=True)
     recorded, real = out["recorded"], _real()
-    rates = []
+    rates, agreements = [], []
     for layer in range(2):
-        flips = total = 0
+        flips = total = kept = 0
         for b in range(4):
             for q in range(16):
                 if real[b, q]:
                     mine = {int(i) for i in recorded[b, q, layer] if i <= q}
                     theirs = {int(i) for i in fresh[layer][b, q] if i <= q}
                     flips, total = flips + (mine != theirs), total + 1
+                    kept += len(mine & theirs) / len(mine)
         rates.append(flips / total)
+        agreements.append(kept / total)
         for metrics in (out["again_metrics"], out["update_metrics"]):
             assert metrics[f"indexer/flip_rate/layer_{layer}"] == pytest.approx(rates[-1], abs=1e-12)
-    assert 0 < sum(rates) / 2 < 1
+            assert metrics[f"indexer/agreement/layer_{layer}"] == pytest.approx(agreements[-1], abs=1e-12)
+    assert 0 < sum(rates) / 2 < 1 and 0 < sum(agreements) / 2 < 1
     assert out["update_metrics"]["indexer/flip_rate"] == pytest.approx(sum(rates) / 2, abs=1e-12)
+    assert out["update_metrics"]["indexer/agreement"] == pytest.approx(sum(agreements) / 2, abs=1e-12)
+
+
+def test_replay_applied_fraction(replay_run):
+    _, out = replay_run
+    for metrics in (out["again_metrics"], out["update_metrics"]):
+        assert metrics["indexer/replay_applied_fraction"] == 1.0
+    # layer 0's attention got indices {0} for every query: only the queries at position 0 read the replayed set
+    real = _real()
+    at_zero = int(real[:, 0].sum())
+    over = out["overridden_metrics"]
+    assert over["indexer/replay_applied_fraction/layer_0"] == pytest.approx(at_zero / int(real.sum()), abs=1e-12)
+    assert over["indexer/replay_applied_fraction/layer_1"] == 1.0
 
 
 def test_rl_step_records_and_replays(replay_run):
@@ -177,10 +223,13 @@ def test_rl_step_records_and_replays(replay_run):
     metrics = step["metrics"]
     # zero advantages: pi_theta = pi_old in both updates, so every row's fresh choice is its recorded one
     assert {k: metrics[k] for k in metrics if k.startswith("indexer/")} == {
-        "indexer/flip_rate": 0.0, "indexer/flip_rate/layer_0": 0.0, "indexer/flip_rate/layer_1": 0.0}
+        f"indexer/{name}{layer}": value for name, value in (("flip_rate", 0.0), ("agreement", 1.0),
+                                                            ("replay_applied_fraction", 1.0))
+        for layer in ("", "/layer_0", "/layer_1")}
 
 
-def test_misshapen_indices_refused(replay_run):
+def test_misshapen_or_foreign_indices_refused(replay_run):
     _, out = replay_run
     assert "IndexerRequest.replay must be integer [rows, seq-1, DSA layers, index_topk] = [4, 16, 2, 4]" \
         in out["refusal"]
+    assert "IndexerRequest.replay was recorded for other tokens: rows [1] of 4" in out["other_tokens"]
