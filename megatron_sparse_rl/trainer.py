@@ -36,10 +36,25 @@ def train(run: RunConfig) -> dict:
             return serve(ctx)
         try:
             return rl_loop(ctx, stops)
+        except BaseException:
+            _close_failed(ctx)
+            raise
         finally:  # the engines (local, or the rollout ranks) stop on every way out, errors included
             ctx.placement.shutdown()
     finally:
         stops.uninstall()
+
+
+def _close_failed(ctx) -> None:
+    """Rank 0, the run raised: flush metrics.jsonl and end the tracker runs as failed (MLflow FAILED, W&B exit code
+    1) instead of leaving them running; a resume reopens them. A failure here is logged, not raised over the
+    run's own error."""
+    if ctx.writer is None:
+        return
+    try:
+        ctx.writer.close(failed=True)
+    except Exception:  # noqa: BLE001 - the run's error is the one to raise
+        log.exception("could not close the metrics writer and trackers after the run failed")
 
 
 def rl_loop(ctx, stops: StopSignals) -> dict:

@@ -104,7 +104,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 class MetricsWriter:
     """Appends one record per step to `<run_dir>/metrics.jsonl`; mirrors numbers to TensorBoard and to `trackers`
-    (objects with `log(step, scalars)` and `close()`, observability/trackers.py open_trackers), closed with it."""
+    (objects with `log(step, scalars)` and `close(failed)`, observability/trackers.py open_trackers), closed with it."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, *, keep_records: int | None = None,
                  trackers: Sequence[Any] = ()):
@@ -186,7 +186,9 @@ class MetricsWriter:
                               f"{e.strerror or e}; the records before it are intact (free space there, then run "
                               "the same command again to resume)") from e
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Flush and close the files and end the trackers' runs, as failed when `failed` (a second call does
+        nothing)."""
         if self._fd is not None:
             os.fsync(self._fd)
             os.close(self._fd)
@@ -196,10 +198,10 @@ class MetricsWriter:
             self._tb = None
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:
-            tracker.close()
+            tracker.close(failed=failed)
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)

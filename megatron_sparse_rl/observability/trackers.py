@@ -17,6 +17,9 @@ it opens. Only rank 0 opens trackers (training/context.py open_metrics).
   that are new) and as the artifact `config.json`, rewritten at every start. Each record is one `log_batch` at the
   record's step.
 
+Each tracker's `close(failed)` ends its run: FINISHED (W&B exit code 0) when the trainer finished or stopped on
+request, FAILED (W&B exit code 1) when it raised (trainer.py).
+
 Steps replayed after a resume are logged again (W&B and MLflow keep both values; metrics.jsonl and TensorBoard drop
 the old ones).
 """
@@ -83,13 +86,13 @@ class WandbTracker:
         if values:
             self.run.log({**values, "step": int(step)})
 
-    def close(self) -> None:
-        """Finish the run and stop W&B's service process: `finish` alone returns before the service has written
-        the run's last records to its .wandb file (seen with wandb 0.31.0 offline: a file read right after `finish`
-        could lack them)."""
+    def close(self, failed: bool = False) -> None:
+        """Finish the run (exit code 1 when `failed`: W&B marks it failed) and stop W&B's service process: `finish`
+        alone returns before the service has written the run's last records to its .wandb file (seen with wandb
+        0.31.0 offline: a file read right after `finish` could lack them)."""
         import wandb
 
-        self.run.finish()
+        self.run.finish(exit_code=1 if failed else 0)
         wandb.teardown()
 
 
@@ -134,8 +137,9 @@ class MlflowTracker:
         if values:
             self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, int(step)) for k, v in values.items()])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, failed: bool = False) -> None:
+        """End the run: status FAILED when `failed` (the trainer raised), else FINISHED."""
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
@@ -149,6 +153,6 @@ def open_trackers(logging_cfg, run_dir: Path, run_id: str | None, config: dict) 
             opened.append(TRACKERS[name](getattr(logging_cfg, name), Path(run_dir), run_id, config))
     except BaseException:
         for tracker in opened:
-            tracker.close()
+            tracker.close(failed=True)
         raise
     return opened

@@ -2,7 +2,8 @@
 `.wandb` log (read record by record here: LevelDB log framing, wandb's own protobuf `Record`) and MLflow's file
 store (mlruns/<experiment>/<run>/metrics/<name> lines "<ms> <value> <step>", params/<key>, artifacts/config.json),
 against the values a hand-written list logged. Also: unknown tracker names refused at load, a missing package's
-ImportError naming the extra, rank 0 alone opening trackers, a resumed run continuing the same tracker run.
+ImportError naming the extra, rank 0 alone opening trackers, a resumed run continuing the same tracker run, a run
+that raises ending its tracker runs as failed (MLflow meta.yaml status, the W&B exit record).
 
     .venv/bin/python -m pytest -q tests/unit/test_trackers.py
 """
@@ -187,3 +188,50 @@ def test_rank0_alone_opens_trackers(tmp_path, rank):
     config, rows = _wandb_run(tmp_path)
     assert config["logging"]["trackers"] == ["wandb"] and config["trainer"]["steps"] == run.trainer.steps
     assert rows == [{"rollout/reward": 0.5, "mismatch/k1": math.inf, "step": 4}]
+
+
+def _train_that_fails(tmp_path: Path, monkeypatch, trackers: list[str], logging_extra: dict) -> None:
+    """`trainer.train` whose loop logs one step to the trackers and then raises, as a crashed run does (the
+    context and the loop stand in for the learner and engines; the failure path under test is train's own)."""
+    from megatron_sparse_rl import trainer
+
+    run = from_dict(RunConfig, {"logging": {"dir": str(tmp_path), "tensorboard": False, "trackers": trackers,
+                                            **logging_extra}})
+    ctx = SimpleNamespace(run=run, run_dir=tmp_path, is_main=True, owner=SimpleNamespace(run_id=RUN_ID), writer=None,
+                          placement=SimpleNamespace(shutdown=lambda: None))
+
+    def loop(ctx, stops):
+        from megatron_sparse_rl.training.context import open_metrics
+
+        open_metrics(ctx, 0)
+        ctx.writer.log(1, {"rollout/reward": 0.5})
+        raise RuntimeError("the learner crashed")
+
+    monkeypatch.setattr(trainer, "build_context", lambda run, total_steps: ctx)
+    monkeypatch.setattr(trainer, "rl_loop", loop)
+    with pytest.raises(RuntimeError, match="the learner crashed"):
+        trainer.train(run)
+
+
+def test_a_crashed_run_ends_its_mlflow_run_failed(tmp_path, monkeypatch):
+    """The MLflow file store's meta.yaml of the run holds status 4 (MLflow's RunStatus FAILED; 3 is FINISHED, 1
+    RUNNING, as a crash left it before) and the step logged before the crash."""
+    import yaml
+
+    cfg = _mlflow_store(tmp_path, monkeypatch)
+    _train_that_fails(tmp_path, monkeypatch, ["mlflow"], {"mlflow": {"tracking_uri": cfg.mlflow.tracking_uri,
+                                                                     "experiment": "e"}})
+    run = _mlflow_run_dir(tmp_path)
+    meta = yaml.safe_load((run / "meta.yaml").read_text())
+    assert meta["status"] == 4 and meta["end_time"] is not None
+    assert _mlflow_metric(run, "rollout/reward") == [(1, 0.5)]
+
+
+def test_a_crashed_run_ends_its_wandb_run_with_exit_code_1(tmp_path, monkeypatch):
+    """The offline run's .wandb file ends with an exit record of exit code 1 (0 when a run finishes)."""
+    pytest.importorskip("wandb")
+    _train_that_fails(tmp_path, monkeypatch, ["wandb"], {})
+    (path,) = (tmp_path / "wandb").glob(f"offline-run-*-{RUN_ID}/run-{RUN_ID}.wandb")
+    exits = [r.exit.exit_code for r in wandb_records(path) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]
+    assert _wandb_run(tmp_path)[1] == [{"rollout/reward": 0.5, "step": 1}]
