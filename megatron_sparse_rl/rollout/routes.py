@@ -25,11 +25,13 @@ of the previous turn's last sampled token, then the decode steps). With prefix c
 computed again, so its routes exist only in the earlier record; without it the recomputed routes are dropped.
 With prefix caching a request may also find blocks another request computed (the n episodes of one prompt in the
 same turn, an earlier generate since the last reset): every routed position is kept, until the engine's prefix
-cache is reset (`on_prefix_reset`: new weights), under (position, hash of the tokens up to it), and a position
-vLLM did not compute is taken from there; memory grows with the distinct tokens routed between two resets.
+cache is reset (`on_prefix_reset`: new weights), under (position, a chained 128-bit BLAKE2b digest of the tokens up
+to it), and a position vLLM did not compute is taken from there; memory grows with the distinct tokens routed
+between two resets (layers x top-k x 2 bytes + 16 per position).
 """
 from __future__ import annotations
 
+import hashlib
 from functools import partial
 
 import torch
@@ -171,7 +173,7 @@ class EngineRouteCapture(StepCapture):
         """int16 [n - 1, layers, k] per row: each input position from the row's earlier-turn record (`olds`), else
         from this call's steps, else (prefix caching: vLLM served it from its cache) from the pool of routes filed
         under (position, hash of the tokens up to it), which a position's routes depend on alone."""
-        keys = [_prefix_keys(s[:-1]) for s in seqs]
+        keys = [_prefix_keys(s[:-1]) if self.keeps_prefixes else [None] * (len(s) - 1) for s in seqs]
         for row, (seq, seen) in enumerate(zip(seqs, seens)):
             for pos, (tok, _) in seen.items():
                 if pos < len(seq) - 1 and tok != seq[pos]:
@@ -198,10 +200,12 @@ class EngineRouteCapture(StepCapture):
         return out
 
 
-def _prefix_keys(tokens: list[int]) -> list[int]:
-    """Per position t, a hash of tokens[:t + 1] (a chain, as vLLM's prefix cache keys its blocks)."""
-    h, keys = 0, []
+def _prefix_keys(tokens: list[int]) -> list[bytes]:
+    """Per position t, a 128-bit BLAKE2b digest of tokens[:t + 1], chained (each digest covers the previous one and
+    the token), so equal keys mean equal prefixes up to a 2^-64 birthday bound over the pool; Python's 64-bit
+    `hash` of ints is not collision-resistant enough to stand in for comparing the tokens."""
+    h, keys = b"", []
     for t in tokens:
-        h = hash((h, t))
+        h = hashlib.blake2b(h + int(t).to_bytes(8, "little", signed=True), digest_size=16).digest()
         keys.append(h)
     return keys
