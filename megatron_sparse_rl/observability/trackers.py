@@ -6,10 +6,11 @@ it is not "rl" ("sft/eval/accuracy"), at the record's step. Each tracker gets th
 it opens. Only rank 0 opens trackers (training/context.py open_metrics).
 
 - W&B: `wandb.init(mode=logging.wandb.mode, dir=<logging.dir>)` (offline by default: the run is written under
-  <logging.dir>/wandb/, no network), run id = this run's id (run.json), so a resumed run continues the same W&B
-  run. The config is the W&B run config. Each record is one `log` call whose row carries the metrics and `step`
-  (every metric is charted against `step`: an SFT stage and the RL steps after it both count from 1, which W&B's
-  own step, strictly increasing, could not hold).
+  <logging.dir>/wandb/, no network), run id = this run's id (run.json), `resume="allow"` when there is one. The
+  config is the W&B run config. Each record is one `log` call whose row carries the metrics and `step` (every
+  metric is charted against `step`: an SFT stage and the RL steps after it both count from 1, which W&B's own
+  step, strictly increasing, could not hold). Offline, each start (a resume too) writes its own
+  offline-run-<time>-<id>/ directory under that id.
 - MLflow: `MlflowClient(logging.mlflow.tracking_uri)` (default: sqlite:///<logging.dir>/mlflow.db, its artifacts in
   <logging.dir>/mlflow_artifacts), experiment `logging.mlflow.experiment`, a run tagged `msrl.run_id` = this run's
   id (a resumed run finds it and goes on logging to it). The config is logged as the run's params (flattened
@@ -20,8 +21,10 @@ it opens. Only rank 0 opens trackers (training/context.py open_metrics).
 Each tracker's `close(failed)` ends its run: FINISHED (W&B exit code 0) when the trainer finished or stopped on
 request, FAILED (W&B exit code 1) when it raised (trainer.py).
 
-Steps replayed after a resume are logged again (W&B and MLflow keep both values; metrics.jsonl and TensorBoard drop
-the old ones).
+Steps replayed after a resume (those logged after the checkpoint it resumes from) are logged again: the first W&B
+offline directory keeps the old rows and the new one holds the new; the MLflow run holds both values at each such
+step; metrics.jsonl drops the old ones and TensorBoard's reader hides them (observability/metrics.py;
+docs/data.md, "What a resumed run writes").
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 store (mlruns/<experiment>/<run>/metrics/<name> lines "<ms> <value> <step>", params/<key>, artifacts/config.json),
 against the values a hand-written list logged. Also: unknown tracker names refused at load, a missing package's
 ImportError naming the extra, rank 0 alone opening trackers, a resumed run continuing the same tracker run, a run
-that raises ending its tracker runs as failed (MLflow meta.yaml status, the W&B exit record).
+that raises ending its tracker runs as failed (MLflow meta.yaml status, the W&B exit record), and what each sink holds
+after a resume replays the steps logged after its checkpoint.
 
     .venv/bin/python -m pytest -q tests/unit/test_trackers.py
 """
@@ -235,3 +236,47 @@ def test_a_crashed_run_ends_its_wandb_run_with_exit_code_1(tmp_path, monkeypatch
     exits = [r.exit.exit_code for r in wandb_records(path) if r.WhichOneof("record_type") == "exit"]
     assert exits == [1]
     assert _wandb_run(tmp_path)[1] == [{"rollout/reward": 0.5, "step": 1}]
+
+
+def _rows_per_start(tmp_path: Path) -> list[list[tuple[int, float]]]:
+    """(step, r) of each W&B offline directory's history, in the order of the directories' start times."""
+    rows = []
+    for path in sorted((tmp_path / "wandb").glob(f"offline-run-*-{RUN_ID}/run-{RUN_ID}.wandb")):
+        items = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+                 for r in wandb_records(path) if r.WhichOneof("record_type") == "history"]
+        rows.append([(row["step"], row["r"]) for row in items])
+    return rows
+
+
+def test_a_resume_logs_the_replayed_steps_again(tmp_path, monkeypatch):
+    """docs/data.md, "What a resumed run writes": steps 1-4 logged, a checkpoint after step 2 (it records the
+    writer's record count), the run raises; the resume from that checkpoint logs steps 3-5 with new values.
+    metrics.jsonl and TensorBoard's reader hold each step once; W&B offline has a second directory; MLflow's one
+    run holds both values of steps 3 and 4."""
+    import time
+
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    uri = _mlflow_store(tmp_path, monkeypatch).mlflow.tracking_uri
+    cfg = _logging(tmp_path, ["wandb", "mlflow"], mlflow={"tracking_uri": uri, "experiment": "e"})
+    first = MetricsWriter(tmp_path, keep_records=0, trackers=open_trackers(cfg, tmp_path, RUN_ID, CONFIG))
+    for step in range(1, 5):
+        first.log(step, {"r": float(step)})
+        if step == 2:
+            saved = first.records  # what the checkpoint after step 2 records (training/state.py save_run)
+    first.close(failed=True)
+    time.sleep(1.0)  # W&B names an offline directory by the start's second
+    second = MetricsWriter(tmp_path, keep_records=saved, trackers=open_trackers(cfg, tmp_path, RUN_ID, CONFIG))
+    for step in range(3, 6):
+        second.log(step, {"r": 10.0 + step})
+    second.close()
+    resumed = [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
+    assert [(r["step"], r["r"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == resumed
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("r")] == resumed
+    assert _rows_per_start(tmp_path) == [[(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)], [(3, 13.0), (4, 14.0), (5, 15.0)]]
+    assert _mlflow_metric(_mlflow_run_dir(tmp_path), "r") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (3, 13.0),
+                                                              (4, 14.0), (5, 15.0)]
