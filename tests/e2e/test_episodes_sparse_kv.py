@@ -7,9 +7,10 @@ the episode's record (`RolloutBatch.kv_keep`) merges them. Checks: every turn co
 logprobs of turn k's tokens equal a transformers forward over the whole sequence with an attention mask built here
 from turn k's compactions (its decode queries attend what it kept, every other query causally) within 1e-4, while
 one forward with both turns' compactions misses turn 2 (turn 1's positions were recomputed densely by turn 2's
-prefill) and the dense forward misses both; the environment's tokens are out of the loss mask; `episode/reprefill_tokens` counts the whole history of turn 1 (no prefix cache with sparse KV). A
-Megatron learner given the episode batch recomputes pi_sparse (training/sparse_kv.py `sparse_logprobs`) equal to
-the engine's logprobs within 1e-4.
+prefill) and the dense forward misses both; the environment's tokens are out of the loss mask;
+`episode/reprefill_tokens` counts the whole history of turn 1 (no prefix cache with sparse KV). A Megatron learner
+given the episode batch recomputes pi_sparse (training/sparse_kv.py `sparse_logprobs`, one forward per compacted
+turn) equal to the engine's logprobs within 1e-4.
 Run: .venv/bin/python -m pytest -q tests/e2e/test_episodes_sparse_kv.py
 """
 import pytest
