@@ -229,15 +229,32 @@ def _rollout_algorithm_problems(run: RunConfig, world_size: int, spec) -> list[s
     return problems
 
 
-def _indexer_replay_problems(run: RunConfig, spec) -> list[str]:
-    """routing.indexer_replay needs a DeepSeek Sparse Attention model (R3 is refused by RoutingConfig itself)."""
+def _indexer_replay_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
+    """routing.indexer_replay needs a DeepSeek Sparse Attention model; R3 also needs the GPU engine that captures the
+    indices (rollout/indexer_capture.py: vLLM serves DSA on GPU only) in eager mode without prefix caching."""
     from megatron_sparse_rl.models.dsa import DsaSpec
 
-    if run.routing.indexer_replay == "none" or spec is None or isinstance(spec, DsaSpec):
+    mode = run.routing.indexer_replay
+    if mode == "none" or spec is None:
         return []
-    return [f"routing.indexer_replay = {run.routing.indexer_replay!r} replays a DeepSeek Sparse Attention indexer's "
-            f"top-k, but {spec.architecture} has no indexer (DSA models: DeepseekV32ForCausalLM, "
-            "GlmMoeDsaForCausalLM); set routing.indexer_replay = 'none'"]
+    if not isinstance(spec, DsaSpec):
+        return [f"routing.indexer_replay = {mode!r} replays a DeepSeek Sparse Attention indexer's top-k, but "
+                f"{spec.architecture} has no indexer (DSA models: DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM); set "
+                "routing.indexer_replay = 'none'"]
+    if mode != "R3":
+        return []
+    problems = []
+    if not cuda:
+        problems.append("routing.indexer_replay = 'R3' replays the indices the rollout engine's indexers chose, which "
+                        "only the GPU engine records (vLLM serves DeepSeek Sparse Attention on GPU only; no CUDA "
+                        "here); use 'R2' (the learner's old forward) or 'none'")
+    if not run.rollout.enforce_eager:
+        problems.append("routing.indexer_replay = 'R3' captures the engine's indices with forward hooks, which a CUDA "
+                        "graph does not replay: set rollout.enforce_eager = true")
+    if run.rollout.prefix_caching:
+        problems.append("routing.indexer_replay = 'R3' needs every position run by the engine (a cached prefix is not "
+                        "indexed again): set rollout.prefix_caching = false")
+    return problems
 
 
 def _indexer_loss_problems(run: RunConfig, spec) -> list[str]:
@@ -270,6 +287,10 @@ def _old_logprobs_problems(run: RunConfig) -> list[str]:
         problems.append(f"algorithm.old_logprobs = {source!r} skips the learner's old-policy forward, which is where "
                         "routing.indexer_replay = 'R2' records the indexer top-k it replays; use "
                         "algorithm.old_logprobs = 'learner' or routing.indexer_replay = 'none'")
+    if run.routing.indexer_replay == "R3":
+        problems.append(f"algorithm.old_logprobs = {source!r} skips the learner's old-policy forward, which is where "
+                        "routing.indexer_replay = 'R3' replays the engine's indexer top-k and compares the learner's "
+                        "own; use algorithm.old_logprobs = 'learner'")
     if run.routing.attribute_mismatch:
         problems.append(f"routing.attribute_mismatch compares the learner's pi_old with and without the engine's "
                         f"routes; algorithm.old_logprobs = {source!r} takes pi_old from the engine (use 'learner' "
@@ -317,7 +338,7 @@ def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
     features that do not follow an episode across turns yet (docs/episodes.md). R3 / route capture does, through
     the router callback (routing.engine_routes hook; auto without CUDA), not vLLM's own routed-experts output; sparse
     KV (rollout.kv.policy) does, its keep record merged turn by turn (prefix caching with it is refused in
-    config/rollout.py)."""
+    config/rollout.py); engine_mean re-scores each finished episode as one sequence."""
     env = run.env
     if not env.episodes:
         return []
@@ -328,8 +349,7 @@ def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
     unsupported = {f"routing.engine_routes = {run.routing.engine_routes!r} (vLLM's own routed-experts output; "
                    "set routing.engine_routes: hook)": run.routing.capture and run.routing.vllm_routes(cuda),
                    "trainer.max_staleness": run.trainer.max_staleness > 0,
-                   "launch.rollout_ranks / launch.rollout_nodes (disaggregated)": bool(run.launch.rollout_world_size),
-                   "algorithm.old_logprobs = 'engine_mean'": run.algorithm.old_logprobs == "engine_mean"}
+                   "launch.rollout_ranks / launch.rollout_nodes (disaggregated)": bool(run.launch.rollout_world_size)}
     problems += [f"{name} cannot run with env.kind = {env.kind!r} yet: it does not follow an episode across turns "
                  "(docs/episodes.md); turn it off" for name, on in unsupported.items() if on]
     if run.rollout.max_model_len is not None and run.data.max_prompt_tokens + env.max_total_tokens > \
@@ -392,7 +412,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _model_problems(run, spec, cuda)
     problems += _rollout_algorithm_problems(run, world_size, spec)
     problems += _old_logprobs_problems(run)
-    problems += _indexer_replay_problems(run, spec)
+    problems += _indexer_replay_problems(run, spec, cuda)
     problems += _indexer_loss_problems(run, spec)
     problems += _async_problems(run)
     problems += _env_problems(run, cuda)

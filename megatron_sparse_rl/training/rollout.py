@@ -42,12 +42,16 @@ def scored(batch: RolloutBatch, tokenizer, examples, *, score, correct) -> tuple
 
 
 def collect_episodes(engine, tokenizer, examples, sampling: SamplingConfig, env: EnvConfig, *, seed: int, score,
-                     correct) -> tuple[RolloutBatch, torch.Tensor]:
+                     correct, rescore: int = 0) -> tuple[RolloutBatch, torch.Tensor]:
     """`collect` for multi-turn episodes: `sampling.n` episodes per example, each rewarded by its environment with
     `score` of its final answer; correct = `correct` of the final turn of the episodes the environment ended (an
-    episode out of turns or tokens is not)."""
+    episode out of turns or tokens is not). `rescore` > 0 (algorithm.old_logprobs = engine_mean): every finished
+    episode is also scored that many times by the engine, as one sequence (its environment tokens too; the loss
+    mask drops those)."""
     make = environment_factory(env, tokenizer, lambda text, answer: float(score([text], [answer])[0]))
     batch = run_episodes(engine, tokenizer, examples, dataclasses.replace(sampling, seed=seed), env, make)
+    if rescore:
+        batch.rescored_logprobs = engine.rescore(batch, rescore)
     answers = [examples[g].answer for g in batch.group_ids.tolist()]
     right = correct(decode(tokenizer, final_turns(batch)), answers)
     ended = [float(r == "stop") for r in batch.finish_reasons]

@@ -51,7 +51,7 @@ def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
         share, seed = examples[dp_rank::ctx.layout.dp], _seed(ctx, step, dp_rank)
         if ctx.run.env.episodes:
             return R.collect_episodes(engine, ctx.tokenizer, share, ctx.run.rollout.sampling, ctx.run.env, seed=seed,
-                                      score=score, correct=correct)
+                                      score=score, correct=correct, rescore=_rescore(ctx))
         return R.collect(engine, ctx.tokenizer, share, ctx.run.rollout.sampling, seed=seed, score=score,
                          correct=correct, rescore=_rescore(ctx))
 

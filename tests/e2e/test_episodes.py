@@ -4,7 +4,8 @@ A two-turn environment answers the first model turn with a fixed observation and
 turn. Checks: the engine's logprobs of the model's tokens equal an HF transformers forward over the whole
 concatenated sequence (prompt, turn 1, observation, turn 2) within 1e-4; the loss mask equals one built by hand
 from where the observation sits; the second turn reuses the first turn's KV blocks from vLLM's prefix cache, so
-what it prefills again is less than one block per episode. With R3 route capture on the same engine: the routes the
+what it prefills again is less than one block per episode; the engine's re-scoring of each episode as one sequence
+(algorithm.old_logprobs = engine_mean) gives the same logprobs of the model's tokens within 1e-4. With R3 route capture on the same engine: the routes the
 episode recorded (each position from the turn that first computed it; turn 1's prefix served from the prefix cache
 in turn 2 is not computed again) equal those of one prefill of each whole concatenated sequence by the same engine
 with its prefix cache emptied, for every position and MoE layer; a Megatron learner (R3) replays them in the old
@@ -82,6 +83,12 @@ def test_two_turn_episode_logprobs_and_loss_mask_match_transformers(setup):
         worst = max(worst, max_diff([engine_lp], [hf_lp]))
         assert worst < ATOL, (i, engine_lp, hf_lp)
         assert (batch.rollout_logprobs[i][:len(response)][~model] == 0).all()
+    # algorithm.old_logprobs = engine_mean: the engine re-scores each episode as one sequence (its prefill)
+    rescored = engine.rescore(batch, 2)
+    for i, response in enumerate(batch.responses()):
+        model = batch.loss_mask[i][:len(response)]
+        for j in range(2):
+            assert max_diff([rescored[i, j, :len(response)][model]], [reference[i][-len(response):][model]]) < ATOL
     ep = batch.episodes
     print(f"max |engine - HF| over model tokens = {worst:.2e}; episode sums {ep}")
     assert ep["turns"] == 8 and ep["tool_calls"] == 4 and ep["turn2/episodes"] == 4
