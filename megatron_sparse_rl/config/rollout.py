@@ -175,10 +175,11 @@ class RolloutConfig:
     """No torch.compile / CUDA graphs (required on CPU; faster start-up for tests)."""
     prefix_caching: bool = False
     """vLLM's automatic prefix caching: a request whose leading full KV blocks another request computed reuses them
-    instead of prefilling them again. Multi-turn episodes (env.kind) need it to continue an episode without
-    re-prefilling its earlier turns (rollout/episodes.py measures what is re-prefilled). Off by default: single-turn
-    rollouts share no prefixes worth it, and sparse KV (rollout.kv.policy) rewrites blocks in place, so it refuses
-    this. vLLM's CPU platform turns it off for multi-head latent attention models."""
+    instead of prefilling them again. Multi-turn episodes (env.kind) use it to continue an episode without
+    re-prefilling its earlier turns (rollout/episodes.py measures what is re-prefilled); without it every turn
+    prefills the whole history. Off by default: single-turn rollouts share no prefixes worth it, and sparse KV
+    (rollout.kv.policy) rewrites blocks in place, so it refuses this (sparse-KV episodes re-prefill every turn).
+    vLLM's CPU platform turns it off for multi-head latent attention models."""
     record_sampling_mask: bool = False
     """Record, at every sampled token, the ids the sampler could draw (what top-k/top-p kept) in
     RolloutBatch.sampling_mask, for algorithm.keep_sampling_mask. Needs logprobs_mode = processed."""
