@@ -10,7 +10,9 @@ Only one process (rank 0) should own a writer.
 
 Resume: `MetricsWriter(run_dir, keep_records=n)` keeps the first n complete records (n saved in the
 checkpoint as `writer.records`) and drops the rest, so the steps replayed after a restart are not
-written twice; TensorBoard purges events after the last kept step.
+written twice. TensorBoard: one writer per phase, in its own directory (`tensorboard_dir`: the RL steps in
+<run_dir>/tensorboard, SFT's in <run_dir>/tensorboard/sft, ...), so that a resume hides (purges) only the events
+of each phase after its own last kept step.
 """
 from __future__ import annotations
 
@@ -115,13 +117,13 @@ class MetricsWriter:
         kept = self._keep(keep_records)
         self.records = len(kept)  # complete records in the file: save it in checkpoints (keep_records)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._tb = None
+        self._tb: dict[str, Any] | None = None  # phase -> SummaryWriter, opened at the phase's first record
+        self._purge: dict[str, int] = {}
         if tensorboard:
             if _has("tensorboard"):
-                from torch.utils.tensorboard import SummaryWriter
-
-                purge = kept[-1]["step"] + 1 if keep_records is not None and kept else None
-                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge)
+                self._tb = {}
+                self._resume = keep_records is not None
+                self._purge = self._purge_steps(kept, resuming=self._resume)
             else:
                 log.warning("TensorBoard events are off: the 'tensorboard' package is not installed "
                             "(pip install tensorboard, or pip install -e .[plot]); metrics.jsonl is still written")
@@ -129,6 +131,41 @@ class MetricsWriter:
     @property
     def tensorboard_enabled(self) -> bool:
         return self._tb is not None
+
+    def tensorboard_dir(self, phase: str) -> Path:
+        """Where a phase's TensorBoard events go: <run_dir>/tensorboard for "rl", <run_dir>/tensorboard/<phase>
+        for the others (TensorBoard shows each as a run). One writer per phase, so that a resume's purge (by step)
+        of one phase leaves the others' events alone."""
+        root = self.run_dir / "tensorboard"
+        return root if phase == "rl" else root / phase
+
+    @staticmethod
+    def _purge_steps(kept: list[dict], *, resuming: bool) -> dict[str, int]:
+        """Per phase, the step from which a resumed run's TensorBoard reader hides the events written before: the
+        last kept record's step + 1 (0 for a phase with no kept record: all of its events are after the
+        checkpoint). Nothing when not resuming."""
+        if not resuming:
+            return {}
+        last: dict[str, int] = {}
+        for record in kept:
+            phase = record.get("phase", "rl")
+            last[phase] = max(last.get(phase, -1), int(record["step"]))
+        return {phase: step + 1 for phase, step in last.items()}
+
+    def _writer(self, phase: str):
+        writer = self._tb.get(phase)
+        if writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = self._purge.get(phase, 0) if self._resuming(phase) else None
+            writer = self._tb[phase] = SummaryWriter(log_dir=str(self.tensorboard_dir(phase)), purge_step=purge)
+        return writer
+
+    def _resuming(self, phase: str) -> bool:
+        """Whether a phase's events from before may exist: this writer resumes and the phase's directory holds
+        event files."""
+        folder = self.tensorboard_dir(phase)
+        return self._resume and folder.is_dir() and any(f.name.startswith("events.") for f in folder.iterdir())
 
     def _keep(self, keep_records: int | None) -> list[dict]:
         if not self.path.exists():
@@ -162,9 +199,10 @@ class MetricsWriter:
         self.records += 1
         values = scalars(metrics, phase)
         if self._tb is not None:
+            writer = self._writer(phase)
             for tag, v in values.items():
-                self._tb.add_scalar(tag, v, global_step=int(step))
-            self._tb.flush()
+                writer.add_scalar(tag, v, global_step=int(step))
+            writer.flush()
         for tracker in self.trackers:
             tracker.log(step, values)
         return record
@@ -194,7 +232,8 @@ class MetricsWriter:
             os.close(self._fd)
             self._fd = None
         if self._tb is not None:
-            self._tb.close()
+            for writer in self._tb.values():
+                writer.close()
             self._tb = None
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:

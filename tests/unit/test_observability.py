@@ -79,8 +79,36 @@ def test_tensorboard_events(tmp_path):
         w.log(1, {"eval/accuracy": 0.5}, phase="sft")
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    assert set(acc.Tags()["scalars"]) == {"rollout/reward", "sft/eval/accuracy"}
+    assert set(acc.Tags()["scalars"]) == {"rollout/reward"}
     assert [(e.step, e.value) for e in acc.Scalars("rollout/reward")] == [(1, 0.25), (2, 0.75)]
+    sft = EventAccumulator(str(tmp_path / "tensorboard" / "sft"))  # each phase is its own TensorBoard run
+    sft.Reload()
+    assert [(e.step, e.value) for e in sft.Scalars("sft/eval/accuracy")] == [(1, 0.5)]
+
+
+def test_tensorboard_resume_in_rl_keeps_the_sft_events(tmp_path):
+    """SFT steps 1-6 and RL steps 1-4 logged, a checkpoint after RL step 2 (10 - 2 records kept), the resume logs
+    RL steps 3-5 anew: TensorBoard's reader shows every SFT step and each RL step once, with the new values."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path, keep_records=0) as first:
+        for step in range(1, 7):
+            first.log(step, {"loss": float(step)}, phase="sft")
+        for step in range(1, 5):
+            first.log(step, {"r": float(step)})
+            if step == 2:
+                saved = first.records
+    with MetricsWriter(tmp_path, keep_records=saved) as second:
+        for step in range(3, 6):
+            second.log(step, {"r": 10.0 + step})
+
+    def read(*parts):
+        acc = EventAccumulator(str(tmp_path.joinpath("tensorboard", *parts)))
+        acc.Reload()
+        return acc
+    assert [(e.step, e.value) for e in read("sft").Scalars("sft/loss")] == [(s, float(s)) for s in range(1, 7)]
+    assert [(e.step, e.value) for e in read().Scalars("r")] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
 
 
 def test_progress_line_hand_written():
