@@ -21,8 +21,9 @@ record carries the crc32 of each row's real tokens (moe/storage.py `token_hash`,
 other tokens, or on indices of the wrong shape, is refused before the forward. `indexer/replay_applied_fraction` is
 measured where the attention reads the selection: `unfused_dsa_fn`, the sparse attention DSAttention calls, is
 observed (`_AttendedIndices`) and its `topk_indices` compared with the replayed ones.
-Not here: R3 (the engine's indices: vLLM's DSA runs on GPU only and no engine side records them), pipeline
-parallelism (a stage sees only its layers; the learner refuses the request at pp > 1).
+R3 (`old_forward(engine_record)`): the old forward replays the engine's indices (rollout/indexer_capture.py, a
+GPU engine; never run here) and records the learner's own beside them; the updates replay the engine's.
+Not here: pipeline parallelism (a stage sees only its layers; the learner refuses the request at pp > 1).
 """
 from __future__ import annotations
 
@@ -287,8 +288,8 @@ class LearnerIndexer:
     `finish`, `stop`), driven by the Learner."""
 
     def __init__(self, model: torch.nn.Module, layout, groups, mode: str = "none"):
-        if mode not in ("none", "R2"):
-            raise ValueError(f"routing.indexer_replay must be 'none' or 'R2' on the learner (got {mode!r})")
+        if mode not in ("none", "R2", "R3"):
+            raise ValueError(f"routing.indexer_replay must be 'none', 'R2' or 'R3' on the learner (got {mode!r})")
         self.layout, self.groups, self.mode = layout, groups, mode
         self.model = ModelIndexer(model)
         self.layers = tuple(range(len(self.model.indexers)))
@@ -300,13 +301,29 @@ class LearnerIndexer:
         self._shape: tuple[int, int] = (0, 0)
 
     # ---- what the RL step's forwards ask for (routing.indexer_replay) ------------------------------
-    def old_forward(self) -> IndexerRequest | None:
-        """R2: record the old-logprob forward's indices; none: nothing."""
+    def old_forward(self, engine: IndexerRecord | None = None) -> IndexerRequest | None:
+        """R2: record the old-logprob forward's indices; R3: replay `engine` (the rollout engine's indices in the
+        call's layout, required), recording the learner's own choice and comparing it with the engine's; none:
+        nothing."""
+        if self.mode == "R3":
+            if engine is None:
+                raise IndexerReplayError("routing.indexer_replay=R3 but the rollout batch has no engine indices "
+                                         "(RolloutBatch.indexer_record missing: is the engine's capture on?)")
+            return IndexerRequest(replay=engine, record=True, compare_with=engine)
         return IndexerRequest(record=True) if self.mode == "R2" else None
 
+    def after_old_forward(self, result: IndexerResult, engine: IndexerRecord | None) -> tuple[IndexerRecord, dict]:
+        """(what the updates replay: R2 the old forward's record, R3 the engine's; the old forward's metrics: under
+        R3 the learner's own choice against the engine's at pi_old, named indexer/engine_flip_rate,
+        indexer/engine_agreement, indexer/engine_replay_applied_fraction, each also per layer)."""
+        if self.mode != "R3":
+            return result.record, {}
+        return engine, {k.replace("indexer/", "indexer/engine_", 1): v for k, v in result.metrics.items()}
+
     def update(self, recorded: IndexerRecord | None) -> IndexerRequest | None:
-        """R2: replay `recorded` (the old forward's `IndexerResult.record` of the update's rows), comparing the
-        update's fresh choice with it (indexer/flip_rate, indexer/agreement); none: nothing."""
+        """R2/R3: replay `recorded` (`after_old_forward`'s record of the update's rows: R2 the old forward's, R3 the
+        engine's), comparing the update's fresh choice with it (indexer/flip_rate, indexer/agreement); none:
+        nothing."""
         if self.mode == "none":
             return None
         if recorded is None:

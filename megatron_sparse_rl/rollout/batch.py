@@ -62,6 +62,9 @@ class RolloutBatch:
                       rollout.sampling_mask.SamplingSupport (keep-sampling-mask), or None.
     routed_experts:   the engine's routes (R3): a moe.RouteStore (uint8/uint16 [tokens, layers, topk] packed
                       per sequence), or None.
+    indexer_record:   the engine's DSA indexer choices (routing.indexer_replay = R3): a
+                      rollout.indexer_capture.EngineIndexerRows (per row [n - 1, DSA layers, index_topk] positions),
+                      or None.
     kv_keep:          record of the sparse-KV keep decisions (megatron_sparse_rl.kv), or None.
     rescored_logprobs: float32 [B, n, R], n engine re-scorings of each sampled sequence (prompt logprobs of
                       prompt + response, dense attention; for algorithm.old_logprobs = engine_mean), 0 where
@@ -90,6 +93,7 @@ class RolloutBatch:
     reward: torch.Tensor | None = _joined(Join.ROWS, default=None)
     sampling_mask: Any | None = _joined(Join.OWN, default=None)
     routed_experts: Any | None = _joined(Join.OWN, default=None)
+    indexer_record: Any | None = _joined(Join.OWN, default=None)
     kv_keep: Any | None = _joined(Join.ROWS, default=None)
     rescored_logprobs: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
     token_version: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
@@ -163,8 +167,8 @@ class RolloutBatch:
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("routed_experts", "sampling_mask") and v is not None:
-                values[f.name] = v.select(idx)  # RouteStore / SamplingSupport: packed per sequence
+            if f.name in ("routed_experts", "indexer_record", "sampling_mask") and v is not None:
+                values[f.name] = v.select(idx)  # RouteStore / EngineIndexerRows / SamplingSupport: per sequence
             elif isinstance(v, torch.Tensor):
                 values[f.name] = v[idx]
             elif isinstance(v, tuple):

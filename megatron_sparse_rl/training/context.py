@@ -242,10 +242,12 @@ def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
 
 
 def _engine_extensions(run: RunConfig, spec) -> list:
-    """Sparse KV (rollout.kv.policy), the sampling-mask record (rollout.record_sampling_mask) and route capture
+    """Sparse KV (rollout.kv.policy), the sampling-mask record (rollout.record_sampling_mask), route capture
     (R3 or route recording on a MoE model: vLLM's own routed-experts output where it has one, else the router
-    callback), in the order the engine calls them."""
+    callback) and the DSA indexer capture (routing.indexer_replay = R3; GPU engines only, never run), in the order
+    the engine calls them."""
     from megatron_sparse_rl.kv.engine_extension import sparse_kv_extensions
+    from megatron_sparse_rl.rollout.indexer_capture import EngineIndexerCapture
     from megatron_sparse_rl.rollout.routes import EngineRouteCapture
     from megatron_sparse_rl.rollout.routes_vllm import VLLMRouteOutput
     from megatron_sparse_rl.rollout.sampling_mask import SamplingMaskCapture
@@ -256,6 +258,8 @@ def _engine_extensions(run: RunConfig, spec) -> list:
     if spec.is_moe and run.routing.capture:
         native = run.routing.vllm_routes(torch.cuda.is_available())
         extensions.append(VLLMRouteOutput() if native else EngineRouteCapture())
+    if run.routing.indexer_replay == "R3":
+        extensions.append(EngineIndexerCapture())
     return extensions
 
 

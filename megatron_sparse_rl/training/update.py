@@ -125,17 +125,21 @@ OldPolicy = Callable[[Any, OldPolicyInputs], tuple[torch.Tensor, Any, dict[str, 
 
 def _learner_recompute(learner, x: OldPolicyInputs):
     """The learner's dense recompute (R2 records its routes, R3 replays the engine's; DSA with
-    routing.indexer_replay = R2 records the indexers' top-k); with routing.attribute_mismatch a second forward
-    routed the other way (`_routing_attribution`)."""
+    routing.indexer_replay = R2 records the indexers' top-k, R3 replays the engine's, padded to the call's width
+    like the routes' tokens); with routing.attribute_mismatch a second forward routed the other way
+    (`_routing_attribution`)."""
     routing = learner.routing
     request = routing.old_forward(x.batch.routed_experts) if routing else None
-    indexer = learner.indexer.old_forward() if learner.indexer else None
+    engine_indices = None if x.batch.indexer_record is None else x.batch.indexer_record.padded(x.tokens.shape[1] - 1)
+    indexer = learner.indexer.old_forward(engine_indices) if learner.indexer else None
     out = learner.forward_logprobs(x.tokens, lengths=x.lengths,
                                    extras=ForwardExtras(sampling_support=x.support, routes=request, indexer=indexer))
     old = routing.after_old_forward(out.get("routing"), x.batch.routed_experts) if routing else None
-    if indexer is not None:
-        old = replace(old or RoutingResult(), indexer=out["indexer"].record)
     metrics = {"old_logprobs/learner_forwards": 1.0}
+    if indexer is not None:
+        replayed, indexer_metrics = learner.indexer.after_old_forward(out["indexer"], engine_indices)
+        old = replace(old or RoutingResult(), indexer=replayed)
+        metrics.update(indexer_metrics)
     if routing and routing.cfg.attribute_mismatch:
         metrics.update(_routing_attribution(learner, x, out["logprobs"]))
     return out["logprobs"], old, metrics
@@ -152,9 +156,10 @@ def _routing_attribution(learner, x: OldPolicyInputs, old_lp: torch.Tensor) -> d
 
 
 def _no_learner_forward(learner, x: OldPolicyInputs):
-    if learner.indexer is not None and learner.indexer.mode == "R2":
-        raise ValueError("routing.indexer_replay = 'R2' records the indexers' top-k in the learner's old-policy "
-                         "forward, which this algorithm.old_logprobs source skips; use 'learner'")
+    if learner.indexer is not None and learner.indexer.mode != "none":
+        raise ValueError(f"routing.indexer_replay = {learner.indexer.mode!r} records (R2) or replays (R3) the "
+                         "indexers' top-k in the learner's old-policy forward, which this algorithm.old_logprobs "
+                         "source skips; use 'learner'")
     routing = learner.routing
     return routing.without_old_forward(x.batch.routed_experts) if routing else None
 

@@ -5,10 +5,10 @@ the layers' and the scheduler messages' in layers.py, all re-exported here).
 What the project uses beyond vLLM's public API (`LLM.generate`, `collective_rpc`, the outputs) goes through a
 function here: the engine core and scheduler behind an `LLM`, the model runner and its per-step batch
 (`StepContext`), request ids, the `SchedulerOutput` rider, the KV coordinator class swap, the runner's block
-tables and attention layers (`RunnerKV`), the sampler, the MoE routers, whether the engine runs multi-head
-latent attention (`uses_mla`), and the methods the CPU patches wrap (patches/vllm_cpu_*.py). The sparse-KV
-scheduler subclasses vLLM's `Scheduler` (its public `scheduler_cls` option) and uses what it inherits: listed
-here too.
+tables and attention layers (`RunnerKV`), the sampler, the MoE routers, the DSA indexers' output, whether the
+engine runs multi-head latent attention (`uses_mla`), and the methods the CPU patches wrap (patches/vllm_cpu_*.py).
+The sparse-KV scheduler subclasses vLLM's `Scheduler` (its public `scheduler_cls` option) and uses what it
+inherits: listed here too.
 
 `NEEDS` holds every class, attribute and method (with its leading parameter names) relied on, per feature.
 `check(llm, features=...)` verifies them, and with an engine its live engine core, scheduler and model runner;
@@ -38,7 +38,7 @@ from megatron_sparse_rl.vllm_access.runtime import (  # noqa: F401
     wrap_schedule, unwrap_schedule, num_running, num_waiting, require_version, is_cpu_platform,
 )
 from megatron_sparse_rl.vllm_access.layers import (  # noqa: F401
-    MoELayer, moe_layers, set_route_callback, RunnerKV, layer_kv,
+    MoELayer, moe_layers, set_route_callback, DsaIndexer, dsa_indexers, on_indexer_output, RunnerKV, layer_kv,
     write_kv, is_latent_layer, LatentDims, latent_dims, write_latent,
     on_latent_query, on_attention_query, set_rider, rider, step_requests,
     preempted_requests, kv_coordinator, swap_coordinator,
@@ -76,6 +76,9 @@ step vllm.v1.utils:CpuGpuBuffer cpu
 moe vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner layer_id router is_monolithic
 moe vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter global_num_experts
     set_capture_fn(self,capture_fn)
+dsa_indexer vllm.model_executor.models.deepseek_v2:Indexer topk_tokens topk_indices_buffer prefix
+    forward(self,hidden_states,qr,positions,rotary_emb)
+dsa_indexer vllm.model_executor.models.utils extract_layer_index(layer_name)
 sampling_mask {RUNNER} sampler
 sampling_mask vllm.v1.sample.sampler:Sampler logprobs_mode sample(self,logits,sampling_metadata)
 sparse_kv {RUNNER} _update_states(self,scheduler_output) _prepare_inputs(self,scheduler_output,num_scheduled_tokens)

@@ -13,6 +13,8 @@ FEATURES = {
     "engine": "every RolloutEngine (engine core, scheduler lookup, model access, weight reload)",
     "step": "the per-step batch that the route and sampling-mask captures read",
     "moe": "MoE layers: ids, expert counts, the routers' top-k callback (R3 route capture and output)",
+    "dsa_indexer": "DeepSeek Sparse Attention indexers: their layer ids, top-k and the per-step top-k buffer they "
+                   "return (R3 indexer capture, GPU engines only)",
     "sampling_mask": "the keep-sampling-mask record (a wrapper around the sampler)",
     "sparse_kv": "sparse KV (scheduler subclass, coordinator swap, model-runner hooks)",
     "cpu_moe_reload": "the CPU fused-MoE reload patch",

@@ -1,7 +1,7 @@
 """vLLM internals of the model's layers and of the sparse-KV scheduler's messages: MoE routers (R3 route capture),
 the attention layers' KV caches, K/V and latent writers and queries (sparse KV, `RunnerKV`), and the rider a
 `SchedulerOutput` carries to the worker. Part of `vllm_access` (re-exported there; its `NEEDS` table lists what this
-relies on, under the features "moe", "sparse_kv" and "sparse_kv_mla")."""
+relies on, under the features "moe", "dsa_indexer", "sparse_kv" and "sparse_kv_mla")."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -40,6 +40,35 @@ def moe_layers(model_: torch.nn.Module) -> list[MoELayer]:
 def set_route_callback(layer: MoELayer, fn: Callable[[torch.Tensor], None] | None) -> None:
     """`fn(topk_ids)` right after the router computes them, before the experts run (None removes it)."""
     layer.router.set_capture_fn(fn)
+
+
+# ---- DeepSeek Sparse Attention indexers ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class DsaIndexer:
+    """One DSA layer's lightning indexer in a vLLM model (deepseek_v2.py `Indexer`): its forward returns the model's
+    shared int32 `topk_indices_buffer` [max_num_batched_tokens, index_topk], whose first rows are the step's flat
+    tokens and whose values are positions within each token's own request (-1: no token)."""
+
+    layer_id: int
+    topk: int
+    module: Any
+
+
+def dsa_indexers(model_: torch.nn.Module) -> list[DsaIndexer]:
+    """The vLLM model's DSA indexers by layer id (empty without DSA; layers that reuse an earlier layer's top-k,
+    IndexCache's `index_topk_freq` / `index_topk_pattern`, build none)."""
+    from vllm.model_executor.models.deepseek_v2 import Indexer
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    found = [m for m in model_.modules() if isinstance(m, Indexer)]
+    return sorted((DsaIndexer(layer_id=int(extract_layer_index(m.prefix)), topk=int(m.topk_tokens), module=m)
+                   for m in found), key=lambda d: d.layer_id)
+
+
+def on_indexer_output(indexer: DsaIndexer, fn: Callable[[torch.Tensor], None]) -> Any:
+    """`fn(topk_indices_buffer)` after every forward of the indexer (eager mode: a CUDA graph replays no hook);
+    returns the handle."""
+    return indexer.module.register_forward_hook(lambda module, args, output: fn(output))
 
 
 # ---- sparse KV, worker side --------------------------------------------------------------------------------

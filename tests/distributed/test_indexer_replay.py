@@ -114,7 +114,8 @@ def _rl_step(learner, tokens, lengths):
     from megatron_sparse_rl.training.update import OldPolicyInputs, PreparedBatch, _learner_recompute, update
 
     mask = torch.arange(tokens.shape[1] - 1)[None, :] < (lengths - 1)[:, None]
-    x = OldPolicyInputs(SimpleNamespace(routed_experts=None), tokens, mask, torch.zeros(mask.shape), lengths, None)
+    batch = SimpleNamespace(routed_experts=None, indexer_record=None)
+    x = OldPolicyInputs(batch, tokens, mask, torch.zeros(mask.shape), lengths, None)
     old_lp, old, _ = _learner_recompute(learner, x)
     own = learner.forward_logprobs(tokens, lengths=lengths)["logprobs"]
     prep = PreparedBatch(tokens, mask, old_lp, old_lp, torch.zeros(tokens.shape[0]), torch.ones(mask.shape), {},

@@ -12,6 +12,7 @@ import torch
 
 from megatron_sparse_rl.moe.storage import RouteStore
 from megatron_sparse_rl.rollout.batch import RolloutBatch
+from megatron_sparse_rl.rollout.indexer_capture import EngineIndexerRows
 from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
 
 PAD = 99
@@ -30,6 +31,12 @@ def _support(prompt_lens: list[int], counts: list[list[int]], ids: list[list[int
                            ids=tuple(torch.tensor(i, dtype=torch.int32) for i in ids))
 
 
+def _indexer(lens: list[int], hashes: list[int]) -> EngineIndexerRows:
+    """DSA indices of sequences of `lens` tokens ([n - 1, 1 layer, top-2]: each query's position and 0)."""
+    rows = tuple(torch.tensor([[[q, 0]] for q in range(n - 1)], dtype=torch.int16).reshape(n - 1, 1, 2) for n in lens)
+    return EngineIndexerRows(rows, torch.tensor(hashes), layers=(0,), topk=2)
+
+
 def _usage(peak: float, pool: float, running: float, preempted: float) -> dict[str, float]:
     return {"peak_blocks": peak, "pool_blocks": pool, "mean_running": running, "preemptions": preempted}
 
@@ -41,7 +48,8 @@ def _first() -> RolloutBatch:
         response_ids=torch.tensor([[11, 0]]), response_mask=torch.tensor([[T, F]]),
         rollout_logprobs=torch.tensor([[-0.1, 0.0]]), finish_reasons=("stop",), group_ids=torch.tensor([0]),
         reward=torch.tensor([1.0]), sampling_mask=_support([2], [[2]], [[3, 11]]), routed_experts=_routes([3], 0),
-        kv_keep=("a",), rescored_logprobs=torch.tensor([[[-0.15, 0.0], [-0.25, 0.0]]]),
+        indexer_record=_indexer([3], [101]), kv_keep=("a",),
+        rescored_logprobs=torch.tensor([[[-0.15, 0.0], [-0.25, 0.0]]]),
         token_version=torch.tensor([[3, 0]]), kv_usage=_usage(2.0, 10.0, 1.0, 0.0),
         loss_mask=torch.tensor([[T, F]]), episodes={"turns": 1.0, "tool_calls": 0.0})
 
@@ -54,8 +62,9 @@ def _second() -> RolloutBatch:
         rollout_logprobs=torch.tensor([[-0.2, -0.3, -0.4], [-0.5, -0.6, 0.0]]), finish_reasons=("length", "stop"),
         group_ids=torch.tensor([1, 1]), reward=torch.tensor([0.0, 0.5]),
         sampling_mask=_support([3, 1], [[0, 1, 0], [1, 1]], [[13], [15, 16]]), routed_experts=_routes([6, 3], 1),
-        kv_keep=("b", "c"), rescored_logprobs=torch.tensor([[[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]],
-                                                             [[-7.0, -8.0, 0.0], [-9.0, -10.0, 0.0]]]),
+        indexer_record=_indexer([6, 3], [102, 103]), kv_keep=("b", "c"),
+        rescored_logprobs=torch.tensor([[[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]],
+                                       [[-7.0, -8.0, 0.0], [-9.0, -10.0, 0.0]]]),
         token_version=torch.tensor([[3, 4, 4], [4, 4, 0]]), kv_usage=_usage(5.0, 10.0, 2.0, 1.0),
         loss_mask=torch.tensor([[T, F, T], [T, T, F]]), episodes={"turns": 3.0, "tool_calls": 2.0})
 
@@ -76,6 +85,10 @@ def _expected() -> dict:
         "sampling_mask": _support([2, 3, 1], [[2], [0, 1, 0], [1, 1]], [[3, 11], [13], [15, 16]]),
         "routed_experts": RouteStore.from_sequences(routes, [list(range(n)) for n, _ in every], num_experts=4,
                                                     layers=[0], source="t"),
+        "indexer_record": EngineIndexerRows((torch.tensor([[[0, 0]], [[1, 0]]], dtype=torch.int16),
+                                             torch.tensor([[[q, 0]] for q in range(5)], dtype=torch.int16),
+                                             torch.tensor([[[0, 0]], [[1, 0]]], dtype=torch.int16)),
+                                            torch.tensor([101, 102, 103]), layers=(0,), topk=2),
         "kv_keep": ("a", "b", "c"),
         "rescored_logprobs": torch.tensor([[[-0.15, 0.0, 0.0], [-0.25, 0.0, 0.0]],
                                            [[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]],
@@ -90,7 +103,7 @@ def _expected() -> dict:
 def _same(got, want) -> bool:
     if isinstance(want, torch.Tensor):
         return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
-    if isinstance(want, (RouteStore, SamplingSupport)):
+    if isinstance(want, (RouteStore, SamplingSupport, EngineIndexerRows)):
         return type(got) is type(want) and all(_same(getattr(got, f.name), getattr(want, f.name)) for f in fields(want))
     if isinstance(want, tuple) and want and isinstance(want[0], torch.Tensor):
         return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want))
