@@ -45,8 +45,10 @@ class RoutingConfig:
     """DeepSeek Sparse Attention models only (DeepSeek-V3.2, GLM-5): none = every forward attends its indexer's own
     top-k; R2 = the old-logprob forward records each DSA layer's top-k per query and every update attends exactly
     those (learner/indexer_replay.py; metrics indexer/flip_rate, indexer/agreement,
-    indexer/replay_applied_fraction, each also per layer); R3 (the engine's
-    indices) is refused: no engine here records them (vLLM's DSA runs on GPU only)."""
+    indexer/replay_applied_fraction, each also per layer); R3 = the rollout engine's top-k (captured in vLLM by
+    rollout/indexer_capture.py) is attended by the old-logprob forward, which also records the learner's own
+    choice against it (indexer/engine_flip_rate, ...), and by every update. R3 needs the learner's old forward
+    (algorithm.old_logprobs = learner) and a CUDA engine (vLLM serves DSA on GPU only); it has never been run."""
 
     def __post_init__(self):
         if self.mode not in get_args(RoutingMode):
@@ -59,10 +61,6 @@ class RoutingConfig:
         if self.indexer_replay not in get_args(IndexerReplay):
             raise ValueError(f"routing.indexer_replay must be one of {get_args(IndexerReplay)} "
                              f"(got {self.indexer_replay!r})")
-        if self.indexer_replay == "R3":
-            raise ValueError("routing.indexer_replay = 'R3' replays the engine's indexer choices, but no rollout engine "
-                             "here records them (vLLM runs DeepSeek Sparse Attention on GPU only and its indices are "
-                             "not captured); use 'R2' (the learner's old forward) or 'none'")
         if self.attribute_mismatch and not self.capture:
             raise ValueError(f"routing.attribute_mismatch needs the engine's routes, which routing.mode = "
                              f"{self.mode!r} does not capture: set routing.mode = 'R3' or "
