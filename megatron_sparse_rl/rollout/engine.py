@@ -66,6 +66,8 @@ class SampledTurn:
     """What the engine's extensions keep of the sequence so far (prompt + this turn): "routed_experts" (a
     one-sequence RouteStore, R3 route capture), "sampling_mask" (a one-row SamplingSupport), "kv_keep" (the
     episode's KVKeepRecord, sparse KV); empty without them."""
+    token_version: list[int] = field(default_factory=list)
+    """The weight version that sampled each token (weights loaded during the turn: `update_in_flight`)."""
 
 
 class RolloutEngine:
@@ -221,13 +223,16 @@ class RolloutEngine:
         return batch
 
     def sample_turns(self, prompt_token_ids: list[list[int]], sampling: list[SamplingConfig],
-                     records: list[dict[str, Any]] | None = None) -> list[SampledTurn]:
+                     records: list[dict[str, Any]] | None = None, *,
+                     between_steps: Callable[[], None] | None = None) -> list[SampledTurn]:
         """One sample (n = 1) per prompt, each with its own sampling: one turn of each running episode
         (rollout/episodes.py), the whole episode so far as the prompt. With rollout.prefix_caching the prompt's
         leading blocks that an earlier turn computed are reused (`SampledTurn.cached_tokens`). Extensions that
         follow turns (R3 route capture, the sampler's support, sparse KV's keep record) continue each row's `records`
         (its `SampledTurn.records` of the previous turn; None: the first turn); any other extension (vLLM's own
-        routes) is refused."""
+        routes) is refused. `between_steps` as in `generate` (it may call `update_in_flight`); each token's version
+        is in `SampledTurn.token_version`. When weights arrived during the turn the prefix cache is emptied after
+        it, so the next turn prefills the whole history under the new weights."""
         blocked = [type(e).__name__ for e in self.extensions if not e.follows_turns]
         if blocked:
             raise ValueError(f"multi-turn episodes cannot run with the engine extensions {blocked} yet (they do not "
@@ -243,19 +248,34 @@ class RolloutEngine:
         params = [self._sampling_params(s, 0) for s in sampling]
         for ext in self.extensions:
             ext.begin()
-        outputs = self._llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params,
-                                     use_tqdm=False)
+        outputs, versions, updated = self._turn_outputs(prompt_token_ids, params, between_steps)
         fields: list[dict[str, Any]] = [{} for _ in outputs]
         for ext in self.extensions:
             for row, got in zip(fields, ext.turn_fields(outputs, prompt_token_ids, records)):
                 row.update(got)
         turns = []
-        for out, row in zip(outputs, fields):
+        for out, row, version in zip(outputs, fields, versions):
             c = out.outputs[0]
             turns.append(SampledTurn(token_ids=list(c.token_ids), logprobs=_sampled_logprobs(c.token_ids, c.logprobs),
                                      finish_reason=c.finish_reason or "abort",
-                                     cached_tokens=int(out.num_cached_tokens or 0), records=row))
+                                     cached_tokens=int(out.num_cached_tokens or 0), records=row,
+                                     token_version=version[:len(c.token_ids)].tolist()))
+        if updated:  # the old weights' cached blocks must not serve the next turn
+            self.reset_prefix_cache()
         return turns
+
+    def _turn_outputs(self, prompt_token_ids: list[list[int]], params: list, between_steps) -> tuple:
+        """One turn's vLLM outputs (request order), int64 [rows, longest turn] token versions, and whether weights
+        were loaded during it."""
+        requests = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        self._versions = VersionLog(self.weight_version)
+        try:
+            outputs = (self._llm.generate(requests, params, use_tqdm=False) if between_steps is None
+                       else self._run_stepwise(requests, params, between_steps))
+        finally:
+            versions, self._versions = self._versions, None
+        width = max((len(o.outputs[0].token_ids) for o in outputs), default=0)
+        return outputs, versions.token_versions([(o.request_id, 0) for o in outputs], width), bool(versions.updates)
 
     def _run_stepwise(self, requests: list[dict], params: list, between_steps: Callable[[], None]) -> list:
         """`LLM.generate` one engine step at a time (vLLM's public enqueue/step), `between_steps()` after each step

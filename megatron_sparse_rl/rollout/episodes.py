@@ -12,7 +12,9 @@ The batch: `prompt_ids` is the first observation (the example's prompt); `respon
 turns and environment tokens in order; `response_mask` all of them; `loss_mask` the model's tokens only;
 `rollout_logprobs` the model tokens' logprobs (0 on environment tokens); `reward` the sum of the episode's step
 rewards; `finish_reasons` "stop" when the environment ended the episode, "length" when `env.max_turns` or
-`env.max_total_tokens` did. `episodes` holds the sums of `EPISODE_KEYS` and, per turn k (1-based),
+`env.max_total_tokens` did; `token_version` the weight version that sampled each model token (weights loaded during
+a turn: `between_steps`) and, for an observation's tokens (out of the loss), the version of the turn that prefilled
+them (the next one). `episodes` holds the sums of `EPISODE_KEYS` and, per turn k (1-based),
 `turn{k}/episodes`, `turn{k}/tokens` (model tokens), `turn{k}/tool_calls`, `turn{k}/tool_errors`.
 With R3 route capture on the engine (rollout/routes.py `turn_fields`) `routed_experts` holds the routes of every
 input position of each row (prompt + response, less its last token): each position routed by the turn that first
@@ -58,11 +60,22 @@ class _Episode:
     done: bool = False
     finish: str = "length"
     records: dict = field(default_factory=dict)  # the engine extensions' record of the sequence so far
+    versions: list[int] = field(default_factory=list)  # per response token; -1: an observation not prefilled yet
 
-    def extend(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+    def extend(self, ids: Sequence[int], logprobs: Sequence[float] | None, versions: Sequence[int] = ()) -> None:
+        """Model tokens (`logprobs` and the `versions` that sampled them) or, `logprobs` None, an observation (its
+        version is set by the turn that prefills it: `prefilled_by`)."""
         self.response += list(ids)
         self.model += [logprobs is not None] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.versions += list(versions) if logprobs is not None else [-1] * len(ids)
+
+    def prefilled_by(self, version: int) -> None:
+        """The observation that ends the response is prefilled by the next turn, at weight version `version`."""
+        n = len(self.versions)
+        while n and self.versions[n - 1] == -1:
+            n -= 1
+            self.versions[n] = version
 
 
 def _ids(tokenizer, obs: Observation) -> list[int]:
@@ -76,9 +89,10 @@ def _turn_sampling(sampling: SamplingConfig, env: EnvConfig, seed_offset: int, l
                                stop=tuple(dict.fromkeys(sampling.stop + env.turn_stop)))
 
 
-def _step(e: _Episode, turn, tokenizer, env: EnvConfig, last_turn: bool, stats: dict) -> None:
-    """Append a sampled turn to `e`, hand it to the environment and append its observation (or end `e`)."""
-    e.extend(turn.token_ids, turn.logprobs)
+def _step(e: _Episode, turn, tokenizer, env: EnvConfig, last_turn: bool, stats: dict, version: int) -> None:
+    """Append a sampled turn to `e` (its tokens' versions, all `version` when the engine gives none), hand it to the
+    environment and append its observation (or end `e`)."""
+    e.extend(turn.token_ids, turn.logprobs, turn.token_version or [version] * len(turn.token_ids))
     result = e.env.step(tokenizer.decode(turn.token_ids, skip_special_tokens=True))
     e.reward += float(result.reward)
     stats["tool_calls"] += result.tool_calls
@@ -95,9 +109,12 @@ def _step(e: _Episode, turn, tokenizer, env: EnvConfig, last_turn: bool, stats: 
 
 
 def run_episodes(engine, tokenizer, examples: Sequence, sampling: SamplingConfig, env: EnvConfig,
-                 make_env: Callable[[], Environment], group_ids: Sequence[int] | None = None) -> RolloutBatch:
+                 make_env: Callable[[], Environment], group_ids: Sequence[int] | None = None, *,
+                 between_steps: Callable[[], None] | None = None) -> RolloutBatch:
     """`sampling.n` episodes per example, run to the end on `engine`; the RolloutBatch described in the module
-    docstring. Sampling seeds: episode i's turn t uses sampling.seed + t * (number of episodes) + i."""
+    docstring. Sampling seeds: episode i's turn t uses sampling.seed + t * (number of episodes) + i.
+    `between_steps` runs between the engine steps of every turn (asynchronous RL loads new weights there:
+    `RolloutEngine.update_in_flight`)."""
     gids = list(range(len(examples))) if group_ids is None else list(group_ids)
     if len(gids) != len(examples):
         raise ValueError(f"group_ids must have one id per example (got {len(gids)} for {len(examples)})")
@@ -116,9 +133,12 @@ def run_episodes(engine, tokenizer, examples: Sequence, sampling: SamplingConfig
             break
         params = [_turn_sampling(sampling, env, t * len(episodes) + i, env.max_total_tokens - len(e.response))
                   for i, e in live]
-        records = [e.records for _, e in live]
+        records, version = [e.records for _, e in live], engine.weight_version
+        for _, e in live:
+            e.prefilled_by(version)
         turns = engine.sample_turns([e.prompt + e.response for _, e in live], params,
-                                    **({"records": records} if any(records) else {}))
+                                    **({"records": records} if any(records) else {}),
+                                    **({"between_steps": between_steps} if between_steps is not None else {}))
         for (_, e), turn in zip(live, turns):
             e.records = turn.records
             seen = len(e.prompt) + len(e.response)
@@ -129,7 +149,7 @@ def run_episodes(engine, tokenizer, examples: Sequence, sampling: SamplingConfig
             stats["model_tokens"] += len(turn.token_ids)
             stats["turns"] += 1
             before = (stats["tool_calls"], stats["tool_errors"])
-            _step(e, turn, tokenizer, env, t == env.max_turns - 1, stats)
+            _step(e, turn, tokenizer, env, t == env.max_turns - 1, stats, version)
             if len(e.response) >= env.max_total_tokens:
                 e.done = True
             k = f"turn{t + 1}/"
@@ -137,7 +157,7 @@ def run_episodes(engine, tokenizer, examples: Sequence, sampling: SamplingConfig
             stats[k + "tokens"] += len(turn.token_ids)
             stats[k + "tool_calls"] += stats["tool_calls"] - before[0]
             stats[k + "tool_errors"] += stats["tool_errors"] - before[1]
-    return _batch(episodes, engine.pad_id, engine.weight_version, stats)
+    return _batch(episodes, engine.pad_id, stats)
 
 
 def _trailing_observation(e: _Episode) -> int:
@@ -148,7 +168,7 @@ def _trailing_observation(e: _Episode) -> int:
     return n
 
 
-def _batch(episodes: list[_Episode], pad_id: int, version: int, stats: dict[str, float]) -> RolloutBatch:
+def _batch(episodes: list[_Episode], pad_id: int, stats: dict[str, float]) -> RolloutBatch:
     responses = [e.response for e in episodes]
     response_ids = pad_rows(responses, pad_id, torch.long)
     lens = torch.tensor([len(r) for r in responses])
@@ -162,7 +182,8 @@ def _batch(episodes: list[_Episode], pad_id: int, version: int, stats: dict[str,
         finish_reasons=tuple(e.finish for e in episodes),
         group_ids=torch.tensor([e.group for e in episodes], dtype=torch.long),
         reward=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
-        token_version=torch.full(response_ids.shape, version, dtype=torch.long),
+        token_version=pad_rows([e.versions for e in episodes], max(max(e.versions, default=0) for e in episodes),
+                               torch.long),
         loss_mask=pad_rows([[float(m) for m in e.model] for e in episodes], 0.0, torch.float32).bool()
         & response_mask,
         episodes=stats,
