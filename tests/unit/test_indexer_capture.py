@@ -229,3 +229,24 @@ def test_learner_recompute_replays_the_engine_rows_in_the_learner_layout():
     assert replay.positions()[0].tolist() == WANT
     assert replay.positions()[1].tolist() == WANT[:2] + [[[2] * 3] * 2, [[3] * 3] * 2]
     assert old.indexer is replay and metrics["indexer/engine_flip_rate"] == 0.125
+
+
+def test_the_trainer_builds_the_capture_under_r3_only(tmp_path):
+    from megatron_sparse_rl.config import validate
+    from megatron_sparse_rl.training.context import _engine_extensions
+    from tests.unit.test_config_validate import asset_model, run_of
+
+    path = asset_model(tmp_path, "deepseek-v3.2")
+    for mode, want in (("R3", 1), ("R2", 0), ("none", 0)):
+        run = run_of(f"model.path={path}", f"routing.indexer_replay={mode}", "routing.record_stats=false")
+        spec = validate(run, 1, cuda=True)
+        got = [e for e in _engine_extensions(run, spec) if isinstance(e, EngineIndexerCapture)]
+        assert len(got) == want, mode
+
+
+def test_r3_without_the_learner_old_forward_is_refused():
+    from megatron_sparse_rl.training.update import _no_learner_forward
+
+    learner = SimpleNamespace(routing=None, indexer=_learner_indexer("R3"))
+    with pytest.raises(ValueError, match=r"routing\.indexer_replay = 'R3' records \(R2\) or replays \(R3\)"):
+        _no_learner_forward(learner, SimpleNamespace(batch=None))
