@@ -25,10 +25,10 @@ them to the learner's [B, T-1] layout (`padded`) for the old forward.
     batch = engine.generate(prompts, sampling)        # batch.indexer_record: EngineIndexerRows, one row per sample
 
 Limits: eager engines only (vLLM's enforce_eager turns torch.compile and CUDA graphs off; a graph replay runs
-no Python hook); no prefix caching (a cached prefix is not run
-again, so its indices would be missing); one sample per request output row (no episodes: `follows_turns` is off);
-layers that reuse an earlier layer's top-k (IndexCache's `index_topk_freq`) build no `Indexer` and are not
-recorded, so the learner then refuses the record's layer count.
+no Python hook); no prefix caching (a cached prefix is not run again, so its indices would be missing); no
+multi-turn episodes (`follows_turns` is off: the engine refuses it); layers that reuse an earlier layer's top-k
+(IndexCache's `index_topk_freq`) build no `Indexer` and are not recorded, so the learner then refuses the record's
+layer count.
 """
 from __future__ import annotations
 
