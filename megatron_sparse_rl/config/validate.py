@@ -3,7 +3,9 @@
 Each component's dataclass checks its own fields in `__post_init__`; `validate` checks what spans
 components: parallel degrees against the world size and the model's shapes, the model against vLLM's
 CPU attention (MLA models: the latent width, no sparse KV; DSA models: no CPU engine) and against what its adapter
-can build, the launch shape against the world size, rollout sampling against the algorithm.
+can build, the launch shape against the world size, rollout sampling against the algorithm, multi-turn
+episodes (env.kind) against the engine features that follow turns (`_env_problems`: episodes run colocated,
+disaggregated and with asynchronous RL; vLLM's own routed-experts output is refused).
 
     spec = validate(run, world_size=4)   # ModelSpec (or None); ConfigError listing every problem
     run = resolve(run, spec)             # config/resolve.py: the values left to the model filled in
@@ -338,7 +340,10 @@ def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
     features that do not follow an episode across turns yet (docs/episodes.md). R3 / route capture does, through
     the router callback (routing.engine_routes hook; auto without CUDA), not vLLM's own routed-experts output; sparse
     KV (rollout.kv.policy) does, its keep record merged turn by turn (prefix caching with it is refused in
-    config/rollout.py); engine_mean re-scores each finished episode as one sequence."""
+    config/rollout.py); engine_mean re-scores each finished episode as one sequence. The disaggregated placement
+    (launch.rollout_ranks / rollout_nodes) runs the episodes and their environments on the rollout ranks, and
+    asynchronous RL (trainer.max_staleness k >= 1, checked by `_async_problems`) loads weights between the engine
+    steps of a turn, every token keeping the version that sampled it (docs/async.md, "Multi-turn episodes")."""
     env = run.env
     if not env.episodes:
         return []
@@ -347,9 +352,7 @@ def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
         problems.append(f"data.template = {run.data.template!r} with env.kind = {env.kind!r}: an episode's turns are "
                         "chat-template messages (tool results come back as tool messages); set data.template: chat")
     unsupported = {f"routing.engine_routes = {run.routing.engine_routes!r} (vLLM's own routed-experts output; "
-                   "set routing.engine_routes: hook)": run.routing.capture and run.routing.vllm_routes(cuda),
-                   "trainer.max_staleness": run.trainer.max_staleness > 0,
-                   "launch.rollout_ranks / launch.rollout_nodes (disaggregated)": bool(run.launch.rollout_world_size)}
+                   "set routing.engine_routes: hook)": run.routing.capture and run.routing.vllm_routes(cuda)}
     problems += [f"{name} cannot run with env.kind = {env.kind!r} yet: it does not follow an episode across turns "
                  "(docs/episodes.md); turn it off" for name, on in unsupported.items() if on]
     if run.rollout.max_model_len is not None and run.data.max_prompt_tokens + env.max_total_tokens > \

@@ -47,23 +47,33 @@ def make_scorer(cfg: RewardConfig, *, shaping: bool = True,
 
     `answer_marker` (the data's `DataConfig.answer_marker`): when set, each response is first cut to its answer
     text after the marker (`extract_answer`), so every kind, partial credit and the penalty see only the final
-    answer; a response without the marker has an empty answer. '' scores the responses as they are."""
-    fn = reward_fn(cfg.kind)
-    partial = cfg.partial_credit if shaping else 0.0
-    penalty = cfg.format_penalty if shaping else 0.0
+    answer; a response without the marker has an empty answer. '' scores the responses as they are.
+    The scorer pickles as its settings (a disaggregated run's rollout ranks score episodes with it)."""
+    return Scorer(cfg, shaping, answer_marker)
 
-    def scorer(responses: Sequence[str], answers: Sequence[str]) -> list[float]:
+
+class Scorer:
+    """The configured scorer (`make_scorer`); pickled, it is built again from `cfg`, `shaping`, `answer_marker`."""
+
+    def __init__(self, cfg: RewardConfig, shaping: bool, answer_marker: str):
+        self.cfg, self.shaping, self.answer_marker = cfg, shaping, answer_marker
+        self.fn = reward_fn(cfg.kind)
+        self.partial = cfg.partial_credit if shaping else 0.0
+        self.penalty = cfg.format_penalty if shaping else 0.0
+
+    def __reduce__(self):
+        return Scorer, (self.cfg, self.shaping, self.answer_marker)
+
+    def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
         _check_lengths(responses, answers)
-        if answer_marker:
-            responses = [extract_answer(r, answer_marker) for r in responses]
+        if self.answer_marker:
+            responses = [extract_answer(r, self.answer_marker) for r in responses]
         out = []
         for r, a in zip(responses, answers):
-            value = fn(r, a)
-            if value < 1.0 and partial:
-                value = partial * digit_overlap(r, a)
-            if penalty and not extract_answer(r):
-                value -= penalty
+            value = self.fn(r, a)
+            if value < 1.0 and self.partial:
+                value = self.partial * digit_overlap(r, a)
+            if self.penalty and not extract_answer(r):
+                value -= self.penalty
             out.append(value)
         return out
-
-    return scorer

@@ -25,6 +25,7 @@ print(e.generate([[1, 5, 6, 14]], SamplingConfig(n=2, max_tokens=8)))"
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -172,7 +173,7 @@ class RolloutEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
                  group_ids: list[int] | None = None, *, rescore: int = 0,
-                 between_steps: Callable[[], None] | None = None) -> RolloutBatch:
+                 between_steps: Callable[[], None] | None = None, episodes=None) -> RolloutBatch:
         """Sample `sampling.n` responses per prompt.
 
         Returns a RolloutBatch of len(prompts) * n rows, the n samples of prompt i consecutive and
@@ -180,10 +181,21 @@ class RolloutEngine:
         scored `rescore` times (`RolloutBatch.rescored_logprobs`, see `rescore`). `between_steps()` runs after
         every engine step while requests are unfinished (it may call `update_in_flight`); every token's weight
         version is in `RolloutBatch.token_version`.
+
+        `episodes` (training/rollout.py `Episodes`, env.kind): each sample is a multi-turn episode of the prompt's
+        example instead, run by `episodes.run(self, self.tokenizer, ...)` (turn by turn, `sample_turns`).
         """
         if group_ids is not None and len(group_ids) != len(prompt_token_ids):
             raise ValueError(f"group_ids must have one id per prompt (got {len(group_ids)} for "
                              f"{len(prompt_token_ids)} prompts)")
+        if episodes is not None:
+            if len(episodes.examples) != len(prompt_token_ids):
+                raise ValueError(f"episodes must hold one example per prompt (got {len(episodes.examples)} for "
+                                 f"{len(prompt_token_ids)} prompts)")
+            batch = episodes.run(self, self.tokenizer, sampling, group_ids, between_steps=between_steps)
+            if rescore:
+                batch.rescored_logprobs = self.rescore(batch, rescore)
+            return batch
         self._check_prompts(prompt_token_ids, sampling.max_tokens)
         params = [self._sampling_params(sampling, i) for i in range(len(prompt_token_ids))]
         for ext in self.extensions:
@@ -221,6 +233,14 @@ class RolloutEngine:
         if rescore:
             batch.rescored_logprobs = self.rescore(batch, rescore)
         return batch
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The Hugging Face tokenizer of the engine's model directory (episodes decode turns and encode observations
+        with it)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
 
     def sample_turns(self, prompt_token_ids: list[list[int]], sampling: list[SamplingConfig],
                      records: list[dict[str, Any]] | None = None, *,

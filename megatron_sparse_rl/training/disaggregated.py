@@ -125,27 +125,30 @@ class RemoteEngine:
         return answers[1:]
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
-                 group_ids: list[int] | None = None, *, rescore: int = 0) -> RolloutBatch:
-        """As RolloutEngine.generate, the prompts split across the engines (seeds as one engine's); each engine
-        re-scores its own rows (`rescore`)."""
-        answers = self._command(Generate(self._parts(prompt_token_ids, sampling, group_ids, rescore)))
+                 group_ids: list[int] | None = None, *, rescore: int = 0, episodes=None) -> RolloutBatch:
+        """As RolloutEngine.generate, the prompts split across the engines (seeds as one engine's; episodes: as one
+        engine's only with one engine, since an episode's seed counts the episodes of its engine's part); each
+        engine re-scores its own rows (`rescore`) and runs its own `episodes`."""
+        answers = self._command(Generate(self._parts(prompt_token_ids, sampling, group_ids, rescore, episodes)))
         return RolloutBatch.concat([a for a in answers if a is not None], self.pad_id)
 
-    def _parts(self, prompt_token_ids, sampling: SamplingConfig, group_ids, rescore: int) -> tuple[EnginePart, ...]:
-        """One generate call cut into one part per engine (prompt slices; seeds as one engine's)."""
+    def _parts(self, prompt_token_ids, sampling: SamplingConfig, group_ids, rescore: int, episodes=None
+               ) -> tuple[EnginePart, ...]:
+        """One generate call cut into one part per engine (prompt slices, and their `episodes`; seeds as one
+        engine's)."""
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
         parts = []
         for r in split_prompts(len(prompt_token_ids), len(self.ranks) // self.engine_tp):
             seed = None if sampling.seed is None else sampling.seed + r.start * sampling.n
             parts.append(EnginePart([prompt_token_ids[i] for i in r], replace(sampling, seed=seed),
-                                    [gids[i] for i in r], rescore))
+                                    [gids[i] for i in r], rescore, None if episodes is None else episodes.select(r)))
         return tuple(parts)
 
     def generate_ahead(self, calls: list[tuple], *, recompute: bool) -> None:
-        """Start sampling `calls` ((prompt ids, sampling, group ids, rescore) each, as `generate` takes them) on the
-        rollout ranks and return at once. The next `sync_weights` reaches the engines between engine steps (partial
-        rollouts; `recompute`: the running requests' KV is recomputed under the new weights); `collect_ahead`
-        returns the batches."""
+        """Start sampling `calls` ((prompt ids, sampling, group ids, rescore, episodes) each, as `generate` takes them)
+        on the rollout ranks and return at once. The next `sync_weights` reaches the engines between engine steps
+        (partial rollouts, inside a turn of an episode too; `recompute`: the running requests' KV is recomputed under
+        the new weights); `collect_ahead` returns the batches."""
         if self.ahead:
             raise RuntimeError("the rollout ranks are already sampling ahead: collect_ahead first")
         per_call = [self._parts(*call) for call in calls]
@@ -207,8 +210,8 @@ class RemoteEngine:
 
 def _generate(rr: RolloutRank, command: Generate) -> RolloutBatch | None:
     part = command.parts[rr.index // rr.engine_tp]
-    batch = (rr.engine.generate(part.prompts, part.sampling, group_ids=part.group_ids, rescore=part.rescore)
-             if part.prompts else None)
+    batch = (rr.engine.generate(part.prompts, part.sampling, group_ids=part.group_ids, rescore=part.rescore,
+                                episodes=part.episodes) if part.prompts else None)
     return batch if rr.index % rr.engine_tp == 0 else None  # the engine's other ranks hold the same rows
 
 
@@ -262,8 +265,8 @@ def _sample_ahead(rr: RolloutRank, command: GenerateAhead) -> AheadBatches:
 
     start = time.perf_counter()
     try:
-        batches = [rr.engine.generate(c.prompts, c.sampling, group_ids=c.group_ids, between_steps=between_steps)
-                   if c.prompts else None for c in calls]
+        batches = [rr.engine.generate(c.prompts, c.sampling, group_ids=c.group_ids, between_steps=between_steps,
+                                      episodes=c.episodes) if c.prompts else None for c in calls]
     except _Stopped:
         raise
     except Exception:  # keep to the protocol (take the word, drain the weights), then report the error

@@ -52,7 +52,7 @@ class AheadBatch:
     finish: Callable[[Any, int], Any]
     """finish(batch of share d, d) -> that share's result (on the rank that drives the engines)."""
     calls: list[tuple] | None = None
-    """What was asked per share ((prompt ids, sampling, group ids, rescore)), to sample it again
+    """What was asked per share ((prompt ids, sampling, group ids, rescore, episodes)), to sample it again
     (trainer.stale_policy recompute)."""
     result: Any = None
     """This rank's share's finish(...), once collected."""
@@ -84,9 +84,9 @@ class Placement:
         raise NotImplementedError
 
     def sample_ahead(self, calls: list[tuple], finish: Callable[[Any, int], Any]) -> None:
-        """Start sampling calls[d] ((prompt ids, sampling, group ids, rescore), data-parallel share d) and return at
-        once; the placement holds the batch (`AheadBatch`). The next `sync` reaches the engines while they sample and
-        then collects it; `take_ahead` hands it over. Every learner rank calls it."""
+        """Start sampling calls[d] ((prompt ids, sampling, group ids, rescore, episodes), data-parallel share d) and
+        return at once; the placement holds the batch (`AheadBatch`). The next `sync` reaches the engines while they
+        sample and then collects it; `take_ahead` hands it over. Every learner rank calls it."""
         raise NotImplementedError(f"{type(self).__name__} does not sample ahead: asynchronous RL "
                                   "(trainer.max_staleness > 0) needs the disaggregated placement")
 

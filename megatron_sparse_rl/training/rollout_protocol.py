@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 import torch
 
@@ -45,12 +46,15 @@ SRC = 0
 @dataclass(frozen=True, slots=True)
 class EnginePart:
     """One engine's part of a generate call: its slice of the prompts, with the seed a single engine would give
-    the slice's first prompt, their group ids, and how many engine re-scorings to add (`rescore`)."""
+    the slice's first prompt, their group ids, how many engine re-scorings to add (`rescore`) and, for multi-turn
+    episodes (env.kind), the slice's `Episodes` (training/rollout.py: its examples, the env section, the reward's
+    settings; the rollout rank runs the episodes and their rewards)."""
 
     prompts: list[list[int]]
     sampling: SamplingConfig
     group_ids: list[int]
     rescore: int
+    episodes: Any = None
 
 
 @dataclass(frozen=True, slots=True)

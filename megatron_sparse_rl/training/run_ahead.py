@@ -78,8 +78,8 @@ class AheadRank:
         self.sampling = True
         try:
             batches = [self.rr.engine.generate(c.prompts, c.sampling, group_ids=c.group_ids,
-                                               between_steps=self._between_steps) if c.prompts else None
-                       for c in calls]
+                                               between_steps=self._between_steps, episodes=c.episodes)
+                       if c.prompts else None for c in calls]
         except self.stopped:
             raise
         except Exception as e:  # noqa: BLE001 - reported on the next request

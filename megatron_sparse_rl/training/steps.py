@@ -63,8 +63,14 @@ def sample_ahead(ctx: RunContext, step: int, score, correct) -> None:
     """Asynchronous RL: start step `step`'s rollout (the same prompts and seeds as `rollout_step`) on the engines and
     return at once. The placement holds it (up to trainer.max_staleness batches); the weight syncs reach the engines
     while they sample, and `next_batch` hands it over (k = 1: the next sync collects it; k > 1: `next_batch`)."""
-    examples, dp = ctx.task.next_train(ctx.run.trainer.prompts_per_step), ctx.layout.dp
-    calls = [R.request(examples[d::dp], ctx.run.rollout.sampling, seed=_seed(ctx, step, d), rescore=_rescore(ctx))
+    examples, dp, run = ctx.task.next_train(ctx.run.trainer.prompts_per_step), ctx.layout.dp, ctx.run
+    if run.env.episodes:  # the environments (and their rewards) run where the engines do
+        calls = [R.episode_request(examples[d::dp], run.rollout.sampling, run.env, score, seed=_seed(ctx, step, d),
+                                   rescore=_rescore(ctx)) for d in range(dp)]
+        ctx.placement.sample_ahead(
+            calls, lambda batch, d: R.episodes_scored(batch, ctx.tokenizer, examples[d::dp], correct=correct))
+        return
+    calls = [R.request(examples[d::dp], run.rollout.sampling, seed=_seed(ctx, step, d), rescore=_rescore(ctx))
              for d in range(dp)]
     ctx.placement.sample_ahead(
         calls, lambda batch, d: R.scored(batch, ctx.tokenizer, examples[d::dp], score=score, correct=correct))
@@ -107,8 +113,8 @@ def _stale_guard(ctx: RunContext, step: int, ahead, batch, is_correct) -> tuple:
                     n_stale, cfg.max_staleness)
 
         def again(engine, d: int):
-            prompts, sampling, group_ids, rescore = ahead.calls[d]
-            return ahead.finish(engine.generate(prompts, sampling, group_ids, rescore=rescore), d)
+            prompts, sampling, group_ids, rescore, episodes = ahead.calls[d]
+            return ahead.finish(engine.generate(prompts, sampling, group_ids, rescore=rescore, episodes=episodes), d)
 
         batch, is_correct = ctx.placement.generate(again)
     return batch, is_correct, {"async/dropped_samples": 0.0, "async/resampled": float(n_stale > 0)}

@@ -160,6 +160,15 @@ def test_env_config_refusals_name_the_field():
     with pytest.raises(ConfigError, match=r"rollout.prefix_caching = true cannot run with rollout.kv.policy"):
         run_of(*TOOLS_ENV, "rollout.kv.policy=snapkv", "rollout.prefix_caching=true")
     validate(run_of(*TOOLS_ENV, "algorithm.old_logprobs=engine_mean"), 1, cuda=False)  # re-scores each episode
+    # episodes on rollout ranks, synchronous and k = 2 steps ahead (weights loaded inside a turn)
+    validate(run_of(*TOOLS_ENV, "launch.nproc_per_node=2", "launch.rollout_ranks=1"), 2, cuda=False)
+    validate(run_of(*TOOLS_ENV, "launch.nproc_per_node=2", "launch.rollout_ranks=1", "trainer.max_staleness=2"), 2,
+             cuda=False)
+    with pytest.raises(ConfigError, match=r"trainer.max_staleness = 1 samples on the rollout ranks .*needs the "
+                                          r"disaggregated placement"):
+        validate(run_of(*TOOLS_ENV, "trainer.max_staleness=1"), 1, cuda=False)
+    with pytest.raises(ConfigError, match=r"routing.engine_routes = 'vllm' .*cannot run with env.kind = 'tools'"):
+        validate(run_of(*TOOLS_ENV, "routing.mode=R3", "routing.engine_routes=vllm"), 1, cuda=False)
     with pytest.raises(ConfigError, match=r"data.max_prompt_tokens \+ env.max_total_tokens = 256 \+ 96 must be <="):
         validate(run_of(*TOOLS_ENV, "rollout.max_model_len=300"), 1, cuda=False)
     validate(run_of(*TOOLS_ENV), 1, cuda=False)
@@ -183,6 +192,9 @@ class ScriptedEngine:
 
     def __init__(self, tok, turns: list[list[str]]):
         self.tok, self.turns, self.calls = tok, turns, []
+
+    def generate(self, prompts, sampling, group_ids=None, *, rescore=0, episodes=None):
+        return episodes.run(self, self.tok, sampling, group_ids)  # episodes only (what these tests run)
 
     def sample_turns(self, prompts, sampling):
         self.calls.append((prompts, sampling))

@@ -102,6 +102,18 @@ def test_shaping_partial_credit_and_format_penalty():
     assert make_scorer(RewardConfig())(["129", ""], ["139", "139"]) == [0.0, 0.0]  # shaping off by default
 
 
+def test_a_pickled_scorer_scores_as_its_settings_say():
+    """A disaggregated run's rollout ranks get the trainer's scorer pickled (episodes' rewards run there)."""
+    import pickle
+
+    cfg = RewardConfig(kind="exact", partial_credit=0.5, format_penalty=0.25)
+    shaped = pickle.loads(pickle.dumps(make_scorer(cfg, answer_marker="so")))
+    # "so 129" vs "139": 0.5 * 2/3; no marker -> empty answer -> 0 - 0.25; "so 139" -> 1.0
+    assert shaped(["so 129", "139", "so 139"], ["139"] * 3) == pytest.approx([1 / 3, -0.25, 1.0])
+    plain = pickle.loads(pickle.dumps(make_scorer(cfg, shaping=False)))
+    assert plain(["129", "139"], ["139", "139"]) == [0.0, 1.0]
+
+
 def test_partial_credit_reads_a_numeric_reference_without_its_ending_zeros():
     scorer = make_scorer(RewardConfig(partial_credit=0.5))
     # "18" vs "19.0" -> "18" vs "19": the tens digit matches, 1 of 2 -> 0.5 * 1/2; "19" is right -> 1.0

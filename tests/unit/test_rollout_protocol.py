@@ -49,7 +49,7 @@ class Engine:
     def __init__(self):
         self.calls, self.down = [], False
 
-    def generate(self, prompts, sampling, group_ids=None, rescore=0):
+    def generate(self, prompts, sampling, group_ids=None, rescore=0, episodes=None):
         self.calls.append(("generate", prompts, sampling.seed, group_ids, rescore))
         return f"batch of {len(prompts)}"
 
@@ -107,3 +107,28 @@ def test_the_learner_side_sends_one_part_per_engine_and_stops_with_a_word_while_
     assert [from_word(w) for w in bridge.words] == [Stop()] and remote.stopped
     with pytest.raises(RuntimeError, match="stopped"):
         remote.probe_logprobs([[1, 2]])
+
+
+def test_an_episode_call_carries_each_engines_examples_and_reward_across_a_pickle(monkeypatch):
+    """env.kind on rollout ranks: each engine's part holds its slice of the examples, the env section and the
+    trainer's scorer, all of which survive the pickle (the rollout rank runs the environments and their rewards)."""
+    from megatron_sparse_rl.config.data import RewardConfig
+    from megatron_sparse_rl.config.env import EnvConfig
+    from megatron_sparse_rl.data.types import Example
+    from megatron_sparse_rl.rewards import make_scorer
+    from megatron_sparse_rl.training.rollout import episode_request
+
+    monkeypatch.setattr(D.dist, "get_rank", lambda: 0)
+    bridge = Bridge(answers=[[None, None]])
+    remote = D.RemoteEngine(bridge, [2, 3], pad_id=0)
+    examples = [Example(prompt=f"q: {i}", answer=str(i), ids=(1, 40 + i)) for i in range(3)]
+    env = EnvConfig(kind="tools", max_turns=2)
+    call = episode_request(examples, SamplingConfig(n=2), env, make_scorer(RewardConfig(partial_credit=0.5)), seed=10)
+    remote.generate_ahead([call], recompute=True)
+    (command,) = bridge.sent
+    parts = [engine_parts[0] for engine_parts in pickle.loads(pickle.dumps(command)).parts]
+    assert [p.prompts for p in parts] == [[[1, 40], [1, 41]], [[1, 42]]]
+    assert [[e.answer for e in p.episodes.examples] for p in parts] == [["0", "1"], ["2"]]
+    assert all(p.episodes.env == env for p in parts) and [p.sampling.seed for p in parts] == [10, 14]
+    assert parts[1].episodes.score(["12", "2"], ["2", "2"]) == [0.25, 1.0]  # partial credit 0.5 * 1/2, exact
+    remote.shutdown()

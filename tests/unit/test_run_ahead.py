@@ -33,7 +33,7 @@ class _Engine:
     def __init__(self, fail: bool = False):
         self.steps, self.fail, self.log = 0, fail, []
 
-    def generate(self, prompts, sampling, *, group_ids, between_steps):
+    def generate(self, prompts, sampling, *, group_ids, between_steps, episodes=None):
         self.log.append(("generate", prompts[0][0]))
         for _ in range(3):
             self.steps += 1
