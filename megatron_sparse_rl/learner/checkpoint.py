@@ -33,7 +33,7 @@ from megatron_sparse_rl.formats.hf_writer import write_side_files
 from megatron_sparse_rl.formats.manifest import HF_FILES_DIR
 from megatron_sparse_rl.formats.safe_load import check_checkpoint_files, load_torch_file
 from megatron_sparse_rl.learner.integrity import DONE, digest_files, write_manifest
-from megatron_sparse_rl.patches import torch_dist_safe_load
+from megatron_sparse_rl.patches import megatron_ckpt_queue, torch_dist_safe_load
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,7 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
     learner's dtype), so that `msrl convert mcore-to-hf` of the checkpoint needs no --hf-config."""
     from megatron.core import dist_checkpointing
 
+    megatron_ckpt_queue.apply()  # the writer's results queue must survive a stop signal to the process group
     path = Path(path)
     tmp = temporary_path(path)
     rank = dist.get_rank()
