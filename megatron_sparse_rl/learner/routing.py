@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.learner.extras import RouteRequest
-from megatron_sparse_rl.learner.indexer_replay import IndexerRecord
+from megatron_sparse_rl.moe.indexer_storage import IndexerRecord
 from megatron_sparse_rl.moe.replay import ModelRouting
 from megatron_sparse_rl.moe.stats import drift_metrics, routing_metrics
 from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash

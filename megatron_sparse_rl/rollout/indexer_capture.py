@@ -38,7 +38,7 @@ from functools import partial
 import torch
 
 from megatron_sparse_rl import vllm_access
-from megatron_sparse_rl.learner.indexer_replay import (
+from megatron_sparse_rl.moe.indexer_storage import (
     IndexerRecord, IndexerReplayError, pack_positions, unpack_positions,
 )
 from megatron_sparse_rl.moe.storage import token_hash

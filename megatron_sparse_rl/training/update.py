@@ -25,7 +25,7 @@ from megatron_sparse_rl.algorithms.corrections import correction_inputs, opsm_ke
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig
 from megatron_sparse_rl.learner.extras import ForwardExtras
-from megatron_sparse_rl.learner.indexer_replay import IndexerRecord
+from megatron_sparse_rl.moe.indexer_storage import IndexerRecord
 from megatron_sparse_rl.learner.routing import RoutingResult
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.training.sparse_kv import drop_preempted

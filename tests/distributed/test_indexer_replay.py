@@ -46,7 +46,8 @@ def _logprob_loss(seen):
 
 def replay_worker(rank, world, model_dir, tokens, lengths):
     from megatron_sparse_rl.learner.extras import ForwardExtras
-    from megatron_sparse_rl.learner.indexer_replay import IndexerRecord, IndexerReplayError, IndexerRequest
+    from megatron_sparse_rl.learner.indexer_replay import IndexerRequest
+    from megatron_sparse_rl.moe.indexer_storage import IndexerRecord, IndexerReplayError
 
     learner = W.make_learner(world, model_dir, mbs=2, indexer_replay="R2")
     out = {}

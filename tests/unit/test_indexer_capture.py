@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_sparse_rl.learner.indexer_replay import (
-    IndexerRecord, IndexerReplayError, IndexerResult, LearnerIndexer, row_hashes,
-)
+from megatron_sparse_rl.learner.indexer_replay import IndexerResult, LearnerIndexer
+from megatron_sparse_rl.moe.indexer_storage import IndexerRecord, IndexerReplayError, row_hashes
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.rollout.indexer_capture import (
     EngineIndexerCapture, EngineIndexerRows, engine_indexer_rows, row_positions,

@@ -1,13 +1,13 @@
-"""The DSA indexer record's storage and comparison metrics (learner/indexer_replay.py), against hand-built values:
-2-byte positions up to 65535 read back exactly, int32 past them; the token hash per row; flip rate, agreement and
-applied fraction on a hand-written two-layer example."""
+"""The DSA indexer record's storage (moe/indexer_storage.py) and comparison metrics (learner/indexer_replay.py),
+against hand-built values: 2-byte positions up to 65535 read back exactly, int32 past them; the token hash per row;
+flip rate, agreement and applied fraction on a hand-written two-layer example."""
 import zlib
 
 import pytest
 import torch
 
-from megatron_sparse_rl.learner.indexer_replay import (IndexerRecord, IndexerReplayError, applied_metrics,
-                                                       flip_rate_metrics, pack_positions, row_hashes)
+from megatron_sparse_rl.learner.indexer_replay import applied_metrics, flip_rate_metrics
+from megatron_sparse_rl.moe.indexer_storage import IndexerRecord, IndexerReplayError, pack_positions, row_hashes
 
 
 def test_positions_round_trip_in_two_bytes_up_to_65535():
