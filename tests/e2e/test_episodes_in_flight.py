@@ -10,7 +10,10 @@ version 1:
   the history ran under the new weights);
 - in the middle of turn 2 (`between_steps` -> `update_in_flight`, the running requests' KV recomputed): turn 1, the
   observation and turn 2's tokens before the update carry version 0 and the old model's logprobs, the later ones
-  version 1 and the new model's, each over the whole sequence.
+  version 1 and the new model's, each over the whole sequence;
+- in the middle of turn 1 with its KV kept: turn 2 has the new model's logprobs over the whole sequence, because
+  the engine empties the prefix cache after a turn during which weights arrived (without that, turn 2 reused the
+  old weights' blocks and was off by 5.3 nats).
 Run: .venv/bin/python -m pytest -q tests/e2e/test_episodes_in_flight.py
 """
 import pytest
@@ -130,4 +133,32 @@ def test_weights_loaded_in_flight_during_turn_two_sample_its_later_tokens_with_t
     print(f"in flight in turn 2: {spans} of {len(batch)} episodes' turn 2 spans the update; max |engine - "
           f"transformers (its version)| {worst:.2e}")
     assert steps[0] >= UPDATE_AFTER and spans >= 2
+    assert worst < ATOL
+
+
+def test_a_turn_with_an_in_flight_update_leaves_no_old_blocks_for_the_next_turn(setup):
+    """Weights in flight during turn 1 with its KV kept (trainer.in_flight_kv keep): the blocks the old weights
+    computed are in the prefix cache when turn 1 ends; the engine empties it then, so turn 2 (all version 1) has the
+    new model's logprobs over the whole sequence, and turn 1's tokens before the update the old model's."""
+    engine, tok, hf, weights = setup
+    wrapped, steps = Turns(engine), [0]
+
+    def between_steps():
+        if wrapped.turn == 1:
+            steps[0] += 1
+            if steps[0] == UPDATE_AFTER:
+                engine.update_in_flight(lambda: engine.load_weights(weights[1].items()), 1, recompute=False)
+
+    batch = _episodes(setup, wrapped, between_steps)
+    worst = 0.0
+    for i, (prompt, response) in enumerate(zip(batch.prompts(), batch.responses())):
+        n, model = len(response), batch.loss_mask[i, :len(response)]
+        versions, lp, seq = batch.token_version[i, :n], batch.rollout_logprobs[i, :n], prompt + response
+        turn2 = int((~model).nonzero().max()) + 1
+        cut = int(versions.eq(0).sum())
+        assert 0 < cut < turn2 and versions[cut:].eq(1).all(), versions  # turn 1 spans the update
+        old, new = _logprobs(hf[0], seq, len(prompt)), _logprobs(hf[1], seq, len(prompt))
+        worst = max(worst, (lp[:cut] - old[:cut]).abs().max().item(), (lp[turn2:] - new[turn2:]).abs().max().item())
+    print(f"in flight in turn 1 (KV kept): max |engine - transformers| on turn 1 before the update and on turn 2 "
+          f"{worst:.2e}")
     assert worst < ATOL
