@@ -9,7 +9,8 @@ rollout rank) with the commands of training/rollout_protocol.py (one frozen data
 dispatches them by type, `_HANDLERS`):
 
     Generate          the prompts cut into one `EnginePart` per engine; the parts come back by gather_object
-                      and are joined in prompt order (`RolloutBatch.concat`)
+                      and are joined in prompt order (`RolloutBatch.concat`). With env.kind a part carries its
+                      examples (`Episodes`): the rollout rank runs the episodes, environments and rewards included
     SyncWeights       every learner rank runs `send_weights`, every rollout rank `receive_weights` (checksummed
                       buckets; with t > 1 and trainer.sync_engine_slices each engine rank receives only its
                       slices, over its engine TP rank's bridge); each rollout rank then reports its status

@@ -5,8 +5,9 @@ Each command is one `Bridge.broadcast_object` from rank `SRC` to every rollout r
 `gather_object` back to it. Engine e (rollout ranks [e t, (e + 1) t), t = rollout.tensor_parallel_size) serves
 part e of a command that carries parts:
 
-    Generate(parts)               engine e samples parts[e] (an `EnginePart`: a slice of the prompts); its first
-                                  rank answers the `RolloutBatch` (None: an empty part, or another rank of it)
+    Generate(parts)               engine e samples parts[e] (an `EnginePart`: a slice of the prompts, and with
+                                  env.kind their examples, run as multi-turn episodes there); its first rank
+                                  answers the `RolloutBatch` (None: an empty part, or another rank of it)
     SyncWeights(version)          every learner rank runs `send_weights`, every rollout rank `receive_weights`
                                   (checksummed buckets); answer None once loaded
     GenerateAhead(parts, recompute)
