@@ -25,7 +25,6 @@ print(e.generate([[1, 5, 6, 14]], SamplingConfig(n=2, max_tokens=8)))"
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -183,16 +182,14 @@ class RolloutEngine:
         version is in `RolloutBatch.token_version`.
 
         `episodes` (training/rollout.py `Episodes`, env.kind): each sample is a multi-turn episode of the prompt's
-        example instead, run by `episodes.run(self, self.tokenizer, ...)` (turn by turn, `sample_turns`).
+        example instead, run turn by turn (`sample_turns`) by `episodes.run(self, ...)`.
         """
         if group_ids is not None and len(group_ids) != len(prompt_token_ids):
             raise ValueError(f"group_ids must have one id per prompt (got {len(group_ids)} for "
                              f"{len(prompt_token_ids)} prompts)")
-        if episodes is not None:
-            if len(episodes.examples) != len(prompt_token_ids):
-                raise ValueError(f"episodes must hold one example per prompt (got {len(episodes.examples)} for "
-                                 f"{len(prompt_token_ids)} prompts)")
-            batch = episodes.run(self, self.tokenizer, sampling, group_ids, between_steps=between_steps)
+        if episodes is not None:  # run_episodes refuses group ids that do not match its examples
+            gids = list(range(len(prompt_token_ids))) if group_ids is None else group_ids
+            batch = episodes.run(self, sampling, gids, between_steps=between_steps)
             if rescore:
                 batch.rescored_logprobs = self.rescore(batch, rescore)
             return batch
@@ -233,14 +230,6 @@ class RolloutEngine:
         if rescore:
             batch.rescored_logprobs = self.rescore(batch, rescore)
         return batch
-
-    @functools.cached_property
-    def tokenizer(self):
-        """The Hugging Face tokenizer of the engine's model directory (episodes decode turns and encode observations
-        with it)."""
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
 
     def sample_turns(self, prompt_token_ids: list[list[int]], sampling: list[SamplingConfig],
                      records: list[dict[str, Any]] | None = None, *,

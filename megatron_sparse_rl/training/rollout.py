@@ -6,6 +6,7 @@ run), so the rewards come back in the batch; which episodes are correct is judge
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ import torch
 
 from megatron_sparse_rl.config.env import EnvConfig
 from megatron_sparse_rl.config.rollout import SamplingConfig
+from megatron_sparse_rl.data.datasets import load_tokenizer
 from megatron_sparse_rl.envs.tool_env import environment_factory
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.rollout.episodes import final_turns, run_episodes
@@ -58,8 +60,11 @@ class Episodes:
     env: EnvConfig
     score: Callable
 
-    def run(self, engine, tokenizer, sampling: SamplingConfig, group_ids=None, *, between_steps=None) -> RolloutBatch:
-        """`sampling.n` episodes per example on the in-process `engine` (rollout/episodes.py `run_episodes`)."""
+    def run(self, engine, sampling: SamplingConfig, group_ids=None, *, between_steps=None, tokenizer=None
+            ) -> RolloutBatch:
+        """`sampling.n` episodes per example on the in-process `engine` (rollout/episodes.py `run_episodes`), with
+        `tokenizer` (None: the one in the engine's model directory, loaded once per process)."""
+        tokenizer = _tokenizer(str(engine.model_dir)) if tokenizer is None else tokenizer
         make = environment_factory(self.env, tokenizer, lambda text, answer: float(self.score([text], [answer])[0]))
         return run_episodes(engine, tokenizer, self.examples, sampling, self.env, make, group_ids,
                             between_steps=between_steps)
@@ -67,6 +72,11 @@ class Episodes:
     def select(self, rows: range) -> "Episodes":
         """The episodes of examples `rows` (one engine's part of a call)."""
         return dataclasses.replace(self, examples=tuple(self.examples[i] for i in rows))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str):
+    return load_tokenizer(model_dir)
 
 
 def collect_episodes(engine, tokenizer, examples, sampling: SamplingConfig, env: EnvConfig, *, seed: int, score,

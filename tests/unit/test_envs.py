@@ -194,7 +194,7 @@ class ScriptedEngine:
         self.tok, self.turns, self.calls = tok, turns, []
 
     def generate(self, prompts, sampling, group_ids=None, *, rescore=0, episodes=None):
-        return episodes.run(self, self.tok, sampling, group_ids)  # episodes only (what these tests run)
+        return episodes.run(self, sampling, group_ids, tokenizer=self.tok)  # episodes only (what these tests run)
 
     def sample_turns(self, prompts, sampling):
         self.calls.append((prompts, sampling))
