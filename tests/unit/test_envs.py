@@ -258,6 +258,27 @@ def test_loss_mask_outside_the_response_is_refused():
         RolloutBatch(**kw, loss_mask=torch.tensor([[True, False, True]]))
 
 
+def test_token_versions_follow_the_turns_and_an_observation_takes_the_next_turns(tok):
+    """Asynchronous RL: turn 1 spans an in-flight update (versions 3 then 4), version 5 is loaded between the turns;
+    the observation is prefilled by turn 2, so it carries 5 like turn 2's tokens (hand-built row)."""
+    import dataclasses
+
+    class Versioned(ScriptedEngine):
+        def sample_turns(self, prompts, sampling):
+            turns = super().sample_turns(prompts, sampling)
+            if len(self.calls) == 1:
+                self.weight_version = 5  # loaded after turn 1 returned
+                return [dataclasses.replace(t, token_version=[3] * 4 + [4] * (len(t.token_ids) - 4)) for t in turns]
+            return [dataclasses.replace(t, token_version=[5] * len(t.token_ids)) for t in turns]
+
+    sample = Example(prompt="q: 12*3=\na: ", answer="36", ids=tuple(tok("q: 12*3=\na: ")["input_ids"]))
+    engine = Versioned(tok, [["calc(12*3)\n"], ["36\n"]])
+    env = EnvConfig(kind="tools", max_turns=3, max_total_tokens=40)
+    batch = run_episodes(engine, tok, [sample], SamplingConfig(n=1, max_tokens=16), env, environment_factory(env, tok))
+    turn1, obs, turn2 = len("calc(12*3)\n"), len("r: 36\na: "), len("36\n")
+    assert batch.token_version[0].tolist() == [3] * 4 + [4] * (turn1 - 4) + [5] * (obs + turn2)
+
+
 def test_collect_episodes_rewards_and_judges_the_final_answer(tok):
     from megatron_sparse_rl.training.rollout import collect_episodes
 
