@@ -352,7 +352,9 @@ def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
         problems.append(f"data.template = {run.data.template!r} with env.kind = {env.kind!r}: an episode's turns are "
                         "chat-template messages (tool results come back as tool messages); set data.template: chat")
     unsupported = {f"routing.engine_routes = {run.routing.engine_routes!r} (vLLM's own routed-experts output; "
-                   "set routing.engine_routes: hook)": run.routing.capture and run.routing.vllm_routes(cuda)}
+                   "set routing.engine_routes: hook)": run.routing.capture and run.routing.vllm_routes(cuda),
+                   "routing.indexer_replay = 'R3' (the engine's DSA indexer capture; R2 replays the learner's own "
+                   "record and works with episodes)": run.routing.indexer_replay == "R3"}
     problems += [f"{name} cannot run with env.kind = {env.kind!r} yet: it does not follow an episode across turns "
                  "(docs/episodes.md); turn it off" for name, on in unsupported.items() if on]
     if run.rollout.max_model_len is not None and run.data.max_prompt_tokens + env.max_total_tokens > \

@@ -169,6 +169,8 @@ def test_env_config_refusals_name_the_field():
         validate(run_of(*TOOLS_ENV, "trainer.max_staleness=1"), 1, cuda=False)
     with pytest.raises(ConfigError, match=r"routing.engine_routes = 'vllm' .*cannot run with env.kind = 'tools'"):
         validate(run_of(*TOOLS_ENV, "routing.mode=R3", "routing.engine_routes=vllm"), 1, cuda=False)
+    with pytest.raises(ConfigError, match=r"routing.indexer_replay = 'R3' .*cannot run with env.kind = 'tools'"):
+        validate(run_of(*TOOLS_ENV, "routing.indexer_replay=R3"), 1, cuda=True)
     with pytest.raises(ConfigError, match=r"data.max_prompt_tokens \+ env.max_total_tokens = 256 \+ 96 must be <="):
         validate(run_of(*TOOLS_ENV, "rollout.max_model_len=300"), 1, cuda=False)
     validate(run_of(*TOOLS_ENV), 1, cuda=False)
