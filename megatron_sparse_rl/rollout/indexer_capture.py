@@ -186,27 +186,13 @@ class EngineIndexerCapture(StepCapture):
         missing = [self.layers[j] for j, t in enumerate(step["indices"]) if t is None]
         if missing:
             raise IndexerReplayError(f"indexer capture: layers {missing} returned no indices for an engine step")
-        indices = torch.stack(step["indices"], dim=1)  # [tokens, layers, topk]
-        for r, req in enumerate(step["req_ids"]):
-            seen = self._seen[req]
-            for t in range(step["starts"][r], step["starts"][r + 1]):
-                seen[int(step["positions"][t])] = (int(step["input_ids"][t]), indices[t])
+        self._file(step, torch.stack(step["indices"], dim=1))  # [tokens, layers, topk]
 
     # ---- driver side -------------------------------------------------------------------------------
     def collect(self, outputs, prompts: list[list[int]]) -> EngineIndexerRows:
         """Stop capturing; the indices of every (prompt, response) row of vLLM's `outputs`, in RolloutBatch order."""
         self._flush()
-        self.active = False
-        by_key = self._by_sample()
-        seqs, seens = [], []
-        for out, prompt in zip(outputs, prompts):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                req = by_key.get((out.request_id, c.index))
-                if req is None:
-                    raise IndexerReplayError(f"sequence {len(seqs)}: no indices captured (request {out.request_id}, "
-                                             f"sample {c.index})")
-                seqs.append(list(prompt) + list(c.token_ids))
-                seens.append(self._seen[req])
+        seqs, seens = self._rows_seen(outputs, prompts, "indices")
         rows = engine_indexer_rows(seqs, seens, self.layers, self.topk)
         self._seen.clear()
         return rows

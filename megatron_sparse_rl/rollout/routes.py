@@ -111,11 +111,7 @@ class EngineRouteCapture(StepCapture):
         missing = [self.layers[j] for j, t in enumerate(step["topk"]) if t is None]
         if missing:
             raise RoutingError(f"route capture: layers {missing} reported no routes for an engine step")
-        routes = torch.stack(step["topk"], dim=1)  # [tokens, layers, k]
-        for r, req in enumerate(step["req_ids"]):
-            seen = self._seen[req]
-            for t in range(step["starts"][r], step["starts"][r + 1]):
-                seen[int(step["positions"][t])] = (int(step["input_ids"][t]), routes[t])
+        self._file(step, torch.stack(step["topk"], dim=1))  # [tokens, layers, k]
 
     # ---- driver side -------------------------------------------------------------------------------
     def on_started(self, engine) -> None:
@@ -128,17 +124,7 @@ class EngineRouteCapture(StepCapture):
     def collect(self, outputs, prompts: list[list[int]]) -> RouteStore:
         """Stop capturing; routes of every (prompt, response) row of vLLM's `outputs`, in RolloutBatch order."""
         self._flush()
-        self.active = False
-        by_key = self._by_sample()
-        seqs, seens = [], []
-        for out, prompt in zip(outputs, prompts):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                req = by_key.get((out.request_id, c.index))
-                if req is None:
-                    raise RoutingError(f"sequence {len(seqs)}: no routes captured (request {out.request_id}, "
-                                       f"sample {c.index})")
-                seqs.append(list(prompt) + list(c.token_ids))
-                seens.append(self._seen[req])
+        seqs, seens = self._rows_seen(outputs, prompts, "routes")
         routes = self._rows_routes(seqs, seens, [None] * len(seqs))
         self._seen.clear()
         return RouteStore.from_sequences(routes, [s[:-1] for s in seqs], num_experts=self.num_experts,

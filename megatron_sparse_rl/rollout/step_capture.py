@@ -78,6 +78,30 @@ class StepCapture(EngineExtension):
     def _by_sample(self) -> dict[tuple[str, int], str]:
         return requests_by_sample(self._seen, self.error)
 
+    def _file(self, step: dict, per_token) -> None:
+        """File row t of `per_token` (one entry per token of the step) under its request and position, with the
+        token id the engine fed there: `_seen[req][position] = (token id, per_token[t])`."""
+        for r, req in enumerate(step["req_ids"]):
+            seen = self._seen[req]
+            for t in range(step["starts"][r], step["starts"][r + 1]):
+                seen[int(step["positions"][t])] = (int(step["input_ids"][t]), per_token[t])
+
+    def _rows_seen(self, outputs, prompts: list[list[int]], what: str) -> tuple[list[list[int]], list[dict]]:
+        """Stop capturing; per (prompt, response) row of vLLM's `outputs`, in RolloutBatch order, its token ids and
+        what was filed for its request (a row without any raises `error`, naming `what` was missing)."""
+        self.active = False
+        by_key = self._by_sample()
+        seqs, seens = [], []
+        for out, prompt in zip(outputs, prompts):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                req = by_key.get((out.request_id, c.index))
+                if req is None:
+                    raise self.error(f"sequence {len(seqs)}: no {what} captured (request {out.request_id}, "
+                                     f"sample {c.index})")
+                seqs.append(list(prompt) + list(c.token_ids))
+                seens.append(self._seen[req])
+        return seqs, seens
+
 
 def requests_by_sample(req_ids, error: type[Exception]) -> dict[tuple[str, int], str]:
     """{(vLLM output request id, sample index): internal request id} for the internal ids seen in a step."""
