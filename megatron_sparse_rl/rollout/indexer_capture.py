@@ -42,7 +42,7 @@ from megatron_sparse_rl.moe.indexer_storage import (
     IndexerRecord, IndexerReplayError, pack_positions, unpack_positions,
 )
 from megatron_sparse_rl.moe.storage import token_hash
-from megatron_sparse_rl.rollout.step_capture import StepCapture
+from megatron_sparse_rl.rollout.step_capture import LayerStepCapture
 
 
 @dataclass(frozen=True)
@@ -131,13 +131,14 @@ def engine_indexer_rows(seqs: list[list[int]], seens: list[dict], layers: tuple[
     return EngineIndexerRows(rows, hashes, tuple(layers), topk)
 
 
-class EngineIndexerCapture(StepCapture):
+class EngineIndexerCapture(LayerStepCapture):
     """Indexer capture bound to one RolloutEngine's in-process worker (see the module docstring)."""
 
     provides = "indexer"
     field = "indexer_record"
     features = ("step", "dsa_indexer")
     error = IndexerReplayError
+    no_rows = ("indexer capture", "returned no indices")
 
     def __init__(self):
         super().__init__()
@@ -168,25 +169,8 @@ class EngineIndexerCapture(StepCapture):
             h.remove()
         self._hooks = []
 
-    def _on_step(self, step: vllm_access.StepContext) -> None:
-        self._flush()
-        self._step = dict(req_ids=step.req_ids, starts=step.starts, input_ids=step.input_ids.cpu().clone(),
-                          positions=step.positions.cpu().clone(), indices=[None] * len(self.layers))
-
     def _on_indices(self, j: int, buffer: torch.Tensor) -> None:
-        if self.active and self._step is not None:
-            n = self._step["starts"][-1]
-            self._step["indices"][j] = buffer[:n, :self.topk].to(torch.int32).cpu().clone()
-
-    def _flush(self) -> None:
-        """File the finished step's indices under each request's positions."""
-        step, self._step = self._step, None
-        if step is None:
-            return
-        missing = [self.layers[j] for j, t in enumerate(step["indices"]) if t is None]
-        if missing:
-            raise IndexerReplayError(f"indexer capture: layers {missing} returned no indices for an engine step")
-        self._file(step, torch.stack(step["indices"], dim=1))  # [tokens, layers, topk]
+        self._keep_layer(j, buffer[:, :self.topk], torch.int32)
 
     # ---- driver side -------------------------------------------------------------------------------
     def collect(self, outputs, prompts: list[list[int]]) -> EngineIndexerRows:

@@ -38,7 +38,7 @@ import torch
 
 from megatron_sparse_rl import vllm_access
 from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash
-from megatron_sparse_rl.rollout.step_capture import StepCapture
+from megatron_sparse_rl.rollout.step_capture import LayerStepCapture
 
 
 def moe_layers(model) -> list[vllm_access.MoELayer]:
@@ -58,13 +58,14 @@ def _layout(moe: list[vllm_access.MoELayer]) -> tuple[tuple[int, ...], int]:
     return tuple(m.layer_id for m in moe), moe[0].num_experts
 
 
-class EngineRouteCapture(StepCapture):
+class EngineRouteCapture(LayerStepCapture):
     """Route capture bound to one RolloutEngine's in-process worker (see module docstring)."""
 
     provides = "routes"
     field = "routed_experts"
     features = ("step", "moe")
     error = RoutingError
+    no_rows = ("route capture", "reported no routes")
     follows_turns = True
 
     def __init__(self):
@@ -93,25 +94,8 @@ class EngineRouteCapture(StepCapture):
             vllm_access.set_route_callback(m, None)
         self._moe = []
 
-    def _on_step(self, step: vllm_access.StepContext) -> None:
-        self._flush()
-        self._step = dict(req_ids=step.req_ids, starts=step.starts, input_ids=step.input_ids.cpu().clone(),
-                          positions=step.positions.cpu().clone(), topk=[None] * len(self.layers))
-
     def _on_topk(self, j: int, topk_ids: torch.Tensor) -> None:
-        if self.active and self._step is not None:
-            n = self._step["starts"][-1]
-            self._step["topk"][j] = topk_ids[:n].to(torch.int16).cpu().clone()
-
-    def _flush(self) -> None:
-        """File the finished step's routes under each request's positions."""
-        step, self._step = self._step, None
-        if step is None:
-            return
-        missing = [self.layers[j] for j, t in enumerate(step["topk"]) if t is None]
-        if missing:
-            raise RoutingError(f"route capture: layers {missing} reported no routes for an engine step")
-        self._file(step, torch.stack(step["topk"], dim=1))  # [tokens, layers, k]
+        self._keep_layer(j, topk_ids, torch.int16)
 
     # ---- driver side -------------------------------------------------------------------------------
     def on_started(self, engine) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import torch
+
 from megatron_sparse_rl import vllm_access
 from megatron_sparse_rl.rollout.extension import EngineExtension
 
@@ -101,6 +103,39 @@ class StepCapture(EngineExtension):
                 seqs.append(list(prompt) + list(c.token_ids))
                 seens.append(self._seen[req])
         return seqs, seens
+
+
+class LayerStepCapture(StepCapture):
+    """A StepCapture that records one tensor per captured layer and engine step, rows = the step's flat tokens (R3
+    routes, DSA indexer choices): `_on_step` starts a step's record, a layer's hook calls `_keep_layer`, and the next
+    step (or `collect`) files it per request and position. Subclasses set `layers` and `no_rows` (what the message
+    says a layer that gave nothing for a step did, e.g. "route capture: ... reported no routes")."""
+
+    no_rows: tuple[str, str] = ("", "")
+    layers: tuple[int, ...] = ()
+
+    def _on_step(self, step: vllm_access.StepContext) -> None:
+        self._flush()
+        self._step = dict(req_ids=step.req_ids, starts=step.starts, input_ids=step.input_ids.cpu().clone(),
+                          positions=step.positions.cpu().clone(), rows=[None] * len(self.layers))
+
+    def _keep_layer(self, j: int, rows: torch.Tensor, dtype: torch.dtype) -> None:
+        """Layer j's rows of the step in progress: the first (the step's token count) of `rows`, as `dtype`, copied
+        at once (the engine may reuse the buffer)."""
+        if self.active and self._step is not None:
+            n = self._step["starts"][-1]
+            self._step["rows"][j] = rows[:n].to(dtype).cpu().clone()
+
+    def _flush(self) -> None:
+        """File the finished step's rows [tokens, layers, ...] under each request's positions."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        missing = [self.layers[j] for j, t in enumerate(step["rows"]) if t is None]
+        if missing:
+            what, did = self.no_rows
+            raise self.error(f"{what}: layers {missing} {did} for an engine step")
+        self._file(step, torch.stack(step["rows"], dim=1))
 
 
 def requests_by_sample(req_ids, error: type[Exception]) -> dict[tuple[str, int], str]:
