@@ -26,7 +26,7 @@ from megatron_sparse_rl.checkpoint.checks import check_hf_tensors
 from megatron_sparse_rl.formats.fp8 import fp8_quantizable
 from megatron_sparse_rl.formats.hf_io import HFCheckpoint, iter_mcore_tensors
 from megatron_sparse_rl.models import load_spec
-from tests.unit.test_fp8_import import write_checkpoint
+from tests.unit.test_fp8_import import mtp_layer, write_checkpoint
 
 BLOCK = (24, 16)
 LAYERS = 2  # decoder layers; the MTP layer is numbered 2
@@ -89,19 +89,6 @@ def megatron_rows(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 
 # ---- the release ----------------------------------------------------------------------------------------------
-def _mtp_layer(tensors: dict) -> dict:
-    """A multi-token-prediction layer as the releases store it: a decoder layer (indexer included) plus its own
-    embedding, projection, norms and head, numbered after the last decoder layer."""
-    src, dst = f"model.layers.{LAYERS - 1}.", f"model.layers.{LAYERS}."
-    out = {dst + k[len(src):]: v.clone() for k, v in tensors.items() if k.startswith(src)}
-    h = tensors["model.norm.weight"].shape[0]
-    out.update({dst + "eh_proj.weight": torch.randn(h, 2 * h), dst + "enorm.weight": torch.ones(h),
-                dst + "hnorm.weight": torch.ones(h), dst + "shared_head.norm.weight": torch.ones(h),
-                dst + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
-                dst + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
-    return out
-
-
 def make_release(root, arch: str):
     """(release directory, its stored tensors) of a tiny `arch` DSA model built under `root`."""
     from megatron_sparse_rl.models.tiny_families import build_tiny_dsa
@@ -110,7 +97,7 @@ def make_release(root, arch: str):
     plain = build_tiny_dsa(root / "plain", arch=arch, layers=LAYERS, index_heads=HEADS, index_head_dim=DIM,
                            q_lora_rank=32, rope=opts["rope"], seed=opts["seed"])
     tensors = load_file(str(plain / "model.safetensors"))
-    tensors.update(_mtp_layer(tensors))
+    tensors.update(mtp_layer(tensors, LAYERS, last=LAYERS - 1))
     for name in [n for n in tensors if n.endswith(("indexer.wq_b.weight", "indexer.wk.weight"))]:
         tensors[name] = tensors[name] * ROW_OCTAVES(tensors[name].shape[0])
     for name in [n for n in tensors if release_fp8(n)]:

@@ -59,10 +59,11 @@ def dequantise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block=B
 
 
 # ---- the quantised checkpoint -------------------------------------------------------------------------------
-def _mtp_layer(tensors: dict, layer: int) -> dict:
-    """A multi-token-prediction layer as the release checkpoints store it: a decoder layer plus its own
-    embedding, projection, norms and head, numbered after the last decoder layer."""
-    src, dst = f"model.layers.{LAYERS - 1}.", f"model.layers.{layer}."
+def mtp_layer(tensors: dict, layer: int, *, last: int = LAYERS - 1) -> dict:
+    """A multi-token-prediction layer as the release checkpoints store it: a decoder layer (a copy of decoder layer
+    `last`, a DSA model's indexer included) plus its own embedding, projection, norms and head, numbered `layer`,
+    after the last decoder layer."""
+    src, dst = f"model.layers.{last}.", f"model.layers.{layer}."
     out = {dst + k[len(src):]: v.clone() for k, v in tensors.items() if k.startswith(src)}
     h = tensors["model.norm.weight"].shape[0]
     out.update({dst + "eh_proj.weight": torch.randn(h, 2 * h), dst + "enorm.weight": torch.ones(h),
@@ -75,7 +76,7 @@ def _mtp_layer(tensors: dict, layer: int) -> dict:
 def _quantised(plain: dict, mtp: int) -> dict:
     tensors = dict(plain)
     for layer in range(LAYERS, LAYERS + mtp):
-        tensors.update(_mtp_layer(plain, layer))
+        tensors.update(mtp_layer(plain, layer))
     for name in [n for n in tensors if n.startswith("model.layers.") and n.endswith("proj.weight")]:
         tensors[name], tensors[name + "_scale_inv"] = quantise(tensors[name])
     return tensors
