@@ -103,6 +103,20 @@ def _check(batch, tok, hf, *, turn2_cut) -> tuple[float, int]:
     return worst, spans
 
 
+def _update_during(wrapped, new_weights, *, turn: int, recompute: bool):
+    """(between_steps, steps): a `between_steps` that loads `new_weights` as version 1 in flight at the
+    UPDATE_AFTER-th engine step of `turn`, and the one-element list counting that turn's engine steps."""
+    steps = [0]
+
+    def between_steps():
+        if wrapped.turn == turn:
+            steps[0] += 1
+            if steps[0] == UPDATE_AFTER:
+                wrapped.engine.update_in_flight(lambda: wrapped.engine.load_weights(new_weights.items()), 1,
+                                                recompute=recompute)
+    return between_steps, steps
+
+
 def test_weights_loaded_between_turns_sample_turn_two_with_the_new_model(setup):
     engine, tok, hf, weights = setup
 
@@ -120,14 +134,8 @@ def test_weights_loaded_between_turns_sample_turn_two_with_the_new_model(setup):
 
 def test_weights_loaded_in_flight_during_turn_two_sample_its_later_tokens_with_the_new_model(setup):
     engine, tok, hf, weights = setup
-    wrapped, steps = Turns(engine), [0]
-
-    def between_steps():
-        if wrapped.turn == 2:
-            steps[0] += 1
-            if steps[0] == UPDATE_AFTER:
-                engine.update_in_flight(lambda: engine.load_weights(weights[1].items()), 1, recompute=True)
-
+    wrapped = Turns(engine)
+    between_steps, steps = _update_during(wrapped, weights[1], turn=2, recompute=True)
     batch = _episodes(setup, wrapped, between_steps)
     worst, spans = _check(batch, tok, hf, turn2_cut=lambda observation, turn2, v: int(v.eq(0).sum()))
     print(f"in flight in turn 2: {spans} of {len(batch)} episodes' turn 2 spans the update; max |engine - "
@@ -141,14 +149,8 @@ def test_a_turn_with_an_in_flight_update_leaves_no_old_blocks_for_the_next_turn(
     computed are in the prefix cache when turn 1 ends; the engine empties it then, so turn 2 (all version 1) has the
     new model's logprobs over the whole sequence, and turn 1's tokens before the update the old model's."""
     engine, tok, hf, weights = setup
-    wrapped, steps = Turns(engine), [0]
-
-    def between_steps():
-        if wrapped.turn == 1:
-            steps[0] += 1
-            if steps[0] == UPDATE_AFTER:
-                engine.update_in_flight(lambda: engine.load_weights(weights[1].items()), 1, recompute=False)
-
+    wrapped = Turns(engine)
+    between_steps, steps = _update_during(wrapped, weights[1], turn=1, recompute=False)
     batch = _episodes(setup, wrapped, between_steps)
     worst = 0.0
     for i, (prompt, response) in enumerate(zip(batch.prompts(), batch.responses())):
