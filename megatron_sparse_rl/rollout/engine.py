@@ -309,9 +309,7 @@ class RolloutEngine:
         self._versions.update(version, counts)
         self.weight_version = version
         if recompute:
-            self._llm.reset_prefix_cache(reset_running_requests=True)
-            for ext in self.extensions:
-                ext.on_prefix_reset()
+            self.reset_prefix_cache(running=True)
 
     def rescore(self, batch: RolloutBatch, samples: int) -> torch.Tensor:
         """float32 [B, samples, R]: `samples` scorings of every row's response tokens given its prompt, 0 where
@@ -387,9 +385,10 @@ class RolloutEngine:
         if self._versions is None:
             self.reset_prefix_cache()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget vLLM's cached prefixes (with rollout.prefix_caching): the next requests compute every position."""
-        self._llm.reset_prefix_cache()
+    def reset_prefix_cache(self, *, running: bool = False) -> None:
+        """Forget vLLM's cached prefixes (with rollout.prefix_caching): the next requests compute every position;
+        `running`: the running requests' KV too (vLLM preempts them and recomputes it)."""
+        self._llm.reset_prefix_cache(reset_running_requests=running)
         for ext in self.extensions:
             ext.on_prefix_reset()
 
