@@ -261,13 +261,10 @@ def _indexer_replay_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
 
 def _indexer_loss_problems(run: RunConfig, spec) -> list[str]:
     """model.dsa_indexer_loss_coeff > 0 needs a DeepSeek Sparse Attention model (learner/dsa_indexer_loss.py)."""
-    from megatron_sparse_rl.models.dsa import DsaSpec
+    from megatron_sparse_rl.models.dsa import indexer_loss_problem
 
-    coeff = run.model.dsa_indexer_loss_coeff
-    if coeff == 0 or spec is None or isinstance(spec, DsaSpec):
-        return []
-    return [f"model.dsa_indexer_loss_coeff = {coeff} trains a DeepSeek Sparse Attention indexer, but "
-            f"{spec.architecture} has none (DSA models: DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM); set it to 0"]
+    problem = None if spec is None else indexer_loss_problem(spec, run.model.dsa_indexer_loss_coeff)
+    return [problem] if problem else []
 
 
 # corrections of mu != pi_old that compare the two: with pi_old = mu (algorithm.old_logprobs = engine) rho = 1

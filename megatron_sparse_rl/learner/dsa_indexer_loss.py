@@ -58,17 +58,14 @@ def _dsa():
 def indexer_loss_config(spec, coeff: float) -> dict:
     """The TransformerConfig keywords that turn the loss on: {"dsa_indexer_loss_coeff": coeff} for a DSA model
     (the adapter's default is 0.0 = off), {} at 0; a coefficient > 0 on a model without an indexer is refused."""
-    from megatron_sparse_rl.models.dsa import DsaSpec
+    from megatron_sparse_rl.models.dsa import indexer_loss_problem
 
     if not (isinstance(coeff, (int, float)) and not isinstance(coeff, bool) and coeff >= 0):
         raise ValueError(f"model.dsa_indexer_loss_coeff must be a number >= 0 (got {coeff!r})")
-    if coeff == 0:
-        return {}
-    if not isinstance(spec, DsaSpec):
-        raise ValueError(f"model.dsa_indexer_loss_coeff = {coeff} trains a DeepSeek Sparse Attention indexer, but "
-                         f"{spec.architecture} has none (DSA models: DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM); "
-                         "set it to 0")
-    return {"dsa_indexer_loss_coeff": float(coeff)}
+    problem = indexer_loss_problem(spec, coeff)
+    if problem:
+        raise ValueError(problem)
+    return {"dsa_indexer_loss_coeff": float(coeff)} if coeff else {}
 
 
 class IndexerLoss:

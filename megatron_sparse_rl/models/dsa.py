@@ -52,6 +52,15 @@ class DsaSpec(DeepseekSpec):
         return super().parameter_count() + self.num_layers * self.indexer_params
 
 
+def indexer_loss_problem(spec, coeff: float) -> str | None:
+    """Why `model.dsa_indexer_loss_coeff = coeff` cannot run on `spec`'s model (a coefficient > 0 on a model without
+    an indexer), or None; `msrl validate` and the learner ask the same."""
+    if coeff == 0 or isinstance(spec, DsaSpec):
+        return None
+    return (f"model.dsa_indexer_loss_coeff = {coeff} trains a DeepSeek Sparse Attention indexer, but "
+            f"{spec.architecture} has none (DSA models: DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM); set it to 0")
+
+
 def indexer_row_order(head_dim: int, rope: int, heads: int, interleaved: bool) -> tuple[int, ...]:
     """The HF row of each Megatron row of a `heads` x `head_dim` indexer projection: per head, Megatron's
     [nope | rope] from HF's [rope | nope], the rope dims interleaved from HF's two halves unless HF's already are."""
