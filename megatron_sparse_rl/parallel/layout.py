@@ -98,7 +98,10 @@ class ParallelLayout(ParallelDegrees):
         ps.initialize_model_parallel(
             tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
-            distributed_timeout_minutes=timeout_minutes, create_gloo_process_groups=self.backend == "gloo",
+            distributed_timeout_minutes=timeout_minutes,
+            # gloo side groups on NCCL too (Megatron's default): get_megatron_optimizer asks for the gloo data-parallel
+            # groups and fails without them (seen on an H100: "Intra partial data parallel group is not initialized")
+            create_gloo_process_groups=True,
         )
         return ParallelGroups(
             tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
