@@ -137,8 +137,7 @@ def measured(device, tmp_path_factory):
 
 
 def test_learner_throughput(measured, device, figure):
-    shape = SHAPES[device]
-    got = measured
+    shape, got = SHAPES[device], measured
     tokens_per_s = shape.rows * shape.seq / got["step_s"]
     model_tflops = tokens_per_s * shape.flops_per_token(got["active"]) / 1e12
     figure("total_params", got["total"])
