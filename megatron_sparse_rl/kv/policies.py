@@ -89,9 +89,10 @@ def rkv_scores(keys: torch.Tensor, queries: torch.Tensor, p: KVConfig, *,
     sim.diagonal(dim1=1, dim2=2).zero_()
     over = sim > p.rkv_threshold
     idx = torch.arange(t, device=keys.device)
-    last = torch.where(over, idx, -1).amax(dim=-1)  # most recent similar j per row, -1 if none
-    rows = (last >= 0).nonzero(as_tuple=True)
-    sim[rows[0], rows[1], last[rows]] = 0.0
+    last = torch.where(over, idx, -1).amax(dim=-1, keepdim=True)  # most recent similar j per row, -1 if none
+    # rows without one write their column 0 back unchanged: no data-dependent shape (nonzero) to sync the host on
+    col = last.clamp(min=0)
+    sim.scatter_(2, col, torch.where(last >= 0, 0.0, sim.gather(2, col)))
     red = sim.mean(dim=1).softmax(dim=-1)[:, :n]
     return p.rkv_lambda * imp - (1.0 - p.rkv_lambda) * red
 
@@ -143,7 +144,7 @@ def _top_plus_recent(scores: torch.Tensor, t: int, budget: int, recent: int) -> 
 
 def streamingllm_keep(kv_heads: int, t: int, p: KVConfig, device=None) -> torch.Tensor:
     """StreamingLLM: the first `sinks` and the last (budget - sinks) entries, same for every head."""
-    keep = torch.cat([torch.arange(p.sinks), torch.arange(t - (p.budget - p.sinks), t)]).to(device)
+    keep = torch.cat([torch.arange(p.sinks, device=device), torch.arange(t - (p.budget - p.sinks), t, device=device)])
     return keep.expand(kv_heads, p.budget).clone()
 
 
