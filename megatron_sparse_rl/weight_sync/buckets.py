@@ -14,7 +14,9 @@ bucket of its own. Each tensor's exported bytes get an XXH3-128 digest (xxhash: 
 corrupted tensor passes with odds of about 2**-128, and every single-byte flip is caught in the tests) when packed;
 `verify_bucket` recomputes them over the bytes the engine is given and names the bucket and the tensors that
 differ. The digest covers the bytes only; names, dtypes, shapes and offsets travel as metadata and are checked for
-consistency with the buffer. A bucket of a sliced sync (engine_shards.py) also says where each sliced tensor
+consistency with the buffer. A device bucket (`seal(..., digester=DeviceDigester(device))`) is packed on the
+tensors' device and digested there (weight_sync/device_digest.py, `Bucket.digest` names the algorithm);
+`verify_bucket` then checks it on the buffer's device. A bucket of a sliced sync (engine_shards.py) also says where each sliced tensor
 sits in its full tensor (`cuts`); `Feed` rebuilds those full-shape before the engine sees them.
 
 Each phase of a sync is timed with one `perf_counter` pair per tensor or bucket (`PhaseTimes`, returned in
@@ -32,8 +34,13 @@ from typing import Callable, Iterable, Iterator
 import torch
 import xxhash
 
+from megatron_sparse_rl.weight_sync.device_digest import ALGORITHM as DEVICE_DIGEST
+from megatron_sparse_rl.weight_sync.device_digest import DeviceDigester
 from megatron_sparse_rl.weight_sync.engine_shards import Cut, expand
 from megatron_sparse_rl.weight_sync.export import WeightSyncError
+
+XXH3 = "xxh3_128"
+"""`Bucket.digest` of a host bucket: XXH3-128 (xxhash) on the CPU."""
 
 _ALIGN = 16  # bytes: every tensor starts aligned, so views of any dtype are valid
 
@@ -131,6 +138,8 @@ class Bucket:
     metas: list[TensorMeta]
     cuts: dict[str, Cut] = field(default_factory=dict)
     """Sliced sync: name -> where that tensor's slice sits in the full tensor (tensors not named are whole)."""
+    digest: str = XXH3
+    """The algorithm of the metas' digests: XXH3 (host), or device_digest.ALGORITHM (on the buffer's device)."""
 
     @classmethod
     def receiving(cls, index: int, metas: list[TensorMeta], cuts: dict[str, Cut]) -> Bucket:
@@ -157,8 +166,8 @@ def _digest(data: torch.Tensor) -> bytes:
     return xxhash.xxh3_128_digest(data.numpy())
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+def _as_bytes(tensor: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    return tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
 
 
 def _packed_size(tensor: torch.Tensor) -> int:
@@ -170,22 +179,35 @@ def _extent(metas: list[TensorMeta]) -> int:
 
 
 def seal(index: int, items: list[tuple[str, torch.Tensor]], cuts: dict[str, Cut] | None = None,
-         clock: PhaseTimes | None = None) -> Bucket:
-    """One bucket holding `items` in order (copied, digested), whatever their size; times pack and digest."""
+         clock: PhaseTimes | None = None, *, digester: DeviceDigester | None = None,
+         into: torch.Tensor | None = None) -> Bucket:
+    """One bucket holding `items` in order (copied, digested), whatever their size; times pack and digest.
+
+    Without `digester`: a host bucket (CPU buffer, XXH3). With one: a device bucket, packed and digested on the
+    digester's device (the host clock then times the kernels' launches, the digests' waits included). `into`: a
+    uint8 buffer on that device to pack into (a sender reusing one buffer); the bucket's buffer is its head."""
     clock = clock or PhaseTimes()
     start = time.perf_counter()
+    device = digester.device if digester is not None else torch.device("cpu")
     total = sum(_packed_size(tensor) for _, tensor in items)
-    buffer = torch.empty(total, dtype=torch.uint8)  # padding bytes are never read or digested
+    if into is None:
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)  # padding bytes are never read or digested
+    elif into.dtype != torch.uint8 or into.device.type != device.type or into.numel() < total:
+        raise ValueError(f"bucket {index}: `into` must be uint8 on {device} with at least {total} bytes (got "
+                         f"{into.numel()} {into.dtype} on {into.device})")
+    else:
+        buffer = into[:total]
     metas, offset = [], 0
     for name, tensor in items:
-        raw = _as_bytes(tensor)
+        raw = _as_bytes(tensor, device)
         buffer[offset:offset + raw.numel()].copy_(raw)
         start = clock.add("pack", start)
         # digest the exported bytes, not the packed copy: the receiver's check then covers the packing copy too
-        metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), offset, raw.numel(), _digest(raw)))
+        digest = _digest(raw) if digester is None else digester(raw)
+        metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), offset, raw.numel(), digest))
         start = clock.add("digest", start)
         offset = _aligned(offset + raw.numel())
-    return Bucket(index, buffer, metas, dict(cuts or {}))
+    return Bucket(index, buffer, metas, dict(cuts or {}), XXH3 if digester is None else DEVICE_DIGEST)
 
 
 def group_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], *,
@@ -214,14 +236,23 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_mb
         yield seal(index, items, clock=clock)
 
 
-def verify_bucket(bucket: Bucket) -> None:
-    """Recompute every tensor digest of `bucket`; raise WeightSyncError naming the bucket and its tensors."""
+def verify_bucket(bucket: Bucket, *, digester: DeviceDigester | None = None) -> None:
+    """Recompute every tensor digest of `bucket`; raise WeightSyncError naming the bucket and its tensors.
+
+    A device bucket is checked on its buffer's device with `digester` (default: an eager one there)."""
     names = [m.name for m in bucket.metas]
+    if bucket.digest == DEVICE_DIGEST:
+        recompute = digester or DeviceDigester(bucket.buffer.device, compiled=False)
+    elif bucket.digest == XXH3:
+        recompute = _digest
+    else:
+        raise WeightSyncError(f"bucket {bucket.index}: unknown digest algorithm {bucket.digest!r} (known: "
+                              f"{XXH3!r}, {DEVICE_DIGEST!r}); tensors: {names}")
     end = _extent(bucket.metas)
     if bucket.buffer.dtype != torch.uint8 or bucket.buffer.numel() != end:
         raise WeightSyncError(f"bucket {bucket.index}: buffer of {bucket.buffer.numel()} {bucket.buffer.dtype} "
                               f"elements does not match its metadata ({end} bytes); tensors: {names}")
-    bad = [m.name for m in bucket.metas if _digest(bucket.buffer[m.offset:m.offset + m.nbytes]) != m.digest]
+    bad = [m.name for m in bucket.metas if recompute(bucket.buffer[m.offset:m.offset + m.nbytes]) != m.digest]
     if bad:
         raise WeightSyncError(f"bucket {bucket.index}: checksum mismatch in {len(bad)} of {len(names)} tensors "
                               f"{bad}; the bucket holds {names}")
