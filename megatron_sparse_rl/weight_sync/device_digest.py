@@ -14,7 +14,10 @@ The formula (`ALGORITHM`), all arithmetic modulo 2**64 on unsigned 64-bit values
   its term; the sum is order independent, hence the same on every device whatever the reduction order;
 - h_l = fmix_l(L_l ^ fmix_l(n + S_l)) (the byte length mixed in: trailing zero bytes count);
 - digest = h_0 then h_1, 8 little-endian bytes each.
-Words are processed in chunks of `CHUNK_BYTES`, which bounds the int64 temporaries of the eager path.
+Words are processed in chunks of `CHUNK_BYTES` (bounding the int64 temporaries of the eager path), each as rows
+of `ROW_WORDS` words summed per row, then over the rows: a reduction of many parallel rows, which Inductor spreads
+over the whole GPU (a 1-D reduction of dynamic length was measured at 115 GB/s on an H100); the words after the
+last whole row and the zero-padded tail go in one more single-row call.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ ALGORITHM = "msrl_mix128"
 
 CHUNK_BYTES = 64 * 2**20
 """Bytes digested per kernel call: the eager path holds a few int64 temporaries of CHUNK_BYTES * 2 each."""
+
+ROW_WORDS = 4096
+"""Words per row of a chunk (CHUNK_BYTES is a multiple of the row's bytes)."""
 
 _MASK64 = 2**64 - 1
 
@@ -66,13 +72,15 @@ def _fmix(z: torch.Tensor, s1: int, m1: torch.Tensor, s2: int, m2: torch.Tensor,
 
 
 def lane_sums(words: torch.Tensor, base: torch.Tensor, consts: torch.Tensor) -> torch.Tensor:
-    """[L_0, L_1] (int64 bits) of 1-D int32 `words` whose first word has index `base` (0-dim int64)."""
-    index = torch.arange(words.numel(), device=words.device, dtype=torch.int64) + base
+    """[L_0, L_1] (int64 bits) of int32 `words` (rows, cols), row-major, whose first word has index `base`
+    (0-dim int64)."""
+    rows, cols = words.shape
+    index = torch.arange(rows * cols, device=words.device, dtype=torch.int64).view(rows, cols) + base
     x = (words.to(torch.int64) & 0xFFFFFFFF) + index * consts[0]
     sums = []
     for lane, (_, (s1, _, s2, _, s3)) in enumerate(LANES):
         seed, m1, m2 = consts[1 + 3 * lane], consts[2 + 3 * lane], consts[3 + 3 * lane]
-        sums.append(_fmix(x + seed, s1, m1, s2, m2, s3).sum())
+        sums.append(_fmix(x + seed, s1, m1, s2, m2, s3).sum(dim=1).sum())
     return torch.stack(sums)
 
 
@@ -114,7 +122,7 @@ class DeviceDigester:
         self._kernel = torch.compile(lane_sums, dynamic=True, fullgraph=True) if want else lane_sums
 
     def _sums(self, words: torch.Tensor, base: int) -> torch.Tensor:
-        base_t = torch.tensor(base, dtype=torch.int64).to(self.device, non_blocking=True)
+        base_t = torch.full((), base, dtype=torch.int64, device=words.device)  # a fill kernel, no host copy
         if self.path == "compiled":
             try:
                 return self._kernel(words, base_t, self._consts)
@@ -130,17 +138,17 @@ class DeviceDigester:
         if data.device.type != self.device.type:
             raise ValueError(f"this digester runs on {self.device}; the data is on {data.device}")
         n = data.numel()
-        body = n - n % 4
+        rows_end = n - n % (4 * ROW_WORDS)
         acc = torch.zeros(2, dtype=torch.int64, device=data.device)
-        for start in range(0, body, CHUNK_BYTES):
-            chunk = data[start:min(start + CHUNK_BYTES, body)]
+        for start in range(0, rows_end, CHUNK_BYTES):
+            chunk = data[start:min(start + CHUNK_BYTES, rows_end)]
             if chunk.data_ptr() % 4:  # an unaligned slice cannot be viewed as int32: an aligned copy, same device
                 chunk = chunk.clone()
-            acc += self._sums(chunk.view(torch.int32), start // 4)
-        if n % 4:
-            tail = torch.zeros(4, dtype=torch.uint8, device=data.device)
-            tail[:n % 4] = data[body:]
-            acc += self._sums(tail.view(torch.int32), body // 4)
+            acc += self._sums(chunk.view(torch.int32).view(-1, ROW_WORDS), start // 4)
+        if n > rows_end:  # the last part row and the tail bytes, zero-padded to whole words (< 16 KiB copied)
+            rest = torch.zeros(-(-(n - rows_end) // 4) * 4, dtype=torch.uint8, device=data.device)
+            rest[:n - rows_end] = data[rows_end:]
+            acc += self._sums(rest.view(torch.int32).view(1, -1), rows_end // 4)
         return finish(acc.tolist(), n)  # the only device-to-host transfer: 16 bytes
 
 

@@ -45,14 +45,15 @@ def _bytes(n, seed=0):
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("n", [1, 3, 4, 5, 1001, 4099, 65_537])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 1001, 4099, 65_537, 100_003])
 def test_digest_equals_numpy_reference(n):
     data = _bytes(n, seed=n)
     assert D.device_digest(data) == reference(data.numpy().tobytes())
 
 
 def test_chunks_and_unaligned_slices_match_the_reference(monkeypatch):
-    monkeypatch.setattr(D, "CHUNK_BYTES", 1024)  # several chunks and a tail
+    monkeypatch.setattr(D, "ROW_WORDS", 64)
+    monkeypatch.setattr(D, "CHUNK_BYTES", 1024)  # several chunks of 4 rows, then a part row and a tail
     data = _bytes(10_003, seed=7)
     assert D.device_digest(data) == reference(data.numpy().tobytes())
     assert D.device_digest(data[1:5002]) == reference(data[1:5002].numpy().tobytes())  # not 4-byte aligned
