@@ -96,6 +96,10 @@ else
 fi
 export MSRL_GPU_SUMMARY_DIR="$OUT_DIR" MSRL_GPU_TEST_TIMEOUT="$PER_TEST_S" PYTHONUNBUFFERED=1
 MSRL_GPU_COMMIT="$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# the device's copy of .git can be older than the working tree it runs: say so rather than name the wrong commit
+if [[ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
+    MSRL_GPU_COMMIT+=" with uncommitted changes"
+fi
 export MSRL_GPU_COMMIT
 log "pytest tests/gpu (per test ${PER_TEST_S} s, in all ${TOTAL_S} s)"
 timeout -k 15 "$TOTAL_S" "$PYTHON" -m pytest tests/gpu -q -ra --durations=0 ${timeout_args[@]+"${timeout_args[@]}"} "$@"

@@ -1,4 +1,4 @@
-"""Checkpoints on one device (prepared on CPU; the cuda variants have not run on a GPU yet):
+"""Checkpoints on one device (the cuda variants passed on an H100 on 2026-11-27: docs/gpu.md):
 
 - a distributed (torch_dist) checkpoint of a learner after a train step, saved by one rank and loaded by a fresh one
   (learner/checkpoint.py, optimizer included): the loaded learner's logprobs equal the saver's, and differ from the

@@ -1,5 +1,5 @@
-"""The project's own way into a torch.distributed world, on one device (prepared on CPU; the cuda variants have not
-run on a GPU yet):
+"""The project's own way into a torch.distributed world, on one device (the cuda variants passed on
+an H100 on 2026-11-27: docs/gpu.md):
 
 - a world of one, as `msrl train` and `msrl convert` join it without a launcher: a fresh interpreter with no
   launcher environment calls `join_world(ParallelConfig(backend="auto"))`, which must pick NCCL with CUDA (gloo
