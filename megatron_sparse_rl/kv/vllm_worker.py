@@ -13,7 +13,9 @@ patch in megatron_sparse_rl.kv.vllm_hooks on the first step); it reaches the run
 - `capture` (wraps each attention impl's forward): keeps the recent queries (after RoPE) per request
   and layer for the score policies.
 The per-(block, head, slot) K/V location is discovered at start-up by writing a known pattern through
-the backend's own `do_kv_cache_update` into a scratch cache (the CPU vec ISA stores K transposed).
+the backend's own `do_kv_cache_update` into a scratch cache (the CPU vec ISA stores K transposed); kv/slots.py
+reads and moves the entries of a layout that stores each one as an aligned run of head_dim elements as whole rows,
+other layouts (that transposed K) element by element.
 
 Multi-head latent attention (DeepSeek-V3 / Kimi-K2, vLLM's MLA backends): the cache holds one latent row
 [c_kv, k_pe] per token and layer, shared by every head. The worker treats it as ONE KV head whose key is the
@@ -39,6 +41,7 @@ from megatron_sparse_rl.kv import policies as P
 from megatron_sparse_rl.kv.query_window import QueryWindows, WritePlan
 from megatron_sparse_rl.kv.record import KVKeepRecord
 from megatron_sparse_rl.kv.settings import SparseKVSettings
+from megatron_sparse_rl.kv.slots import SlotIndex
 
 logger = logging.getLogger(__name__)
 
@@ -177,12 +180,15 @@ class SparseKVWorkerState:
         if self.latent:
             self._check_latent()
             self.dims = vllm_access.latent_dims(self.layers[0])
-            self.kidx, self.vidx = discover_latent_layout(self.layers[0], _kv_cache(self.layers[0])), None
+            layouts = (discover_latent_layout(self.layers[0], _kv_cache(self.layers[0])),)
             self.q_heads, self.scale = self.dims.heads, self.dims.scale
         else:
-            self.kidx, self.vidx = discover_slot_layout(self.layers[0], _kv_cache(self.layers[0]))
+            layouts = discover_slot_layout(self.layers[0], _kv_cache(self.layers[0]))
             self.q_heads, self.scale = vllm_access.layer_kv(self.layers[0])[2], None  # None: 1 / sqrt(head_dim)
-        self.kv_heads, _, self.head_dim = self.kidx.shape
+        block_len = _kv_cache(self.layers[0])[0].numel()
+        # K and V (a latent cache: its rows alone); each moved as whole rows of head_dim where its layout allows
+        self.slot_index = tuple(SlotIndex.of(layout, block_len) for layout in layouts)
+        self.kv_heads, _, self.head_dim = layouts[0].shape
         self.reqs: dict[str, _Request] = {}
         self.records: dict[str, dict] = {}
         self.dropped: dict[str, int] = {}
@@ -194,8 +200,9 @@ class SparseKVWorkerState:
         if settings.policy != "streamingllm":
             for li, layer in enumerate(self.layers):
                 self._wrap_forward(li, layer)
-        logger.info("sparse KV worker: policy=%s budget=%d interval=%d, %d layers, block size %d",
-                    settings.policy, settings.budget, settings.interval, len(self.layers), self.block_size)
+        logger.info("sparse KV worker: policy=%s budget=%d interval=%d, %d layers, block size %d, K/V moved %s",
+                    settings.policy, settings.budget, settings.interval, len(self.layers), self.block_size,
+                    "/".join("by element" if i.row is None else "by row" for i in self.slot_index))
 
     def _check_latent(self) -> None:
         tp, _ = vllm_access.tensor_parallel_group()
@@ -270,15 +277,6 @@ class SparseKVWorkerState:
         return self._queries_at(query, torch.arange(a, b, device=query.device), w_uk).transpose(0, 1)
 
     # ---- compaction -----------------------------------------------------------------------------------
-    def _gather(self, index: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor):
-        """Index into a layer's flat cache [blocks, elements] of the elements of token slots `slots` [R, H, N]
-        (stored indices) of R requests whose blocks are `blocks` [R, blocks each]: ([R, H, N, 1], [R, H, N, D])."""
-        rows = torch.arange(blocks.shape[0], device=slots.device)[:, None, None]
-        b = blocks[rows, slots // self.block_size]
-        o = slots % self.block_size
-        h = torch.arange(self.kv_heads, device=slots.device)[None, :, None, None]
-        return b[..., None], index[h, o[..., None], torch.arange(self.head_dim, device=slots.device)]
-
     def _keep(self, li: int, rids: list[str], flat: torch.Tensor, blocks: torch.Tensor,
               stored: int) -> torch.Tensor:
         """int64 [R, H, budget]: the stored indices each request keeps. The score policies score the R requests
@@ -288,7 +286,7 @@ class SparseKVWorkerState:
         if self.settings.policy == "streamingllm":
             return P.streamingllm_keep(self.kv_heads, stored, self.settings, blocks.device).expand(n, -1, -1)
         slots = torch.arange(stored, device=blocks.device).expand(n, self.kv_heads, stored)
-        keys = flat[self._gather(self.kidx, blocks, slots)]  # [R, H, stored, D]
+        keys = self.slot_index[0].read(flat, blocks, slots)  # [R, H, stored, D]
         if self.settings.policy == "h2o":
             return torch.stack([self._h2o_keep(li, self.reqs[rid], keys[i]) for i, rid in enumerate(rids)])
         queries = torch.cat([self.windows.get(li, rid)[:, -self.settings.window:] for rid in rids])  # [R x Hq, W, D]
@@ -315,7 +313,7 @@ class SparseKVWorkerState:
                 raise RuntimeError(f"sparse KV: worker holds {len(block_ids)} blocks for {stored} stored tokens of "
                                    f"{rid}")
         reqs = [self.reqs.setdefault(rid, _Request()) for rid in rids]
-        blocks = torch.tensor(tables, dtype=torch.int64, device=self.kidx.device)
+        blocks = torch.tensor(tables, dtype=torch.int64, device=self.slot_index[0].element.device)
         dst = torch.arange(budget, device=blocks.device).expand(len(rids), self.kv_heads, budget)
         kept_pos = [[] for _ in rids]
         for li, layer in enumerate(self.layers):
@@ -324,8 +322,8 @@ class SparseKVWorkerState:
             with self._timed("score_s"):
                 keep = self._keep(li, rids, flat, blocks, stored)  # [R, H, budget] stored indices
             with self._timed("copy_s"):
-                for index in (i for i in (self.kidx, self.vidx) if i is not None):  # a latent cache has no V
-                    flat[self._gather(index, blocks, dst)] = flat[self._gather(index, blocks, keep)]
+                for index in self.slot_index:
+                    index.copy(flat, blocks, keep, dst)
             for i, r in enumerate(reqs):
                 kept_pos[i].append(torch.where(keep[i] < (0 if r.kept_pos is None else r.kept_pos.shape[2]),
                                                self._old_pos(r, li, keep[i]), keep[i] + r.dropped))

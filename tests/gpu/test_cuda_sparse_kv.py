@@ -1,7 +1,8 @@
 """Sparse-KV policies (kv/policies.py, kv/latent.py) and the worker's compaction on one device. The cuda variant ran
 on one H100 80GB HBM3 (torch 2.11+cu130, 2026-11-27; 13 s for both tests): every keep set equal to CPU's (0
 mismatched entries); 32 layers x 32768 tokens to 4096: SnapKV 77.8 ms (53.1 scoring, 24.5 copying), StreamingLLM
-25.1 ms; the copy ran at 44 GB/s (per-element int64 indices; a plain 1 GiB copy there runs at ~3 TB/s).
+25.1 ms; the copy ran at 44 GB/s. Those figures are of the per-element copy (an int64 index per element; a plain
+1 GiB copy there runs at ~3 TB/s); the copy now moves whole rows of D (kv/slots.py) and awaits a GPU measurement.
 
 - keep sets: R-KV, SnapKV, H2O (its accumulated scores included) and StreamingLLM on fp32 keys [8 KV heads, 2048,
   128] and queries [32 heads, ., 128], and the same four on the MLA latent cache (kv/latent.py: rows [2048, 512 +
@@ -14,15 +15,15 @@ mismatched entries); 32 layers x 32768 tokens to 4096: SnapKV 77.8 ms (53.1 scor
   32 layers x 32768 tokens, 4.3 GB, budget 4096; the cpu variant: 2 layers x 2048 tokens, budget 512, to stay
   quick), one request whose block table is a shuffled list of blocks. Per layer, as `SparseKVWorkerState._keep`
   and `_compact` (kv/vllm_worker.py) do: gather the keys, score them with the layer's recent window queries, select,
-  then move the kept K and V to the front slots with one gather + scatter each. The element indices come from the
-  worker's own `SparseKVWorkerState._gather` (on a state holding only its block size, head count and head dim); the
-  copy statement is the worker's, restated here because `_compact` needs a vLLM runner. The first (checked) run
-  asserts that each layer's front `budget` slots of every head hold exactly the original entries at the keep
-  indices (ascending), in order, and that the other slots are untouched; the timed runs after it record, per
-  policy, `compaction_ms` (all layers, median, synchronised), `per_layer_ms`, `score_select_ms` (gathering the keys
-  and running the policy; StreamingLLM gathers nothing, as in the worker) and `copy_ms` (CUDA events between the
-  phases; the copy includes building its int64 element indices, as in the worker) and `copy_GBps` (K and V of the
-  kept entries read and written, over `copy_ms`). Speed is not asserted.
+  then move the kept K and V to the front slots with one gather + scatter each. The keys are read and the K and V
+  moved by the worker's own `SlotIndex` (kv/slots.py, `SlotIndex.of` the layout as the worker builds it: this
+  layout's entries are aligned rows of D, so the row path), called as `_compact` calls it (which itself needs a
+  vLLM runner). The first (checked) run asserts that each layer's front `budget` slots of every head hold exactly
+  the original entries at the keep indices (ascending), in order, and that the other slots are untouched; the timed
+  runs after it record, per policy, `compaction_ms` (all layers, median, synchronised), `per_layer_ms`,
+  `score_select_ms` (gathering the keys and running the policy; StreamingLLM gathers nothing, as in the worker) and
+  `copy_ms` (CUDA events between the phases; the copy includes building its int64 row indices, as in the worker) and
+  `copy_GBps` (K and V of the kept entries read and written, over `copy_ms`). Speed is not asserted.
   KVConfig's default policy is "none" (dense, nothing to compact), so the timed policies are SnapKV (scores from
   the window) and StreamingLLM (no scoring: the copy alone), with KVConfig's default window (8), pooling and
   kernel. R-KV is not timed at 32k tokens: its redundancy term builds [heads, T, T] matrices (an fp32 similarity
@@ -198,7 +199,7 @@ def compaction_worker(rank, world, device, layers, tokens, budget, repeats):
     """{policy: {checked_layers, compaction_ms [runs], score_select_ms [runs], copy_ms [runs]}} for TIMED_POLICIES."""
     from megatron_sparse_rl.config.rollout import KVConfig
     from megatron_sparse_rl.kv import policies as P
-    from megatron_sparse_rl.kv.vllm_worker import SparseKVWorkerState
+    from megatron_sparse_rl.kv.slots import SlotIndex
 
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -207,9 +208,8 @@ def compaction_worker(rank, world, device, layers, tokens, budget, repeats):
     cache.normal_(generator=g)
     blocks = torch.randperm(nb, generator=g, device=dev)[None]  # [1 request, nb]: a shuffled block table
     element = torch.arange(KV_HEADS * BLOCK_SIZE * 2 * D, device=dev).view(KV_HEADS, BLOCK_SIZE, 2 * D)
-    kidx, vidx = element[..., :D].contiguous(), element[..., D:].contiguous()  # [H, block slot, D] in a block
-    state = SparseKVWorkerState.__new__(SparseKVWorkerState)  # only what `_gather` reads; no vLLM runner
-    state.block_size, state.kv_heads, state.head_dim = BLOCK_SIZE, KV_HEADS, D
+    k_index, v_index = (SlotIndex.of(e.contiguous(), element.numel()) for e in (element[..., :D], element[..., D:]))
+    assert k_index.row is not None and v_index.row is not None  # [H, block slot] rows of D in a block
     queries = torch.randn(layers, Q_HEADS, 8, D, generator=g, device=dev)
     slots = torch.arange(tokens, device=dev).expand(1, KV_HEADS, tokens)
     dst = torch.arange(budget, device=dev).expand(1, KV_HEADS, budget)
@@ -228,11 +228,11 @@ def compaction_worker(rank, world, device, layers, tokens, budget, repeats):
                 if policy == "streamingllm":  # as SparseKVWorkerState._keep: positional, no keys gathered
                     keep = P.streamingllm_keep(KV_HEADS, tokens, p, dev)[None]  # [1, H, budget]
                 else:
-                    keys = flat[state._gather(kidx, blocks, slots)][0]  # [H, T, D]
+                    keys = k_index.read(flat, blocks, slots)[0]  # [H, T, D]
                     keep = P.select_keep(policy, keys, queries[li, :, -p.window:], p)[None]
                 clock.mark()
-                for index in (kidx, vidx):  # SparseKVWorkerState._compact's copy
-                    flat[state._gather(index, blocks, dst)] = flat[state._gather(index, blocks, keep)]
+                for index in (k_index, v_index):  # SparseKVWorkerState._compact's copy
+                    index.copy(flat, blocks, keep, dst)
                 clock.mark()
                 if before is not None:
                     _check_layer(before, _token_view(flat, blocks), keep[0], f"{policy} layer {li}")
