@@ -24,7 +24,7 @@ $(STAMP): setup.py
 	@touch $(STAMP)
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow" --durations=15 tests
+	$(BIN)/python -m pytest -q -m "not slow" --durations=30 tests
 
 test-all: setup
 	$(BIN)/python -m pytest -q tests
