@@ -45,6 +45,7 @@ def _rl_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records if r["phase"] == "rl"]
 
 
+@pytest.mark.slow  # `make test-all` only (37 s): the disaggregated launch below checks the same on three processes
 def test_train_in_one_process_listens_on_loopback_only(tmp_path, model_dir):
     run_dir = tmp_path / "run"
     seen = _run_and_sample([*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"),

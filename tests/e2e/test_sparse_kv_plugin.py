@@ -78,6 +78,7 @@ def test_spawned_engine_core_compacts_like_the_in_process_engine(tmp_path):
         max(abs(a - b) for a, b in zip(spawned["logprobs"], dense["logprobs"])) > 1e-3
 
 
+@pytest.mark.slow  # `make test-all` only (51 s on the 2-core CI machine): a spawned engine core without the plugin
 def test_spawned_engine_core_without_the_plugin_refuses_to_start(tmp_path):
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
