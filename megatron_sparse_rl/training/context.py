@@ -167,13 +167,21 @@ def _checked(run: RunConfig):
     from megatron_sparse_rl.parallel.world import on_rank0
     from megatron_sparse_rl.training.preflight import check_files
 
+    joined = not dist.is_initialized()
     rank, world = init_world(run.parallel)
-    init_logging(rank, run.logging.level, verbose=run.logging.verbose)
-    spec = validate(run, world)
-    require_trackers(run.logging.trackers)  # a missing wandb / mlflow fails here, before anything starts
-    summary = run_summary(run, spec, world) if rank == 0 else []  # says what the model resolves (max_model_len)
-    run = resolve(run, spec)  # every rank's engine and records see the values left to the model filled in
-    on_rank0(lambda: check_files(run, spec))
+    try:
+        init_logging(rank, run.logging.level, verbose=run.logging.verbose)
+        spec = validate(run, world)
+        require_trackers(run.logging.trackers)  # a missing wandb / mlflow fails here, before anything starts
+        summary = run_summary(run, spec, world) if rank == 0 else []  # what the model resolves (max_model_len)
+        run = resolve(run, spec)  # every rank's engine and records see the values left to the model filled in
+        on_rank0(lambda: check_files(run, spec))
+    except BaseException:
+        # a refused run leaves no process group behind: its store and gloo threads alive at interpreter exit
+        # once aborted the process ("terminate called without an active exception", exit -6 instead of 2)
+        if joined:
+            dist.destroy_process_group()
+        raise
     _warn_truncated_support(run)
     return rank, world, run, summary
 
