@@ -16,8 +16,8 @@ corrupted tensor passes with odds of about 2**-128, and every single-byte flip i
 differ. The digest covers the bytes only; names, dtypes, shapes and offsets travel as metadata and are checked for
 consistency with the buffer. A device bucket (`seal(..., digester=DeviceDigester(device))`) is packed on the
 tensors' device and digested there (weight_sync/device_digest.py, `Bucket.digest` names the algorithm);
-`verify_bucket` then checks it on the buffer's device. A bucket of a sliced sync (engine_shards.py) also says where each sliced tensor
-sits in its full tensor (`cuts`); `Feed` rebuilds those full-shape before the engine sees them.
+`verify_bucket` then checks it on the buffer's device. A bucket of a sliced sync (engine_shards.py) also says where
+each sliced tensor sits in its full tensor (`cuts`); `Feed` rebuilds those full-shape before the engine sees them.
 
 Each phase of a sync is timed with one `perf_counter` pair per tensor or bucket (`PhaseTimes`, returned in
 `SyncStats.phases`): export, pack, digest, transport, verify, rebuild, load (the engine's own time).
