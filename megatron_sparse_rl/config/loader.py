@@ -143,12 +143,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override {text!r}: empty name in the dotted path {key!r}")
+    where = f"override {key.strip()}=..."
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _safe_load(raw, where) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
     except RecursionError:
-        raise ConfigError(f"override {key.strip()}=...: {_TOO_DEEP}") from None
+        raise ConfigError(f"{where}: {_TOO_DEEP}") from None
     return parts, value
 
 
@@ -171,15 +172,61 @@ def merge_overrides(data: dict, overrides: list[str]) -> dict:
 _TOO_DEEP = ("nested too deeply to read (the YAML parser recurses once per level and ran out of stack); a run "
              "config is a mapping of sections a few levels deep")
 
+MAX_YAML_VALUES = 100_000
+"""The most values (mappings, lists and scalars, every alias counted as the copy it stands for) one config file or
+`--set` value may expand to. A run config has a few hundred; nested aliases (`&a [x, x]`, `&b [*a, *a]`, ...) double
+the count at every level (the "billion laughs"), which would only show once Python objects or an error message
+hold every copy."""
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int], where: str) -> int:
+    """How many values `node` stands for with every alias written out (`sizes` memoises the nodes already counted,
+    so this costs one visit per distinct node). An alias inside its own anchor is refused: a config is finite."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_:
+        raise ConfigError(f"{where}: an alias refers to the anchor it is inside (a recursive value, line "
+                          f"{node.start_mark.line + 1}); a run config holds no recursive values")
+    open_.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    size = 1 + sum(_expanded_size(child, sizes, open_, where) for child in children)
+    open_.discard(id(node))
+    sizes[id(node)] = size
+    return size
+
+
+def _safe_load(text: str, where: str) -> Any:
+    """`yaml.safe_load(text)`, refusing before any Python object is built a document whose anchors and aliases expand
+    to more than MAX_YAML_VALUES values, or refer to themselves; ConfigError naming `where`."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()  # the composed graph: an alias is the anchor's node, not a copy
+        if node is None:
+            return None
+        size = _expanded_size(node, {}, set(), where)
+        if size > MAX_YAML_VALUES:
+            raise ConfigError(f"{where}: its anchors and aliases expand to {size:,} values; at most "
+                              f"{MAX_YAML_VALUES:,} are allowed (a run config has a few hundred: write repeated "
+                              "values out, or alias a value without nesting aliases inside aliases)")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
 
 def read_yaml(path: str | Path) -> dict:
     """The mapping in the YAML file `path`; ConfigError naming the file when it is missing, unreadable, not valid
-    YAML, pathologically nested, or not a mapping."""
+    YAML, pathologically nested, expanding to more than MAX_YAML_VALUES values through its aliases, or not a
+    mapping."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _safe_load(path.read_text(encoding="utf-8"), str(path))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     except RecursionError:
