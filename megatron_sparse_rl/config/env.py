@@ -4,8 +4,11 @@
 every rollout an episode (megatron_sparse_rl/envs, rollout/episodes.py): the model's turn is sampled, the
 environment answers with an observation, and so on until the environment says done, `max_turns` model turns were
 sampled, or the episode reached `max_total_tokens`. Whether each named tool exists is checked by `validate`
-(config/validate.py), against the tool registry of megatron_sparse_rl/envs/tools.py.
+(config/validate.py), against the tool registry of megatron_sparse_rl/envs/tools.py. A tool is untrusted code: one
+that raises, returns what is not text or does not answer within `tool_timeout_s` gives the episode an error
+observation and counts a tool error (envs/tools.py `call_tool`).
 """
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,6 +36,10 @@ class EnvConfig:
     turn_stop: tuple[str, ...] = ("\n",)
     """Stop strings that end a model turn (besides <eos>); the turn's tokens up to and including the one that holds
     the stop string stay in the sequence."""
+    tool_timeout_s: float = 10.0
+    """Seconds a tool call may take (> 0, finite); a call still running then answers the model "error: ..." and
+    counts as a tool error and a tool timeout (episode/tool_timeouts). The call's thread cannot be stopped: it is
+    left running as a daemon thread (envs/tools.py `call_tool`)."""
 
     def __post_init__(self) -> None:
         _require(self.max_turns >= 1, "env.max_turns", "must be >= 1: an episode samples at least one model turn",
@@ -41,6 +48,8 @@ class EnvConfig:
         _require(len(set(self.tools)) == len(self.tools), "env.tools", "must not name a tool twice", self.tools)
         _require(self.kind == "none" or bool(self.tools), "env.tools",
                  f"must name at least one tool when env.kind is {self.kind!r}", self.tools)
+        _require(self.tool_timeout_s > 0 and math.isfinite(self.tool_timeout_s), "env.tool_timeout_s",
+                 "must be > 0 and finite: a tool call needs a bound", self.tool_timeout_s)
         _require(all(bool(s) for s in self.turn_stop), "env.turn_stop", "must hold non-empty strings",
                  self.turn_stop)
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 Observation = Union[str, tuple[int, ...]]
-"""What the environment shows the model: text (encoded by the episode runner without special tokens) or token ids
-(used as they are)."""
+"""What the environment shows the model: text (encoded by the episode runner as text: no special tokens added, and a
+special-token string in it, "<eos>" or "<|im_end|>", stays characters) or token ids (used as they are; an
+environment that needs a chat template's special tokens gives ids, envs/tool_env.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,10 @@ class StepResult:
     tool_calls: int = 0
     """Tool calls the turn made."""
     tool_errors: int = 0
-    """Of those, the calls that failed (unknown tool, arguments the tool refused)."""
+    """Of those, the calls that failed (unknown tool, arguments the tool refused, a tool that raised, returned what is
+    not text or timed out)."""
+    tool_timeouts: int = 0
+    """Of the failed calls, those that timed out (env.tool_timeout_s)."""
 
 
 class Environment(ABC):

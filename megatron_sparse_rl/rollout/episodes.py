@@ -15,7 +15,9 @@ rewards; `finish_reasons` "stop" when the environment ended the episode, "length
 `env.max_total_tokens` did; `token_version` the weight version that sampled each model token (weights loaded during
 a turn: `between_steps`) and, for an observation's tokens (out of the loss), the version of the turn that prefilled
 them (the next one). `episodes` holds the sums of `EPISODE_KEYS` and, per turn k (1-based),
-`turn{k}/episodes`, `turn{k}/tokens` (model tokens), `turn{k}/tool_calls`, `turn{k}/tool_errors`.
+`turn{k}/episodes`, `turn{k}/tokens` (model tokens), `turn{k}/tool_calls`, `turn{k}/tool_errors`. A text observation
+is encoded as text (`split_special_tokens`): a special-token string an environment or a tool wrote ("<eos>",
+"<|im_end|>") stays characters, so it can neither end the episode nor fake a turn of the chat template.
 With R3 route capture on the engine (rollout/routes.py `turn_fields`) `routed_experts` holds the routes of every
 input position of each row (prompt + response, less its last token): each position routed by the turn that first
 computed it. With the sampling-mask record (rollout/sampling_mask.py) `sampling_mask` holds the sampler's support
@@ -39,8 +41,8 @@ from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
 from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
 
-EPISODE_KEYS = ("episodes", "turns", "model_tokens", "env_tokens", "tool_calls", "tool_errors", "prefill_tokens",
-                "reprefill_tokens", "cached_tokens")
+EPISODE_KEYS = ("episodes", "turns", "model_tokens", "env_tokens", "tool_calls", "tool_errors", "tool_timeouts",
+                "prefill_tokens", "reprefill_tokens", "cached_tokens")
 """The batch-wide sums in `RolloutBatch.episodes` (besides the per-turn ones)."""
 TURN_KEYS = ("episodes", "tokens", "tool_calls", "tool_errors")
 """The sums kept per turn k as `turn{k}/<key>` (k = 1 .. env.max_turns)."""
@@ -79,8 +81,10 @@ class _Episode:
 
 
 def _ids(tokenizer, obs: Observation) -> list[int]:
-    """An observation's token ids: as given, or the text encoded without special tokens."""
-    return list(obs) if not isinstance(obs, str) else list(tokenizer(obs, add_special_tokens=False)["input_ids"])
+    """An observation's token ids: as given, or the text encoded as text (none added, none read from it)."""
+    if not isinstance(obs, str):
+        return list(obs)
+    return list(tokenizer(obs, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
 def _turn_sampling(sampling: SamplingConfig, env: EnvConfig, seed_offset: int, left: int) -> SamplingConfig:
@@ -97,6 +101,7 @@ def _step(e: _Episode, turn, tokenizer, env: EnvConfig, last_turn: bool, stats: 
     e.reward += float(result.reward)
     stats["tool_calls"] += result.tool_calls
     stats["tool_errors"] += result.tool_errors
+    stats["tool_timeouts"] += result.tool_timeouts
     if result.done:
         e.done, e.finish = True, "stop"
         return

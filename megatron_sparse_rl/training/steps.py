@@ -137,14 +137,15 @@ def _rollout_metrics(ctx: RunContext, batch, is_correct, seconds: float) -> dict
 
 def _episode_metrics(ctx: RunContext, sums: dict[str, float]) -> dict[str, float]:
     """Multi-turn episodes (global): per episode `episode/turns`, `episode/tool_calls`, `episode/tool_errors`,
-    `episode/env_tokens`, `episode/reprefill_tokens` (history the engine prefilled again: rollout/episodes.py),
+    `episode/tool_timeouts` (of the errors, tool calls past env.tool_timeout_s), `episode/env_tokens`,
+    `episode/reprefill_tokens` (history the engine prefilled again: rollout/episodes.py),
     `episode/prefix_cached_tokens`; per turn k over the episodes that reached it `turn{k}/tokens` (model tokens),
     `turn{k}/tool_calls`, `turn{k}/tool_errors`, and `turn{k}/episodes` (how many reached it)."""
     keys = sorted(sums)
     total = dict(zip(keys, _global_sum(ctx, [sums[k] for k in keys])))
     n = max(total["episodes"], 1.0)
-    metrics = {f"episode/{k}": total[k] / n for k in ("turns", "tool_calls", "tool_errors", "env_tokens",
-                                                      "reprefill_tokens")}
+    metrics = {f"episode/{k}": total[k] / n for k in ("turns", "tool_calls", "tool_errors", "tool_timeouts",
+                                                      "env_tokens", "reprefill_tokens")}
     metrics["episode/prefix_cached_tokens"] = total["cached_tokens"] / n
     for k in keys:
         if k.startswith("turn") and "/" in k and not k.endswith("/episodes"):

@@ -84,13 +84,17 @@ def test_tool_env_episode_by_hand(tok):
     env = environment_factory(EnvConfig(kind="tools"), tok)()
     sample = Example(prompt="q: 4738291*5821=\na: ", answer="27581591911", ids=(1, 2, 3))
     assert env.reset(sample) == (1, 2, 3)
+
+    def text(s):  # the observation's ids: the character tokenizer's, one per character
+        return tuple(tok(s, add_special_tokens=False)["input_ids"])
+
     call = env.step("calc(4738291*5821)\n")
     assert (call.observation, call.reward, call.done, call.tool_calls, call.tool_errors) == \
-        ("r: 27581591911\na: ", 0.0, False, 1, 0)
+        (text("r: 27581591911\na: "), 0.0, False, 1, 0)
     bad = env.step("calc(4738291/5821)")
-    assert (bad.observation, bad.tool_errors) == ("r: error: bad expression\na: ", 1)
+    assert (bad.observation, bad.tool_errors) == (text("r: error: bad expression\na: "), 1)
     unknown = env.step("lookup(3)")
-    assert (unknown.observation, unknown.tool_errors) == ("r: error: no tool lookup\na: ", 1)
+    assert (unknown.observation, unknown.tool_errors) == (text("r: error: no tool lookup\na: "), 1)
     final = env.step("27581591911\n")
     assert (final.reward, final.done, final.tool_calls) == (1.0, True, 0)
     fresh = environment_factory(EnvConfig(kind="tools"), tok)()
