@@ -7,7 +7,9 @@ The math lives in `megatron_sparse_rl.algorithms`; this module imports nothing f
 """
 from dataclasses import dataclass, field
 from typing import Literal, get_args
+from megatron_sparse_rl.config.checks import MAX_SAMPLES
 from megatron_sparse_rl.config.checks import require as _require
+from megatron_sparse_rl.config.checks import require_range as _range
 
 LossName = Literal["grpo", "dapo", "dual_clip", "gspo", "gspo_token", "cispo"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -324,6 +326,7 @@ class AlgorithmConfig:
         _require_choice(self.old_logprobs, get_args(OldLogprobsSource), "algorithm.old_logprobs")
         _require(self.old_logprobs_samples >= 1, "algorithm.old_logprobs_samples", "must be >= 1",
                  self.old_logprobs_samples)
+        _range(self.old_logprobs_samples, "algorithm.old_logprobs_samples", 1, MAX_SAMPLES)
         tis = self.corrections.tis
         if tis.enabled and tis.ratio == "pi_theta" and self.loss.name not in PPO_TOKEN_LOSSES:
             raise ValueError("algorithm.corrections.tis.ratio = 'pi_theta' needs a loss whose gradient carries the "

@@ -1,10 +1,29 @@
-"""The two validation helpers every config dataclass's `__post_init__` uses, `require_finite`, which `RunConfig`
-applies to every float of the whole config, and `positive` / `finite`, the argparse types of command-line numbers
-(benchmarks, tools)."""
+"""The validation helpers every config dataclass's `__post_init__` uses (`check`, `require`, and `require_range` with
+the upper bounds of the config's counts below), `require_finite`, which `RunConfig` applies to every float of the
+whole config, and `positive` / `finite`, the argparse types of command-line numbers (benchmarks, tools)."""
 from __future__ import annotations
 
 import dataclasses
 import math
+
+# Upper bounds of the config's counts: far above what any run uses, low enough that a typo (10**12 turns, samples
+# or steps) is refused at load instead of sizing a loop, a batch or an allocation.
+MAX_TOKENS = 1 << 24
+"""16,777,216: the most tokens of a sequence, a response, a prompt, an episode or a KV budget (above the longest
+context of released models, Llama 4 Scout's 10,485,760 positions)."""
+MAX_SAMPLES = 1024
+"""The most samples per prompt (rollout.sampling.n, trainer.eval_samples), engine re-scorings per sequence and
+optimizer updates per rollout."""
+MAX_BATCH = 1 << 20
+"""1,048,576: the most prompts, examples or sequences of one step or one micro-batch."""
+MAX_STEPS = 10_000_000
+"""The most steps of a run or stage, and the longest interval counted in steps."""
+MAX_RECORDS = 1 << 24
+"""16,777,216: the most problems a built-in task generates (they are all held in memory)."""
+MAX_RANKS = 1 << 16
+"""65,536: the most nodes of a job, and the largest parallel degree."""
+MAX_SEED = 2**32 - 1
+"""The largest seed (numpy's limit; torch and Megatron add rank offsets to it)."""
 
 
 def check(cond: bool, msg: str) -> None:
@@ -17,6 +36,12 @@ def require(ok: bool, path: str, rule: str, got: object) -> None:
     """Raise ValueError("<dotted path> <rule> (got <value>)") unless `ok`."""
     if not ok:
         raise ValueError(f"{path} {rule} (got {got!r})")
+
+
+def require_range(value: int, path: str, low: int, high: int) -> None:
+    """Raise ValueError("<dotted path> must be in [<low>, <high>] (got <value>)") unless low <= value <= high."""
+    if not low <= value <= high:
+        raise ValueError(f"{path} must be in [{low}, {high}] (got {value!r})")
 
 
 def require_finite(cfg: object, path: str = "", allowed: frozenset[str] = frozenset()) -> None:

@@ -7,7 +7,9 @@ bad value with the dotted path of the field, the rule and the value, e.g.
 """
 from dataclasses import dataclass, field
 from typing import Literal
+from megatron_sparse_rl.config.checks import MAX_RECORDS, MAX_SEED, MAX_TOKENS
 from megatron_sparse_rl.config.checks import require as _require
+from megatron_sparse_rl.config.checks import require_range as _range
 
 ArithmeticOp = Literal["+", "-", "*"]
 DataSource = Literal["arithmetic", "chain", "jsonl", "parquet"]
@@ -52,8 +54,11 @@ class ArithmeticConfig:
         _require(self.min_digits <= self.max_digits <= 9, "data.arithmetic.max_digits",
                  f"must be in [min_digits={self.min_digits}, 9]", self.max_digits)
         _require(self.train_size >= 1, "data.arithmetic.train_size", "must be >= 1", self.train_size)
+        _range(self.train_size, "data.arithmetic.train_size", 1, MAX_RECORDS)
         _require(self.eval_size >= 0, "data.arithmetic.eval_size", "must be >= 0", self.eval_size)
+        _range(self.eval_size, "data.arithmetic.eval_size", 0, MAX_RECORDS)
         _require(self.seed >= 0, "data.arithmetic.seed", "must be >= 0", self.seed)
+        _range(self.seed, "data.arithmetic.seed", 0, MAX_SEED)
         if self.scratchpad:
             _require("*" not in self.ops, "data.arithmetic.ops", "must be within '+', '-' when scratchpad is true",
                      self.ops)
@@ -84,11 +89,14 @@ class ChainConfig:
         _require(3 <= self.width <= 8, "data.chain.width", "must be in [3, 8]", self.width)
         _require(1 <= self.steps <= 9, "data.chain.steps", "must be in [1, 9]", self.steps)
         _require(self.train_size >= 1, "data.chain.train_size", "must be >= 1", self.train_size)
+        _range(self.train_size, "data.chain.train_size", 1, MAX_RECORDS)
         _require(self.eval_size >= 0, "data.chain.eval_size", "must be >= 0", self.eval_size)
+        _range(self.eval_size, "data.chain.eval_size", 0, MAX_RECORDS)
         _require(2 * (self.train_size + self.eval_size) <= 10 ** self.width, "data.chain.train_size",
                  f"plus eval_size must be at most half of the 10**width = {10 ** self.width} start numbers",
                  self.train_size)
         _require(self.seed >= 0, "data.chain.seed", "must be >= 0", self.seed)
+        _range(self.seed, "data.chain.seed", 0, MAX_SEED)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -129,7 +137,9 @@ class DataConfig:
         _require(self.prompt_key != self.answer_key, "data.answer_key",
                  f"must differ from data.prompt_key={self.prompt_key!r}", self.answer_key)
         _require(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1", self.max_prompt_tokens)
+        _range(self.max_prompt_tokens, "data.max_prompt_tokens", 1, MAX_TOKENS)
         _require(self.seed >= 0, "data.seed", "must be >= 0", self.seed)
+        _range(self.seed, "data.seed", 0, MAX_SEED)
 
     @property
     def answer_marker(self) -> str:

@@ -12,9 +12,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from megatron_sparse_rl.config.checks import MAX_TOKENS
 from megatron_sparse_rl.config.checks import require as _require
+from megatron_sparse_rl.config.checks import require_range as _range
 
 EnvKind = Literal["none", "tools"]
+MAX_TURNS = 4096
+"""The most model turns of an episode (agentic runs use tens to hundreds; each turn adds at least one token)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -28,11 +32,11 @@ class EnvConfig:
     tools: tuple[str, ...] = ("calc",)
     """Tools the model may call, by registered name (megatron_sparse_rl/envs/tools.py: calc)."""
     max_turns: int = 3
-    """Most model turns of one episode (>= 1); an episode still calling tools after them ends unrewarded."""
+    """Most model turns of one episode (1 to 4096); an episode still calling tools after them ends unrewarded."""
     max_total_tokens: int = 96
-    """Most tokens an episode adds after its first prompt, model turns and observations together (>= 1); a turn is
-    sampled with at most what is left (and at most rollout.sampling.max_tokens), and an observation that would
-    pass the limit ends the episode unrewarded."""
+    """Most tokens an episode adds after its first prompt, model turns and observations together (1 to 16777216); a
+    turn is sampled with at most what is left (and at most rollout.sampling.max_tokens), and an observation that
+    would pass the limit ends the episode unrewarded."""
     turn_stop: tuple[str, ...] = ("\n",)
     """Stop strings that end a model turn (besides <eos>); the turn's tokens up to and including the one that holds
     the stop string stay in the sequence."""
@@ -44,7 +48,9 @@ class EnvConfig:
     def __post_init__(self) -> None:
         _require(self.max_turns >= 1, "env.max_turns", "must be >= 1: an episode samples at least one model turn",
                  self.max_turns)
+        _range(self.max_turns, "env.max_turns", 1, MAX_TURNS)
         _require(self.max_total_tokens >= 1, "env.max_total_tokens", "must be >= 1", self.max_total_tokens)
+        _range(self.max_total_tokens, "env.max_total_tokens", 1, MAX_TOKENS)
         _require(len(set(self.tools)) == len(self.tools), "env.tools", "must not name a tool twice", self.tools)
         _require(self.kind == "none" or bool(self.tools), "env.tools",
                  f"must name at least one tool when env.kind is {self.kind!r}", self.tools)

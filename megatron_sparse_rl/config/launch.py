@@ -17,12 +17,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Literal
+from megatron_sparse_rl.config.checks import MAX_RANKS
 from megatron_sparse_rl.config.checks import check as _check
 
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _IFNAME = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,15}$")  # Linux: IFNAMSIZ - 1 bytes, no '/', ':' or space
+MAX_PER_NODE = 1024
+"""The most ranks, GPUs or CPUs per node (launch.nproc_per_node, launch.slurm.gpus_per_node, cpus_per_task)."""
+MAX_SIGNAL_SECONDS = 65535
+"""The longest warning sbatch's `--signal=B:USR1@N` takes (sbatch: N in [0, 65535])."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -82,16 +87,17 @@ class SlurmConfig:
                f"launch.slurm.time must look like MM, HH:MM:SS or D-HH:MM:SS (got {self.time!r})")
         _check(bool(re.match(r"^[A-Za-z0-9_.-]+$", self.job_name)),
                f"launch.slurm.job_name may hold letters, digits, '_', '.', '-' only (got {self.job_name!r})")
-        _check(self.gpus_per_node is None or self.gpus_per_node >= 0,
-               f"launch.slurm.gpus_per_node must be >= 0 (got {self.gpus_per_node})")
-        _check(self.cpus_per_task >= 0, f"launch.slurm.cpus_per_task must be >= 0 (got {self.cpus_per_task})")
+        _check(self.gpus_per_node is None or 0 <= self.gpus_per_node <= MAX_PER_NODE,
+               f"launch.slurm.gpus_per_node must be null or in [0, {MAX_PER_NODE}] (got {self.gpus_per_node})")
+        _check(0 <= self.cpus_per_task <= MAX_PER_NODE,
+               f"launch.slurm.cpus_per_task must be in [0, {MAX_PER_NODE}] (got {self.cpus_per_task})")
         _check(self.rdzv_port == 0 or 1024 <= self.rdzv_port <= 65535,
                f"launch.slurm.rdzv_port must be 0 (pick a free one) or in [1024, 65535] (got {self.rdzv_port})")
         _check(self.interface == "" or bool(_IFNAME.match(self.interface)),
                f"launch.slurm.interface must be a network interface name (up to 15 letters, digits, '_', '.', '-'; "
                f"`ip link` lists them) or '' (got {self.interface!r})")
-        _check(self.signal_seconds >= 10,
-               f"launch.slurm.signal_seconds must be >= 10 (got {self.signal_seconds})")
+        _check(10 <= self.signal_seconds <= MAX_SIGNAL_SECONDS,
+               f"launch.slurm.signal_seconds must be in [10, {MAX_SIGNAL_SECONDS}] (got {self.signal_seconds})")
         for opt in self.extra_sbatch + self.extra_srun:
             _check(opt.startswith("-") and "\n" not in opt,
                    f"launch.slurm.extra_sbatch/extra_srun entries must be single options starting with '-' (got {opt!r})")
@@ -129,8 +135,9 @@ class LaunchConfig:
     """SLURM settings used by `msrl launch slurm`."""
 
     def __post_init__(self):
-        _check(self.nproc_per_node >= 1, f"launch.nproc_per_node must be >= 1 (got {self.nproc_per_node})")
-        _check(self.nodes >= 1, f"launch.nodes must be >= 1 (got {self.nodes})")
+        _check(1 <= self.nproc_per_node <= MAX_PER_NODE,
+               f"launch.nproc_per_node must be in [1, {MAX_PER_NODE}] (got {self.nproc_per_node})")
+        _check(1 <= self.nodes <= MAX_RANKS, f"launch.nodes must be in [1, {MAX_RANKS}] (got {self.nodes})")
         _check(0 <= self.rollout_nodes < self.nodes,
                f"launch.rollout_nodes must be in [0, launch.nodes - 1 = {self.nodes - 1}] so that at least one "
                f"node holds learners (got {self.rollout_nodes})")

@@ -8,7 +8,9 @@ sparse-KV policy (the policies live in `megatron_sparse_rl.kv`).
 """
 from dataclasses import dataclass, field
 from typing import Literal, get_args
+from megatron_sparse_rl.config.checks import MAX_BATCH, MAX_RANKS, MAX_SAMPLES, MAX_SEED, MAX_TOKENS
 from megatron_sparse_rl.config.checks import require as _require
+from megatron_sparse_rl.config.checks import require_range as _range
 
 KVPolicy = Literal["none", "rkv", "snapkv", "h2o", "streamingllm"]
 KVPooling = Literal["max", "avg"]
@@ -20,6 +22,15 @@ GREEDY_BELOW = 1e-5
 MIN_SAMPLED_TEMPERATURE = 1e-2
 """vLLM raises any temperature in (0, 0.01) to 0.01 with a warning (`_MAX_TEMP`, 0.32), while the learner would score
 at the temperature written: so a temperature is 0 (greedy) or at least this."""
+MIN_GROUP_TOP_P = 1e-2
+"""With groups (n > 1) top_p is at least this: a nucleus keeps only the most likely token wherever that token's
+probability reaches top_p (at every position when top_p <= 1 / vocabulary size), so below 0.01 nearly every position
+of a trained model is decoded greedily and the samples of a group come out the same."""
+MAX_SAMPLING_SEED = 2**63 - 1
+"""The largest rollout.sampling.seed: the run gives each step's requests seeds derived from rollout.seed (steps x
+1,000,003, training/steps.py), which pass 2**32 in long runs, so this is the range of a torch generator's seed."""
+MAX_KV_CACHE_GB = 1 << 16
+"""The largest rollout.kv_cache_gb (64 TiB: more than any machine's memory)."""
 
 
 def check_temperature(temperature: float, field: str, *, n: int = 1, n_field: str = "") -> None:
@@ -36,6 +47,21 @@ def check_temperature(temperature: float, field: str, *, n: int = 1, n_field: st
                          "(and treats one below 1e-05 as greedy), while the learner scores at the temperature written")
 
 
+def check_group_truncation(top_k: int, top_p: float, n: int) -> None:
+    """Raise ValueError naming rollout.sampling.top_k or top_p and n when the truncation leaves only the most likely
+    token, as a greedy temperature does (`check_temperature`), while a group of n > 1 samples should differ."""
+    same = "gives every sample of a group the same response (each group's advantages would be 0)"
+    if n > 1 and top_k == 1:
+        raise ValueError(f"rollout.sampling.top_k = 1 (greedy) with rollout.sampling.n = {n}: keeping only the most "
+                         f"likely token {same}; set rollout.sampling.top_k = -1 (off) or >= 2, or "
+                         "rollout.sampling.n = 1")
+    if n > 1 and top_p < MIN_GROUP_TOP_P:
+        raise ValueError(f"rollout.sampling.top_p = {top_p:g} (nearly greedy) with rollout.sampling.n = {n}: a nucleus "
+                         f"below {MIN_GROUP_TOP_P:g} keeps only the most likely token wherever its probability reaches "
+                         f"{top_p:g} (nearly every position) and {same}; set rollout.sampling.top_p >= "
+                         f"{MIN_GROUP_TOP_P:g}, or rollout.sampling.n = 1")
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class SamplingConfig:
     """How responses are sampled (maps onto vLLM's SamplingParams)."""
@@ -46,9 +72,10 @@ class SamplingConfig:
     """Softmax temperature: 0 means greedy decoding (then n must be 1), else at least 0.01 (vLLM samples any smaller
     one at 0.01 while the learner would score at the value written)."""
     top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off); with n > 1 at least
+    0.01 (a smaller nucleus decodes nearly every token greedily, so the samples of a group would be the same)."""
     top_k: int = -1
-    """Keep the k most likely tokens; -1 = off."""
+    """Keep the k most likely tokens; -1 = off. 1 is greedy decoding (then n must be 1)."""
     max_tokens: int = 128
     """Most response tokens per sample (the response may stop earlier at EOS or a stop string)."""
     stop: tuple[str, ...] = ()
@@ -58,14 +85,18 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         _require(self.n >= 1, "rollout.sampling.n", "must be >= 1", self.n)
+        _range(self.n, "rollout.sampling.n", 1, MAX_SAMPLES)
         check_temperature(self.temperature, "rollout.sampling.temperature", n=self.n, n_field="rollout.sampling.n")
         _require(0 < self.top_p <= 1, "rollout.sampling.top_p", "must be in (0, 1]", self.top_p)
-        _require(self.top_k == -1 or self.top_k >= 1, "rollout.sampling.top_k", "must be -1 (off) or >= 1",
-                 self.top_k)
+        _require(self.top_k == -1 or 1 <= self.top_k <= MAX_TOKENS, "rollout.sampling.top_k",
+                 f"must be -1 (off) or in [1, {MAX_TOKENS}]", self.top_k)
+        check_group_truncation(self.top_k, self.top_p, self.n)
         _require(self.max_tokens >= 1, "rollout.sampling.max_tokens", "must be >= 1", self.max_tokens)
+        _range(self.max_tokens, "rollout.sampling.max_tokens", 1, MAX_TOKENS)
         _require(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
                  "rollout.sampling.stop", "must be a tuple of non-empty strings", self.stop)
-        _require(self.seed is None or self.seed >= 0, "rollout.sampling.seed", "must be None or >= 0", self.seed)
+        _require(self.seed is None or 0 <= self.seed <= MAX_SAMPLING_SEED, "rollout.sampling.seed",
+                 f"must be None or in [0, {MAX_SAMPLING_SEED}]", self.seed)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -116,10 +147,14 @@ class KVConfig:
         _require(self.policy in get_args(KVPolicy), "rollout.kv.policy", f"must be one of {list(get_args(KVPolicy))}",
                  self.policy)
         _require(self.window >= 1, "rollout.kv.window", "must be >= 1", self.window)
+        _range(self.window, "rollout.kv.window", 1, MAX_TOKENS)
         _require(self.interval >= 1, "rollout.kv.interval", "must be >= 1", self.interval)
+        _range(self.interval, "rollout.kv.interval", 1, MAX_TOKENS)
         if self.budget < self.window:
             raise ValueError(f"rollout.kv.budget must be >= window (got {self.budget} < {self.window})")
+        _range(self.budget, "rollout.kv.budget", self.window, MAX_TOKENS)
         _require(self.sinks >= 0, "rollout.kv.sinks", "must be >= 0", self.sinks)
+        _range(self.sinks, "rollout.kv.sinks", 0, MAX_TOKENS)
         if self.policy == "streamingllm" and self.budget <= self.sinks:
             raise ValueError(f"rollout.kv.budget must be > sinks for streamingllm (got {self.budget} <= {self.sinks})")
         if self.policy == "streamingllm" and self.budget < self.sinks + self.window:
@@ -129,12 +164,12 @@ class KVConfig:
                              "tokens rollout.kv.window promises; raise rollout.kv.budget or lower sinks or window")
         _require(self.pooling in get_args(KVPooling), "rollout.kv.pooling", f"must be one of {list(get_args(KVPooling))}",
                  self.pooling)
-        _require(self.kernel >= 1 and self.kernel % 2 == 1, "rollout.kv.kernel", "must be an odd integer >= 1",
-                 self.kernel)
-        _require(self.block_size is None or (self.block_size >= 16 and self.block_size % 16 == 0),
-                 "rollout.kv.block_size", "must be None or a multiple of 16", self.block_size)
-        _require(self.pool_blocks is None or self.pool_blocks >= 2, "rollout.kv.pool_blocks", "must be None or >= 2",
-                 self.pool_blocks)
+        _require(1 <= self.kernel <= MAX_TOKENS and self.kernel % 2 == 1, "rollout.kv.kernel",
+                 f"must be an odd integer in [1, {MAX_TOKENS}]", self.kernel)
+        _require(self.block_size is None or (16 <= self.block_size <= MAX_TOKENS and self.block_size % 16 == 0),
+                 "rollout.kv.block_size", f"must be None or a multiple of 16 in [16, {MAX_TOKENS}]", self.block_size)
+        _require(self.pool_blocks is None or 2 <= self.pool_blocks <= MAX_TOKENS, "rollout.kv.pool_blocks",
+                 f"must be None or in [2, {MAX_TOKENS}]", self.pool_blocks)
         _require(0.0 <= self.rkv_lambda <= 1.0, "rollout.kv.rkv_lambda", "must be in [0, 1]", self.rkv_lambda)
         _require(-1.0 <= self.rkv_threshold <= 1.0, "rollout.kv.rkv_threshold", "must be in [-1, 1]",
                  self.rkv_threshold)
@@ -200,11 +235,12 @@ class RolloutConfig:
                  self.dtype)
         _require(self.quantization in get_args(RolloutQuantization), "rollout.quantization",
                  f"must be one of {list(get_args(RolloutQuantization))}", self.quantization)
-        _require(self.kv_cache_gb is None or self.kv_cache_gb >= 1, "rollout.kv_cache_gb", "must be None or >= 1",
-                 self.kv_cache_gb)
+        _require(self.kv_cache_gb is None or 1 <= self.kv_cache_gb <= MAX_KV_CACHE_GB, "rollout.kv_cache_gb",
+                 f"must be None or in [1, {MAX_KV_CACHE_GB}]", self.kv_cache_gb)
         _require(self.max_num_seqs >= 1, "rollout.max_num_seqs", "must be >= 1", self.max_num_seqs)
-        _require(self.max_model_len is None or self.max_model_len >= 2, "rollout.max_model_len",
-                 "must be None (from the model) or >= 2", self.max_model_len)
+        _range(self.max_num_seqs, "rollout.max_num_seqs", 1, MAX_BATCH)
+        _require(self.max_model_len is None or 2 <= self.max_model_len <= MAX_TOKENS, "rollout.max_model_len",
+                 f"must be None (from the model) or in [2, {MAX_TOKENS}]", self.max_model_len)
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]",
                  self.gpu_memory_utilization)
         _require(self.logprobs_mode in get_args(LogprobsMode), "rollout.logprobs_mode",
@@ -214,7 +250,9 @@ class RolloutConfig:
                              f"ids are read from the processed logprobs; got {self.logprobs_mode!r})")
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1",
                  self.tensor_parallel_size)
+        _range(self.tensor_parallel_size, "rollout.tensor_parallel_size", 1, MAX_RANKS)
         _require(self.seed >= 0, "rollout.seed", "must be >= 0", self.seed)
+        _range(self.seed, "rollout.seed", 0, MAX_SEED)
         if self.prefix_caching and self.kv.policy != "none":
             raise ValueError(f"rollout.prefix_caching = true cannot run with rollout.kv.policy = {self.kv.policy!r}: "
                              "sparse KV rewrites cached blocks in place, so no block holds a prefix to share")

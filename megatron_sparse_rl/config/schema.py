@@ -18,8 +18,10 @@ from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.trainer import TrainerConfig
 from megatron_sparse_rl.config.trackers import MlflowConfig, Tracker, WandbConfig
+from megatron_sparse_rl.config.checks import MAX_BATCH, MAX_RANKS, MAX_SEED, MAX_STEPS
 from megatron_sparse_rl.config.checks import check as _check
 from megatron_sparse_rl.config.checks import require_finite
+from megatron_sparse_rl.config.checks import require_range as _range
 
 
 QWEN_ARCHS = ("qwen3_moe", "qwen3")
@@ -31,6 +33,12 @@ TINY_ARCH_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """The `model.tiny` fields that apply to some architectures only (the others apply to all): set on another
 architecture to anything but their default, they are refused."""
+TINY_MAX_WIDTH = 1 << 17
+"""The largest `model.tiny` hidden, MLP and latent size (131,072: above every released model's, e.g. Llama-3.1-405B's
+MLP of 53,248); the random model is built in host memory at start."""
+TINY_MAX_COUNT = 4096
+"""The largest `model.tiny` layer, head, head-size, expert and group count (released models have at most 126 layers,
+128 heads and 512 experts)."""
 
 
 def _yaml(value) -> str:
@@ -107,6 +115,13 @@ class TinyModelConfig:
                      "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group"):
             _check(getattr(self, name) > 0, f"model.tiny.{name} must be > 0 (got {getattr(self, name)})")
         _check(self.experts >= 0, f"model.tiny.experts must be >= 0 (got {self.experts})")
+        for name in ("hidden", "moe_ffn", "ffn", "kv_lora_rank"):
+            _range(getattr(self, name), f"model.tiny.{name}", 1, TINY_MAX_WIDTH)
+        for name in ("layers", "heads", "kv_heads", "head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                     "n_group", "topk_group"):
+            _range(getattr(self, name), f"model.tiny.{name}", 1, TINY_MAX_COUNT)
+        _range(self.experts, "model.tiny.experts", 0, TINY_MAX_COUNT)
+        _range(self.seed, "model.tiny.seed", 0, MAX_SEED)
         _check(self.init_std > 0, f"model.tiny.init_std must be > 0 (got {self.init_std})")
         if self.arch in QWEN_ARCHS:
             _check(self.heads % self.kv_heads == 0, f"model.tiny.heads must be a multiple of model.tiny.kv_heads "
@@ -121,11 +136,12 @@ class TinyModelConfig:
         _check(self.experts >= 1, f"model.tiny.experts must be >= 1 for arch {self.arch!r} (got {self.experts})")
         _check(self.qk_rope_head_dim % 2 == 0,
                f"model.tiny.qk_rope_head_dim must be even: RoPE rotates pairs (got {self.qk_rope_head_dim})")
-        _check(self.q_lora_rank is None or self.q_lora_rank > 0,
-               f"model.tiny.q_lora_rank must be null or > 0 (got {self.q_lora_rank})")
+        _check(self.q_lora_rank is None or 0 < self.q_lora_rank <= TINY_MAX_WIDTH,
+               f"model.tiny.q_lora_rank must be null or in [1, {TINY_MAX_WIDTH}] (got {self.q_lora_rank})")
         _check(0 <= self.first_k_dense <= self.layers,
                f"model.tiny.first_k_dense must be in [0, layers={self.layers}] (got {self.first_k_dense})")
-        _check(self.shared_experts >= 0, f"model.tiny.shared_experts must be >= 0 (got {self.shared_experts})")
+        _check(0 <= self.shared_experts <= TINY_MAX_COUNT,
+               f"model.tiny.shared_experts must be in [0, {TINY_MAX_COUNT}] (got {self.shared_experts})")
         _check(self.topk_group <= self.n_group,
                f"model.tiny.topk_group must be <= n_group={self.n_group} (got {self.topk_group})")
 
@@ -177,6 +193,7 @@ class ParallelConfig:
     def __post_init__(self):
         for name in ("tp", "pp", "ep", "etp"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1 (got {getattr(self, name)})")
+            _range(getattr(self, name), f"parallel.{name}", 1, MAX_RANKS)
         _check(not self.sequence_parallel or self.tp > 1,
                f"parallel.sequence_parallel needs parallel.tp > 1 (got tp={self.tp})")
 
@@ -208,6 +225,7 @@ class OptimizerConfig:
         _check(self.lr > 0, f"learner.optimizer.lr must be > 0 (got {self.lr})")
         _check(0 <= self.min_lr <= self.lr, f"learner.optimizer.min_lr must be in [0, lr={self.lr}] (got {self.min_lr})")
         _check(self.warmup_steps >= 0, f"learner.optimizer.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        _range(self.warmup_steps, "learner.optimizer.warmup_steps", 0, MAX_STEPS)
         _check(self.weight_decay >= 0, f"learner.optimizer.weight_decay must be >= 0 (got {self.weight_decay})")
         for name in ("beta1", "beta2"):
             _check(0 <= getattr(self, name) < 1,
@@ -232,6 +250,8 @@ class LearnerConfig:
 
     def __post_init__(self):
         _check(self.micro_batch_size >= 1, f"learner.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
+        _range(self.micro_batch_size, "learner.micro_batch_size", 1, MAX_BATCH)
+        _range(self.seed, "learner.seed", 0, MAX_SEED)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -260,6 +280,8 @@ class CheckpointConfig:
     def __post_init__(self):
         _check(self.save_every >= 0, f"checkpoint.save_every must be >= 0 (got {self.save_every})")
         _check(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1 (got {self.keep_last})")
+        _range(self.save_every, "checkpoint.save_every", 0, MAX_STEPS)
+        _range(self.keep_last, "checkpoint.keep_last", 1, MAX_STEPS)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

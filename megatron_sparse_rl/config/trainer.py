@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from megatron_sparse_rl.config.checks import MAX_BATCH, MAX_SAMPLES, MAX_STEPS
 from megatron_sparse_rl.config.checks import check as _check
+from megatron_sparse_rl.config.checks import require_range as _range
 from megatron_sparse_rl.config.rollout import check_temperature
 
 
 InFlightKV = Literal["keep", "recompute"]
 StalePolicy = Literal["drop", "recompute"]
 
+MAX_SYNC_BUCKET_MB = float(1 << 20)
+"""The largest trainer.sync_bucket_mb (1 TiB: a bucket is staged whole in memory)."""
 MAX_STALENESS = 8
 """The largest trainer.max_staleness: the rollout rank holds that many batches ahead of the learner (docs/async.md)."""
 
@@ -37,6 +41,9 @@ class SFTConfig:
         _check(self.lr > 0, f"trainer.sft.lr must be > 0 (got {self.lr})")
         _check(0 <= self.target_accuracy <= 1, f"trainer.sft.target_accuracy must be in [0, 1] (got {self.target_accuracy})")
         _check(self.eval_every >= 1, f"trainer.sft.eval_every must be >= 1 (got {self.eval_every})")
+        for name, low, high in (("max_steps", 0, MAX_STEPS), ("batch_size", 1, MAX_BATCH),
+                                ("eval_every", 1, MAX_STEPS)):
+            _range(getattr(self, name), f"trainer.sft.{name}", low, high)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -103,6 +110,13 @@ class TrainerConfig:
         _check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
         _check(self.sync_bucket_mb > 0, f"trainer.sync_bucket_mb must be > 0 (got {self.sync_bucket_mb})")
         _check(self.verify_sync_every >= 0, f"trainer.verify_sync_every must be >= 0 (got {self.verify_sync_every})")
+        for name, low, high in (("steps", 0, MAX_STEPS), ("prompts_per_step", 1, MAX_BATCH),
+                                ("updates_per_rollout", 1, MAX_SAMPLES), ("eval_every", 0, MAX_STEPS),
+                                ("eval_prompts", 1, MAX_BATCH), ("eval_samples", 1, MAX_SAMPLES),
+                                ("verify_sync_every", 0, MAX_STEPS)):
+            _range(getattr(self, name), f"trainer.{name}", low, high)
+        _check(self.sync_bucket_mb <= MAX_SYNC_BUCKET_MB,
+               f"trainer.sync_bucket_mb must be in (0, {MAX_SYNC_BUCKET_MB:g}] (got {self.sync_bucket_mb})")
         _check(isinstance(self.max_staleness, int) and 0 <= self.max_staleness <= MAX_STALENESS,
                f"trainer.max_staleness must be an integer in [0, {MAX_STALENESS}]: 0 synchronous, k > 0 the rollout "
                f"ranks sample up to k batches ahead (got {self.max_staleness!r})")

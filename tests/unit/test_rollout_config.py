@@ -11,10 +11,10 @@ from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
     (dict(top_p=0.0), "rollout.sampling.top_p must be in (0, 1] (got 0.0)"),
     (dict(n=0), "rollout.sampling.n must be >= 1 (got 0)"),
     (dict(temperature=-0.1), "rollout.sampling.temperature must be >= 0 (got -0.1)"),
-    (dict(top_k=0), "rollout.sampling.top_k must be -1 (off) or >= 1 (got 0)"),
+    (dict(top_k=0), "rollout.sampling.top_k must be -1 (off) or in [1, 16777216] (got 0)"),
     (dict(max_tokens=0), "rollout.sampling.max_tokens must be >= 1 (got 0)"),
     (dict(stop=("",)), "rollout.sampling.stop must be a tuple of non-empty strings (got ('',))"),
-    (dict(seed=-1), "rollout.sampling.seed must be None or >= 0 (got -1)"),
+    (dict(seed=-1), "rollout.sampling.seed must be None or in [0, 9223372036854775807] (got -1)"),
 ])
 def test_sampling_errors_name_the_field(kwargs, message):
     with pytest.raises(ValueError) as err:
@@ -35,13 +35,13 @@ def test_kv_errors_name_the_field(kwargs, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dtype="float16"), "rollout.dtype must be one of ['float32', 'bfloat16'] (got 'float16')"),
-    (dict(kv_cache_gb=0), "rollout.kv_cache_gb must be None or >= 1 (got 0)"),
+    (dict(kv_cache_gb=0), "rollout.kv_cache_gb must be None or in [1, 65536] (got 0)"),
     (dict(gpu_memory_utilization=1.5), "rollout.gpu_memory_utilization must be in (0, 1] (got 1.5)"),
     (dict(max_num_seqs=0), "rollout.max_num_seqs must be >= 1 (got 0)"),
     (dict(logprobs_mode="logits"), "rollout.logprobs_mode must be one of ['processed', 'raw'] (got 'logits')"),
     (dict(max_model_len=64, sampling=SamplingConfig(max_tokens=64)),
      "rollout.sampling.max_tokens must be < rollout.max_model_len (got 64 >= 64)"),
-    (dict(max_model_len=1), "rollout.max_model_len must be None (from the model) or >= 2 (got 1)"),
+    (dict(max_model_len=1), "rollout.max_model_len must be None (from the model) or in [2, 16777216] (got 1)"),
 ])
 def test_rollout_errors_name_the_field(kwargs, message):
     with pytest.raises(ValueError) as err:
