@@ -42,8 +42,13 @@ class MlflowConfig:
     (`file:///path/mlruns`) also needs MLFLOW_ALLOW_FILE_STORE=true, MLflow's own switch for that store."""
     experiment: str = "megatron_sparse_rl"
     """MLflow experiment the run is filed under (created when missing)."""
+    check_timeout_s: float = 30.0
+    """How long `msrl train` and `msrl validate` wait in all, over up to 3 tries, for the tracking server of an
+    http(s) `tracking_uri` to answer before refusing the run (observability/trackers.py `check_trackers`); the run's
+    own calls later use MLflow's retries."""
 
     def __post_init__(self):
+        _check(self.check_timeout_s > 0, f"logging.mlflow.check_timeout_s must be > 0 (got {self.check_timeout_s})")
         _check(bool(self.experiment.strip()),
                "logging.mlflow.experiment must not be empty (allowed: an MLflow experiment name)")
         _check(self.tracking_uri is None or bool(self.tracking_uri.strip()),

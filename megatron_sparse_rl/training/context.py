@@ -156,14 +156,14 @@ def build_context(run: RunConfig, total_steps: int):
 
 def _checked(run: RunConfig):
     """Join the world and check the run as `msrl validate` does, before anything is written or started: the config
-    (`validate`), then the files it names (training/preflight.py: model files, tokenizer, directories, every data
-    record and prompt length), on rank 0 with the same error on every rank. Returns (rank, world size, the run with
-    the values left to the model resolved, rank 0's summary lines)."""
+    (`validate`), then the files it names and its trackers (training/preflight.py: model files, tokenizer,
+    directories, every data record and prompt length, the trackers rank 0 opens), on rank 0 with the same error on
+    every rank. Returns (rank, world size, the run with the values left to the model resolved, rank 0's summary
+    lines)."""
     from megatron_sparse_rl.config import validate
     from megatron_sparse_rl.config.resolve import resolve
     from megatron_sparse_rl.config.summary import run_summary
     from megatron_sparse_rl.observability.logging import init_logging
-    from megatron_sparse_rl.observability.trackers import require_trackers
     from megatron_sparse_rl.parallel.world import on_rank0
     from megatron_sparse_rl.training.preflight import check_files
 
@@ -172,7 +172,6 @@ def _checked(run: RunConfig):
     try:
         init_logging(rank, run.logging.level, verbose=run.logging.verbose)
         spec = validate(run, world)
-        require_trackers(run.logging.trackers)  # a missing wandb / mlflow fails here, before anything starts
         summary = run_summary(run, spec, world) if rank == 0 else []  # what the model resolves (max_model_len)
         run = resolve(run, spec)  # every rank's engine and records see the values left to the model filled in
         on_rank0(lambda: check_files(run, spec))

@@ -11,7 +11,10 @@ write nothing else.
   config/, so the check runs here);
 - the run and checkpoint directories: directories, writable or creatable;
 - the data: every record (`check_data`: file and line of the first problem), and every templated prompt short
-  enough for the engine (`rollout.max_model_len`, a response needs one position at least).
+  enough for the engine (`rollout.max_model_len`, a response needs one position at least);
+- the trackers `logging.trackers` names (`tracker_problems`): installed and importable, a local MLflow store's
+  directory writable or creatable, a file store MLflow accepts, a tracking server that answers (the one thing
+  contacted, within logging.mlflow.check_timeout_s), W&B online with credentials.
 
     lines = check_files(run, spec)     # ConfigError listing every problem; else the data summary lines
 """
@@ -122,13 +125,26 @@ def tool_problems(env) -> list[str]:
             for name in env.tools if name not in TOOLS]
 
 
+def tracker_problems(logging_cfg) -> list[str]:
+    """The trackers of `logging.trackers` unable to open (observability/trackers.py `check_trackers`), and the
+    directory of a local MLflow store the user names (`logging.mlflow.tracking_uri`) not writable or creatable."""
+    from megatron_sparse_rl.observability.trackers import check_trackers, mlflow_store_dir
+
+    problems = check_trackers(logging_cfg)
+    store = mlflow_store_dir(logging_cfg.mlflow) if "mlflow" in logging_cfg.trackers else None
+    if store is not None and not problems:
+        problems += dir_problems(f"logging.mlflow.tracking_uri {logging_cfg.mlflow.tracking_uri!r}: its directory",
+                                 store)
+    return problems
+
+
 def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
     """Check the files `run` points to (reading them, writing nothing); the data lines of the summary.
     `spec` is the model's ModelSpec from `validate` (None when unknown); `run` as resolved (`resolve`) where
     max_model_len comes from the model.
 
     Raises ConfigError listing every problem: model directory, FP8 rollout shapes, env.tools, run and checkpoint directories,
-    the data.
+    the data, the trackers.
     """
     from megatron_sparse_rl.data import DatasetError, check_data
     from megatron_sparse_rl.data.checks import summary_lines
@@ -156,6 +172,7 @@ def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
         lines = summary_lines(check_data(run.data, tokenizer, run.rollout.max_model_len), run.data)
     except DatasetError as e:
         problems.append(str(e))
+    problems += tracker_problems(run.logging)
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
