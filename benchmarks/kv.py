@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.config.rollout import KVConfig
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
     from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
-    from megatron_sparse_rl.rollout.engine import latent_kv_rank
+    from megatron_sparse_rl.rollout.engine_setup import latent_kv_rank
 
     tmp = None
     model_dir = args.model
