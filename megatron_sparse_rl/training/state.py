@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_sparse_rl.config.loader import to_dict
 from megatron_sparse_rl.formats.hf_writer import ShardedSafetensorsWriter, write_side_files
@@ -63,19 +64,50 @@ def save_run(ctx: RunContext, counters: dict, task_state: dict | None = None) ->
     return path
 
 
+FULL_BELOW = 1 << 20
+"""A filesystem with fewer free bytes than this (1 MiB) after a failed write is taken as full: writers that fill a
+disk leave at most a block free."""
+
+
+def _free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of `path` (its nearest existing ancestor)."""
+    folder = next(p for p in (path, *path.parents) if p.exists())
+    stat = os.statvfs(folder)
+    return stat.f_bavail * stat.f_frsize
+
+
 @contextmanager
 def _writing(path: Path, what: str, *, cleanup: Path | None):
-    """Name `path` in an OSError raised while writing it (a full disk's error names no file) as a RunDirError, after
-    removing the partial temporary directory `cleanup` (nothing half-written is left behind)."""
+    """Name `path` in a failed write of it as a RunDirError, after removing the partial temporary directory `cleanup`
+    (nothing half-written is left behind; other errors are re-raised after the removal). A full disk shows as an
+    OSError naming no file, or from Megatron's checkpoint writer as a CheckpointException whose worker failure says
+    only "unexpected pos" (PyTorch's zip writer losing bytes): a filesystem left with under FULL_BELOW free bytes is
+    reported as full either way, naming the directory, with the space free there."""
     try:
         yield
-    except OSError as e:
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException, not an Exception
+        free = _free_bytes(path.parent)  # before the partial files are removed
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
-        detail = e.strerror or str(e)
-        at = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
-        raise RunDirError(f"could not write the {what} {str(path)!r}: {detail}{at}; nothing of it was kept "
-                          "(free space or fix permissions there, then run the same command again to resume)") from e
+        if free < FULL_BELOW:
+            detail = (f"No space left on device ({free:,} bytes free on the filesystem of {str(path.parent)!r}; "
+                      f"{_cause(e)})")
+        elif isinstance(e, OSError):
+            detail = e.strerror or str(e)
+            detail += f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        else:
+            raise
+        raise RunDirError(f"could not write the {what} {str(path)!r}: {detail}; nothing of it was kept, and the "
+                          "older checkpoints are as they were (free space or fix permissions there, then run the same "
+                          "command again to resume)") from e
+
+
+def _cause(e: BaseException) -> str:
+    """`e` in one line; a CheckpointException by its first rank's error (what the worker that failed raised)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        e = next(iter(failures.values()))[0]
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def newest_intact(ctx: RunContext) -> Path | None:
