@@ -8,7 +8,9 @@ file and the line (or row): a missing file, an empty one, undecodable bytes, bad
 JSON, a missing or repeated field, a wrong type, a whitespace-only prompt, an empty answer, a parquet path
 that does not exist. It reads and writes nothing else. Given the run's tokenizer it also applies the
 `data.max_prompt_tokens` rule to every prompt and refuses characters of a prompt or an answer that the
-tokenizer cannot encode (file:line and the characters); `check_tokenizer` checks that tokenizer itself.
+tokenizer cannot encode (file:line and the characters); `check_tokenizer` checks that tokenizer itself. Given the
+stop strings of episode turns (env.turn_stop) it refuses a demonstrated assistant turn holding one (file:line and the
+message): an episode's turn ends at a stop string, so the model could never write that turn whole.
 
     from megatron_sparse_rl.data import check_data
     for split in check_data(run.data):        # DatasetError: "data.path: runs/x.jsonl:3: not valid JSON (...)"
@@ -56,10 +58,23 @@ def _origin(cfg: DataConfig, split: Split) -> str:
     return f"{field} {path!r}" if path else ""
 
 
-def _check_split(cfg: DataConfig, split: Split, tokenizer, max_model_len: int | None) -> SplitSummary:
+def _check_demo(prompt, cfg: DataConfig, turn_stop: tuple[str, ...]) -> None:
+    """A demonstrated assistant turn holding a stop string of episode turns."""
+    for k, (role, content) in enumerate(prompt.demo):
+        stops = [s for s in turn_stop if s in content] if role == "assistant" else []
+        if stops:
+            index = len(prompt.messages) + k
+            raise DatasetError(f"{prompt.source}: {cfg.prompt_key}[{index}], an assistant turn of the demonstration, "
+                               f"holds {stops[0]!r}, a stop string of env.turn_stop: an episode's turn ends there, so "
+                               "the model could never write this turn whole; split it into turns or remove the string")
+
+
+def _check_split(cfg: DataConfig, split: Split, tokenizer, max_model_len: int | None,
+                 turn_stop: tuple[str, ...]) -> SplitSummary:
     records = too_long = 0
     for prompt in iter_prompts(cfg, split):
         records += 1
+        _check_demo(prompt, cfg, turn_stop)
         example = encode_one(prompt, tokenizer, cfg) if tokenizer is not None else None
         if tokenizer is not None and example is None:
             too_long += 1
@@ -73,7 +88,8 @@ def _check_split(cfg: DataConfig, split: Split, tokenizer, max_model_len: int | 
     return SplitSummary(split, _origin(cfg, split), records, too_long if tokenizer is not None else None)
 
 
-def check_data(cfg: DataConfig, tokenizer=None, max_model_len: int | None = None) -> list[SplitSummary]:
+def check_data(cfg: DataConfig, tokenizer=None, max_model_len: int | None = None, *,
+               turn_stop: tuple[str, ...] = ()) -> list[SplitSummary]:
     """Read every record of `cfg`'s splits once; raise the first problem, naming field, file and line.
 
     Args:
@@ -81,6 +97,8 @@ def check_data(cfg: DataConfig, tokenizer=None, max_model_len: int | None = None
         tokenizer: the run's tokenizer, to check templated prompt lengths too (None: not checked).
         max_model_len: the engine's rollout.max_model_len, which every templated prompt must stay below (vLLM
             needs room for one response token); None: not checked.
+        turn_stop: the stop strings of episode turns (env.turn_stop when env.kind is set), which no demonstrated
+            assistant turn may hold; (): not checked.
     Returns:
         The train and eval `SplitSummary`.
     Raises:
@@ -88,7 +106,7 @@ def check_data(cfg: DataConfig, tokenizer=None, max_model_len: int | None = None
             which the command line prints as `error: <message>`.
     """
     try:
-        return [_check_split(cfg, split, tokenizer, max_model_len) for split in ("train", "eval")]
+        return [_check_split(cfg, split, tokenizer, max_model_len, turn_stop) for split in ("train", "eval")]
     except ImportError as e:  # parquet without pyarrow: a config the install cannot serve
         raise DatasetError(f"data.source is {cfg.source!r}: {e}") from None
 

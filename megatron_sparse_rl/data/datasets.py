@@ -39,8 +39,8 @@ from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.data import BUILT_IN_SOURCES, DataConfig
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.data import arithmetic, chain
-from megatron_sparse_rl.data.templates import (CHAT_ROLES, encode_demo, encode_messages, encode_prompt,
-                                               unknown_characters)
+from megatron_sparse_rl.data.templates import (CHAT_ROLES, ChatTemplateError, encode_demo, encode_messages,
+                                               encode_prompt, unknown_characters)
 from megatron_sparse_rl.data.types import Example, Prompt
 
 T = TypeVar("T")
@@ -270,18 +270,21 @@ def _check_encodable(prompt: Prompt, tokenizer, ids: list[int]) -> None:
 
 def encode_one(prompt: Prompt, tokenizer, cfg: DataConfig) -> Example | None:
     """The templated, tokenized prompt; None when it is over `cfg.max_prompt_tokens` and
-    on_long_prompt="skip"; `DatasetError` naming its line when on_long_prompt="error", or when the prompt or
-    the answer holds characters the tokenizer cannot encode."""
+    on_long_prompt="skip"; `DatasetError` naming its line when on_long_prompt="error", when the prompt or
+    the answer holds characters the tokenizer cannot encode, or when the chat template fails on it."""
     if prompt.messages and cfg.template != "chat":
         raise DatasetError(f"{prompt.source}: chat data (a list of messages) needs data.template: chat (got "
                            f"{cfg.template!r}): the messages are rendered with the tokenizer's chat template")
     demo_ids, demo_mask = (), ()
-    if prompt.messages:
-        text, ids = encode_messages(tokenizer, [{"role": r, "content": c} for r, c in prompt.messages])
-        if prompt.demo:
-            demo_ids, demo_mask = encode_demo(tokenizer, prompt.messages, prompt.demo)
-    else:
-        text, ids = encode_prompt(tokenizer, prompt.text, cfg.template)
+    try:
+        if prompt.messages:
+            text, ids = encode_messages(tokenizer, [{"role": r, "content": c} for r, c in prompt.messages])
+            if prompt.demo:
+                demo_ids, demo_mask = encode_demo(tokenizer, prompt.messages, prompt.demo)
+        else:
+            text, ids = encode_prompt(tokenizer, prompt.text, cfg.template)
+    except ChatTemplateError as e:
+        raise DatasetError(f"{prompt.source}: {e}") from None
     _check_encodable(prompt, tokenizer, ids)
     if len(ids) <= cfg.max_prompt_tokens:
         return Example(prompt=text, answer=prompt.answer, ids=tuple(ids), difficulty=prompt.difficulty,

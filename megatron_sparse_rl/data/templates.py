@@ -40,6 +40,11 @@ CHAR_CHAT_TEMPLATE = (
 written "q:", "a:", "r:" (tool), a system message as it is; all inside the character tokenizer's alphabet."""
 
 
+class ChatTemplateError(ValueError):
+    """The chat template failed on a conversation (it raised, the sandbox stopped it, or it does not render a message
+    as a continuation of the conversation before it); the message says which."""
+
+
 Piece = tuple[str, bool]
 """A run of rendered text and whether it is data (a prompt, a message's content, a tool's result: tokenized as text)
 rather than the template's own text (read with its special tokens)."""
@@ -115,7 +120,7 @@ def render_pieces(tokenizer, messages: list[dict], *, add_generation_prompt: boo
     for k, after in enumerate(parts[2::2]):
         pieces += [(messages[k]["content"] if k < len(messages) else "", True), (after, False)]
     if parts[1::2] != [str(k) for k in range(len(messages))] or "".join(t for t, _ in pieces) != text:
-        raise ValueError("a message holds a special-token string, and the chat template does not render every "
+        raise ChatTemplateError("a message holds a special-token string, and the chat template does not render every "
                          "message's content once, in order and unchanged, so the content cannot be told from the "
                          "template's own text to be tokenized as text")
     return pieces
@@ -145,10 +150,16 @@ def apply_template(tokenizer, text: str, template: str) -> str:
 
 
 def render_messages(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-    """`messages` ([{"role", "content"}, ...]) as text: the tokenizer's chat template, or `CHAR_CHAT_TEMPLATE`."""
+    """`messages` ([{"role", "content"}, ...]) as text: the tokenizer's chat template, or `CHAR_CHAT_TEMPLATE`.
+    `ChatTemplateError` when the template fails (it is the model's code: whatever it raises is reported as that)."""
     own = _has_chat_template(tokenizer)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **({} if own else {"chat_template": CHAR_CHAT_TEMPLATE}))
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **({} if own else {"chat_template": CHAR_CHAT_TEMPLATE}))
+    except Exception as e:  # jinja2's SecurityError and TemplateError, and whatever else the template's code raises
+        detail = str(e).strip().split("\n")[0][:300]
+        raise ChatTemplateError(f"the chat template raised {type(e).__name__}: {detail} (rendering "
+                                f"{', '.join(str(m.get('role')) for m in messages)})") from None
 
 
 def encode_messages(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
@@ -175,7 +186,7 @@ def encode_demo(tokenizer, prompt: tuple[tuple[str, str], ...], demo: tuple[tupl
         before = "".join(t for t, _ in pieces(done, generation=model))
         after = pieces(done + (message,), generation=not model and k + 1 < len(demo))
         if not "".join(t for t, _ in after).startswith(before):
-            raise ValueError(f"the chat template does not render message {k} of the demonstration as a "
+            raise ChatTemplateError(f"the chat template does not render message {k} of the demonstration as a "
                              "continuation of the conversation before it")
         piece = encode_pieces(tokenizer, _drop(after, len(before)))
         ids += piece
@@ -192,7 +203,7 @@ def tool_observation(tokenizer, result: str) -> str:
     before = render_messages(tokenizer, head, add_generation_prompt=False)
     after = render_messages(tokenizer, head + [{"role": "tool", "content": result}])
     if not after.startswith(before):
-        raise ValueError("the tokenizer's chat template does not render a tool message as a continuation of the "
+        raise ChatTemplateError("the tokenizer's chat template does not render a tool message as a continuation of the "
                          "conversation before it; multi-turn episodes need one that does")
     return after[len(before):]
 

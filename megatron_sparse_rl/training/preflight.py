@@ -9,9 +9,13 @@ write nothing else.
   shards in whole 128x128 blocks (`fp8_rollout_problems`);
 - episodes (env.kind set): every tool in env.tools registered (`tool_problems`; the registry lives in envs/, above
   config/, so the check runs here);
+- the model's own chat template (data.template: chat): rendered in a child process with a deadline and refused,
+  naming its file, when the sandbox stops it, it raises, hangs, or leaves out or reorders the messages a run needs
+  (`template_problems`, data/template_check.py); the data is then read without rendering it;
 - the run and checkpoint directories: directories, writable or creatable;
-- the data: every record (`check_data`: file and line of the first problem), and every templated prompt short
-  enough for the engine (`rollout.max_model_len`, a response needs one position at least);
+- the data: every record (`check_data`: file and line of the first problem), every templated prompt short
+  enough for the engine (`rollout.max_model_len`, a response needs one position at least), and with episodes no
+  demonstrated assistant turn holding an `env.turn_stop` string;
 - the trackers `logging.trackers` names (`tracker_problems`): installed and importable, a local MLflow store's
   directory writable or creatable, a file store MLflow accepts, a tracking server that answers (the one thing
   contacted, within logging.mlflow.check_timeout_s), W&B online with credentials.
@@ -138,13 +142,29 @@ def tracker_problems(logging_cfg) -> list[str]:
     return problems
 
 
+def template_problems(run, tokenizer) -> list[str]:
+    """The model's own chat template, when the run renders with it (data.template: chat), unable to render the
+    conversations the run needs: user and assistant messages, and tool messages for episodes (env.kind)."""
+    from megatron_sparse_rl.data.template_check import chat_template_problem, template_file
+
+    if run.data.template != "chat" or not getattr(tokenizer, "chat_template", None):
+        return []  # plain prompts, or the built-in CHAR_CHAT_TEMPLATE (data/templates.py)
+    roles = ("user", "assistant", "tool") if run.env.episodes else ("user", "assistant")
+    problem = chat_template_problem(tokenizer, template_file(run.model.path), roles)
+    if problem is None:
+        return []
+    needs = (f"env.kind = {run.env.kind!r} renders user, assistant and tool messages" if run.env.episodes
+             else "data.template: chat renders user and assistant messages")
+    return [f"model.path {run.model.path!r}: {problem}; {needs}"]
+
+
 def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
     """Check the files `run` points to (reading them, writing nothing); the data lines of the summary.
     `spec` is the model's ModelSpec from `validate` (None when unknown); `run` as resolved (`resolve`) where
     max_model_len comes from the model.
 
-    Raises ConfigError listing every problem: model directory, FP8 rollout shapes, env.tools, run and checkpoint directories,
-    the data, the trackers.
+    Raises ConfigError listing every problem: model directory, FP8 rollout shapes, env.tools, the chat template, run
+    and checkpoint directories, the data, the trackers.
     """
     from megatron_sparse_rl.data import DatasetError, check_data
     from megatron_sparse_rl.data.checks import summary_lines
@@ -161,6 +181,10 @@ def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
             tokenizer = _tokenizer(run.model, spec)
         except ConfigError as e:
             problems.append(str(e))
+    refused = template_problems(run, tokenizer) if tokenizer is not None else []
+    if refused:  # the data is read, but not rendered with a template that may hang or raise
+        problems += refused
+        tokenizer = None
     problems += dir_problems("logging.dir", Path(run.logging.dir))
     if run.checkpoint.dir:
         problems += dir_problems("checkpoint.dir", Path(run.checkpoint.dir))
@@ -169,7 +193,9 @@ def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
                                  Path(run.logging.dir) / "checkpoints")
     lines = []
     try:
-        lines = summary_lines(check_data(run.data, tokenizer, run.rollout.max_model_len), run.data)
+        turn_stop = run.env.turn_stop if run.env.episodes else ()
+        lines = summary_lines(check_data(run.data, tokenizer, run.rollout.max_model_len, turn_stop=turn_stop),
+                              run.data)
     except DatasetError as e:
         problems.append(str(e))
     problems += tracker_problems(run.logging)
