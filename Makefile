@@ -3,8 +3,8 @@
 # Both set up .venv first when it is missing (scripts/setup_venv.py: the CPU stack, torch 2.13.0 installed before
 # anything that could pull another torch; TORCH_ROUTE=auto|configured|pytorch-index|pypi picks where torch comes
 # from, README "Setup").
-# The first of python3.11, 3.12, 3.13 on PATH (setup.py allows 3.11-3.13); `make setup PY=python3.13` picks one.
-PY ?= $(firstword $(foreach p,python3.11 python3.12 python3.13,$(if $(shell command -v $(p) 2>/dev/null),$(p))) python3.11)
+# The first of python3.11, 3.12, 3.13 on PATH that runs (a pyenv shim of a version not selected does not) (setup.py allows 3.11-3.13); `make setup PY=python3.13` picks one.
+PY ?= $(firstword $(foreach p,python3.11 python3.12 python3.13,$(if $(shell $(p) -c '' 2>/dev/null && echo ok),$(p))) python3.11)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.msrl-setup-done
