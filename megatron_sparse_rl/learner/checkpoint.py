@@ -44,6 +44,11 @@ LEGACY_COMMON = "common_state.pt"  # the torch.save formats of checkpoints writt
 CONFIG = "run_config.json"
 
 
+class StateFileError(ValueError):
+    """A checkpoint's own state file (common_state.json, an RNG file) does not hold what it must; the message names
+    the file and the field. Raised before anything of the checkpoint is loaded."""
+
+
 def rng_file(path: Path, rank: int, legacy: bool = False) -> Path:
     return path / f"rng_rank{rank:05d}.{'pt' if legacy else 'safetensors'}"
 
@@ -74,7 +79,8 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _read_rng(file: Path) -> dict:
-    """The states `_save_rng` wrote, in the form `_set_rng_state` takes."""
+    """The states `_save_rng` wrote, in the form `_set_rng_state` takes; StateFileError naming the file and the field
+    when one is not the state its generator takes (`_check_rng_state`)."""
     from safetensors import safe_open
 
     try:
@@ -83,13 +89,61 @@ def _read_rng(file: Path) -> dict:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         if meta.get("format") != RNG_FORMAT:
             raise ValueError(f"no \"format\": \"{RNG_FORMAT}\" in its metadata")
-        version, keys, gauss = json.loads(meta["python"])
-        kind, np_keys, pos, has_gauss, cached = json.loads(meta["numpy"])
-        return {"python": (version, tuple(keys), gauss),
-                "numpy": (kind, np.asarray(np_keys, dtype=np.uint32), pos, has_gauss, cached),
-                "torch": tensors.pop("torch"), "tracker": {k.removeprefix("tracker."): v for k, v in tensors.items()}}
+        python, numpy = _json_list(file, meta, "python", 3), _json_list(file, meta, "numpy", 5)
+    except StateFileError:
+        raise
     except Exception as e:  # noqa: BLE001 - SafetensorError, KeyError, ValueError: a damaged file
-        raise ValueError(f"{file}: damaged RNG state ({type(e).__name__}: {e})") from None
+        raise StateFileError(f"{file}: damaged RNG state ({type(e).__name__}: {e})") from None
+    version, keys, gauss = python
+    kind, np_keys, pos, has_gauss, cached = numpy
+    np_keys = np.asarray(np_keys, dtype=np.uint32) if _uint32s(np_keys) else np_keys  # else refused as it is
+    state = {"python": (version, tuple(keys) if isinstance(keys, list) else keys, gauss),
+             "numpy": (kind, np_keys, pos, has_gauss, cached), "torch": tensors.pop("torch", None),
+             "tracker": {k.removeprefix("tracker."): v for k, v in tensors.items()}}
+    _check_rng_state(file, state)
+    return state
+
+
+def _json_list(file: Path, meta: dict, field: str, length: int) -> list:
+    value = json.loads(meta[field])
+    if not isinstance(value, list) or len(value) != length:
+        raise StateFileError(f"{file}: field {field!r} must be a JSON list of {length} items (got "
+                             f"{meta[field][:80]!r})")
+    return value
+
+
+def _uint32s(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and 0 <= v < 2**32 for v in value)
+
+
+def _check_rng_state(file: Path, state) -> None:
+    """StateFileError naming `file` and the field unless each state is one its generator takes: the python and numpy
+    states and the torch CPU state are set on fresh generators of their own (the libraries are the judges), each
+    Megatron-tracker state must be a 1-D uint8 tensor (a CPU or a CUDA generator's state)."""
+    import random as random_module
+
+    import torch
+
+    if not isinstance(state, dict):
+        raise StateFileError(f"{file}: expected a mapping of RNG states, got {type(state).__name__}")
+    checks = {"python": lambda v: random_module.Random().setstate(v),
+              "numpy": lambda v: np.random.RandomState().set_state(v),
+              "torch": lambda v: torch.Generator().set_state(v)}
+    for field, check in checks.items():
+        try:
+            check(state.get(field))
+        except Exception as e:  # noqa: BLE001 - TypeError, ValueError, RuntimeError: not that generator's state
+            raise StateFileError(f"{file}: field {field!r} is not a {field} RNG state ({type(e).__name__}: "
+                                 f"{' '.join(str(e).split())[:200]})") from None
+    tracker = state.get("tracker")
+    if not isinstance(tracker, dict):
+        raise StateFileError(f"{file}: field 'tracker' must be a mapping of RNG-tracker states (got "
+                             f"{type(tracker).__name__})")
+    for name, value in tracker.items():
+        if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1 and value.numel()):
+            shown = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise StateFileError(f"{file}: field 'tracker.{name}' must be an RNG state (a 1-D uint8 tensor), got "
+                                 f"{shown[:200]}")
 
 
 def _numpy_rng_types() -> tuple:
@@ -103,15 +157,23 @@ def _numpy_rng_types() -> tuple:
     return (_reconstruct, np.ndarray, np.dtype, UInt32DType)
 
 
+def _read_rank_rng(path: Path, rank: int) -> dict | None:
+    """This rank's RNG states in the checkpoint at `path`, checked (`_check_rng_state`); None when it holds none."""
+    if (file := rng_file(path, rank)).is_file():
+        return _read_rng(file)
+    if (file := rng_file(path, rank, legacy=True)).is_file():
+        state = load_torch_file(file, allow=_numpy_rng_types())
+        _check_rng_state(file, state)
+        return state
+    return None
+
+
 def _load_rng(path: Path, rank: int) -> bool:
     """Restore this rank's RNG states from the checkpoint at `path`; False when it holds none for this rank."""
-    if (file := rng_file(path, rank)).is_file():
-        _set_rng_state(_read_rng(file))
-    elif (file := rng_file(path, rank, legacy=True)).is_file():
-        _set_rng_state(load_torch_file(file, allow=_numpy_rng_types()))
-    else:
-        return False
-    return True
+    state = _read_rank_rng(path, rank)
+    if state is not None:
+        _set_rng_state(state)
+    return state is not None
 
 
 def write_common_state(path: Path, state: dict) -> None:
@@ -136,15 +198,33 @@ def read_common_state(path: str | Path) -> dict:
     if not file.is_file() and legacy.is_file():
         data = load_torch_file(legacy)
         if not isinstance(data, dict) or "step" not in data:
-            raise ValueError(f"{legacy}: damaged common state (no step)")
+            raise StateFileError(f"{legacy}: damaged common state (no step)")
+        _check_common_state(legacy, data)
         return data
     try:
         data = json.loads(file.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: unreadable common state ({e})") from None
+        raise StateFileError(f"{file}: unreadable common state ({e})") from None
     if not isinstance(data, dict) or data.get("format") != COMMON_FORMAT or "step" not in data:
-        raise ValueError(f"{file}: not a checkpoint common state (format {COMMON_FORMAT!r} with a step)")
+        raise StateFileError(f"{file}: not a checkpoint common state (format {COMMON_FORMAT!r} with a step)")
+    _check_common_state(file, data)
     return data
+
+
+def _check_common_state(file: Path, data: dict) -> None:
+    """StateFileError naming `file` and the field unless step is an integer >= 0, scheduler and extra are mappings
+    and world_size, when there, an integer >= 1 (what `save_learner` writes; `load_learner` relies on each)."""
+    def integer(low):
+        return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    rules = {"step": (integer(0), "an integer >= 0"), "scheduler": (lambda v: isinstance(v, dict), "a mapping"),
+             "extra": (lambda v: isinstance(v, dict), "a mapping"), "world_size": (integer(1), "an integer >= 1")}
+    for field, (ok, rule) in rules.items():
+        if field == "world_size" and field not in data:  # optional: without it the RNG states are not restored
+            continue
+        if field not in data or not ok(data[field]):
+            got = f"{data[field]!r:.200}" if field in data else "nothing"
+            raise StateFileError(f"{file}: field {field!r} must be {rule} (got {got})")
 
 
 def has_common_state(path: str | Path) -> bool:
@@ -240,6 +320,8 @@ def load_learner(learner, path: str | Path, *, load_optimizer: bool = True, load
     torch_dist_safe_load.apply()
     check_checkpoint_files(path)
     common = read_common_state(path)
+    same_layout = load_rng and common.get("world_size") == dist.get_world_size()
+    rng = _read_rank_rng(path, dist.get_rank()) if same_layout else None  # checked before anything is loaded
     with_optimizer = load_optimizer and common["step"] > 0
     state = dist_checkpointing.load(_sharded_state(learner, True, with_optimizer), str(path))
     learner.model.module.load_state_dict(state["model"])
@@ -248,7 +330,7 @@ def load_learner(learner, path: str | Path, *, load_optimizer: bool = True, load
     learner.step = common["step"]
     if common["step"] > 0:  # resuming a run continues its schedule; a step-0 (e.g. converted) checkpoint
         learner.scheduler.load_state_dict(common["scheduler"])  # leaves this learner's configured one
-    if load_rng and common.get("world_size") == dist.get_world_size():
-        _load_rng(path, dist.get_rank())
+    if rng is not None:
+        _set_rng_state(rng)
     log.info("loaded checkpoint %s (step %d)", path, learner.step)
     return common["extra"]

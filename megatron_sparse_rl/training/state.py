@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_sparse_rl.config.loader import to_dict
 from megatron_sparse_rl.formats.hf_writer import ShardedSafetensorsWriter, write_side_files
-from megatron_sparse_rl.learner.checkpoint import (is_complete, load_learner, param_dtype_name, save_learner,
-                                                  temporary_path)
+from megatron_sparse_rl.learner.checkpoint import (COMMON, StateFileError, is_complete, load_learner,
+                                                  param_dtype_name, read_common_state, save_learner, temporary_path)
 from megatron_sparse_rl.learner.finite import require_finite_weights
 from megatron_sparse_rl.learner.integrity import owner_of, verify_files
 from megatron_sparse_rl.training import run_dir
@@ -145,10 +145,44 @@ def resume_run(ctx: RunContext) -> dict | None:
     compared = run_dir.check_resume(path, ctx.run)  # a JSON read; the claim did it for the newest checkpoint
     if path != ctx.owner.compared and ctx.is_main:
         run_dir.announce_resume(ctx.owner.run_id, path, compared)
-    extra = load_learner(ctx.learner, path)
-    ctx.task.load_state_dict(extra["task"])
+    try:  # the checkpoint's own state is checked (JSON reads) before any weight is loaded
+        extra = read_common_state(path)["extra"]
+        counters = _saved_counters(path / COMMON, extra)
+        try:
+            ctx.task.load_state_dict(extra["task"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StateFileError(f"{path / COMMON}: field 'extra.task' is not a data position of this run's task "
+                                 f"({type(e).__name__}: {e})") from None
+        load_learner(ctx.learner, path)  # its RNG files are checked before its weights load
+    except StateFileError as e:
+        raise RunDirError(f"cannot resume from {str(path)!r}: {e}. Its manifest matches these bytes, so it was "
+                          "written so: move that checkpoint out of the directory to resume from the one before it, or "
+                          "start over with --set logging.overwrite=true") from None
     log.info("resumed from %s\n  %s", path, "\n  ".join(compared))  # the log file's record of the comparison
-    return extra["counters"]
+    return counters
+
+
+RUN_COUNTERS = {"rl_step": int, "sft_step": int, "syncs": int, "sft_done": bool, "metrics_records": int}
+"""The loop counters a run's checkpoint holds (`extra.counters` of its common_state.json) and their types; all but
+metrics_records (the records of metrics.jsonl, absent when the run kept none) are required."""
+
+
+def _saved_counters(file: Path, extra: dict) -> dict:
+    """`extra["counters"]`, checked against RUN_COUNTERS; StateFileError naming `file` and the field otherwise."""
+    counters = extra.get("counters")
+    if not isinstance(counters, dict):
+        raise StateFileError(f"{file}: field 'extra.counters' must be a mapping of the run's loop counters (got "
+                             f"{counters!r:.200})")
+    for name, kind in RUN_COUNTERS.items():
+        if name == "metrics_records" and name not in counters:
+            continue
+        value = counters.get(name)
+        ok = isinstance(value, bool) if kind is bool else type(value) is int and value >= 0
+        if not ok:
+            rule = "true or false" if kind is bool else "an integer >= 0"
+            got = f"{value!r:.200}" if name in counters else "nothing"
+            raise StateFileError(f"{file}: field 'extra.counters.{name}' must be {rule} (got {got})")
+    return counters
 
 
 def stop_requested(ctx: RunContext, stops, *, preemption: bool = True) -> str | None:
