@@ -14,6 +14,8 @@ that one address; what the ranks open is parallel/world.py's business. Only the 
 other backends (`--standalone`, c10d, etcd) create their stores where this module cannot bind them.
 A stop signal ends it with one line and 128 + the signal number, after torch has passed the signal to the ranks and
 waited up to --shutdown-timeout for them (training/stops.py: they checkpoint and exit), not with a traceback.
+Ranks that refuse to start (a ConfigError, recorded in their error files: launch/refusal.py) end it with each
+distinct message once as `error: ...` and exit 2, as `msrl train` alone does, not with torch's failure report.
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+from megatron_sparse_rl.launch.refusal import messages
 
 
 def _one_node(args) -> bool:
@@ -64,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as e:  # torch has passed the signal to the ranks and waited for them (--shutdown-timeout)
         print(f"launch.torchrun: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
         return 128 + e.sigval
+    except ChildFailedError as e:
+        refused = messages(e.failures)
+        if not refused:  # a crash: torch's report (each failed rank, its exit code or signal, the root cause)
+            raise
+        print("\n".join(f"error: {m}" for m in refused), file=sys.stderr)
+        return 2
     return 0
 
 

@@ -7,7 +7,8 @@ installs as `megatron_sparse_rl.tools`, setup.py maps it).
 Each subcommand lives in its own module `tools/<name>_cmd.py` exposing `add_arguments(parser)` and
 `run(args) -> int`; add one by writing that module and, for a new name, a line in COMMANDS. Only the
 chosen command's module is imported. A command whose module does not exist yet answers
-"not implemented yet" (exit 2). A ConfigError from any command prints `error: <message>` (exit 2).
+"not implemented yet" (exit 2). A ConfigError from any command prints `error: <message>` (exit 2); in a rank of a
+torchrun launch it goes to the rank's error file instead, and the launcher prints it once (launch/refusal.py).
 """
 from __future__ import annotations
 
@@ -75,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     from megatron_sparse_rl.config import ConfigError
+    from megatron_sparse_rl.launch.refusal import record
 
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not record(str(e)):  # a torchrun rank's refusal is printed once, by the launcher
+            print(f"error: {e}", file=sys.stderr)
         return 2
 
 
