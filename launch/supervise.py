@@ -43,8 +43,10 @@ def supervise(cmd: list[str], *, run_dir: Path) -> int:
             signal.signal(sig, handler)
     record = _stop_record(run_dir, since=started)
     if record is not None:
-        print(f"msrl: the run stopped ({record.get('stopped')}) at {record.get('at')}; checkpoint "
-              f"{record.get('checkpoint')}; run the same command again to resume", file=sys.stderr, flush=True)
+        saved = (f"checkpoint {record['checkpoint']}" if record.get("checkpoint")
+                 else "no new checkpoint (stopped before the first step)")
+        print(f"msrl: the run stopped ({record.get('stopped')}) at {record.get('at')}; {saved}; run the same "
+              "command again to resume", file=sys.stderr, flush=True)
         return EXIT_STOPPED
     return rc
 

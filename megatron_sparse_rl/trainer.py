@@ -28,12 +28,13 @@ def train(run: RunConfig) -> dict:
     """Run the loop; a SIGTERM / SIGINT stops it at the next step boundary with a checkpoint (training/stops.py):
     the summary then has "stopped" (the reason) and "checkpoint"."""
     cfg = run.trainer
-    stops = StopSignals(timeout_s=cfg.stop_timeout_s).install()
+    stops = StopSignals(timeout_s=cfg.stop_timeout_s, role="starting").install()
     try:
         ctx = build_context(run, total_steps=max(cfg.steps * cfg.updates_per_rollout, 1))
         if isinstance(ctx, RolloutRank):  # disaggregated: serve learner rank 0 until it says stop
             stops.role = "rollout rank"
             return serve(ctx)
+        stops.role = "trainer"
         try:
             return rl_loop(ctx, stops)
         except BaseException:

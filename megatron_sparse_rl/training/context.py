@@ -235,8 +235,9 @@ def _learners(run: RunConfig, adapter, spec, layout, groups, model_dir: Path, to
 
 
 def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
-    """This rank's vLLM engine, with the extensions the run asks for; vLLM's CPU patches are applied first."""
-    from megatron_sparse_rl.patches import vllm_cpu
+    """This rank's vLLM engine, with the extensions the run asks for; vLLM's CPU patches are applied first, and the
+    one that keeps vLLM's start-up child out of reach of a stop signal to this process group."""
+    from megatron_sparse_rl.patches import vllm_cpu, vllm_registry_session
     from megatron_sparse_rl.rollout import RolloutEngine
 
     if run.launch.rollout_world_size and torch.cuda.is_available():
@@ -244,6 +245,7 @@ def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
                                   "bridge is gloo over CPU buffers, and the path was never run on a GPU); set "
                                   "launch.rollout_ranks=0 and launch.rollout_nodes=0 for a colocated run")
     vllm_cpu.apply()
+    vllm_registry_session.apply()  # a stop during start-up is the trainer's to handle (training/stops.py)
     return RolloutEngine(model_dir, run.rollout, cache_dir=run_dir / "vllm_cache",
                          extensions=_engine_extensions(run, spec))
 

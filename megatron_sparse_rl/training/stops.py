@@ -6,8 +6,9 @@ path.
 
 The stop is bounded: when the step in flight and the checkpoint have not finished `trainer.stop_timeout_s` seconds
 after the first signal, or when a second signal arrives, the process gives up at once (exit 128 + the signal
-number, "abandoned": the run resumes from its previous checkpoint). A stop asked for before the first step exits
-at once (nothing to checkpoint).
+number, "abandoned": the run resumes from its previous checkpoint). A stop asked for during start-up writes no
+checkpoint (nothing new to save): the set-up finishes (the engine's start-up child is out of reach of a signal to
+the process group: patches/vllm_registry_session.py), then the run exits with EXIT_STOPPED before its first step.
 
     stops = StopSignals(timeout_s=120).install()
     ...
@@ -35,6 +36,8 @@ class StopSignals:
     boundaries and arms a watchdog; the second, or the watchdog, ends the process at once."""
 
     def __init__(self, *, timeout_s: float, role: str = "trainer"):
+        """`role` says what a first signal does, in its log line: "trainer" (the loop checkpoints at the next step
+        boundary), "starting" (set-up: the process exits before its first step) or "rollout rank"."""
         self.timeout_s = timeout_s
         self.role = role
         self.signum: int | None = None
@@ -68,8 +71,9 @@ class StopSignals:
         if self.signum is not None:  # asked twice: the user wants out now
             abandon(signum, f"{signal.Signals(signum).name} received again")
         self.signum = signum
-        what = ("finishing the step in flight, then checkpointing and exiting" if self.role == "trainer"
-                else "waiting for the learner to checkpoint and stop this rank")
+        what = {"trainer": "finishing the step in flight, then checkpointing and exiting",
+                "starting": "finishing start-up, then exiting before the first step (nothing to checkpoint)",
+                }.get(self.role, "waiting for the learner to checkpoint and stop this rank")
         log.warning("%s received: %s (at most %.0f s, trainer.stop_timeout_s; send it again to stop at once "
                     "without a checkpoint)", self.name, what, self.timeout_s)
         self._watchdog = threading.Timer(self.timeout_s, abandon, (signum, f"the stop did not finish within "

@@ -6,7 +6,8 @@ What the project uses beyond vLLM's public API (`LLM.generate`, `collective_rpc`
 function here: the engine core and scheduler behind an `LLM`, the model runner and its per-step batch
 (`StepContext`), request ids, the `SchedulerOutput` rider, the KV coordinator class swap, the runner's block
 tables and attention layers (`RunnerKV`), the sampler, the MoE routers, the DSA indexers' output, whether the
-engine runs multi-head latent attention (`uses_mla`), and the methods the CPU patches wrap (patches/vllm_cpu_*.py).
+engine runs multi-head latent attention (`uses_mla`), and the methods the CPU patches wrap (patches/vllm_cpu_*.py)
+or replace (patches/vllm_registry_session.py).
 The sparse-KV scheduler subclasses vLLM's `Scheduler` (its public `scheduler_cls` option) and uses what it
 inherits: listed here too.
 
@@ -126,6 +127,7 @@ cpu_moe_reload vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method
 cpu_seeded_chunks {RUNNER} input_batch
     _bookkeeping_sync(self,scheduler_output,sampler_output,logits,hidden_states,num_scheduled_tokens)
 cpu_seeded_chunks vllm.v1.worker.gpu_input_batch:InputBatch generators
+registry_session vllm.model_executor.models.registry _run_in_subprocess(fn) _SUBPROCESS_COMMAND
 cpu_rotary vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding forward_cpu(self,positions,query,key)
     forward_native(self,positions,query,key)
 in_flight vllm.v1.core.sched.scheduler:Scheduler requests reset_prefix_cache(self,reset_running_requests)

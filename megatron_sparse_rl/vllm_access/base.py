@@ -20,6 +20,8 @@ FEATURES = {
     "cpu_moe_reload": "the CPU fused-MoE reload patch",
     "cpu_rotary": "the CPU rotary-embedding patch (DeepSeek / Kimi-K2 default RoPE)",
     "cpu_seeded_chunks": "the CPU patch for seeded sampling of chunked prefills (no generator offset rewind)",
+    "registry_session": "the patch that starts the model-registry inspection child in a session of its own (a stop "
+                        "signal to the trainer's process group during engine start-up)",
     "sparse_kv_mla": "sparse KV on the multi-head latent attention cache (the latent layer's dimensions, its KV "
                      "writer and its query, absorbed with W_UK_T)",
     "in_flight": "weights loaded between engine steps while requests run (asynchronous RL): each running sample's "
