@@ -5,7 +5,9 @@ checkpoint it saves records that id (learner/integrity.py).
 At start (`claim`, rank 0, before Megatron or vLLM start), first the directory is locked (training/run_lock.py:
 an flock on the directory itself, held to the end of the run): a directory a live process holds is refused,
 naming that process; a holder that died (even by SIGKILL) released its lock, and its directory is taken over.
-Then:
+The checkpoint directory (`checkpoint.dir`, default <logging.dir>/checkpoints; made here when missing) is locked
+the same way, so that two runs with different logging.dir never share one: a checkpoint directory another live
+run holds is refused, naming `checkpoint.dir`, the directory and that process. Then:
 - the directory holds nothing of a run (or does not exist): a fresh run; `run.json` is written;
 - it holds this run's identity and `checkpoint.resume` is on: the run continues (from its own checkpoints only);
 - anything else (another run's metrics, checkpoints, exports, or a run to resume while `checkpoint.resume` is
@@ -37,7 +39,7 @@ from megatron_sparse_rl.learner.checkpoint import is_complete, read_config
 from megatron_sparse_rl.learner.integrity import owner_of
 from megatron_sparse_rl.training.resume_config import compare
 from megatron_sparse_rl.training.run_lock import (
-    DirLock, RunLockedError, describe, is_this_process, lock, this_process,
+    DirLock, RunLockedError, describe, flock_holder, is_this_process, lock, this_process,
 )
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ class RunDir:
     """The checkpoint whose saved config `claim` compared with this run's (this run's newest complete one)."""
     lock: DirLock | None = field(default=None, compare=False)
     """The directory's lock, held by the process that claimed it until it exits (training/run_lock.py)."""
+    checkpoint_lock: DirLock | None = field(default=None, compare=False)
+    """The checkpoint directory's lock, held the same way."""
 
 
 def checkpoint_root(run: RunConfig) -> Path:
@@ -174,25 +178,41 @@ def _made_dirs(run_dir: Path) -> list[Path]:
 
 
 def claim(run: RunConfig) -> RunDir:
-    """Lock `logging.dir` (training/run_lock.py), then decide whether this run starts fresh or continues (rank 0
-    only; see the module docstring). Raises RunDirError, having written and removed nothing, when a live process
-    holds the directory or it belongs to something else."""
-    run_dir = Path(run.logging.dir)
+    """Lock `logging.dir` and the checkpoint directory (training/run_lock.py), then decide whether this run starts
+    fresh or continues (rank 0 only; see the module docstring). Raises RunDirError, having written and removed
+    nothing, when a live process holds either directory or the run directory belongs to something else."""
+    run_dir, ckpts = Path(run.logging.dir), checkpoint_root(run)
     made = _made_dirs(run_dir)
     try:
         held = lock(run_dir, lambda: _read_record(run_dir).get("holder"))
     except RunLockedError as e:
         raise RunDirError(str(e)) from None
+    locks = [held]
     try:
-        return replace(_decide(run, run_dir, checkpoint_root(run)), lock=held)
+        made = _made_dirs(ckpts) + made  # deepest first: the checkpoint directory may lie in run_dir
+        locks.append(_lock_checkpoints(run, ckpts))
+        return replace(_decide(run, run_dir, ckpts), lock=held, checkpoint_lock=locks[1])
     except BaseException:
-        held.release()
+        for taken in locks:
+            taken.release()
         for p in made:
             try:
                 p.rmdir()
-            except OSError:
-                break
+            except OSError:  # something is in it now (e.g. a run started at the same time): it stays
+                pass
         raise
+
+
+def _lock_checkpoints(run: RunConfig, ckpts: Path) -> DirLock:
+    """The checkpoint directory's lock; RunDirError naming it and its holder when another live run holds it."""
+    field_name = "checkpoint.dir" if run.checkpoint.dir else "checkpoint.dir (default <logging.dir>/checkpoints)"
+    try:
+        return lock(ckpts, lambda: flock_holder(ckpts), field=field_name,
+                    way_out="give this run a checkpoint directory of its own (--set checkpoint.dir=...): two runs "
+                            "must not share one",
+                    unknown="a process on another host (its lock is not in this host's lock table)")
+    except RunLockedError as e:
+        raise RunDirError(str(e)) from None
 
 
 def _decide(run: RunConfig, run_dir: Path, ckpts: Path) -> RunDir:

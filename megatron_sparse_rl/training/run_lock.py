@@ -11,6 +11,10 @@ locked; exec'd ones never get it.
 The holder (pid, host, start time, command line) is recorded by `claim` in `run.json` right after the lock is
 taken; a refused start names it. A second `claim` in the process that holds the lock (the holder recorded is
 this process) shares it.
+
+`claim` locks the run's checkpoint directory the same way (`checkpoint.dir`, or <logging.dir>/checkpoints), so that
+two runs never share one. No run record lives there: the holder of its lock is read from the kernel's lock table
+(`flock_holder`, /proc/locks: the process on this host holding the lock).
 """
 from __future__ import annotations
 
@@ -46,10 +50,13 @@ def is_this_process(holder: dict | None) -> bool:
     return bool(holder) and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
 
 
-def describe(holder: dict | None) -> str:
-    """'process 1234 on host h (started ..., command: ...)' or what is known of it."""
+UNRECORDED = "a process that has not recorded itself in run.json yet"
+
+
+def describe(holder: dict | None, unknown: str = UNRECORDED) -> str:
+    """'process 1234 on host h (started ..., command: ...)' or what is known of it (`unknown`: nothing)."""
     if not holder:
-        return "a process that has not recorded itself in run.json yet"
+        return unknown
     started = f", started {holder['started']}" if holder.get("started") else ""
     command = f", command: {holder['command']}" if holder.get("command") else ""
     return f"process {holder.get('pid')} on host {holder.get('host')}{started}{command}"
@@ -92,28 +99,53 @@ class DirLock:
         self.path, self._fd = state["path"], None
 
 
-def lock(run_dir: Path, holder_of: Callable[[], dict | None]) -> DirLock:
+def flock_holder(path: Path) -> dict | None:
+    """The process on this host that holds a flock on directory `path`, as a holder record (pid, host, command
+    line), from the kernel's lock table (/proc/locks, Linux); None when none is listed (no such table, or a holder
+    on another host of a network filesystem)."""
+    try:
+        st = os.stat(path)
+        table = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table:  # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:2146442 0 EOF"; a waiter's line has "->"
+        fields = line.split()
+        if "FLOCK" in fields and inode in fields and "->" not in fields:
+            pid = int(fields[fields.index(inode) - 1])
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                command = ""
+            return {"pid": pid, "host": socket.gethostname(), "command": command.strip()[:500]}
+    return None
+
+
+def lock(run_dir: Path, holder_of: Callable[[], dict | None], *, field: str = "logging.dir",
+         way_out: str = "start this run in another directory (--set logging.dir=...)",
+         unknown: str = UNRECORDED) -> DirLock:
     """Take `run_dir`'s lock (the directory must exist). `holder_of()` reads the holder recorded in the directory.
-    Raises RunLockedError naming the holder when another live process holds it; this process holding it already
-    gives a DirLock sharing it. A filesystem that cannot lock directories is warned about, not refused."""
+    Raises RunLockedError naming `field`, the directory and the holder (`unknown` when none is found) when another
+    live process holds it, the message ending with `way_out`; this process holding it already gives a DirLock
+    sharing it. A filesystem that cannot lock directories is warned about, not refused."""
     for _ in range(5):
         fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            return _held_elsewhere(run_dir, holder_of)
+            return _held_elsewhere(run_dir, holder_of, field, way_out, unknown)
         except OSError as e:
             os.close(fd)
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EBADF, errno.EINVAL):
                 raise
-            log.warning("cannot lock logging.dir %s on this filesystem (%s): a second run started into it at the "
-                        "same time would not be refused", run_dir, e.strerror)
+            log.warning("cannot lock %s %s on this filesystem (%s): a second run started into it at the same time "
+                        "would not be refused", field, run_dir, e.strerror)
             return DirLock(run_dir, None)
         if _same_dir(run_dir, fd):
             return DirLock(run_dir, fd)
         os.close(fd)  # the directory was removed and made again while we waited: lock the one there now
-    raise RunLockedError(f"logging.dir {str(run_dir)!r} keeps being replaced while this run tries to lock it")
+    raise RunLockedError(f"{field} {str(run_dir)!r} keeps being replaced while this run tries to lock it")
 
 
 def _same_dir(run_dir: Path, fd: int) -> bool:
@@ -124,7 +156,8 @@ def _same_dir(run_dir: Path, fd: int) -> bool:
     return (now.st_dev, now.st_ino) == (locked.st_dev, locked.st_ino)
 
 
-def _held_elsewhere(run_dir: Path, holder_of: Callable[[], dict | None]) -> DirLock:
+def _held_elsewhere(run_dir: Path, holder_of: Callable[[], dict | None], field: str, way_out: str,
+                    unknown: str) -> DirLock:
     """The lock is taken: by this process (share it) or by another one (refuse, naming it once it has recorded
     itself, which it does right after locking)."""
     deadline = time.monotonic() + RECORD_WAIT_S
@@ -134,6 +167,5 @@ def _held_elsewhere(run_dir: Path, holder_of: Callable[[], dict | None]) -> DirL
         holder = holder_of()
     if is_this_process(holder):
         return DirLock(run_dir, None)
-    raise RunLockedError(
-        f"logging.dir {str(run_dir)!r} is in use by a live run: {describe(holder)}. Wait for it to finish or stop "
-        f"it, or start this run in another directory (--set logging.dir=...)")
+    raise RunLockedError(f"{field} {str(run_dir)!r} is in use by a live run: {describe(holder, unknown)}. Wait for it to "
+                         f"finish or stop it, or {way_out}")

@@ -1,7 +1,9 @@
 """One run per directory (training/run_dir.py, training/run_lock.py): a live run's directory is refused naming its
-process, with nothing written by the refused one; a run killed with SIGKILL leaves a lock that is taken over; a
-forked child does not keep its parent's lock; `logging.overwrite` removes only what a run recorded that it wrote;
-a degenerate `logging.dir` is refused when the config is read (so `msrl validate` refuses it too).
+process, with nothing written by the refused one; so is a checkpoint directory a live run uses (`checkpoint.dir`,
+or another run's default <logging.dir>/checkpoints), also by `msrl train` before anything starts; a run killed with
+SIGKILL leaves a lock that is taken over; a forked child does not keep its parent's lock; `logging.overwrite`
+removes only what a run recorded that it wrote; a degenerate `logging.dir` is refused when the config is read (so
+`msrl validate` refuses it too).
 
     .venv/bin/python -m pytest -q tests/unit/test_run_dir_lock.py
 """
@@ -9,16 +11,19 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron_sparse_rl.config import ConfigError, load_config
 from megatron_sparse_rl.learner.integrity import digest_files, write_manifest
 from megatron_sparse_rl.training.run_dir import RUN_FILE, RunDirError, claim
+from tests.msrl import MSRL
 from tests.snapshot import snapshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,7 +102,58 @@ def test_two_runs_started_at_once_one_is_refused_naming_the_other(tmp_path):
     assert f"process {claimed.split()[1]} on host" in refused and str(tmp_path / "run") in refused
     record = json.loads((tmp_path / "run" / RUN_FILE).read_text())
     assert record["holder"]["pid"] == int(claimed.split()[1])
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [RUN_FILE]  # one run's record, nothing else
+    # one run's record and its checkpoint directory (made and locked when it claims), nothing of the refused one
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints", RUN_FILE]
+
+
+CKPT_REFUSAL = ("{field} {path!r} is in use by a live run: process {pid} on host {host}, command: {command}. Wait "
+               "for it to finish or stop it, or give this run a checkpoint directory of its own (--set "
+               "checkpoint.dir=...): two runs must not share one")
+
+
+@pytest.mark.parametrize("case", ["both set it", "the live run's default", "this run's default"])
+def test_a_checkpoint_dir_a_live_run_uses_is_refused_naming_it_and_nothing_is_written(tmp_path, case):
+    """Two runs in different logging.dir sharing one checkpoint directory: the second is refused, naming the
+    setting, the directory and the live run's process, whichever run names the directory and whichever takes the
+    default (before, only logging.dir was locked and both started)."""
+    shared = {"both set it": tmp_path / "shared", "the live run's default": tmp_path / "run" / "checkpoints",
+              "this run's default": tmp_path / "second" / "checkpoints"}[case]
+    first_sets = [] if case == "the live run's default" else [f"checkpoint.dir={shared}"]
+    second_sets = [f"logging.dir={tmp_path / 'second'}"] + ([] if case == "this run's default"
+                                                            else [f"checkpoint.dir={shared}"])
+    first = _holder(tmp_path, *first_sets)
+    try:
+        [pid] = _wait_claimed(first)
+        before = snapshot(tmp_path)
+        with pytest.raises(RunDirError) as err:
+            claim(_run(tmp_path, *second_sets))
+        field = "checkpoint.dir (default <logging.dir>/checkpoints)" if case == "this run's default" else \
+            "checkpoint.dir"
+        command = " ".join(psutil.Process(pid).cmdline())[:500]  # a holder's command line is kept to 500 characters
+        assert str(err.value) == CKPT_REFUSAL.format(field=field, path=str(shared), pid=pid,
+                                                     host=socket.gethostname(), command=command)
+        assert snapshot(tmp_path) == before  # the second run's logging.dir was made for its lock, and removed
+    finally:
+        _stop(first)
+
+
+def test_msrl_train_refuses_a_shared_checkpoint_dir_before_anything_starts(tmp_path):
+    shared = tmp_path / "shared"
+    first = _holder(tmp_path, f"checkpoint.dir={shared}")
+    try:
+        [pid] = _wait_claimed(first)
+        before = snapshot(tmp_path)
+        done = subprocess.run([*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"), "--set",
+                               f"logging.dir={tmp_path / 'second'}", f"model.path={tmp_path / 'model'}",
+                               f"checkpoint.dir={shared}"], cwd=REPO, capture_output=True, text=True, timeout=200)
+    finally:
+        _stop(first)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint.dir {str(shared)!r} is in use by a live "
+                                                     f"run: process {pid} on host"), errors
+    assert snapshot(tmp_path) == before  # no second run directory, no tiny model: Megatron and vLLM never started
 
 
 def test_a_run_killed_with_sigkill_leaves_a_lock_that_is_taken_over(tmp_path, caplog):
