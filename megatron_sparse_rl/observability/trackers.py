@@ -92,19 +92,14 @@ def _import_problem(name: str) -> str | None:
     for module in PACKAGES[name]:
         try:
             require(module, f"logging.trackers: {name}", HINT)
-            importlib.import_module(module)
         except ImportError as e:
-            if "is not installed" in str(e):
-                return str(e)
-            return _broken(name, module, e)
+            return str(e)
+        try:
+            importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 - an install can be broken in any way; the message says which
-            return _broken(name, module, e)
+            return (f"logging.trackers: {name}: 'import {module}' fails ({type(e).__name__}: {e}), so its install "
+                    f"is broken; reinstall it ({HINT}) or remove {name} from logging.trackers")
     return None
-
-
-def _broken(name: str, module: str, e: BaseException) -> str:
-    return (f"logging.trackers: {name}: 'import {module}' fails ({type(e).__name__}: {e}), so its install is "
-            f"broken; reinstall it ({HINT}) or remove {name} from logging.trackers")
 
 
 def mlflow_store_dir(cfg) -> Path | None:

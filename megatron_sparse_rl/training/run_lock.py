@@ -167,5 +167,5 @@ def _held_elsewhere(run_dir: Path, holder_of: Callable[[], dict | None], field: 
         holder = holder_of()
     if is_this_process(holder):
         return DirLock(run_dir, None)
-    raise RunLockedError(f"{field} {str(run_dir)!r} is in use by a live run: {describe(holder, unknown)}. Wait for it to "
-                         f"finish or stop it, or {way_out}")
+    raise RunLockedError(f"{field} {str(run_dir)!r} is in use by a live run: {describe(holder, unknown)}. Wait for "
+                         f"it to finish or stop it, or {way_out}")

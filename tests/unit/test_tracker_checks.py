@@ -162,8 +162,9 @@ def test_a_file_store_mlflow_refuses_is_named(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     before = snapshot(tmp_path)
     assert tracker_problems(_mlflow(tmp_path, uri)) == [
-        f"logging.mlflow.tracking_uri {uri!r} is a file store, which MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true: "
-        "set that (MLflow's own switch for this store), or use a database store such as sqlite:///path/mlflow.db "
+        f"logging.mlflow.tracking_uri {uri!r} is a file store, which MLflow refuses unless "
+        "MLFLOW_ALLOW_FILE_STORE=true: set that (MLflow's own switch for this store), or use a database store such as "
+        "sqlite:///path/mlflow.db "
         "(null: <logging.dir>/mlflow.db)"]
     assert snapshot(tmp_path) == before
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
