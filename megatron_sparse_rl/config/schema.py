@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
 from megatron_sparse_rl.config.data import DataConfig, RewardConfig
@@ -33,6 +33,8 @@ TINY_ARCH_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """The `model.tiny` fields that apply to some architectures only (the others apply to all): set on another
 architecture to anything but their default, they are refused."""
+KernelChoice = Literal["auto", "local", "fast"]
+"""learner.kernels: the modules that compute routed experts and core attention (models/kernels.py)."""
 TINY_MAX_WIDTH = 1 << 17
 """The largest `model.tiny` hidden, MLP and latent size (131,072: above every released model's, e.g. Llama-3.1-405B's
 MLP of 53,248); the random model is built in host memory at start."""
@@ -247,8 +249,16 @@ class LearnerConfig:
     longest row (pipeline parallel > 1: the batch's), so padding costs little compute. Off: rows in order."""
     seed: int = 1234
     """Seed of weight init (when not loading) and of Megatron's RNG trackers."""
+    kernels: KernelChoice = "auto"
+    """Which modules compute routed experts and core attention (models/kernels.py, docs/performance.md): "local"
+    (Megatron's SequentialMLP, a loop over experts, and DotProductAttention, a materialised softmax), "fast"
+    (grouped-GEMM experts over torch._grouped_mm and scaled_dot_product_attention; on CUDA also Megatron's fused
+    SwiGLU and bias-dropout-add), "auto" (fast on CPU, where it measured faster, and on CUDA). Both hold the same
+    parameters: checkpoints, optimizer state included, load across choices."""
 
     def __post_init__(self):
+        _check(self.kernels in get_args(KernelChoice),
+               f"learner.kernels must be one of {list(get_args(KernelChoice))} (got {self.kernels!r})")
         _check(self.micro_batch_size >= 1, f"learner.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
         _range(self.micro_batch_size, "learner.micro_batch_size", 1, MAX_BATCH)
         _range(self.seed, "learner.seed", 0, MAX_SEED)

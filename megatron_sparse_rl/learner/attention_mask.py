@@ -14,8 +14,9 @@ Heads: query head h of KV group g = h // (heads / kv_heads) (Megatron's GQA expa
 parallelism this rank holds KV groups [tp_rank * g_local, (tp_rank + 1) * g_local). A mask with ONE KV head
 applies to every query head on every rank: multi-head latent attention (DeepSeek-V3 / Kimi-K2), whose engine
 keeps one set of latent rows per layer for all heads, records it that way. Layers: the global
-index `layer_number - 1` (pipeline offsets included). Only Megatron's local (torch) DotProductAttention is
-supported: it applies any boolean mask through `masked_fill`; fused/TE kernels take no per-head mask.
+index `layer_number - 1` (pipeline offsets included). Only Megatron's local (torch) DotProductAttention and its
+subclasses are supported (learner.kernels fast: models/sdpa_attention.py, which hands the mask to SDPA): they take
+any boolean mask; TE kernels take no per-head mask.
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ class Learner:
         model, config = build_gpt_model(
             adapter, spec, layout, groups, dtype=model_cfg.dtype, seed=cfg.seed,
             recompute=model_cfg.recompute_activations, aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
-            calculate_per_token_loss=True,
+            kernels=cfg.kernels, calculate_per_token_loss=True,
             **({"moe_enable_routing_replay": True} if routing is not None else {}),
             **indexer_loss_config(spec, model_cfg.dsa_indexer_loss_coeff),
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron_sparse_rl._optional import has_te
+from megatron_sparse_rl.models import kernels as model_kernels
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
 from megatron_sparse_rl.parallel.layout import ParallelGroups, ParallelLayout
@@ -16,18 +17,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def build_gpt_model(adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout, groups: ParallelGroups, *,
                     dtype: str = "float32", seed: int = 1234, recompute: bool = False,
-                    aux_loss_coeff: float = 0.0, **config_extra):
-    """Construct this rank's GPTModel shard (random init from `seed`); returns (model, transformer_config)."""
+                    aux_loss_coeff: float = 0.0, kernels: str = "local", **config_extra):
+    """Construct this rank's GPTModel shard (random init from `seed`); returns (model, transformer_config).
+    `kernels`: learner.kernels (models/kernels.py), `auto` resolved for this machine's device."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
 
+    cuda = torch.cuda.is_available()
+    kernels = model_kernels.resolve(kernels, "cuda" if cuda else "cpu")
     config = adapter.transformer_config(
         spec, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
         sequence_parallel=layout.sequence_parallel, dtype=DTYPES[dtype], recompute=recompute,
-        aux_loss_coeff=aux_loss_coeff, **config_extra,
+        aux_loss_coeff=aux_loss_coeff, **{**model_kernels.config_kwargs(kernels, cuda), **config_extra},
     )
-    use_te = has_te() and torch.cuda.is_available()
-    layer_spec = adapter.layer_spec(config, use_te=use_te)
+    use_te = has_te() and cuda
+    layer_spec = model_kernels.apply(adapter.layer_spec(config, use_te=use_te), kernels, config)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,

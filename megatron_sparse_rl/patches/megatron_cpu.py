@@ -200,6 +200,41 @@ def _host_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, 
     return total.reshape(1), None
 
 
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm on the device with no host sync: one `torch._foreach_norm` over the grads, the
+    norms stacked and normed. (Megatron's local stand-in builds `torch.tensor([...])` from the per-tensor norms and
+    `float()`s the result: a device-to-host copy per gradient tensor and another for the total.)"""
+    tensors = [t for tl in tensor_lists for t in tl]
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale (`dst = src * scale`) as `torch._foreach_*` calls: a few kernels for the whole
+    list, where Megatron's local stand-in launches one multiply and one copy per tensor."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale) if scale != 1.0 else src)
+
+
+@_once("grad_norm_no_host_sync")
+def patch_grad_norm_no_host_sync() -> None:
+    """On CUDA without Transformer Engine and Apex, Megatron falls back to local multi-tensor kernels whose l2 norm
+    syncs with the host once per gradient tensor (clip_grads.local_multi_tensor_l2_norm). Use the `_foreach`
+    bodies above for the grad norm, the clip scaling and the optimizer's main <-> model copies: one `.item()` per
+    step remains (get_grad_norm_fp32's total). The CPU path (patch_optimizer_devices) has its own host bodies."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    if clip_grads.multi_tensor_applier.__module__ != "megatron.core.utils":  # TE or Apex kernels: nothing to do
+        return
+    clip_grads.l2_norm_impl = _foreach_l2_norm
+    clip_grads.multi_tensor_scale_impl = _foreach_scale
+    moptimizer.multi_tensor_scale_impl = _foreach_scale
+
+
 @_once("optimizer_devices")
 def patch_optimizer_devices() -> None:
     """The optimizer, grad scaler, clip-grad and grad-buffer modules create scalars with `device='cuda'`
@@ -317,6 +352,7 @@ def apply() -> None:
         patch_torch_norm_sequence_parallel()
         megatron_mla.apply()
     if torch.cuda.is_available():
+        patch_grad_norm_no_host_sync()
         return
     patch_current_device()
     patch_rng_tracker()

@@ -1,0 +1,70 @@
+"""The learner's kernel choice (`learner.kernels`): which modules compute routed experts and core attention in the
+Megatron-Core layer spec the model adapter builds.
+
+    local   Megatron-Core 0.16.1's local spec: `SequentialMLP` (a Python loop over experts, one host sync on the
+            token counts) and `DotProductAttention` (a materialised s x s softmax).
+    fast    `GroupedExperts` (models/grouped_experts.py: two `torch._grouped_mm` calls) and `SDPAttention`
+            (models/sdpa_attention.py: `scaled_dot_product_attention`); on CUDA also Megatron's torch.compile'd
+            SwiGLU and bias-dropout-add fusions (`bias_activation_fusion`, `bias_dropout_fusion`; never on CPU,
+            where torch.compile would need a compiler and the fusions gain nothing).
+    auto    the faster of the two on this machine's device (`AUTO`, from the measurements in docs/performance.md).
+
+Both choices hold the same parameters under the same names and torch_dist keys: checkpoints (optimizer state
+included), HF <-> Megatron conversion, weight sync and resume work across them. Where the spec has no such module
+(a dense model has no experts; DSA layers' core attention is Megatron's `DSAttention`), that module stays as it is.
+"""
+from __future__ import annotations
+
+from typing import get_args
+
+from megatron_sparse_rl.config.schema import KernelChoice
+
+KERNEL_CHOICES: tuple[str, ...] = get_args(KernelChoice)
+
+AUTO: dict[str, str] = {"cpu": "fast", "cuda": "fast"}
+"""`auto` per device type. CPU: `msrl bench learner` measured fast 1.3-1.4x local (docs/performance.md). CUDA:
+fast, pending the measurement of tools/gpu_kernels.sh (docs/gpu.md, Outstanding): the local spec loops over experts
+with a host sync per MoE layer and materialises every s x s score matrix, which no GPU measurement so far favours."""
+
+
+def check_choice(choice: str, field: str = "learner.kernels") -> None:
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{field} must be one of {list(KERNEL_CHOICES)} (got {choice!r})")
+
+
+def resolve(choice: str, device_type: str) -> str:
+    """`local` or `fast` for `choice` on a `device_type` ("cpu" or "cuda") machine."""
+    check_choice(choice)
+    return AUTO.get(device_type, "local") if choice == "auto" else choice
+
+
+def config_kwargs(kernels: str, cuda: bool) -> dict:
+    """TransformerConfig settings of a resolved kernel choice: the fused SwiGLU / bias-dropout-add on CUDA only."""
+    if kernels == "fast" and cuda:
+        return {"bias_activation_fusion": True, "bias_dropout_fusion": True}
+    return {}
+
+
+def apply(block_spec, kernels: str, config):
+    """`block_spec` (a Megatron TransformerBlockSubmodules, changed in place and returned) with the resolved
+    `kernels` choice's experts and core attention; checks first that `config` is one they compute."""
+    if kernels == "local":
+        return block_spec
+    if kernels != "fast":
+        raise ValueError(f"kernel choice {kernels!r} is not resolved (local or fast)")
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_sparse_rl.models.grouped_experts import GroupedExperts, check_grouped_config
+    from megatron_sparse_rl.models.sdpa_attention import SDPAttention, check_sdpa_config
+
+    for layer in block_spec.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        if attention.core_attention is DotProductAttention:
+            check_sdpa_config(config)
+            attention.core_attention = SDPAttention
+        experts = getattr(getattr(layer.submodules.mlp, "submodules", None), "experts", None)
+        if experts is not None and experts.module is SequentialMLP:
+            check_grouped_config(config)
+            experts.module = GroupedExperts
+    return block_spec
