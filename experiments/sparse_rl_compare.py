@@ -17,7 +17,7 @@ Then each final model is evaluated on the held-out prompts, in this process, by 
 once and given every model's weights in turn (`RolloutEngine.load_weights` from its hf_final): "dense"
 (rollout.kv.policy=none: the dense arm's engine), "sparse" (the config's rollout.kv: the sparse arms' engine),
 "tight" (the same at --tight-budget, default half the budget, raised to the config's minimum). Each evaluation
-calls training/rollout.py `accuracy` with the arguments `msrl train`'s evaluation uses; the run's own in-run final
+calls placement/rollout.py `accuracy` with the arguments `msrl train`'s evaluation uses; the run's own in-run final
 evaluation must match the engine-only one of its own engine exactly (summary "checks").
 Collapse (per run): the trailing mean of rollout/reward over --window steps falls more than --collapse-drop
 below its best, or a step's train/grad_norm exceeds --grad-blowup x the run's median, or a reward, grad norm or

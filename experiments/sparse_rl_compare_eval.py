@@ -3,7 +3,7 @@ engines (dense, sparse at the training budget, sparse at a tight budget), each e
 process and given each model's weights in turn from its hf_final (`RolloutEngine.load_weights`, the path the
 trainer's weight sync takes), instead of a 0-step `msrl train` (learner + engine start-up) per model and engine.
 
-An evaluation is training/rollout.py `accuracy` with the arguments of training/steps.py `evaluate` on one
+An evaluation is placement/rollout.py `accuracy` with the arguments of training/steps.py `evaluate` on one
 data-parallel rank: the first trainer.eval_prompts held-out examples, trainer.eval_samples samples each at
 trainer.eval_temperature, rollout.sampling.max_tokens, sampling seed rollout.seed, correctness by the run's reward
 without shaping. So a run's in-run final evaluation and this one of its own engine kind agree exactly.
@@ -42,7 +42,7 @@ def _one(engine, target: Target, task: tuple, sparse: bool) -> tuple[float, int,
     """(correct, samples, compactions during it) of `target`'s weights, already loaded in `engine` (`sparse`: the
     engine, not the target's training run, has a sparse KV cache)."""
     from megatron_sparse_rl.kv.engine_extension import sparse_kv_stats
-    from megatron_sparse_rl.training import rollout as R
+    from megatron_sparse_rl.placement import rollout as R
 
     tokenizer, examples, correct = task
     run = target.run

@@ -6,7 +6,7 @@ and the same episodes with the tool answering an error, on the real rollout engi
 `--set` takes the run's overrides (e.g. `rollout.seed=1 data.seed=1`), so that the `calc` arm repeats the run's
 final evaluation exactly when `--samples` is its trainer.eval_samples.
 
-Both arms run training/rollout.py `collect_episodes` (what the trainer's evaluation runs) on one vLLM engine with
+Both arms run placement/rollout.py `collect_episodes` (what the trainer's evaluation runs) on one vLLM engine with
 the model's weights, over every held-out prompt of the config's data, `--samples` episodes each at
 trainer.eval_temperature, sampling seed rollout.seed, correctness by the run's reward without shaping:
 - `calc`: env.tools as configured;
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_sparse_rl.patches import vllm_cpu
     from megatron_sparse_rl.rewards import make_scorer
     from megatron_sparse_rl.rollout import RolloutEngine
-    from megatron_sparse_rl.training.rollout import collect_episodes
+    from megatron_sparse_rl.placement.rollout import collect_episodes
 
     run = load_config(a.config, a.set)
     register_tool("unavailable", _never_called)

@@ -23,7 +23,7 @@ STOP_MARGIN_S = 30
 def local_command(config: str, *, nproc: int, program: str, overrides: list[str],
                   stop_timeout_s: float = 300.0) -> list[str]:
     """The command line of a one-machine run with `nproc` ranks; on SIGTERM torchrun gives the ranks
-    `stop_timeout_s` (+ a margin) to checkpoint and exit (training/stops.py)."""
+    `stop_timeout_s` (+ a margin) to checkpoint and exit (run/stops.py)."""
     cmd = [sys.executable, "-m", "megatron_sparse_rl.launch.torchrun", *RENDEZVOUS, f"--nproc-per-node={nproc}",
            f"--shutdown-timeout={int(stop_timeout_s) + STOP_MARGIN_S}", "-m", *program.split(), config]
     for o in overrides:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from megatron_sparse_rl.training.state import STOP_RECORD
-from megatron_sparse_rl.training.stops import EXIT_STOPPED, SIGNALS
+from megatron_sparse_rl.run.stops import EXIT_STOPPED, SIGNALS
 
 
 def supervise(cmd: list[str], *, run_dir: Path) -> int:

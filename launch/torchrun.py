@@ -13,7 +13,7 @@ store's clients (torchrun tells them so with TORCHELASTIC_USE_AGENT_STORE), so t
 that one address; what the ranks open is parallel/world.py's business. Only the static rendezvous is taken: the
 other backends (`--standalone`, c10d, etcd) create their stores where this module cannot bind them.
 A stop signal ends it with one line and 128 + the signal number, after torch has passed the signal to the ranks and
-waited up to --shutdown-timeout for them (training/stops.py: they checkpoint and exit), not with a traceback.
+waited up to --shutdown-timeout for them (run/stops.py: they checkpoint and exit), not with a traceback.
 Ranks that refuse to start (a ConfigError, recorded in their error files: launch/refusal.py) end it with each
 distinct message once as `error: ...` and exit 2, as `msrl train` alone does, not with torch's failure report.
 """

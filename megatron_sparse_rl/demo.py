@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_tiny_moe.yaml"
-# Besides what every run writes (training/run_dir.py ARTIFACTS): its checkpoints, and the demo's own tiny model
+# Besides what every run writes (run/run_dir.py ARTIFACTS): its checkpoints, and the demo's own tiny model
 # and vLLM cache, rebuilt each time so that a changed demo config never meets a stale model.
 DEMO_EXTRAS = ("checkpoints", "model", "vllm_cache")
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from megatron_sparse_rl.config import load_config
     from megatron_sparse_rl.trainer import train
-    from megatron_sparse_rl.training.run_dir import ARTIFACTS
+    from megatron_sparse_rl.run.run_dir import ARTIFACTS
 
     run = load_config(CONFIG, [*args.overrides, *(["logging.verbose=true"] if args.verbose else [])])
     run_dir = Path(run.logging.dir)
@@ -46,7 +46,7 @@ def report(summary: dict) -> int:
     either accuracy is unknown, EXIT_STOPPED (75) when the run was stopped (Ctrl-C, SIGTERM, preemption) and
     checkpointed: --resume continues it."""
     if summary.get("stopped"):
-        from megatron_sparse_rl.training.stops import EXIT_STOPPED
+        from megatron_sparse_rl.run.stops import EXIT_STOPPED
 
         print(f"\nstopped ({summary['stopped']}) at {summary.get('at')}; checkpoint {summary.get('checkpoint')} "
               "(`python -m megatron_sparse_rl.demo --resume` continues from it)")

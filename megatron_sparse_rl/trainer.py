@@ -7,7 +7,7 @@ rollout -> rewards -> dense old logprobs -> advantages -> corrections -> updates
 
 Runs as one process or under torchrun/srun: colocated (every rank a learner with its own engine) or
 disaggregated (`launch.rollout_ranks` / `launch.rollout_nodes`: learner ranks train, rollout ranks serve
-their engines to learner rank 0; training/disaggregated.py).
+their engines to learner rank 0; placement/disaggregated.py).
 """
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from megatron_sparse_rl.config.schema import RunConfig
 from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training import steps as S
 from megatron_sparse_rl.training.context import build_context, open_metrics
-from megatron_sparse_rl.training.disaggregated import RolloutRank, serve
+from megatron_sparse_rl.placement.disaggregated import RolloutRank, serve
 from megatron_sparse_rl.training.report import Reporter
-from megatron_sparse_rl.training.stops import StopSignals
+from megatron_sparse_rl.run.stops import StopSignals
 
 log = logging.getLogger(__name__)
 
 
 def train(run: RunConfig) -> dict:
-    """Run the loop; a SIGTERM / SIGINT stops it at the next step boundary with a checkpoint (training/stops.py):
+    """Run the loop; a SIGTERM / SIGINT stops it at the next step boundary with a checkpoint (run/stops.py):
     the summary then has "stopped" (the reason) and "checkpoint"."""
     cfg = run.trainer
     stops = StopSignals(timeout_s=cfg.stop_timeout_s, role="starting").install()

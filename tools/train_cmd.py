@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.config import load_config
     from megatron_sparse_rl.trainer import train
-    from megatron_sparse_rl.training.stops import EXIT_STOPPED
+    from megatron_sparse_rl.run.stops import EXIT_STOPPED
 
     overrides = [*args.overrides, *(["logging.verbose=true"] if args.verbose else []),
                  *(["checkpoint.allow_config_change=true"] if args.allow_config_change else [])]

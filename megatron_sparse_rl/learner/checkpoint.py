@@ -3,7 +3,7 @@ LR schedule, step, per-rank RNG states and caller-provided extra state. Atomic: 
 directory beside the target, renamed into place once every rank has finished. Every file's size and sha256 and
 the id of the run that saved it go into `MANIFEST.json` (learner/integrity.py), so a damaged or foreign
 checkpoint is recognised before it is loaded. A run's checkpoint also holds the run's resolved config
-(`run_config.json`, covered by the manifest), which a resume compares with its own (training/run_dir.py).
+(`run_config.json`, covered by the manifest), which a resume compares with its own (run/run_dir.py).
 
     save_learner(learner, "runs/x/checkpoints/step_000010", extra={"data_position": 640}, config=to_dict(run))
     extra = load_learner(learner, "runs/x/checkpoints/step_000010")

@@ -10,7 +10,7 @@ CUDA") whenever <VLLM_CACHE_ROOT>/modelinfos lacks the answer: at the first engi
 group kills it: torchrun stops its ranks with killpg (`msrl launch local`, SLURM's torchrun mode), a terminal's
 Ctrl-C signals the foreground group. vLLM then fails the start ("Error raised in subprocess ... died with
 <Signals.SIGTERM: 15>", then pydantic's "Model architectures ['Qwen3MoeForCausalLM'] failed to be inspected"), so a
-stop that ends a run cleanly before its first step (training/stops.py: exit 75) ended it with tracebacks instead.
+stop that ends a run cleanly before its first step (run/stops.py: exit 75) ended it with tracebacks instead.
 Seen: `msrl train configs/tiny_moe.yaml` with SIGTERM to its process group as vLLM started exited 1; `msrl launch
 local --nproc 2` stopped the same way printed rank 1's traceback, and rank 0 waited until trainer.stop_timeout_s
 (300 s) abandoned it.

@@ -181,7 +181,7 @@ class RolloutEngine:
         every engine step while requests are unfinished (it may call `update_in_flight`); every token's weight
         version is in `RolloutBatch.token_version`.
 
-        `episodes` (training/rollout.py `Episodes`, env.kind): each sample is a multi-turn episode of the prompt's
+        `episodes` (placement/rollout.py `Episodes`, env.kind): each sample is a multi-turn episode of the prompt's
         example instead, run turn by turn (`sample_turns`) by `episodes.run(self, ...)`.
         """
         if group_ids is not None and len(group_ids) != len(prompt_token_ids):

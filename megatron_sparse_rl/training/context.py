@@ -1,10 +1,10 @@
 """Set-up of one training process: the distributed world, the model directory, the learner, where the rollout
-engines are (a `Placement`, training/placement.py), the tokenizer, the task data and the metrics sinks, gathered
+engines are (a `Placement`, placement/placements.py), the tokenizer, the task data and the metrics sinks, gathered
 in a `RunContext`.
 
 Colocated: every rank is a learner with its own engine (or a share of one spanning several ranks).
 Disaggregated (`launch.rollout_ranks` / `launch.rollout_nodes`): learner ranks drive the engines of the
-rollout ranks through a `RemoteEngine` (training/disaggregated.py), and rollout ranks get a `RolloutRank` (an
+rollout ranks through a `RemoteEngine` (placement/disaggregated.py), and rollout ranks get a `RolloutRank` (an
 engine to serve with) instead of a `RunContext`. The placement is chosen here, once."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class RunContext:
     groups: Any
     learner: Any
     placement: Any
-    """Where the engines are (training/placement.py): the steps generate, sync and verify through it."""
+    """Where the engines are (placement/placements.py): the steps generate, sync and verify through it."""
     tokenizer: Any
     task: Any
     writer: Any
@@ -41,7 +41,7 @@ class RunContext:
     reference: Any = None
     """A frozen copy of the initial model (a Learner never stepped) when algorithm.kl.coef > 0."""
     owner: Any = None
-    """The run directory and this run's identity (training/run_dir.py `RunDir`)."""
+    """The run directory and this run's identity (run/run_dir.py `RunDir`)."""
 
     @property
     def dp_group(self):
@@ -113,8 +113,8 @@ def build_context(run: RunConfig, total_steps: int):
     from megatron_sparse_rl.observability.logging import attach_log_file
     from megatron_sparse_rl.parallel import ParallelLayout
     from megatron_sparse_rl.patches import megatron_cpu
-    from megatron_sparse_rl.training import disaggregated as D
-    from megatron_sparse_rl.training import placement as P
+    from megatron_sparse_rl.placement import disaggregated as D
+    from megatron_sparse_rl.placement import placements as P
     from megatron_sparse_rl.weight_sync.engine_shards import EngineShards
 
     rank, world, run, summary = _checked(run)
@@ -186,10 +186,10 @@ def _checked(run: RunConfig):
 
 
 def _claim_run_dir(run: RunConfig):
-    """Rank 0 decides whether this run starts fresh or continues in `logging.dir` (training/run_dir.py); every
+    """Rank 0 decides whether this run starts fresh or continues in `logging.dir` (run/run_dir.py); every
     rank gets the same answer, or the same error, before anything expensive starts."""
     from megatron_sparse_rl.parallel.world import on_rank0
-    from megatron_sparse_rl.training.run_dir import claim
+    from megatron_sparse_rl.run.run_dir import claim
 
     return on_rank0(lambda: claim(run))
 
@@ -197,7 +197,7 @@ def _claim_run_dir(run: RunConfig):
 def _colocated(run: RunConfig, run_dir: Path, model_dir: Path, spec, layout, groups):
     """This rank's engine as a colocated placement: a whole engine per rank, or (rollout.tensor_parallel_size
     t > 1) one engine over t consecutive ranks sampling for all of their data-parallel shares."""
-    from megatron_sparse_rl.training import placement as P
+    from megatron_sparse_rl.placement import placements as P
 
     engine = _engine(run, run_dir, model_dir, spec)
     engine_tp, model_parallel = run.rollout.tensor_parallel_size, layout.tp * layout.pp
@@ -245,7 +245,7 @@ def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
                                   "bridge is gloo over CPU buffers, and the path was never run on a GPU); set "
                                   "launch.rollout_ranks=0 and launch.rollout_nodes=0 for a colocated run")
     vllm_cpu.apply()
-    vllm_registry_session.apply()  # a stop during start-up is the trainer's to handle (training/stops.py)
+    vllm_registry_session.apply()  # a stop during start-up is the trainer's to handle (run/stops.py)
     return RolloutEngine(model_dir, run.rollout, cache_dir=run_dir / "vllm_cache",
                          extensions=_engine_extensions(run, spec))
 

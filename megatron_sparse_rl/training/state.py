@@ -1,7 +1,7 @@
 """Whole-run checkpoints (learner, optimizer, RNG, schedule, data position, loop counters, the resolved config) and
 the final Hugging Face export. A run saves, prunes and resumes only its own checkpoints (the run id in their
 manifest), and resumes from its newest intact one (every file's size and sha256 as recorded at save) when its
-saved config allows (training/run_dir.py `check_resume`)."""
+saved config allows (run/run_dir.py `check_resume`)."""
 from __future__ import annotations
 
 import json
@@ -20,9 +20,9 @@ from megatron_sparse_rl.learner.checkpoint import (COMMON, StateFileError, is_co
                                                   param_dtype_name, read_common_state, save_learner, temporary_path)
 from megatron_sparse_rl.learner.finite import require_finite_weights
 from megatron_sparse_rl.learner.integrity import owner_of, verify_files
-from megatron_sparse_rl.training import run_dir
+from megatron_sparse_rl.run import run_dir
 from megatron_sparse_rl.training.context import RunContext
-from megatron_sparse_rl.training.run_dir import RunDirError
+from megatron_sparse_rl.run.run_dir import RunDirError
 from megatron_sparse_rl.weight_sync import iter_hf_tensors
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ def _saved_counters(file: Path, extra: dict) -> dict:
 
 def stop_requested(ctx: RunContext, stops, *, preemption: bool = True) -> str | None:
     """Why the run should stop at this step boundary, the same answer on every learner rank, or None: a stop signal
-    (training/stops.py `StopSignals`) on any learner rank, or (`preemption`: after a step) the launcher's preemption
+    (run/stops.py `StopSignals`) on any learner rank, or (`preemption`: after a step) the launcher's preemption
     file ($MSRL_PREEMPT_FILE, written by the sbatch script on SIGUSR1). With several learner ranks this is one
     collective per boundary."""
     flag = os.environ.get("MSRL_PREEMPT_FILE") if preemption else None

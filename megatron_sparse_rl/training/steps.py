@@ -1,6 +1,6 @@
 """The named steps of the RL loop, each one function over the `RunContext`.
 
-Where the engines are is `ctx.placement`'s business (training/placement.py): a step hands it the work for one
+Where the engines are is `ctx.placement`'s business (placement/placements.py): a step hands it the work for one
 data-parallel share (`work(engine, dp_rank)`) and gets this rank's share back, and asks it to sync and verify
 the engines; no step knows whether they are colocated, spread over several ranks or on rollout ranks."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron_sparse_rl.learner.finite import require_finite
 from megatron_sparse_rl.learner.sft import make_sft_loss
 from megatron_sparse_rl.rollout.versions import too_stale
-from megatron_sparse_rl.training import rollout as R
+from megatron_sparse_rl.placement import rollout as R
 from megatron_sparse_rl.training import update as U
 from megatron_sparse_rl.training.context import RunContext
 from megatron_sparse_rl.training.sparse_kv import kv_metrics, sparse_logprobs

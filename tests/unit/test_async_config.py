@@ -18,7 +18,7 @@ from megatron_sparse_rl.config.loader import from_dict, merge_overrides
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.rollout.versions import VersionLog, too_stale
 from megatron_sparse_rl.training.steps import _stale_guard
-from megatron_sparse_rl.training.rollout_protocol import Collect, Probe, Stop, SyncWeights, Word, from_word, to_word
+from megatron_sparse_rl.placement.protocol import Collect, Probe, Stop, SyncWeights, Word, from_word, to_word
 
 
 def run_of(*overrides: str) -> RunConfig:

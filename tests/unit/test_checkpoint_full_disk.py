@@ -19,7 +19,7 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from megatron_sparse_rl.training import state
-from megatron_sparse_rl.training.run_dir import RunDirError
+from megatron_sparse_rl.run.run_dir import RunDirError
 from tests.snapshot import snapshot
 
 TORN = "Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"

@@ -71,7 +71,7 @@ def test_a_temperature_vllm_would_raise_to_001_is_refused(tmp_path, temperature)
 def test_the_same_rule_holds_for_evaluation(tmp_path):
     path = _write(tmp_path, "trainer:\n  eval_temperature: 0.001\n")
     assert _refused(path).startswith("trainer.eval_temperature must be 0 (greedy) or >= 0.01 (got 0.001)")
-    # greedy evaluation samples once whatever eval_samples says (training/rollout.py accuracy)
+    # greedy evaluation samples once whatever eval_samples says (placement/rollout.py accuracy)
     run = load_config(_write(tmp_path, "trainer:\n  eval_temperature: 0\n  eval_samples: 4\n"))
     assert run.trainer.eval_temperature == 0.0
 

@@ -286,7 +286,7 @@ def test_token_versions_follow_the_turns_and_an_observation_takes_the_next_turns
 
 
 def test_collect_episodes_rewards_and_judges_the_final_answer(tok):
-    from megatron_sparse_rl.training.rollout import collect_episodes
+    from megatron_sparse_rl.placement.rollout import collect_episodes
 
     sample = Example(prompt="q: 12*3=\na: ", answer="36", ids=tuple(tok("q: 12*3=\na: ")["input_ids"]))
     engine = ScriptedEngine(tok, [["calc(12*3)\n", "36\n", "calc(1+1)\n"], ["36\n", "35\n"]])

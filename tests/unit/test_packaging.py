@@ -59,6 +59,14 @@ def test_wheel_claims_only_megatron_sparse_rl(wheel):
         assert expected and expected <= set(names), sorted(expected - set(names))
 
 
+def test_wheel_holds_every_source_file_of_the_package(wheel):
+    """A folder without __init__.py is a namespace package that find_packages skips: its modules would be missing
+    from an installed (not editable) package."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {p.relative_to(REPO).as_posix() for p in (REPO / "megatron_sparse_rl").rglob("*.py")}
+    assert expected and expected <= names, sorted(expected - names)
+
+
 def test_wheel_console_script_and_top_level(wheel):
     with zipfile.ZipFile(wheel) as z:
         entry_points = z.read("megatron_sparse_rl-0.1.0.dist-info/entry_points.txt").decode()

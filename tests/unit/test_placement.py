@@ -1,4 +1,4 @@
-"""The placements (training/placement.py) with stand-in engines: which engine calls each step method makes,
+"""The placements (placement/placements.py) with stand-in engines: which engine calls each step method makes,
 with what arguments, and what it returns. No vLLM, no Megatron; `shares_of` runs in a gloo world of one.
 
     .venv/bin/python -m pytest -q tests/unit/test_placement.py
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_sparse_rl import weight_sync
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
-from megatron_sparse_rl.training.placement import Colocated, ColocatedSharedEngine, Disaggregated, Placement
+from megatron_sparse_rl.placement.placements import Colocated, ColocatedSharedEngine, Disaggregated, Placement
 
 
 class StandInEngine:
@@ -29,7 +29,7 @@ class StandInEngine:
 
 
 class StandInRemote:
-    """training/disaggregated.py `RemoteEngine`'s surface the disaggregated placement calls."""
+    """placement/disaggregated.py `RemoteEngine`'s surface the disaggregated placement calls."""
 
     pad_id = 5
     driver = True

@@ -120,7 +120,7 @@ def test_a_failed_checkpoint_write_names_its_path_and_leaves_no_partial_files(tm
     """A full disk's OSError names no file: the save names the checkpoint and removes its temporary directory."""
     import errno
 
-    from megatron_sparse_rl.training.run_dir import RunDirError
+    from megatron_sparse_rl.run.run_dir import RunDirError
     from megatron_sparse_rl.training.state import _writing
 
     path, tmp = tmp_path / "step_000002_sft_000000", tmp_path / ".step_000002_sft_000000.tmp"

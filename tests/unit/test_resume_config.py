@@ -1,5 +1,5 @@
-"""A resume compares the config saved with the checkpoint with its own (training/run_dir.py `check_resume`,
-training/resume_config.py): changes to what the resumed steps compute are refused, listed as `path: old -> new`,
+"""A resume compares the config saved with the checkpoint with its own (run/run_dir.py `check_resume`,
+run/resume_config.py): changes to what the resumed steps compute are refused, listed as `path: old -> new`,
 before anything is written; harmless ones are allowed and listed; `checkpoint.allow_config_change` accepts the
 others; a checkpoint saved without a config resumes with a warning that it could not be compared. The checkpoints
 here are fake directories laid out as `save_learner` writes them (no Megatron)."""
@@ -13,8 +13,8 @@ import pytest
 from megatron_sparse_rl.config import RunConfig, load_config, to_dict
 from megatron_sparse_rl.learner.checkpoint import CONFIG
 from megatron_sparse_rl.learner.integrity import digest_files, write_manifest
-from megatron_sparse_rl.training.resume_config import allowed, compare
-from megatron_sparse_rl.training.run_dir import RunDirError, claim
+from megatron_sparse_rl.run.resume_config import allowed, compare
+from megatron_sparse_rl.run.run_dir import RunDirError, claim
 from tests.msrl import MSRL
 from tests.snapshot import snapshot
 

@@ -1,4 +1,4 @@
-"""The rollout-rank protocol (training/rollout_protocol.py, training/disaggregated.py) in one process, over a
+"""The rollout-rank protocol (placement/protocol.py, placement/disaggregated.py) in one process, over a
 stand-in bridge: the commands are frozen dataclasses that survive pickling, a rollout rank dispatches them by type
 (`serve`), the learner side cuts a generate call into one `EnginePart` per engine, and the commands sent while the
 rollout ranks sample ahead travel as words.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
-from megatron_sparse_rl.training import disaggregated as D
-from megatron_sparse_rl.training.rollout_protocol import (EnginePart, Failure, Generate, GenerateAhead, Probe, Stop,
+from megatron_sparse_rl.placement import disaggregated as D
+from megatron_sparse_rl.placement.protocol import (EnginePart, Failure, Generate, GenerateAhead, Probe, Stop,
                                                           SyncWeights, Word, empty_word, from_word, to_word)
 
 
@@ -116,7 +116,7 @@ def test_an_episode_call_carries_each_engines_examples_and_reward_across_a_pickl
     from megatron_sparse_rl.config.env import EnvConfig
     from megatron_sparse_rl.data.types import Example
     from megatron_sparse_rl.rewards import make_scorer
-    from megatron_sparse_rl.training.rollout import episode_request
+    from megatron_sparse_rl.placement.rollout import episode_request
 
     monkeypatch.setattr(D.dist, "get_rank", lambda: 0)
     bridge = Bridge(answers=[[None, None]])

@@ -1,4 +1,4 @@
-"""A rollout rank running ahead (training/run_ahead.py `AheadRank`, trainer.max_staleness > 1) against a scripted
+"""A rollout rank running ahead (placement/run_ahead.py `AheadRank`, trainer.max_staleness > 1) against a scripted
 learner rank 0: words arrive after given engine steps, and the answers it gathers back are checked against the
 order the protocol promises (docs/async.md): Collect answered with the oldest batch once sampled, a Probe run
 between two batches, weights loaded in flight, a failed batch answered as a Failure while the weights that follow
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
-from megatron_sparse_rl.training import run_ahead
-from megatron_sparse_rl.training.rollout_protocol import (AheadBatches, Collect, EnginePart, Failure, Probe, RunAhead,
+from megatron_sparse_rl.placement import run_ahead
+from megatron_sparse_rl.placement.protocol import (AheadBatches, Collect, EnginePart, Failure, Probe, RunAhead,
                                                           Stop, SyncWeights, to_word)
 
 

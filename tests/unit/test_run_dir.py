@@ -1,4 +1,4 @@
-"""Run directories never mix two runs (training/run_dir.py) and checkpoints are recognised as damaged or foreign
+"""Run directories never mix two runs (run/run_dir.py) and checkpoints are recognised as damaged or foreign
 (learner/integrity.py, training/state.py). Every refusal must leave the directory exactly as it was."""
 import json
 import logging
@@ -11,7 +11,7 @@ import pytest
 from megatron_sparse_rl.config import load_config
 from megatron_sparse_rl.learner.integrity import digest_files, owner_of, verify_files, write_manifest
 from megatron_sparse_rl.training import state
-from megatron_sparse_rl.training.run_dir import RUN_FILE, RunDirError, claim
+from megatron_sparse_rl.run.run_dir import RUN_FILE, RunDirError, claim
 from tests.msrl import MSRL
 from tests.snapshot import snapshot
 

@@ -1,4 +1,4 @@
-"""One run per directory (training/run_dir.py, training/run_lock.py): a live run's directory is refused naming its
+"""One run per directory (run/run_dir.py, run/lock.py): a live run's directory is refused naming its
 process, with nothing written by the refused one; so is a checkpoint directory a live run uses (`checkpoint.dir`,
 or another run's default <logging.dir>/checkpoints), also by `msrl train` before anything starts; a run killed with
 SIGKILL leaves a lock that is taken over; a forked child does not keep its parent's lock; `logging.overwrite`
@@ -22,7 +22,7 @@ import pytest
 
 from megatron_sparse_rl.config import ConfigError, load_config
 from megatron_sparse_rl.learner.integrity import digest_files, write_manifest
-from megatron_sparse_rl.training.run_dir import RUN_FILE, RunDirError, claim
+from megatron_sparse_rl.run.run_dir import RUN_FILE, RunDirError, claim
 from tests.msrl import MSRL
 from tests.snapshot import snapshot
 
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 HOLDER = textwrap.dedent("""
     import os, sys, time
     from megatron_sparse_rl.config import load_config
-    from megatron_sparse_rl.training.run_dir import RunDirError, claim
+    from megatron_sparse_rl.run.run_dir import RunDirError, claim
     run = load_config(sys.argv[1], sys.argv[2:])
     try:
         owner = claim(run)
@@ -162,7 +162,7 @@ def test_a_run_killed_with_sigkill_leaves_a_lock_that_is_taken_over(tmp_path, ca
     run_id = json.loads((tmp_path / "run" / RUN_FILE).read_text())["run_id"]
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=30)
-    with caplog.at_level(logging.INFO, logger="megatron_sparse_rl.training.run_dir"):
+    with caplog.at_level(logging.INFO, logger="megatron_sparse_rl.run.run_dir"):
         owner = claim(_run(tmp_path))
     assert owner.resuming and owner.run_id == run_id and owner.lock.held
     assert f"process {pid} on host" in caplog.text and "no longer running" in caplog.text

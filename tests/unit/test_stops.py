@@ -1,4 +1,4 @@
-"""Stop signals (training/stops.py): the first SIGTERM / SIGINT is a request the loop polls; a second one, or the
+"""Stop signals (run/stops.py): the first SIGTERM / SIGINT is a request the loop polls; a second one, or the
 deadline passing, ends the process at once with 128 + the signal number. Run in child processes (the handlers are
 process-wide and the abandon path exits)."""
 import signal
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = textwrap.dedent("""
     import logging, os, signal, sys, time
     logging.basicConfig(level=logging.INFO)
-    from megatron_sparse_rl.training.stops import StopSignals
+    from megatron_sparse_rl.run.stops import StopSignals
     stops = StopSignals(timeout_s=float(sys.argv[1])).install()
     print("ready", flush=True)
     deadline = time.time() + 30

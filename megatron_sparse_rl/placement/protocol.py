@@ -1,4 +1,4 @@
-"""The messages between learner rank `SRC` and the rollout ranks of a disaggregated run (training/disaggregated.py
+"""The messages between learner rank `SRC` and the rollout ranks of a disaggregated run (placement/disaggregated.py
 sends and serves them): one frozen dataclass per command, dispatched by type.
 
 Each command is one `Bridge.broadcast_object` from rank `SRC` to every rollout rank; each answer one
@@ -14,7 +14,7 @@ part e of a command that carries parts:
                                   asynchronous RL (docs/async.md): engine e samples each call's parts[e] while the
                                   learner trains; no answer until the next SyncWeights has loaded, then one
                                   `AheadBatches`
-    RunAhead(parts, recompute)    trainer.max_staleness k > 1 (training/run_ahead.py): like GenerateAhead, but the
+    RunAhead(parts, recompute)    trainer.max_staleness k > 1 (placement/run_ahead.py): like GenerateAhead, but the
                                   rank keeps sampling batch after batch; more batches (RunAhead), weights
                                   (SyncWeights), Collect and commands for its engine (Probe, Generate) arrive as
                                   words; each Collect is answered with the oldest batch (`AheadBatches`)
@@ -48,7 +48,7 @@ SRC = 0
 class EnginePart:
     """One engine's part of a generate call: its slice of the prompts, with the seed a single engine would give
     the slice's first prompt, their group ids, how many engine re-scorings to add (`rescore`) and, for multi-turn
-    episodes (env.kind), the slice's `Episodes` (training/rollout.py: its examples, the env section, the reward's
+    episodes (env.kind), the slice's `Episodes` (placement/rollout.py: its examples, the env section, the reward's
     settings; the rollout rank runs the episodes and their rewards)."""
 
     prompts: list[list[int]]

@@ -5,7 +5,7 @@ learner rank 0 (t > 1: vLLM's external_launcher; every rank of an engine runs ev
 Each side has its own default torch.distributed world (parallel/bridge.py `SplitWorld`, made by
 `ParallelLayout.initialize`): Megatron's collectives and checkpoints stay among the learner ranks, vLLM's among
 the rollout ranks. Learner rank 0 drives the rollout ranks over the weight-sync `Bridge` (rank 0 + every
-rollout rank) with the commands of training/rollout_protocol.py (one frozen dataclass each; a rollout rank
+rollout rank) with the commands of placement/protocol.py (one frozen dataclass each; a rollout rank
 dispatches them by type, `_HANDLERS`):
 
     Generate          the prompts cut into one `EnginePart` per engine; the parts come back by gather_object
@@ -22,14 +22,14 @@ dispatches them by type, `_HANDLERS`):
                       batches and the rank's times come back (`AheadBatches`, `collect_ahead`). Stop as a word
                       instead stops the rank (rank 0's shutdown while it samples ahead)
     RunAhead          trainer.max_staleness k > 1: the rank keeps sampling batch after batch, up to k ahead of the
-                      learner, and takes everything else as words (training/run_ahead.py); Collect answers the
+                      learner, and takes everything else as words (placement/run_ahead.py); Collect answers the
                       oldest batch
     Probe             each engine's prompt logprobs of the probe rows, for rank 0 to compare with the learner's
                       own forward (weight_sync/verify.py `compare_engines`)
     Stop              the rollout ranks leave `serve`, shut their engines down and confirm
 
 On learner ranks `RemoteEngine` stands where the colocated RolloutEngine stands (`generate`, `pad_id`,
-`shutdown`), so rollout.py runs unchanged on rank 0; the `Disaggregated` placement (training/placement.py)
+`shutdown`), so rollout.py runs unchanged on rank 0; the `Disaggregated` placement (placement/placements.py)
 wraps it for the steps. A rollout rank that fails a command sends the error back instead of its result; rank 0
 raises it naming the rank, and its `shutdown` (run on every exit path of `trainer.train`) sends Stop, so no
 rollout rank waits forever; it waits for their confirmation, since rank 0 serves the store their groups were
@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.rollout.batch import RolloutBatch
-from megatron_sparse_rl.training.rollout_protocol import (FOLLOWS, SRC, AheadBatches, Collect, Command, EnginePart,
+from megatron_sparse_rl.placement.protocol import (FOLLOWS, SRC, AheadBatches, Collect, Command, EnginePart,
                                                           Failure, Generate, GenerateAhead, Probe, RunAhead, Stop,
                                                           SyncWeights, empty_word, from_word, to_word)
 from megatron_sparse_rl.weight_sync import WeightSyncError, receive_weights, send_weights
@@ -103,7 +103,7 @@ class RemoteEngine:
 
     def _send(self, command: Command) -> None:
         """`command` to every rollout rank: pickled, or as a word while they sample ahead (they poll for one
-        between engine steps: training/rollout_protocol.py)."""
+        between engine steps: placement/protocol.py)."""
         if not self.driver:
             raise RuntimeError(f"only learner rank {SRC} drives the rollout ranks (this is rank {dist.get_rank()})")
         if self.stopped:
@@ -159,7 +159,7 @@ class RemoteEngine:
 
     def run_ahead(self, calls: list[tuple], *, recompute: bool) -> None:
         """trainer.max_staleness > 1: one more batch (`calls` as `generate_ahead` takes them) for the rollout ranks,
-        which sample the batches handed to them one after another until Stop (training/run_ahead.py); the weights
+        which sample the batches handed to them one after another until Stop (placement/run_ahead.py); the weights
         reach them between engine steps; `collect_ahead` returns the oldest batch."""
         per_call = [self._parts(*call) for call in calls]
         per_engine = tuple(tuple(parts[e] for parts in per_call) for e in range(len(self.ranks) // self.engine_tp))
@@ -296,8 +296,8 @@ def _drain(rr: RolloutRank, arrival, word: torch.Tensor) -> None:
 
 
 def _run_ahead(rr: RolloutRank, command: RunAhead) -> None:
-    """RunAhead: sample batch after batch until Stop (training/run_ahead.py); never answers as a command."""
-    from megatron_sparse_rl.training.run_ahead import AheadRank
+    """RunAhead: sample batch after batch until Stop (placement/run_ahead.py); never answers as a command."""
+    from megatron_sparse_rl.placement.run_ahead import AheadRank
 
     if rr.engine_tp > 1:
         raise RuntimeError("running ahead needs rollout.tensor_parallel_size 1")

@@ -20,7 +20,7 @@ which rank runs it, so the three placements give the same results:
 - `ColocatedSharedEngine`: an engine spans t consecutive ranks (vLLM's external_launcher); every rank of it
   runs `work` for the shares of all its ranks, the same calls in the same order (vLLM needs every rank of an
   engine in each call), and keeps its own.
-- `Disaggregated`: the engines live on the rollout ranks (training/disaggregated.py); learner rank 0 runs
+- `Disaggregated`: the engines live on the rollout ranks (placement/disaggregated.py); learner rank 0 runs
   `work` for every share through them and broadcasts the results over the learner ranks. It alone samples ahead
   (`sample_ahead`, trainer.max_staleness k > 0, docs/async.md): config validation refuses the others. With k = 1
   the sync collects the one batch held; with k > 1 (`run_ahead`) it holds up to k, the rollout ranks sample them
@@ -166,7 +166,7 @@ class ColocatedSharedEngine(Colocated):
 
 
 class Disaggregated(Placement):
-    """The engines are on the rollout ranks; `remote` (training/disaggregated.py `RemoteEngine`) drives them
+    """The engines are on the rollout ranks; `remote` (placement/disaggregated.py `RemoteEngine`) drives them
     from learner rank 0. `learner_group`: every learner rank, over which rank 0 hands out the shares."""
 
     def __init__(self, remote, groups, dp: int, learner_ranks: int, *, recompute_kv: bool = False,

@@ -1,5 +1,5 @@
 """What a resumed run may change in its config. Every checkpoint of a run holds the resolved config of the run that
-saved it (`run_config.json`); a resume compares it with its own, field by field (training/run_dir.py):
+saved it (`run_config.json`); a resume compares it with its own, field by field (run/run_dir.py):
 
 - a change to what the resumed steps compute (the model, the data and rewards, the SFT stage, the algorithm,
   sampling, the optimizer and schedule, seeds, the engine's precision and KV policy...) is refused unless

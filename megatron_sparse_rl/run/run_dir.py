@@ -2,7 +2,7 @@
 written when a fresh run starts), the process running it (`holder`) and what the run writes there (`wrote`); every
 checkpoint it saves records that id (learner/integrity.py).
 
-At start (`claim`, rank 0, before Megatron or vLLM start), first the directory is locked (training/run_lock.py:
+At start (`claim`, rank 0, before Megatron or vLLM start), first the directory is locked (run/lock.py:
 an flock on the directory itself, held to the end of the run): a directory a live process holds is refused,
 naming that process; a holder that died (even by SIGKILL) released its lock, and its directory is taken over.
 The checkpoint directory (`checkpoint.dir`, default <logging.dir>/checkpoints; made here when missing) is locked
@@ -16,7 +16,7 @@ run holds is refused, naming `checkpoint.dir`, the directory and that process. T
   its `wrote`, the checkpoints carrying its id; files no run recorded are refused, never removed).
 
 A run that continues is checked against the config saved with its newest checkpoint (`check_resume`,
-training/resume_config.py): a change to what the resumed steps compute is refused, listing each as
+run/resume_config.py): a change to what the resumed steps compute is refused, listing each as
 `path: old -> new`, unless `checkpoint.allow_config_change`; the others are listed. Then rank 0 logs, as a WARNING
 the console always shows, "resuming run ... at RL step N (SFT step M) from <checkpoint>" and what was compared.
 """
@@ -37,8 +37,8 @@ from megatron_sparse_rl.config.schema import RunConfig
 from megatron_sparse_rl.formats.safe_load import check_checkpoint_files
 from megatron_sparse_rl.learner.checkpoint import is_complete, read_config
 from megatron_sparse_rl.learner.integrity import owner_of
-from megatron_sparse_rl.training.resume_config import compare
-from megatron_sparse_rl.training.run_lock import (
+from megatron_sparse_rl.run.resume_config import compare
+from megatron_sparse_rl.run.lock import (
     DirLock, RunLockedError, describe, flock_holder, is_this_process, lock, this_process,
 )
 
@@ -69,7 +69,7 @@ class RunDir:
     compared: Path | None = None
     """The checkpoint whose saved config `claim` compared with this run's (this run's newest complete one)."""
     lock: DirLock | None = field(default=None, compare=False)
-    """The directory's lock, held by the process that claimed it until it exits (training/run_lock.py)."""
+    """The directory's lock, held by the process that claimed it until it exits (run/lock.py)."""
     checkpoint_lock: DirLock | None = field(default=None, compare=False)
     """The checkpoint directory's lock, held the same way."""
 
@@ -178,7 +178,7 @@ def _made_dirs(run_dir: Path) -> list[Path]:
 
 
 def claim(run: RunConfig) -> RunDir:
-    """Lock `logging.dir` and the checkpoint directory (training/run_lock.py), then decide whether this run starts
+    """Lock `logging.dir` and the checkpoint directory (run/lock.py), then decide whether this run starts
     fresh or continues (rank 0 only; see the module docstring). Raises RunDirError, having written and removed
     nothing, when a live process holds either directory or the run directory belongs to something else."""
     run_dir, ckpts = Path(run.logging.dir), checkpoint_root(run)
@@ -250,7 +250,7 @@ def _decide(run: RunConfig, run_dir: Path, ckpts: Path) -> RunDir:
 
 
 def check_resume(checkpoint: Path, run: RunConfig) -> list[str]:
-    """Compare the config saved with `checkpoint` with `run`'s (training/resume_config.py). Raises RunDirError
+    """Compare the config saved with `checkpoint` with `run`'s (run/resume_config.py). Raises RunDirError
     listing every change to what the resumed steps compute (`path: old -> new`) unless
     `checkpoint.allow_config_change`; returns the lines saying what was compared, for `announce_resume`.
     First every pickle a load of it would read goes through the allowlists (formats/safe_load.py), so a file

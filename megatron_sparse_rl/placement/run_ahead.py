@@ -2,8 +2,8 @@
 learner rank `SRC` hands it one after another, up to k of them ahead of the one the learner trains, and never
 waits for the learner between two of them.
 
-The first `RunAhead` arrives as an ordinary command (training/disaggregated.py `serve`); from then on everything
-from rank `SRC` arrives as a word (training/rollout_protocol.py), polled between engine steps while sampling and
+The first `RunAhead` arrives as an ordinary command (placement/disaggregated.py `serve`); from then on everything
+from rank `SRC` arrives as a word (placement/protocol.py), polled between engine steps while sampling and
 waited for when nothing is left to sample:
 
     SyncWeights(v)      the weights follow; loaded between engine steps without draining the running requests
@@ -28,7 +28,7 @@ import time
 import traceback
 from collections import deque
 
-from megatron_sparse_rl.training.rollout_protocol import (SRC, AheadBatches, Collect, Failure, RunAhead, Stop,
+from megatron_sparse_rl.placement.protocol import (SRC, AheadBatches, Collect, Failure, RunAhead, Stop,
                                                           SyncWeights, Word, empty_word, from_word)
 from megatron_sparse_rl.weight_sync import WeightSyncError, receive_weights
 
@@ -40,7 +40,7 @@ class AheadRank:
 
     def __init__(self, rr, first: RunAhead, *, handle, receive, stopped: type[Exception]):
         self.rr, self.recompute = rr, first.recompute
-        self.handle, self.receive, self.stopped = handle, receive, stopped  # training/disaggregated.py's
+        self.handle, self.receive, self.stopped = handle, receive, stopped  # placement/disaggregated.py's
         self.queue = deque([first.parts[rr.index]])  # this engine's calls of each batch not sampled yet
         self.done: deque[AheadBatches] = deque()     # sampled, not collected
         self.open = None                             # Collect() or a command, until answered

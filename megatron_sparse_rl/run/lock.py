@@ -1,4 +1,4 @@
-"""The lock that lets one process at a time run in a run directory (training/run_dir.py `claim` takes it first).
+"""The lock that lets one process at a time run in a run directory (run/run_dir.py `claim` takes it first).
 
 `lock(run_dir, holder_of)` takes an exclusive `flock` on the directory itself (no lock file: nothing is written
 into the directory to take it) and keeps it as long as the run's `RunDir` lives (the whole run). The kernel
