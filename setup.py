@@ -3,9 +3,8 @@
 Install for development with `make setup` (creates .venv, installs the CPU stack), or by hand:
     pip install torch==2.13.0 && pip install -e .[cpu]
 
-The repository's top-level folders moe/, launch/ and tools/ install as megatron_sparse_rl.moe,
-megatron_sparse_rl.launch and megatron_sparse_rl.tools: the distribution claims no top-level name but
-`megatron_sparse_rl` (generic names like `tools` would collide with other packages in site-packages).
+The distribution claims no top-level name but `megatron_sparse_rl` (its launch/, tools/ and moe/ live inside the
+package: generic top-level names like `tools` would collide with other packages in site-packages).
 """
 from setuptools import find_packages, setup
 
@@ -29,12 +28,7 @@ EXTRAS = {
     # server; sqlalchemy and alembic make its default local store, sqlite:///<logging.dir>/mlflow.db.
     "trackers": ["wandb>=0.31", "mlflow-skinny>=3.17", "sqlalchemy>=2", "alembic>=1.13"],
 }
-MAPPED = ("moe", "launch", "tools")
-"""Repository folders installed as subpackages of megatron_sparse_rl (megatron_sparse_rl.<folder>)."""
-PACKAGE_DIR = {f"megatron_sparse_rl.{folder}": folder for folder in MAPPED}
 PACKAGES = find_packages(include=["megatron_sparse_rl", "megatron_sparse_rl.*"])
-for package, folder in PACKAGE_DIR.items():
-    PACKAGES += [package, *(f"{package}.{sub}" for sub in find_packages(folder))]
 
 setup(
     name="megatron_sparse_rl",
@@ -44,7 +38,6 @@ setup(
     # has no 3.14 wheel.
     python_requires=">=3.11,<3.14",
     packages=PACKAGES,
-    package_dir=PACKAGE_DIR,
     package_data={"megatron_sparse_rl": ["assets/*", "assets/**/*"]},
     install_requires=CORE,
     extras_require=EXTRAS,

@@ -3,7 +3,7 @@
 - `device` ("cuda" | "cpu", module scope): tests/gpu/devices.py `DEVICES` says when each variant runs.
 - `figure(name, value, unit="")`: record a named number the test measured (a max |logprob difference|, a step
   time); it goes into the test's report (pytest's user properties) and from there into the results file.
-- Results file: with MSRL_GPU_SUMMARY_DIR set (tools/gpu_check.sh sets it to $OUT), every test phase rewrites
+- Results file: with MSRL_GPU_SUMMARY_DIR set (scripts/gpu_check.sh sets it to $OUT), every test phase rewrites
   `gpu_summary.json` and `gpu_summary.md` there (tests/gpu/summary.py), with the run's environment.
 - Per-test limit: pytest-timeout's `--timeout` where that plugin is installed; without it, MSRL_GPU_TEST_TIMEOUT
   seconds arm a SIGALRM around each test (setup, call and teardown), which fails it. Tests keep their GPU work in

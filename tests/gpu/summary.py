@@ -1,5 +1,5 @@
 """The results file of a tests/gpu run: each test's outcome, time, message and the figures it recorded, as JSON
-and as a markdown table, rewritten after every test phase so that a run stopped from outside (tools/gpu_check.sh's
+and as a markdown table, rewritten after every test phase so that a run stopped from outside (scripts/gpu_check.sh's
 total time limit) still leaves what it had done.
 
     summary = Summary(out_dir, environment={"torch": "2.11.0", ...})

@@ -27,7 +27,7 @@ def _routes(model_dir, native: bool):
 
 
 def test_vllm_routes_equal_the_router_callback(tmp_path):
-    pytest.importorskip("vllm", reason="needs vLLM (tools/gpu_check.sh's GPU machine has none)")
+    pytest.importorskip("vllm", reason="needs vLLM (scripts/gpu_check.sh's GPU machine has none)")
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 
     model_dir = build_tiny_hf_model(tmp_path / "m", seed=0)

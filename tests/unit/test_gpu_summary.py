@@ -1,4 +1,4 @@
-"""tests/gpu/summary.py, the results file of tools/gpu_check.sh: a test's outcome from its setup/call/teardown
+"""tests/gpu/summary.py, the results file of scripts/gpu_check.sh: a test's outcome from its setup/call/teardown
 reports (setup failure = error, setup skip = skipped, a teardown failure after a pass = error), its summed time,
 its first failure's message and its figures; both files rewritten after every report and marked finished at the
 end; the markdown table escapes '|'."""

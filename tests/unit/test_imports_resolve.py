@@ -1,5 +1,5 @@
 """Every `from megatron_sparse_rl... import name` in the tree resolves, including the imports inside functions that
-only a full run reaches (benchmarks/, experiments/, tools/, launch/, the package): a moved or renamed name fails
+only a full run reaches (benchmarks/, experiments/, scripts/, tests/, the package): a moved or renamed name fails
 here in seconds, naming the file and line, instead of in the one command that imports it (`msrl bench kv` once
 raised ImportError for ten days because its function-level import named a module the name had left).
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = ("megatron_sparse_rl", "moe", "launch", "tools", "benchmarks", "experiments", "tests")
+ROOTS = ("megatron_sparse_rl", "benchmarks", "experiments", "scripts", "tests")
 OWN = ("megatron_sparse_rl", "benchmarks", "experiments", "tests")
 
 

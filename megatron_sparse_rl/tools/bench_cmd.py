@@ -37,7 +37,7 @@ MODULES = {"async": "async_rl"}  # `async` is a Python keyword: no module of tha
 
 
 def _module(kind: str):
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     if root not in sys.path:
         sys.path.insert(0, root)
     return importlib.import_module(f"benchmarks.{MODULES.get(kind, kind)}")

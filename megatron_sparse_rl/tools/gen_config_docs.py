@@ -21,7 +21,7 @@ from typing import Any, Literal, Union
 
 BEGIN = "<!-- BEGIN GENERATED: python -m megatron_sparse_rl.tools.gen_config_docs -->"
 END = "<!-- END GENERATED -->"
-DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def field_docstrings(cls: type) -> dict[str, str]:

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# tools/gpu_check.sh: the GPU bring-up run (issue 37, items 1-2), in one command on a GPU machine that has
+# scripts/gpu_check.sh: the GPU bring-up run (issue 37, items 1-2), in one command on a GPU machine that has
 # Python 3.12 with torch (CUDA), transformers, safetensors, xxhash, pyyaml, numpy and pytest, but no Megatron-Core
 # and no network. docs/gpu.md says how to download the wheels here and which device `run` call to make.
 #
-#     bash tools/gpu_check.sh [extra pytest arguments]
+#     bash scripts/gpu_check.sh [extra pytest arguments]
 #
 # 1. Empties this run's files in $OUT (default ./gpu_out): gpu_summary.json, gpu_summary.md, gpu_check.log.
 # 2. Installs every wheel in $MSRL_WHEELS (default ./wheels: megatron-core's cp312 wheel, optionally transformers
 #    and regex) into a fresh $MSRL_GPU_SITE with pip --target --no-index --no-deps; a carried transformers that
 #    does not import there is removed again (the machine's own is used, and the log says so).
 # 3. Makes the checkout importable without installing it (nothing goes into the machine's site-packages): a tree
-#    of symbolic links in $MSRL_GPU_TREE where megatron_sparse_rl/ holds the package's entries plus moe/, launch/
-#    and tools/, as setup.py's package_dir maps them; pytest runs from there.
+#    of symbolic links to the checkout's entries in $MSRL_GPU_TREE (no build outputs or wheels); pytest runs from
+#    there.
 # 4. Runs `pytest tests/gpu` with a per-test limit of $MSRL_GPU_TEST_TIMEOUT s (pytest-timeout where installed,
 #    else tests/gpu/conftest.py's alarm) inside a total limit of $MSRL_GPU_TOTAL_S s; tests/gpu/conftest.py writes
 #    the summary after every test, so a run stopped at the total limit keeps what it finished.
@@ -20,7 +20,7 @@
 # Megatron-Core or the checkout do not import.
 #
 # On a machine without CUDA (to check this script): PYTHON=.venv/bin/python MSRL_GPU_TESTS_ON_CPU=1
-# MSRL_WHEELS=/nonexistent OUT=/tmp/gpu_out bash tools/gpu_check.sh   (the cpu variants, with the venv's packages)
+# MSRL_WHEELS=/nonexistent OUT=/tmp/gpu_out bash scripts/gpu_check.sh   (the cpu variants, with the venv's packages)
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -64,21 +64,19 @@ fi
 rm -f "$OUT_DIR/.transformers.err"
 
 # ---- 3. the checkout as an importable tree -----------------------------------------------------------------
-rm -rf "$TREE" && mkdir -p "$TREE/megatron_sparse_rl" || finish 4
+rm -rf "$TREE" && mkdir -p "$TREE" || finish 4
 for entry in "$REPO"/*; do
     case "$(basename "$entry")" in
-        megatron_sparse_rl|moe|launch|tools|wheels|gpu_out|build|dist|*.egg-info) ;;
+        wheels|gpu_out|build|dist|*.egg-info) ;;
         *) ln -s "$entry" "$TREE/" ;;
     esac
 done
-for entry in "$REPO"/megatron_sparse_rl/*; do ln -s "$entry" "$TREE/megatron_sparse_rl/"; done
-for folder in moe launch tools; do ln -s "$REPO/$folder" "$TREE/megatron_sparse_rl/$folder"; done
 cd "$TREE" || finish 4
 "$PYTHON" -W ignore - <<'EOF' || { log "Megatron-Core or the checkout does not import"; finish 4; }
 from importlib import metadata
 
 import megatron.core
-import megatron_sparse_rl.tools.cli  # the package_dir mapping works
+import megatron_sparse_rl.tools.cli
 import tests.gpu.devices  # noqa: F401
 
 import torch
