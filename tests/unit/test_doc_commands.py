@@ -50,7 +50,7 @@ SMOKES: dict[str, tuple[str, ...]] = {
     "msrl bench async": (f"{SMOKE}::test_msrl_bench_async",),
     "python benchmarks/convert.py": (f"{SMOKE}::test_bench_convert_as_msrl_and_as_a_script",),
     "python -m megatron_sparse_rl.demo": ("tests/unit/test_demo_entry.py::test_previous_run_is_replaced_but_nothing_else",),
-    "python -m megatron_sparse_rl.envs.calc_task": (
+    "python -m megatron_sparse_rl.data.calc_task": (
         "tests/unit/test_envs.py::test_calc_task_cli_writes_the_digit_range_asked_and_refuses_a_bad_one",),
     "python -m megatron_sparse_rl.launch.local_slurm": (f"{SMOKE}::test_local_slurm_usage",
                                                         "tests/e2e/test_slurm.py::test_job_runs_to_completion"),

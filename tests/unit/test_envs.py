@@ -22,7 +22,7 @@ from megatron_sparse_rl.data.datasets import DatasetError, encode_prompts, read_
 from megatron_sparse_rl.data.templates import SIMPLE_CHAT_FORMAT, render_messages, tool_observation
 from megatron_sparse_rl.data.types import Example
 from megatron_sparse_rl.envs import TOOLS, ToolError, call_tool, register_tool
-from megatron_sparse_rl.envs.calc_task import calc_records, main as calc_task_main, write_calc_jsonl
+from megatron_sparse_rl.data.calc_task import calc_records, main as calc_task_main, write_calc_jsonl
 from megatron_sparse_rl.envs.tool_env import environment_factory
 from megatron_sparse_rl.models.char_tokenizer import character_tokenizer
 from megatron_sparse_rl.rollout.batch import RolloutBatch

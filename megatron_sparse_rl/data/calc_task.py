@@ -12,7 +12,7 @@ into its answer without one wrong digit; with 5..7 digits a 64-wide tiny model n
 than a CPU run affords (docs/episodes.md, what was run and seen).
 
 Write the files the config configs/tool_calc.yaml reads:
-    python -m megatron_sparse_rl.envs.calc_task megatron_sparse_rl/assets/tool_calc
+    python -m megatron_sparse_rl.data.calc_task megatron_sparse_rl/assets/tool_calc
 """
 from __future__ import annotations
 
