@@ -56,7 +56,6 @@ SMOKES: dict[str, tuple[str, ...]] = {
                                                         "tests/e2e/test_slurm.py::test_job_runs_to_completion"),
     "python -m megatron_sparse_rl.launch.torchrun": ("tests/e2e/test_trainer.py::test_two_rank_run_through_msrl_launch_local",),
     "python -m megatron_sparse_rl.observability.plot": (f"{SMOKE}::test_plot_module_writes_a_png",),
-    "python -m megatron_sparse_rl.tools.cli": ("tests/unit/test_moe.py::test_cli_inspect_compare",),
     "python -m megatron_sparse_rl.tools.gen_config_docs": (
         "tests/unit/test_config_docs.py::test_generated_reference_has_a_row_for_every_field_it_lists",),
     # experiment-scale: their --quick smokes are marked slow (make test-all)
