@@ -1,4 +1,5 @@
-"""Learner throughput and the overhead of the off-policy corrections and of keep-sampling-mask.
+"""Learner throughput of the two kernel choices, and the overhead of the off-policy corrections and of
+keep-sampling-mask.
 
     msrl bench learner [--hidden 128 --layers 4 --experts 16 --topk 4 --seq 256 --batch 16 --mbs 4 --pairs 6]
     .venv/bin/python benchmarks/learner.py [same options]
@@ -10,8 +11,14 @@ Megatron learner on CPU. A synthetic rollout batch (16-token prompts, responses 
 support of 32 ids per response token) goes through the trainer's learner step (`training/update.py`:
 `prepare`, the dense old-logprob forward + advantages + corrections, then `update`, one optimizer step).
 
-Printed, each as back-to-back pairs against the plain step (no correction, no mask), the order alternating,
-median and range of the per-pair time ratios (a shared CPU's noise shows in the range):
+First the kernel choices (learner.kernels, models/kernels.py): a `fast` and a `local` learner of the same weights;
+the max |logprob difference| between them on the batch (equal results), then back-to-back pairs of the plain step
+under each, the order alternating: each one's median tokens/s and the median and range of the per-pair speed-up
+(local time / fast time).
+
+Then, under `--kernels` (default auto, the choice a run makes here), each as back-to-back pairs against the plain
+step (no correction, no mask), the order alternating, median and range of the per-pair time ratios (a shared CPU's
+noise shows in the range):
 - all corrections on (TIS, MIS, veto, IcePop, OPSM, Sparse-RL; elementwise tensor math, expected ~0 of
   the step; docs/algorithms.md, "Cost");
   also the time of `apply_corrections` alone, timed around its call, as a share of the step;
@@ -43,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=positive(), default=16, help="sequences per step (a multiple of 4)")
     p.add_argument("--mbs", type=positive(), default=4, help="learner micro-batch size")
     p.add_argument("--pairs", type=positive(), default=6)
+    p.add_argument("--kernels", choices=("auto", "local", "fast"), default="auto",
+                   help="learner.kernels of the overhead comparisons (fast and local are compared first either way)")
     p.add_argument("--timeout", type=positive(), default=1800, help="seconds before the benchmark rank is killed")
 
 
@@ -53,7 +62,7 @@ def _check(args) -> None:
         raise SystemExit(f"error: --seq must be > {PROMPT + 1} (16-token prompts; got {args.seq})")
 
 
-def _learner(model_dir, mbs):
+def _learner(model_dir, mbs, kernels):
     from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_sparse_rl.learner.learner import Learner
     from megatron_sparse_rl.models import load_spec
@@ -64,7 +73,8 @@ def _learner(model_dir, mbs):
     adapter, spec = load_spec(model_dir)
     layout = ParallelLayout.from_config(ParallelConfig(), 1)
     learner = Learner(adapter, spec, layout, layout.initialize(), model_cfg=ModelConfig(path=str(model_dir)),
-                      cfg=LearnerConfig(micro_batch_size=mbs, optimizer=OptimizerConfig(lr=1e-6)), total_steps=1000)
+                      cfg=LearnerConfig(micro_batch_size=mbs, optimizer=OptimizerConfig(lr=1e-6), kernels=kernels),
+                      total_steps=1000)
     learner.load_hf(model_dir)
     return learner
 
@@ -122,8 +132,15 @@ def bench_worker(rank, world_size, model_dir, args):
 
     import megatron_sparse_rl.training.update as U
 
-    learner = _learner(model_dir, args.mbs)
+    from megatron_sparse_rl.models.kernels import resolve
+
+    chosen = resolve(args.kernels, "cpu")
+    learners = {k: _learner(model_dir, args.mbs, k) for k in ("fast", "local")}
+    learner = learners[chosen]
     batch, response_tokens, all_tokens = _batch(learner, args, learner.spec.vocab_size)
+    tokens = U.align_rollout(batch, 0)[0]
+    logprobs = {k: lrn.forward_logprobs(tokens)["logprobs"] for k, lrn in learners.items()}
+    diff = float((logprobs["fast"] - logprobs["local"]).abs().max())
     configs = _configs()
     correction_s = [0.0]
     inner = U.apply_corrections
@@ -137,7 +154,7 @@ def bench_worker(rank, world_size, model_dir, args):
 
     U.apply_corrections = timed
 
-    def step(name: str) -> float:
+    def step(name: str, learner=learner) -> float:
         algo = configs.get(name, configs["plain"])
         if name == "full_width":  # what the learner did before micro-batches were grouped and trimmed
             learner._width = lambda tokens, lengths, index: tokens.shape[1]
@@ -151,8 +168,14 @@ def bench_worker(rank, world_size, model_dir, args):
             learner.__dict__.pop("_micro_batches", None)
         return time.perf_counter() - start
 
-    step("plain")  # warm-up
-    ratios = {"corrections": [], "keep_mask": [], "full_width": [], "corrections_math": []}
+    for lrn in learners.values():
+        step("plain", lrn)  # warm-up
+    kernel_s = {"fast": [], "local": []}
+    for i in range(args.pairs):
+        for k in (("fast", "local") if i % 2 == 0 else ("local", "fast")):
+            kernel_s[k].append(step("plain", learners[k]))
+    ratios = {"corrections": [], "keep_mask": [], "full_width": [], "corrections_math": [],
+              "speedup": [loc / fast for loc, fast in zip(kernel_s["local"], kernel_s["fast"])]}
     plain = []
     for i in range(args.pairs):
         for other in ("corrections", "keep_mask", "full_width"):
@@ -164,7 +187,8 @@ def bench_worker(rank, world_size, model_dir, args):
             plain.append(t["plain"])
             if other == "corrections":
                 ratios["corrections_math"].append(correction_s[0] / t["corrections"])
-    return {"ratios": ratios, "plain": plain, "response_tokens": response_tokens, "all_tokens": all_tokens}
+    return {"ratios": ratios, "plain": plain, "response_tokens": response_tokens, "all_tokens": all_tokens,
+            "kernel_s": kernel_s, "logprob_diff": diff, "chosen": chosen}
 
 
 def _summary(values) -> tuple[float, float, float]:
@@ -185,6 +209,12 @@ def run(args: argparse.Namespace) -> int:
               f"1 rank, 1 torch thread", flush=True)
         (out,) = run_ranks(bench_worker, 1, args=(str(model_dir), args), timeout=args.timeout,
                            rank_init=getattr(args, "rank_logging", None))
+    tokens_s = {k: out["all_tokens"] / _summary(v)[0] for k, v in out["kernel_s"].items()}
+    med, lo, hi = _summary(out["ratios"]["speedup"])
+    print(f"learner.kernels fast: {tokens_s['fast']:.0f} tokens/s, local: {tokens_s['local']:.0f} tokens/s (medians); "
+          f"fast / local speed-up per pair: median {med:.2f}x (range {lo:.2f}x .. {hi:.2f}x); "
+          f"max |logprob fast - local| {out['logprob_diff']:.2e}")
+    print(f"the comparisons below run learner.kernels {args.kernels} = {out['chosen']}")
     step, _, _ = _summary(out["plain"])
     print(f"plain learner step (old-logprob forward + advantages + 1 update): median {step * 1e3:.0f} ms; "
           f"{out['response_tokens'] / step:.0f} response tokens/s, {out['all_tokens'] / step:.0f} tokens/s")

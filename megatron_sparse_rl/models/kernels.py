@@ -22,9 +22,9 @@ from megatron_sparse_rl.config.schema import KernelChoice
 KERNEL_CHOICES: tuple[str, ...] = get_args(KernelChoice)
 
 AUTO: dict[str, str] = {"cpu": "fast", "cuda": "fast"}
-"""`auto` per device type. CPU: `msrl bench learner` measured fast 1.3-1.4x local (docs/performance.md). CUDA:
-fast, pending the measurement of tools/gpu_kernels.sh (docs/gpu.md, Outstanding): the local spec loops over experts
-with a host sync per MoE layer and materialises every s x s score matrix, which no GPU measurement so far favours."""
+"""`auto` per device type. CPU: `msrl bench learner` measured fast 1.25x and 1.39x local in two runs
+(docs/performance.md). CUDA: fast, pending tests/gpu/test_cuda_kernels.py (docs/gpu.md, Outstanding): the local
+spec loops over experts with a host sync per MoE layer and materialises every s x s score matrix."""
 
 
 def check_choice(choice: str, field: str = "learner.kernels") -> None:

@@ -17,6 +17,8 @@ def test_bench_learner_prints_its_ratios():
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    assert re.search(r"learner.kernels fast: \d+ tokens/s, local: \d+ tokens/s \(medians\); fast / local speed-up per "
+                     r"pair: median \d+\.\d\dx .* max \|logprob fast - local\| \d\.\d\de[-+]\d\d", out), out
     assert re.search(r"plain learner step .* median \d+ ms; \d+ response tokens/s, \d+ tokens/s", out), out
     for label in ("all corrections on", "keep-sampling-mask on", "every micro-batch at the batch's full width"):
         assert re.search(rf"{label} .* / plain: median \d+\.\d{{4}} \(overhead [+-]\d+\.\d\d%", out), out
