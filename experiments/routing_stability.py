@@ -124,7 +124,8 @@ def pairs(arms: list[Arm]) -> list[tuple[str, str]]:
 
 def check_configs(args) -> dict:
     """Every run's config, loaded and validated for one rank before anything runs ({job name: RunConfig})."""
-    from megatron_sparse_rl.config import load_config, validate
+    from megatron_sparse_rl.config import load_config
+    from megatron_sparse_rl.validation import validate
 
     base = load_config(args.config, args.overrides)
     jobs = R.plan(args, base, [(a.name, a.sets) for a in args.arms], R.common_sets(args, QUICK_SETS))

@@ -1,7 +1,8 @@
 """Run configuration: frozen dataclasses (schema.py), a strict YAML loader (loader.py), the
 cross-component checks (validate.py) and the runtime values resolved from the model (resolve.py).
 
-    from megatron_sparse_rl.config import load_config, validate
+    from megatron_sparse_rl.config import load_config
+    from megatron_sparse_rl.validation import validate
     run = load_config("configs/tiny_moe.yaml", overrides=["learner.optimizer.lr=3e-5"])
     spec = validate(run, world_size=1)     # ModelSpec, or None when the model's config.json is not here
 """
@@ -12,7 +13,6 @@ from pathlib import Path
 
 from megatron_sparse_rl.config.loader import ConfigError, from_dict, merge_overrides, read_yaml, to_dict
 from megatron_sparse_rl.config.schema import RunConfig
-from megatron_sparse_rl.config.validate import validate
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
@@ -23,4 +23,4 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
     return from_dict(RunConfig, merge_overrides(read_yaml(path), list(overrides)))
 
 
-__all__ = ["ConfigError", "RunConfig", "load_config", "to_dict", "validate"]
+__all__ = ["ConfigError", "RunConfig", "load_config", "to_dict"]

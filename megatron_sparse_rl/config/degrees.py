@@ -1,5 +1,5 @@
 """`ParallelDegrees`: the learner's parallel degrees (`parallel.*`) checked against a world size and a model's
-shapes, as numbers only (no process group, no torch.distributed). `validate` (config/validate.py) and the run
+shapes, as numbers only (no process group, no torch.distributed). `validate` (validation/validate.py) and the run
 summary check a run with it; `ParallelLayout` (parallel/layout.py) is these degrees plus the groups it initialises.
 
     degrees = ParallelDegrees.from_config(run.parallel, world_size=8)   # ValueError naming the fields

@@ -4,7 +4,7 @@
 every rollout an episode (megatron_sparse_rl/envs, rollout/episodes.py): the model's turn is sampled, the
 environment answers with an observation, and so on until the environment says done, `max_turns` model turns were
 sampled, or the episode reached `max_total_tokens`. Whether each named tool exists is checked by `validate`
-(config/validate.py), against the tool registry of megatron_sparse_rl/envs/tools.py. A tool is untrusted code: one
+(validation/validate.py), against the tool registry of megatron_sparse_rl/envs/tools.py. A tool is untrusted code: one
 that raises, returns what is not text or does not answer within `tool_timeout_s` gives the episode an error
 observation and counts a tool error (envs/tools.py `call_tool`).
 """

@@ -256,7 +256,7 @@ class RolloutConfig:
         if self.prefix_caching and self.kv.policy != "none":
             raise ValueError(f"rollout.prefix_caching = true cannot run with rollout.kv.policy = {self.kv.policy!r}: "
                              "sparse KV rewrites cached blocks in place, so no block holds a prefix to share")
-        # None: checked against the value resolved from the model (config/resolve.py)
+        # None: checked against the value resolved from the model (validation/resolve.py)
         if self.max_model_len is not None and self.sampling.max_tokens >= self.max_model_len:
             raise ValueError(f"rollout.sampling.max_tokens must be < rollout.max_model_len "
                              f"(got {self.sampling.max_tokens} >= {self.max_model_len})")

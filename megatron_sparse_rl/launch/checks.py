@@ -4,7 +4,7 @@
 
 Pure arithmetic on the config (no torch): the GPUs of the learner nodes must tile the parallel layout,
 the rollout nodes must tile the rollout engine's tensor parallel size, one rank per GPU, and SLURM
-launches need a partition. Model-dependent checks stay in `config.validate`.
+launches need a partition. Model-dependent checks stay in `validation.validate`.
 """
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from megatron_sparse_rl.config import load_config, validate
+    from megatron_sparse_rl.config import load_config
+    from megatron_sparse_rl.validation import validate
     from megatron_sparse_rl.config.schema import ParallelConfig
     from megatron_sparse_rl.parallel.world import join_world
 

@@ -1,5 +1,5 @@
 """A run's `model.tiny` (config/schema.py `TinyModelConfig`) as its builder's keyword arguments, and as the Hugging
-Face config dict that builder would write, derived without weights or transformers (config/validate.py reads the
+Face config dict that builder would write, derived without weights or transformers (validation/validate.py reads the
 run's ModelSpec from it when no config.json is there yet).
 
     tiny_fields(run.model.tiny)          # {"hidden": 64, ..., "seed": 0}: build_tiny_hf_model / build_tiny_deepseek

@@ -35,7 +35,7 @@ BLOCK = 16
 MLA_SPARSE_SINGLE_RANK = "sparse KV on the MLA latent runs on single-rank engines only (rollout.tensor_parallel_size 1)"
 MLA_SPARSE_WHY = "each TP rank would score the shared latent rows with its own heads only"
 """Why a multi-rank MLA engine cannot compact: one keep set per layer would need the ranks' scores combined, which
-is not implemented (config/validate.py and the engine refuse such a run)."""
+is not implemented (validation/validate.py and the engine refuse such a run)."""
 DSA_SPARSE_WHY = ("KV compression does not run on a DSA engine: it would have to drop the indexer's cached keys "
                   "with the latent rows, which it does not (and the indexer already keeps attention to top-k tokens)")
 

@@ -37,7 +37,7 @@ import torch
 from megatron_sparse_rl import vllm_access
 from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
-from megatron_sparse_rl.config.resolve import resolve_rollout
+from megatron_sparse_rl.validation.resolve import resolve_rollout
 from megatron_sparse_rl.models import engine_config_defaults
 from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
 from megatron_sparse_rl.rollout.block_usage import BlockUsageProbe
@@ -76,7 +76,7 @@ class RolloutEngine:
     Args:
         model_dir: Hugging Face model directory (config.json, safetensors, tokenizer).
         cfg: the `rollout` section of the run config (max_model_len None: resolved from `model_dir`'s config.json,
-            config/resolve.py `max_model_len`).
+            validation/resolve.py `max_model_len`).
         cache_dir: VLLM_CACHE_ROOT; default: $VLLM_CACHE_ROOT if set, else <tmp>/msrl_vllm_cache_<uid>.
         extensions: the features that ride on the engine (rollout/extension.py), called in this order.
 

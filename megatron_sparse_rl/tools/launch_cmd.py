@@ -40,7 +40,8 @@ def _local(args) -> int:
     from megatron_sparse_rl.launch.checks import check_launch
     from megatron_sparse_rl.launch.load import job_overrides, load_run
     from megatron_sparse_rl.launch.local import local_command
-    from megatron_sparse_rl.config import ConfigError, validate
+    from megatron_sparse_rl.config import ConfigError
+    from megatron_sparse_rl.validation import validate
 
     overrides = list(args.overrides)
     if args.nproc is not None:
@@ -69,7 +70,7 @@ def _slurm(args) -> int:
     from megatron_sparse_rl.launch.checks import check_launch
     from megatron_sparse_rl.launch.load import job_overrides, load_run
     from megatron_sparse_rl.launch.slurm import render_sbatch, resolve_paths, submit, write_script
-    from megatron_sparse_rl.config import validate
+    from megatron_sparse_rl.validation import validate
 
     run, launch = load_run(args.config, args.overrides)
     check_launch(run, launch, slurm=True)

@@ -7,7 +7,7 @@ AutoTokenizer loads that fits the vocabulary) unless `model.tiny` will build it,
 directories (directories, writable or creatable), and every record of the data (`check_data`: file and
 line of the first problem; prompt lengths with the run's tokenizer, against data.max_prompt_tokens and
 rollout.max_model_len). `--no-files` checks the config alone
-(a cluster config on another machine). Prints a summary (config/summary.py: model, parameter count, dtypes,
+(a cluster config on another machine). Prints a summary (validation/summary.py: model, parameter count, dtypes,
 max_model_len as resolved from the model, parallel layout, engines, rollout, algorithm, every path made absolute
 against the working directory, data) and exits 0; a problem prints `error: <message>` naming the fields, files
 and lines and exits 2 (through tools/cli.py). `--world-size N` alone checks the config for N ranks; only a config
@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_sparse_rl.config import load_config, to_dict, validate
-    from megatron_sparse_rl.config.summary import run_summary
-    from megatron_sparse_rl.config.resolve import resolve
+    from megatron_sparse_rl.config import load_config, to_dict
+    from megatron_sparse_rl.validation import validate
+    from megatron_sparse_rl.validation.summary import run_summary
+    from megatron_sparse_rl.validation.resolve import resolve
     from megatron_sparse_rl.training.preflight import check_files
 
     cfg = load_config(args.config, args.overrides)

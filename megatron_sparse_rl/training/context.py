@@ -160,9 +160,9 @@ def _checked(run: RunConfig):
     directories, every data record and prompt length, the trackers rank 0 opens), on rank 0 with the same error on
     every rank. Returns (rank, world size, the run with the values left to the model resolved, rank 0's summary
     lines)."""
-    from megatron_sparse_rl.config import validate
-    from megatron_sparse_rl.config.resolve import resolve
-    from megatron_sparse_rl.config.summary import run_summary
+    from megatron_sparse_rl.validation import validate
+    from megatron_sparse_rl.validation.resolve import resolve
+    from megatron_sparse_rl.validation.summary import run_summary
     from megatron_sparse_rl.observability.logging import init_logging
     from megatron_sparse_rl.parallel.world import on_rank0
     from megatron_sparse_rl.training.preflight import check_files

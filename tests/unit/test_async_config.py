@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_sparse_rl.config import ConfigError, RunConfig, validate
+from megatron_sparse_rl.config import ConfigError, RunConfig
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.rollout.versions import VersionLog, too_stale

@@ -22,19 +22,7 @@ from tests.snapshot import snapshot
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _write(folder: Path, text: str, name: str = "run.yaml") -> Path:
-    path = folder / name
-    path.write_text(text)
-    return path
-
-
-def _refused(path: Path, overrides=()) -> str:
-    """The ConfigError message of loading `path`; the folder is unchanged by the attempt."""
-    before = snapshot(path.parent)
-    with pytest.raises(ConfigError) as err:
-        load_config(path, list(overrides))
-    assert snapshot(path.parent) == before
-    return str(err.value)
+from tests.unit.test_config_meaning import _refused, _write  # noqa: E402  (one pair of helpers for both)
 
 
 # ---- YAML anchors and aliases ----------------------------------------------------------------------------------

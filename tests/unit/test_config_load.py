@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from megatron_sparse_rl.config import ConfigError, RunConfig, load_config, to_dict, validate
+from megatron_sparse_rl.config import ConfigError, RunConfig, load_config, to_dict
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.loader import parse_override
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_sparse_rl.config import ConfigError, RunConfig, validate
+from megatron_sparse_rl.config import ConfigError, RunConfig
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
-from megatron_sparse_rl.config.validate import model_spec
+from megatron_sparse_rl.validation.validate import model_spec
 from megatron_sparse_rl.models.tiny_config import tiny_hf_config
 from megatron_sparse_rl.models import load_spec
 from megatron_sparse_rl.planner.shapes import ASSETS
@@ -370,7 +371,7 @@ def model_with_positions(tmp_path, positions: int) -> Path:
 
 
 def test_max_model_len_defaults_to_the_tiny_model_positions():
-    from megatron_sparse_rl.config.resolve import describe_max_model_len, resolve
+    from megatron_sparse_rl.validation.resolve import describe_max_model_len, resolve
 
     run = run_of()
     assert run.rollout.max_model_len is None
@@ -381,7 +382,7 @@ def test_max_model_len_defaults_to_the_tiny_model_positions():
 
 
 def test_max_model_len_from_a_model_with_4096_positions_capped_by_the_config(tmp_path):
-    from megatron_sparse_rl.config.resolve import describe_max_model_len, resolve
+    from megatron_sparse_rl.validation.resolve import describe_max_model_len, resolve
 
     path = model_with_positions(tmp_path, 4096)
     run = run_of(f"model.path={path}")
@@ -400,7 +401,7 @@ def test_max_model_len_is_capped_to_what_the_kv_cache_holds(tmp_path):
     token; 1 GiB holds 42 whole 128-token blocks, less the one vLLM's block pool holds back: 41 x 128 = 5248 tokens.
     bfloat16 over engine TP 4 (one KV head per rank): 24,576 bytes, 340 blocks: the model's positions are the
     limit."""
-    from megatron_sparse_rl.config.resolve import describe_max_model_len, max_model_len
+    from megatron_sparse_rl.validation.resolve import describe_max_model_len, max_model_len
 
     path = asset_model(tmp_path, "qwen3-30b-a3b")
     run = run_of(f"model.path={path}", tiny=False)
@@ -447,7 +448,7 @@ def test_kv_budget_is_checked_against_the_resolved_max_model_len():
 
 def test_an_engine_outside_a_run_resolves_max_model_len_from_its_model_dir(tmp_path):
     from megatron_sparse_rl.config.rollout import RolloutConfig
-    from megatron_sparse_rl.config.resolve import resolve_rollout
+    from megatron_sparse_rl.validation.resolve import resolve_rollout
 
     path = model_with_positions(tmp_path, 4096)
     assert resolve_rollout(RolloutConfig(), path).max_model_len == 4096

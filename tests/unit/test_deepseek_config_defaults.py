@@ -50,7 +50,8 @@ def test_it_is_read_as_the_released_router_and_the_file_is_not_written(transform
 
 
 def test_validate_accepts_it(transformers_dir):
-    from megatron_sparse_rl.config import RunConfig, validate
+    from megatron_sparse_rl.config import RunConfig
+    from megatron_sparse_rl.validation import validate
     from megatron_sparse_rl.config.loader import from_dict
 
     before = snapshot(transformers_dir)
@@ -69,7 +70,8 @@ def test_an_export_writes_the_router_keys(transformers_dir):
 
 @pytest.mark.parametrize("key, value", [("scoring_func", "softmax"), ("topk_method", "greedy")])
 def test_another_router_is_refused_naming_config_json_and_the_key(transformers_dir, key, value):
-    from megatron_sparse_rl.config import ConfigError, RunConfig, validate
+    from megatron_sparse_rl.config import ConfigError, RunConfig
+    from megatron_sparse_rl.validation import validate
     from megatron_sparse_rl.config.loader import from_dict
 
     path = transformers_dir / "config.json"

@@ -13,7 +13,8 @@ import re
 import pytest
 import torch
 
-from megatron_sparse_rl.config import ConfigError, RunConfig, validate
+from megatron_sparse_rl.config import ConfigError, RunConfig
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
 from megatron_sparse_rl.launch.checks import check_launch
 from megatron_sparse_rl.launch.load import load_run

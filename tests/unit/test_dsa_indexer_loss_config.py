@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sparse_rl.config import ConfigError, validate
+from megatron_sparse_rl.config import ConfigError
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.schema import ModelConfig
 from megatron_sparse_rl.learner.dsa_indexer_loss import indexer_loss_config
 from megatron_sparse_rl.models import load_spec

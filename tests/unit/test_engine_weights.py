@@ -5,14 +5,14 @@ import importlib
 import pytest
 import torch
 
-from megatron_sparse_rl.config import validate
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.config.rollout import RolloutConfig, engine_precision
 from megatron_sparse_rl.training.steps import sync_tolerance
 from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
 from tests.unit.test_config_validate import run_of
 
-validate_module = importlib.import_module("megatron_sparse_rl.config.validate")  # `config.validate` is the function
+validate_module = importlib.import_module("megatron_sparse_rl.validation.validate")  # `validation.validate` is the function
 QUANTISED = "model.layers.0.self_attn.q_proj.weight"
 EXPERT = "model.layers.1.mlp.experts.3.down_proj.weight"
 KEPT = ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",

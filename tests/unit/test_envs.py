@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_sparse_rl.config import ConfigError, RunConfig, validate
+from megatron_sparse_rl.config import ConfigError, RunConfig
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.data import DataConfig
 from megatron_sparse_rl.config.env import EnvConfig
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides

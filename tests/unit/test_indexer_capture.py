@@ -231,7 +231,7 @@ def test_learner_recompute_replays_the_engine_rows_in_the_learner_layout():
 
 
 def test_the_trainer_builds_the_capture_under_r3_only(tmp_path):
-    from megatron_sparse_rl.config import validate
+    from megatron_sparse_rl.validation import validate
     from megatron_sparse_rl.training.context import _engine_extensions
     from tests.unit.test_config_validate import asset_model, run_of
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sparse_rl.config import ConfigError, validate
+from megatron_sparse_rl.config import ConfigError
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.routing import RoutingConfig
 from tests.unit.test_config_validate import asset_model, run_of
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from megatron_sparse_rl.algorithms import apply_corrections, compute_advantages, loss_normalizer
-from megatron_sparse_rl.config import load_config, validate
+from megatron_sparse_rl.config import load_config
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.algorithm import (
     AlgorithmConfig, CorrectionsConfig, LossConfig, TISConfig,
 )

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
-from megatron_sparse_rl.config import ConfigError, RunConfig, validate
+from megatron_sparse_rl.config import ConfigError, RunConfig
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
 from megatron_sparse_rl.rollout.batch import RolloutBatch

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_sparse_rl.config import ConfigError, load_config
-from megatron_sparse_rl.config.resolve import resolve
-from megatron_sparse_rl.config.validate import validate
+from megatron_sparse_rl.validation.resolve import resolve
+from megatron_sparse_rl.validation.validate import validate
 from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 from megatron_sparse_rl.training.preflight import check_files
 from tests.msrl import MSRL

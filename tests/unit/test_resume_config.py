@@ -156,8 +156,8 @@ def test_what_is_allowed():
 
 
 def test_msrl_train_refuses_a_changed_resume_before_starting(tmp_path):
-    from megatron_sparse_rl.config import validate
-    from megatron_sparse_rl.config.resolve import resolve
+    from megatron_sparse_rl.validation import validate
+    from megatron_sparse_rl.validation.resolve import resolve
 
     run = _run(tmp_path)
     _saved_run(tmp_path, to_dict(resolve(run, validate(run, 1))))  # what a run saves: its resolved config

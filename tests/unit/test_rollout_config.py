@@ -50,7 +50,7 @@ def test_rollout_errors_name_the_field(kwargs, message):
 
 
 def test_max_model_len_defaults_to_the_model_and_is_checked_once_resolved():
-    """None until config/validate.py resolves it from the model (tests/unit/test_config_validate.py), so max_tokens
+    """None until validation/validate.py resolves it from the model (tests/unit/test_config_validate.py), so max_tokens
     has nothing to be compared with here yet."""
     assert RolloutConfig().max_model_len is None
     assert RolloutConfig(sampling=SamplingConfig(max_tokens=100_000)).max_model_len is None

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_sparse_rl.config.validate import ConfigError, validate
+from megatron_sparse_rl.validation.validate import ConfigError, validate
 from megatron_sparse_rl.moe.storage import RoutingError, token_hash
 from megatron_sparse_rl.rollout.routes_vllm import VLLMRouteOutput
 

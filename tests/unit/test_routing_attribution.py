@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megatron_sparse_rl.algorithms.metrics import routing_attribution
-from megatron_sparse_rl.config import ConfigError, RunConfig, validate
+from megatron_sparse_rl.config import ConfigError, RunConfig
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
 from megatron_sparse_rl.config.routing import RoutingConfig

@@ -21,7 +21,8 @@ import routing_stability as RS  # noqa: E402
 import routing_stability_stats as S  # noqa: E402
 import study_stats as T  # noqa: E402
 
-from megatron_sparse_rl.config import load_config, validate  # noqa: E402
+from megatron_sparse_rl.config import load_config  # noqa: E402
+from megatron_sparse_rl.validation import validate  # noqa: E402
 from megatron_sparse_rl.observability.metrics import read_metrics  # noqa: E402
 
 

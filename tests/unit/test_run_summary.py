@@ -1,5 +1,5 @@
 """What a run prints about itself when it starts (and `msrl validate` prints): the summary lines of
-config/summary.py against hand-written text, and Megatron's per-parameter gradient-bucket listing kept out of the
+validation/summary.py against hand-written text, and Megatron's per-parameter gradient-bucket listing kept out of the
 logs unless verbose.
 
     .venv/bin/python -m pytest -q tests/unit/test_run_summary.py
@@ -10,9 +10,10 @@ import logging
 
 import pytest
 
-from megatron_sparse_rl.config import RunConfig, validate
+from megatron_sparse_rl.config import RunConfig
+from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.loader import from_dict, merge_overrides
-from megatron_sparse_rl.config.summary import run_summary
+from megatron_sparse_rl.validation.summary import run_summary
 
 # The default tiny Qwen3-MoE, counted by hand (as in tests/unit/test_cli.py): embeddings + lm head 2 * 64 * 64; per
 # layer q,o 2 * 64 * 4 * 32, k,v 2 * 64 * 2 * 32, q/k norms 2 * 32, 2 layer norms 2 * 64, 4 experts * 3 * 64 * 64 +

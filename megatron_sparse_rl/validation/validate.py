@@ -8,7 +8,7 @@ episodes (env.kind) against the engine features that follow turns (`_env_problem
 disaggregated and with asynchronous RL; vLLM's own routed-experts output is refused).
 
     spec = validate(run, world_size=4)   # ModelSpec (or None); ConfigError listing every problem
-    run = resolve(run, spec)             # config/resolve.py: the values left to the model filled in
+    run = resolve(run, spec)             # validation/resolve.py: the values left to the model filled in
 
 The model's shapes come from `config.json` at `model.path` when it exists, otherwise from `model.tiny`
 (the config dict `models/tiny_config.py` derives, the one the tiny builder would write, without building weights).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from megatron_sparse_rl.config.degrees import ParallelDegrees
 from megatron_sparse_rl.config.loader import ConfigError
-from megatron_sparse_rl.config.resolve import max_model_len, max_model_len_origin
+from megatron_sparse_rl.validation.resolve import max_model_len, max_model_len_origin
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.schema import RunConfig
 

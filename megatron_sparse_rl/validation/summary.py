@@ -1,8 +1,9 @@
 """What a resolved run is, in a few lines: the model, the learner layout and the engines, rollout, algorithm and
 every path as resolved. `msrl validate` prints it; `msrl train` logs it on rank 0 when the run starts.
 
-    from megatron_sparse_rl.config import load_config, validate
-    from megatron_sparse_rl.config.summary import run_summary
+    from megatron_sparse_rl.config import load_config
+    from megatron_sparse_rl.validation import validate
+    from megatron_sparse_rl.validation.summary import run_summary
     run = load_config("configs/tiny_moe.yaml"); print("\n".join(run_summary(run, validate(run, 1), 1)))
 
 Relative paths in a config resolve against the working directory of the process that reads them (configs/*.yaml
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 
 from megatron_sparse_rl.config.degrees import ParallelDegrees
-from megatron_sparse_rl.config.resolve import describe_max_model_len
+from megatron_sparse_rl.validation.resolve import describe_max_model_len
 from megatron_sparse_rl.config.rollout import engine_precision
 from megatron_sparse_rl.config.schema import RunConfig
 

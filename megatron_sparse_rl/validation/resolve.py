@@ -1,7 +1,7 @@
 """Runtime values a run leaves to its model, resolved once the model is known (`validate` returns its ModelSpec):
 `rollout.max_model_len` (unset: the model's positions, capped to what `rollout.kv_cache_gb` holds).
 
-    spec = validate(run, world_size=4)       # config/validate.py: the checks
+    spec = validate(run, world_size=4)       # validation/validate.py: the checks
     run = resolve(run, spec)                 # rollout.max_model_len filled in
     describe_max_model_len(run.rollout, spec)   # "2048 (the model's max_position_embeddings)", for summaries
     rollout = resolve_rollout(rollout, model_dir)   # an engine built outside a run (tests, benchmarks)
