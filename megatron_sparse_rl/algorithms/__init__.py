@@ -27,7 +27,7 @@ from megatron_sparse_rl.algorithms.losses import (
     POLICY_LOSSES, cispo_loss, dapo_loss, dual_clip_loss, get_policy_loss, grpo_loss, gspo_loss, gspo_token_loss,
     policy_loss,
 )
-from megatron_sparse_rl.algorithms.metrics import mismatch_metrics, routing_attribution
+from megatron_sparse_rl.algorithms.metrics import mismatch_metrics, routing_attribution, tail_metrics
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
 from megatron_sparse_rl.algorithms.sampling_mask import keep_set_to_mask, masked_log_softmax, masked_token_logprobs
 
@@ -39,6 +39,6 @@ __all__ = [
     "keep_set_to_mask", "kl_k1", "kl_k2", "kl_k3", "kl_loss", "loss_normalizer", "masked_log_softmax", "masked_max",
     "masked_mean",
     "masked_sum", "masked_token_logprobs", "mis_correction", "mismatch_metrics", "opsm_correction", "opsm_keep",
-    "policy_loss", "rloo_advantages", "routing_attribution", "sparse_rl_correction", "tis_correction",
+    "policy_loss", "rloo_advantages", "routing_attribution", "sparse_rl_correction", "tail_metrics", "tis_correction",
     "unbiased_kl", "veto_correction",
 ]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.algorithms import (
     apply_corrections, compute_advantages, kl_loss, loss_normalizer, mismatch_metrics, policy_loss,
-    routing_attribution,
+    routing_attribution, tail_metrics,
 )
 from megatron_sparse_rl.algorithms.corrections import correction_inputs, opsm_keep, tis_correction
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
@@ -270,7 +270,8 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
     corr = apply_corrections(_rollout_time(cfg.corrections), old_lp, rollout_lp, mask, advantages=advantages,
                              group=dp_group)
-    metrics = _scalar_metrics(mismatch_metrics(old_lp, rollout_lp, mask, group=dp_group))
+    metrics = _scalar_metrics({**mismatch_metrics(old_lp, rollout_lp, mask, group=dp_group),
+                               **tail_metrics(old_lp, rollout_lp, mask, group=dp_group)})
     if batch.loss_mask is not None:
         metrics.update(tool_split_metrics(batch, old_lp, rollout_lp, mask, group=dp_group))
     metrics.update(source_metrics)

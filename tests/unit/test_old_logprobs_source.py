@@ -138,6 +138,7 @@ def test_engine_source_takes_the_samplers_logprobs_without_a_learner_forward():
     assert learner.forwards == 0 and prep.metrics["old_logprobs/learner_forwards"] == 0.0
     assert torch.equal(prep.old_logprobs, prep.rollout_logprobs)
     assert prep.metrics["mismatch/k1"] == 0.0
+    assert prep.metrics["mismatch/rho_p5"] == 1.0 and prep.metrics["mismatch/rho_below_0.5_frac"] == 0.0
 
 
 def test_engine_mean_source_averages_the_rescorings_in_the_learner_layout():
