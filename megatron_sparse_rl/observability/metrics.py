@@ -38,6 +38,8 @@ TRAIN_ACCURACY = "rollout/accuracy"
 EVAL_ACCURACY = "eval/accuracy"
 MISMATCH_K1 = "mismatch/k1"
 MISMATCH_K3 = "mismatch/k3"
+MISMATCH_RHO_P5 = "mismatch/rho_p5"
+"""5th percentile of rho_t = pi_old / mu (algorithms/metrics.py `tail_metrics`); on the line with sparse KV."""
 CLIP_FRACTION = ("loss/clip_frac", "loss/clip_frac_low", "loss/clip_frac_high")
 """`loss/clip_frac` if logged, else the sum of the low and high clip fractions."""
 REJECTION = ("corrections/rejected_seq_frac", "sparse_rl/rejected_seq_frac", "mis/rejected_seq_frac",

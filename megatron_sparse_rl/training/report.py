@@ -11,7 +11,7 @@ import torch
 
 from megatron_sparse_rl.observability.metrics import EVAL_ACCURACY, FILENAME, read_metrics
 from megatron_sparse_rl.observability.plot import plot_metrics
-from megatron_sparse_rl.observability.progress import ProgressPrinter
+from megatron_sparse_rl.observability.progress import ProgressPrinter, step_line_groups
 from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training.context import RunContext
 
@@ -31,7 +31,8 @@ def recorded_accuracies(path: Path) -> tuple[float | None, float | None]:
 class Reporter:
     def __init__(self, ctx: RunContext, total: int):
         self.ctx = ctx
-        self.progress = ProgressPrinter(total) if ctx.is_main else None
+        sparse_kv = ctx.run.rollout.kv.policy != "none"
+        self.progress = ProgressPrinter(total, groups=step_line_groups(sparse_kv=sparse_kv)) if ctx.is_main else None
         self.start = time.perf_counter()
         # A resumed run past its warm start reports the accuracies its metrics.jsonl already holds (rank 0
         # owns that file; open_metrics has cut it back to the checkpoint's records).

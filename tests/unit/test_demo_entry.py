@@ -59,11 +59,12 @@ def _resumed_reporter(run_dir, keep_records):
     cuts the file back first, as the trainer does)."""
     from types import SimpleNamespace
 
+    from megatron_sparse_rl.config import RunConfig
     from megatron_sparse_rl.observability.metrics import MetricsWriter
     from megatron_sparse_rl.training.report import Reporter
 
     MetricsWriter(run_dir, tensorboard=False, keep_records=keep_records).close()
-    return Reporter(SimpleNamespace(is_main=True, run_dir=run_dir), total=3)
+    return Reporter(SimpleNamespace(is_main=True, run_dir=run_dir, run=RunConfig()), total=3)
 
 
 def test_a_resumed_run_gets_its_warm_start_accuracy_back(tmp_path):
