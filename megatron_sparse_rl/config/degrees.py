@@ -3,7 +3,8 @@ shapes, as numbers only (no process group, no torch.distributed). `validate` (va
 summary check a run with it; `ParallelLayout` (parallel/layout.py) is these degrees plus the groups it initialises.
 
     degrees = ParallelDegrees.from_config(run.parallel, world_size=8)   # ValueError naming the fields
-    degrees.check_model(spec)             # TP divides heads, EP divides experts, ...
+    degrees.check_model(spec)             # TP divides heads, EP divides experts, the pipeline layout fits, ...
+    degrees.stages(spec.num_layers)       # PipelineStages (config/stages.py): layers per pipeline stage
     resolve_backend("auto", cuda=False)   # "gloo": what parallel.backend means on ranks with(out) CUDA
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_sparse_rl.config.schema import ParallelConfig
+from megatron_sparse_rl.config.stages import PipelineStages, pipeline_stages
 
 
 def resolve_backend(backend: str, cuda: bool | None = None) -> str:
@@ -39,6 +41,8 @@ class ParallelDegrees:
     rollout_ranks: int = 0
     """Disaggregated placement: ranks [world_size, world_size + rollout_ranks) own engines, not the model
     (`world_size` counts the learner ranks only). 0: every rank is a learner rank."""
+    pipeline_layout: str | None = None
+    """`parallel.pipeline_layout`: Megatron-Core's layout string, or None for balanced stages."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int, rollout_ranks: int = 0, *,
@@ -68,7 +72,12 @@ class ParallelDegrees:
                              f"{cfg.etp}, backend gloo)")
         return cls(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, dp=world_size // model_parallel,
                    world_size=world_size, sequence_parallel=cfg.sequence_parallel, backend=backend,
-                   rollout_ranks=rollout_ranks)
+                   rollout_ranks=rollout_ranks, pipeline_layout=cfg.pipeline_layout)
+
+    def stages(self, num_layers: int) -> PipelineStages:
+        """The decoder layers of each pipeline stage for a model of `num_layers` (ValueError naming the field when
+        the layout does not fit)."""
+        return pipeline_stages(self.pp, num_layers, self.pipeline_layout)
 
     def check_model(self, spec) -> None:
         """Raise ValueError if these degrees cannot shard `spec` (models/spec.py `ModelSpec`)."""
@@ -79,8 +88,10 @@ class ParallelDegrees:
             problems.append(f"parallel.tp={self.tp} must divide the KV heads ({spec.num_kv_heads})")
         if spec.vocab_size % self.tp:
             problems.append(f"parallel.tp={self.tp} must divide the vocabulary size ({spec.vocab_size})")
-        if spec.num_layers % self.pp:
-            problems.append(f"parallel.pp={self.pp} must divide the layer count ({spec.num_layers})")
+        try:
+            self.stages(spec.num_layers)
+        except ValueError as e:
+            problems.append(str(e))
         if spec.is_moe:
             if spec.num_experts % self.ep:
                 problems.append(f"parallel.ep={self.ep} must divide the expert count ({spec.num_experts})")

@@ -16,6 +16,7 @@ from megatron_sparse_rl.config.env import EnvConfig
 from megatron_sparse_rl.config.launch import LaunchConfig
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.routing import RoutingConfig
+from megatron_sparse_rl.config.stages import LAYOUT_CHARS
 from megatron_sparse_rl.config.trainer import TrainerConfig
 from megatron_sparse_rl.config.trackers import MlflowConfig, Tracker, WandbConfig
 from megatron_sparse_rl.config.checks import MAX_BATCH, MAX_RANKS, MAX_SEED, MAX_STEPS
@@ -181,7 +182,12 @@ class ParallelConfig:
     tp: int = 1
     """Tensor parallel degree (divides attention heads and KV heads)."""
     pp: int = 1
-    """Pipeline parallel degree (divides the layer count)."""
+    """Pipeline parallel degree. Where it does not divide the layer count (DeepSeek-V3's and Kimi-K2's 61 layers) the
+    stages are uneven, balanced automatically (7 layers over pp 3: 3,2,2), unless `pipeline_layout` says otherwise."""
+    pipeline_layout: str | None = None
+    """Megatron-Core's pipeline layout string, one stage per pipeline rank separated by '|': E the embedding (first),
+    t a decoder layer, L the loss (last), x*n and (..)*n repeats, e.g. 'Ettt|tt|ttL' or 'Et*8|(t*8|)*6t*5L'. It must
+    place every layer once; null: balanced stages. Virtual pipeline stages and MTP layers ('m') are not supported."""
     ep: int = 1
     """Expert parallel degree (divides the expert count)."""
     etp: int = 1
@@ -198,6 +204,11 @@ class ParallelConfig:
             _range(getattr(self, name), f"parallel.{name}", 1, MAX_RANKS)
         _check(not self.sequence_parallel or self.tp > 1,
                f"parallel.sequence_parallel needs parallel.tp > 1 (got tp={self.tp})")
+        if self.pipeline_layout is not None:
+            bad = sorted(set(self.pipeline_layout) - LAYOUT_CHARS)
+            _check(not bad, f"parallel.pipeline_layout has characters {bad} outside a Megatron-Core layout string "
+                            f"(E t m L | ( ) , * digits) (got {self.pipeline_layout!r})")
+            _check(self.pp > 1, f"parallel.pipeline_layout needs parallel.pp > 1 (got pp={self.pp})")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -25,10 +25,13 @@ def build_gpt_model(adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout
 
     cuda = torch.cuda.is_available()
     kernels = model_kernels.resolve(kernels, "cuda" if cuda else "cpu")
+    # uneven stages reach Megatron as its layout string; its get_transformer_layer_offset then numbers each stage's
+    # layers (layer_number), which every layer-indexed feature of the learner reads
+    stages = layout.stages(spec.num_layers).megatron_kwargs()
     config = adapter.transformer_config(
         spec, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
         sequence_parallel=layout.sequence_parallel, dtype=DTYPES[dtype], recompute=recompute,
-        aux_loss_coeff=aux_loss_coeff, **{**model_kernels.config_kwargs(kernels, cuda), **config_extra},
+        aux_loss_coeff=aux_loss_coeff, **{**model_kernels.config_kwargs(kernels, cuda), **stages, **config_extra},
     )
     use_te = has_te() and cuda
     layer_spec = model_kernels.apply(adapter.layer_spec(config, use_te=use_te), kernels, config)

@@ -22,6 +22,7 @@ from math import ceil
 
 from megatron_sparse_rl.config.degrees import ParallelDegrees
 from megatron_sparse_rl.planner.recipes import Recipe, published_recipe
+from megatron_sparse_rl.config.stages import balanced
 from megatron_sparse_rl.planner.shapes import ModelShape
 
 GiB = 1024 ** 3
@@ -112,7 +113,10 @@ class LayoutPlan:
     problems: tuple[str, ...]
     """Why it does not fit in memory ([] when it does)."""
     learner_limits: tuple[str, ...] = ()
-    """Why this project's learner cannot run it although Megatron can (uneven pipeline stages)."""
+    """Why this project's learner cannot run it although Megatron can (its own check, ParallelDegrees.check_model)."""
+    stages: tuple[int, ...] = ()
+    """Decoder layers per pipeline stage as the learner splits them (config/stages.py: balanced where pp does not
+    divide the layers; the memory model counts the largest, ceil(layers / pp))."""
     recipe: Recipe | None = None
     """The published recipe that uses this layout on this many GPUs."""
 
@@ -153,7 +157,8 @@ _LIMITS_PREFIX = "parallel layout does not fit the model: "
 
 def learner_limits(shape: ModelShape, tp: int, pp: int, ep: int, gpus: int) -> tuple[str, ...]:
     """What this project's learner refuses in a layout Megatron could run (its own check, ParallelDegrees.check_model:
-    pp must divide the layers, tp the vocabulary, ...); () when it runs it."""
+    tp must divide the vocabulary, pp must not exceed the layers, ...); () when it runs it. Uneven pipeline stages
+    run (balanced, config/stages.py)."""
     if shape.spec is None:
         return ()
     layout = ParallelDegrees(tp=tp, pp=pp, ep=ep, etp=1, dp=gpus // (tp * pp), world_size=gpus,
@@ -217,6 +222,7 @@ def plan_layout(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions)
                 usable_gib=opts.usable_gib, margin_gib=opts.margin_gib,
                 ep_nodes=ep_nodes(ep, world, opts.gpus_per_node),
                 learner_limits=learner_limits(shape, tp, pp, ep, world),
+                stages=balanced(shape.layers, pp) if pp <= shape.layers else (),
                 recipe=published_recipe(shape, gpus=world, tp=tp, pp=pp, ep=ep))
     states = plan["weights_gib"] + plan["grads_gib"] + plan["optimizer_gib"]
     problems = []

@@ -11,6 +11,7 @@ A heuristic, not a simulator: it does not model all-to-all bandwidth or overlap.
 """
 from __future__ import annotations
 
+from megatron_sparse_rl.config.stages import compact
 from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions, plan_layout
 from megatron_sparse_rl.planner.shapes import ModelShape
 
@@ -84,7 +85,8 @@ def chosen_reason(plans: list[LayoutPlan]) -> str | None:
     spare = (f"{best.headroom_gib:.1f} GiB to spare, keeping the {best.margin_gib:.1f} GiB margin" if best.roomy else
              f"only {best.headroom_gib:.1f} GiB to spare, below the {best.margin_gib:.1f} GiB margin (no layout keeps "
              "it)")
-    where = ("this learner runs it" if best.runs_here else
+    uneven = f" with uneven pipeline stages {compact(best.stages)} layers (balanced)" if len(set(best.stages)) > 1 else ""
+    where = (f"this learner runs it{uneven}" if best.runs_here else
              "no fitting layout runs in this learner; this one needs: " + "; ".join(best.learner_limits))
     why = [spare, where]
     if best.recipe is not None:

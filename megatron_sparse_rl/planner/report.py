@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from megatron_sparse_rl.config.stages import compact
 from megatron_sparse_rl.planner.indexer_record import IndexerRecord
 from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions, memory_remedies, one_of, plan_layout
 from megatron_sparse_rl.planner.ranking import TIERS, chosen_reason, shard_problems
@@ -51,6 +52,8 @@ def _status(p: LayoutPlan) -> str:
         out += f" (host optimizer {p.host_optimizer_gib:.1f} GiB/GPU)"
     if p.learner_limits:
         out += "; NOT IN THIS LEARNER: " + "; ".join(p.learner_limits)
+    elif len(set(p.stages)) > 1:
+        out += f"; uneven stages {compact(p.stages)} layers"
     if p.recipe is not None:
         out += f"; published: {p.recipe.name}" + (f" ({p.recipe.note})" if p.recipe.note else "")
     return out

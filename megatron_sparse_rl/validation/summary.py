@@ -30,7 +30,7 @@ def run_summary(run: RunConfig, spec, world_size: int) -> list[str]:
     who = "world" if not rollout else "learner ranks"
     lines.append(f"layout: {who} {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}; "
                  f"ep {layout.ep}, etp {layout.etp}, sequence_parallel {layout.sequence_parallel}, "
-                 f"backend {layout.backend}")
+                 f"backend {layout.backend}" + _stage_note(layout, spec))
     engine_tp = run.rollout.tensor_parallel_size
     if rollout:
         lines.append(f"placement: disaggregated, learner ranks 0-{layout.world_size - 1}, rollout ranks "
@@ -51,6 +51,13 @@ def run_summary(run: RunConfig, spec, world_size: int) -> list[str]:
     lines.append(f"algorithm: advantage {a.advantage.estimator}, loss {a.loss.name} ({a.loss.aggregation}), "
                  f"corrections {', '.join(enabled) or 'none'}, kl coef {a.kl.coef}")
     return lines + path_lines(run)
+
+
+def _stage_note(layout: ParallelDegrees, spec) -> str:
+    """'; pipeline stages 3,2,2 (balanced, automatic) of 7 layers' with pp > 1 and the model known, else ''."""
+    if layout.pp == 1 or spec is None:
+        return "" if layout.pp == 1 else f"; pipeline layout {layout.pipeline_layout or 'balanced'} (model unknown here)"
+    return f"; pipeline {layout.stages(spec.num_layers).describe()} of {spec.num_layers} layers"
 
 
 def _engines(ranks: int, engine_tp: int) -> str:

@@ -312,9 +312,10 @@ def test_a_roomy_layout_ranks_above_one_with_0_3_gib_spare(capsys):
             f"{0.1 * mem:.1f} GiB margin; this learner runs it") in out
 
 
-def test_deepseek_v3_256_gpus_lists_the_published_layout_with_the_learner_limit(capsys):
+def test_deepseek_v3_256_gpus_chooses_the_published_uneven_layout(capsys):
     """NeMo-RL's DeepSeek-V3 GRPO recipe (grpo-dapomath17k-dsv3-megatron.yaml, 32 x 8 GPUs) runs TP8 PP8 EP32 with
-    uneven stages; this learner needs pp to divide the 61 layers, so the plan lists it as fitting and says so."""
+    uneven stages; this learner splits the 61 layers 8,8,8,8,8,7,7,7 (balanced), so the plan chooses it and names
+    the split."""
     s = load_shape("deepseek-v3")
     plans = rank_layouts(s, PlanOptions(gpus=256, gpus_per_node=8, gpu_mem_gib=80))
     pub = next(p for p in plans if (p.tp, p.pp, p.ep) == (8, 8, 32))
@@ -331,29 +332,31 @@ def test_deepseek_v3_256_gpus_lists_the_published_layout_with_the_learner_limit(
     assert pub.total_gib == pytest.approx((states + acts) / GiB)
     assert pub.fits and pub.roomy and 74 - pub.total_gib >= 8.0  # usable 80 - 6, margin 10% of 80
     assert pub.ep_nodes == 32 // 8
-    assert pub.learner_limits == ("parallel.pp=8 must divide the layer count (61)",)
+    assert pub.learner_limits == () and pub.runs_here and pub.stages == (8, 8, 8, 8, 8, 7, 7, 7)
     assert pub.recipe.name.endswith("grpo-dapomath17k-dsv3-megatron.yaml")
-    # the first choice is one this learner runs: pp 1 (61 is prime), EP over 256 / 8 = 32 nodes
-    assert (plans[0].tp, plans[0].pp, plans[0].ep, plans[0].ep_nodes) == (8, 1, 256, 32) and plans[0].runs_here
-    # among the fitting layouts this learner cannot run, the published one comes first
-    assert plans.index(pub) == sum(p.fits and p.runs_here for p in plans)
+    # it fits with the margin and runs here, and a published recipe's layout ranks first in its class
+    assert plans[0] is pub
     assert cli.main(["plan", "deepseek-v3", "--gpus", "256", "--gpu-mem", "80"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.split()[1:5] == ["8", "8", "32", "4"])
-    assert "fits" in row and "NOT IN THIS LEARNER: parallel.pp=8 must divide the layer count (61)" in row
+    assert "fits" in row and "uneven stages 8*5,7*3 layers" in row and "NOT IN THIS LEARNER" not in row
     assert "published: NeMo-RL examples/configs/recipes/llm/grpo-dapomath17k-dsv3-megatron.yaml" in row
-    assert f"the published layout tp8 pp8 ep32 ranks #{plans.index(pub) + 1}" in out
+    assert ("chosen: tp8 pp8 ep32: 14.7 GiB to spare, keeping the 8.0 GiB margin; this learner runs it with uneven "
+            "pipeline stages 8*5,7*3 layers (balanced)") in out
 
 
 def test_ep_across_nodes_ranks_below_ep_inside_fewer_nodes():
     # Qwen3-235B-A22B on 16 x 8 GPUs at 8K: tp2 pp1 ep128 (EP over 128 / 8 = 16 nodes, tp*pp 2) fits with the
-    # margin, yet tp2 pp2 ep32 (EP over 4 nodes, tp*pp 4) ranks first
+    # margin, yet ranks below every fitting layout whose EP group spans fewer nodes; first comes the published recipe's
+    # tp2 pp8 ep16 (uneven stages of the 94 layers), then tp2 pp8 ep8 inside one node
     plans = rank_layouts(load_shape("qwen3-235b-a22b"), PlanOptions(gpus=128, gpus_per_node=8, gpu_mem_gib=80,
                                                                     seq_len=8192))
     wide = next(p for p in plans if (p.tp, p.pp, p.ep) == (2, 1, 128))
     assert wide.roomy and wide.runs_here and wide.ep_nodes == 16
-    assert (plans[0].tp, plans[0].pp, plans[0].ep, plans[0].ep_nodes) == (2, 2, 32, 4)
-    runnable = [p.ep_nodes for p in plans if p.roomy and p.runs_here]
+    assert (plans[0].tp, plans[0].pp, plans[0].ep, plans[0].ep_nodes) == (2, 8, 16, 2)
+    assert plans[0].stages == (12,) * 6 + (11,) * 2 and plans[0].runs_here and plans[0].recipe is not None
+    assert (plans[1].tp, plans[1].pp, plans[1].ep, plans[1].ep_nodes) == (2, 8, 8, 1)
+    runnable = [p.ep_nodes for p in plans if p.roomy and p.runs_here and p.recipe is None]
     assert runnable == sorted(runnable)
     # with 4 GPUs per node the same EP 32 spans 8 nodes
     assert plan_layout(load_shape("qwen3-235b-a22b"), 2, 2, 32, PlanOptions(gpus=128, gpus_per_node=4,

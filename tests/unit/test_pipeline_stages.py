@@ -1,0 +1,89 @@
+"""Uneven pipeline stages (config/stages.py): balanced splits where parallel.pp does not divide the layer count,
+parallel.pipeline_layout parsed by Megatron-Core's own parser into layers per stage, and the refusals of bad layouts
+at config load and at `validate`, each naming the field. The learner running them: tests/distributed/
+test_uneven_pipeline.py."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_sparse_rl.config import ConfigError
+from megatron_sparse_rl.config.schema import ParallelConfig
+from megatron_sparse_rl.config.stages import PipelineStages, balanced, pipeline_stages
+from megatron_sparse_rl.validation import validate
+from megatron_sparse_rl.validation.summary import run_summary
+from tests.unit.test_config_validate import run_of
+
+
+@pytest.mark.parametrize("layers,pp,want", [(7, 3, (3, 2, 2)), (61, 8, (8, 8, 8, 8, 8, 7, 7, 7)), (8, 2, (4, 4)),
+                                            (94, 16, (6,) * 14 + (5,) * 2), (5, 5, (1,) * 5)])
+def test_balanced_split(layers, pp, want):
+    assert balanced(layers, pp) == want and sum(want) == layers
+    stages = pipeline_stages(pp, layers)
+    assert stages.layers == want and not stages.explicit
+
+
+def test_megatron_setting_and_offsets():
+    auto = pipeline_stages(3, 7)
+    assert auto.megatron_kwargs() == {"pipeline_model_parallel_layout": "Ettt|tt|ttL"}
+    assert [auto.offset(p) for p in range(3)] == [0, 3, 5]
+    assert auto.describe() == "stages 3,2,2 (balanced, automatic)"
+    assert pipeline_stages(2, 8).megatron_kwargs() == {}  # even: Megatron's own default split
+    assert pipeline_stages(1, 7).megatron_kwargs() == {}
+    written = pipeline_stages(3, 7, "Ett|ttt|ttL")
+    assert written == PipelineStages((2, 3, 2), explicit=True)
+    assert written.describe() == "stages 2,3,2 (parallel.pipeline_layout)"
+    # Megatron's repeat syntax; DeepSeek-V3's 61 layers at pp 8
+    assert pipeline_stages(8, 61, "Et*8|(t*8|)*6t*5L").layers == (8,) * 7 + (5,)
+
+
+def test_offsets_are_megatron_get_transformer_layer_offset():
+    """The layout string we hand Megatron puts each stage where our offsets say (its own offset function)."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    for pp, layers in ((3, 7), (8, 61), (4, 10)):
+        stages = pipeline_stages(pp, layers)
+        parsed = PipelineParallelLayerLayout(stages.layout(), pp)
+        parsed.validate_layer_layout(layers, None)
+        assert [parsed.get_layer_offset(pp_rank=p) for p in range(pp)] == [stages.offset(p) for p in range(pp)]
+
+
+@pytest.mark.parametrize("layout,pp,message", [
+    ("Ett|tt|ttL", 3, "places 6 decoder layers ('t'), the model has 7: the layout must cover every layer once"),
+    ("Etttt|tttL", 3, "has 2 stages, parallel.pp=3"),
+    ("Et|t|t|t|t|ttL", 3, "virtual pipeline stages are not supported"),
+    ("Ettt|ttm|ttL", 3, "puts multi-token-prediction layers ('m') on stage 1, before the last stage (2)"),
+    ("Ettt|tt|ttmL", 3, "the learner builds none"),
+    ("tttE|tt|ttL", 3, "must start with the embedding 'E' and end with the loss 'L'"),
+    ("Ettttttt||L", 3, "leaves stage 1 without a decoder layer"),
+])
+def test_bad_layouts_are_refused_naming_the_field(layout, pp, message):
+    with pytest.raises(ValueError, match="parallel.pipeline_layout") as e:
+        pipeline_stages(pp, 7, layout)
+    assert message in str(e.value)
+
+
+def test_config_load_refusals():
+    with pytest.raises(ValueError, match=r"parallel.pipeline_layout needs parallel.pp > 1 \(got pp=1\)"):
+        ParallelConfig(pipeline_layout="EttL")
+    with pytest.raises(ValueError, match=r"parallel.pipeline_layout has characters \['x'\]"):
+        ParallelConfig(pp=2, pipeline_layout="Ettx|tL")
+    with pytest.raises(ValueError, match=r"parallel.pp=8 exceeds the layer count \(7\)"):
+        pipeline_stages(8, 7)
+
+
+def test_validate_accepts_uneven_pp_and_names_the_split():
+    run = run_of("model.tiny.layers=7", "parallel.pp=3", "launch.nproc_per_node=3")
+    spec = validate(run, 3, cuda=False)
+    assert any("pp 3 x dp 1" in line and "pipeline stages 3,2,2 (balanced, automatic) of 7 layers" in line
+               for line in run_summary(run, spec, 3))
+    written = run_of("model.tiny.layers=7", "parallel.pp=3", "parallel.pipeline_layout='Ett|ttt|ttL'",
+                     "launch.nproc_per_node=3")
+    assert any("pipeline stages 2,3,2 (parallel.pipeline_layout)" in line
+               for line in run_summary(written, validate(written, 3, cuda=False), 3))
+
+
+def test_validate_refuses_a_layout_that_misses_layers():
+    run = run_of("model.tiny.layers=7", "parallel.pp=3", "parallel.pipeline_layout='Ett|tt|ttL'",
+                 "launch.nproc_per_node=3")
+    with pytest.raises(ConfigError, match=r"parallel.pipeline_layout = 'Ett\|tt\|ttL' places 6 decoder layers"):
+        validate(run, 3, cuda=False)
