@@ -1,7 +1,7 @@
 """Uneven pipeline stages (parallel.pp not dividing the layer count, or parallel.pipeline_layout): a tiny Qwen3-MoE of
 7 layers at pp 3 on 3 gloo ranks, stages 3,2,2 chosen automatically and 2,3,2 written as a layout string. Logprobs
 against HF transformers (fp32, 1e-4), each stage's layers where Megatron's offset puts them, routes recorded equal
-to pp 1's and pp 1's routes replayed under re-drawn routers, a training step's gradients equal to pp 1's (slow), and HF -> torch_dist -> HF conversion bit-exact at the uneven split and across layouts.
+to pp 1's and pp 1's routes replayed under re-drawn routers, a training step's gradients equal to pp 1's (slow), the weight-sync stream equal to the checkpoint, and HF -> torch_dist -> HF conversion bit-exact at the uneven split and across layouts.
 The refusals of bad layouts are unit-tested (tests/unit/test_pipeline_stages.py)."""
 import pytest
 import torch
@@ -130,3 +130,22 @@ def test_conversion_bit_exact_at_uneven_pp(seven, tmp_path):
     _assert_identical(seven, tmp_path / "hf_pp3")
     run_distributed(export_pp1_worker, 1, args=(str(tmp_path),))  # saved at stages 3,2,2, exported unpipelined
     _assert_identical(seven, tmp_path / "hf_pp3_at_pp1")
+
+
+def export_worker(rank, world, model_dir, layout):
+    """The weight-sync stream (weight_sync/export.py iter_hf_tensors) of a freshly loaded learner: on every rank."""
+    from megatron_sparse_rl.weight_sync import iter_hf_tensors
+
+    learner = W.make_learner(world, model_dir, pp=3, pipeline_layout=layout)
+    return {name: t.clone() for name, t in iter_hf_tensors(learner)}
+
+
+@pytest.mark.parametrize("layout", [None, "Ett|ttt|ttL"], ids=["auto", "layout"])
+def test_weight_sync_stream_at_uneven_pp_is_the_checkpoint(seven, layout):
+    from tests.distributed.test_convert import _load_dir
+
+    original = _load_dir(seven)
+    for streamed in run_distributed(export_worker, 3, args=(seven, layout)):
+        assert sorted(streamed) == sorted(original)
+        for name, t in original.items():
+            assert torch.equal(streamed[name].to(t.dtype), t), name
