@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--ep", type=int, default=1, help="expert parallel degree (default 1)")
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (default 1)")
         p.add_argument("--etp", type=int, default=1, help="expert tensor parallel degree (default 1)")
+        p.add_argument("--pipeline-layout", default=None,
+                       help="Megatron-Core layout string of the pipeline stages, e.g. 'Ettt|tt|ttL' (default: "
+                            "balanced stages where --pp does not divide the layers)")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --out (after success)")
         p.add_argument("--verbose", action="store_true", help="also show the libraries' warnings on the console "
                        f"(always in {tool_log_path('convert')})")
@@ -43,7 +46,7 @@ def convert(args: argparse.Namespace) -> None:
     """Run the conversion on this rank (the process group is initialised)."""
     from megatron_sparse_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
 
-    layout = dict(tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp)
+    layout = dict(tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp, pipeline_layout=args.pipeline_layout)
     if args.direction == "hf-to-mcore":
         hf_to_mcore(args.hf, args.out, overwrite=args.overwrite, verify=args.verify, **layout)
     else:

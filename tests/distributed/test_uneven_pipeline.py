@@ -1,8 +1,9 @@
 """Uneven pipeline stages (parallel.pp not dividing the layer count, or parallel.pipeline_layout): a tiny Qwen3-MoE of
 7 layers at pp 3 on 3 gloo ranks, stages 3,2,2 chosen automatically and 2,3,2 written as a layout string. Logprobs
 against HF transformers (fp32, 1e-4), each stage's layers where Megatron's offset puts them, routes recorded equal
-to pp 1's and pp 1's routes replayed under re-drawn routers, a training step's gradients equal to pp 1's (slow), the weight-sync stream equal to the checkpoint, and HF -> torch_dist -> HF conversion bit-exact at the uneven split and across layouts.
-The refusals of bad layouts are unit-tested (tests/unit/test_pipeline_stages.py)."""
+to pp 1's and pp 1's routes replayed under re-drawn routers, a training step's gradients equal to pp 1's (slow),
+the weight-sync stream equal to the checkpoint, and HF -> torch_dist -> HF conversion bit-exact at the uneven split
+and across splits (3,2,2 -> pp 1; 2,3,2 -> 3,2,2). The refusals of bad layouts are unit-tested (tests/unit/test_pipeline_stages.py)."""
 import pytest
 import torch
 
@@ -117,6 +118,9 @@ def convert_worker(rank, world, hf, root, pp):
 
     hf_to_mcore(hf, f"{root}/mc_pp{pp}", tp=1, ep=1, pp=pp)
     mcore_to_hf(f"{root}/mc_pp{pp}", f"{root}/hf_pp{pp}", pp=pp)
+    # saved at a written split (2,3,2), exported at the balanced one (3,2,2)
+    hf_to_mcore(hf, f"{root}/mc_layout", tp=1, ep=1, pp=pp, pipeline_layout="Ett|ttt|ttL")
+    mcore_to_hf(f"{root}/mc_layout", f"{root}/hf_layout_at_auto", pp=pp)
 
 
 def export_pp1_worker(rank, world, root):
@@ -128,6 +132,7 @@ def export_pp1_worker(rank, world, root):
 def test_conversion_bit_exact_at_uneven_pp(seven, tmp_path):
     run_distributed(convert_worker, 3, args=(seven, str(tmp_path), 3))
     _assert_identical(seven, tmp_path / "hf_pp3")
+    _assert_identical(seven, tmp_path / "hf_layout_at_auto")
     run_distributed(export_pp1_worker, 1, args=(str(tmp_path),))  # saved at stages 3,2,2, exported unpipelined
     _assert_identical(seven, tmp_path / "hf_pp3_at_pp1")
 
