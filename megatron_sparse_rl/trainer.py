@@ -141,7 +141,8 @@ def _announce(ctx, counters: dict) -> None:
     log.info("run %s in %s, %s: %s (%.1fM parameters), %d RL steps, learner TP%d PP%d EP%d DP%d%s; full log: %s",
              ctx.owner.run_id[:8], ctx.run_dir, where, ctx.spec.architecture, ctx.spec.parameter_count() / 1e6,
              ctx.run.trainer.steps, lay.tp, lay.pp, lay.ep, lay.dp,
-             (f" + {lay.rollout_ranks} rollout ranks" if lay.rollout_ranks else "")
+             (f" (pipeline {lay.stages(ctx.spec.num_layers).describe()})" if lay.pp > 1 else "")
+             + (f" + {lay.rollout_ranks} rollout ranks" if lay.rollout_ranks else "")
              + (f", asynchronous (trainer.max_staleness {ctx.run.trainer.max_staleness}: up to that many batches "
                 "sampled ahead while this one trains)" if ctx.run.trainer.max_staleness else ""), ctx.run_dir / "logs")
 

@@ -87,3 +87,20 @@ def test_validate_refuses_a_layout_that_misses_layers():
                  "launch.nproc_per_node=3")
     with pytest.raises(ConfigError, match=r"parallel.pipeline_layout = 'Ett\|tt\|ttL' places 6 decoder layers"):
         validate(run, 3, cuda=False)
+
+
+def test_start_line_names_the_split(caplog, tmp_path):
+    """`msrl train`'s start line (trainer.py `_announce`) names the pipeline split at pp > 1."""
+    import logging
+    from types import SimpleNamespace
+
+    from megatron_sparse_rl import trainer
+    from megatron_sparse_rl.config.degrees import ParallelDegrees
+
+    run = run_of("model.tiny.layers=7", "parallel.pp=3", "launch.nproc_per_node=3")
+    spec = validate(run, 3, cuda=False)
+    ctx = SimpleNamespace(is_main=True, layout=ParallelDegrees.from_config(run.parallel, 3, cuda=False), run=run,
+                          spec=spec, owner=SimpleNamespace(run_id="0123456789"), run_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger=trainer.__name__):
+        trainer._announce(ctx, {"rl_step": 0, "sft_step": 0})
+    assert "learner TP1 PP3 EP1 DP1 (pipeline stages 3,2,2 (balanced, automatic))" in caplog.text
