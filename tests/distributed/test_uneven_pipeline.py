@@ -2,7 +2,7 @@
 7 layers at pp 3 on 3 gloo ranks, stages 3,2,2 chosen automatically and 2,3,2 written as a layout string. Logprobs
 against HF transformers (fp32, 1e-4), each stage's layers where Megatron's offset puts them, routes recorded equal
 to pp 1's and pp 1's routes replayed under re-drawn routers, a training step's gradients equal to pp 1's (slow),
-the weight-sync stream equal to the checkpoint, and HF -> torch_dist -> HF conversion bit-exact at the uneven split
+the weight-sync stream equal to the checkpoint, per-layer keep-set masks giving pp 1's logprobs, and HF -> torch_dist -> HF conversion bit-exact at the uneven split
 and across splits (3,2,2 -> pp 1; 2,3,2 -> 3,2,2). The refusals of bad layouts are unit-tested (tests/unit/test_pipeline_stages.py)."""
 import pytest
 import torch
@@ -154,3 +154,24 @@ def test_weight_sync_stream_at_uneven_pp_is_the_checkpoint(seven, layout):
         assert sorted(streamed) == sorted(original)
         for name, t in original.items():
             assert torch.equal(streamed[name].to(t.dtype), t), name
+
+
+def keep_set_worker(rank, world, model_dir, tokens, pp, allowed):
+    """Logprobs under per-layer, per-KV-head keep-set masks (learner/attention_mask.py picks each layer's slice by
+    its global layer number)."""
+    from megatron_sparse_rl.learner.extras import ForwardExtras
+
+    learner = W.make_learner(world, model_dir, pp=pp)
+    return learner.forward_logprobs(tokens, extras=ForwardExtras(attention_mask=allowed))["logprobs"]
+
+
+def test_keep_set_masks_follow_uneven_stages(seven, tokens):
+    b, s = tokens.shape[0], tokens.shape[1] - 1
+    g = torch.Generator().manual_seed(4)
+    allowed = torch.tril(torch.ones(s, s, dtype=torch.bool)) & (torch.rand(b, 7, 2, s, s, generator=g) < 0.6)
+    allowed |= torch.eye(s, dtype=torch.bool)
+    ref = run_distributed(keep_set_worker, 1, args=(seven, tokens, 1, allowed))[0]
+    plain = run_distributed(keep_set_worker, 1, args=(seven, tokens, 1, None))[0]
+    assert (ref - plain).abs().max() > 1e-3, "the keep sets must change the logprobs for this to mean anything"
+    for lp in run_distributed(keep_set_worker, 3, args=(seven, tokens, 3, allowed)):  # stages 3,2,2
+        assert (lp - ref).abs().max() < 1e-5
