@@ -23,7 +23,9 @@ measured where the attention reads the selection: `unfused_dsa_fn`, the sparse a
 observed (`_AttendedIndices`) and its `topk_indices` compared with the replayed ones.
 R3 (`old_forward(engine_record)`): the old forward replays the engine's indices (rollout/indexer_capture.py, a
 GPU engine; never run here) and records the learner's own beside them; the updates replay the engine's.
-Not here: pipeline parallelism (a stage sees only its layers; the learner refuses the request at pp > 1).
+Pipeline stages (even or not): a record's columns are the model's DSA layers in order; each stage replays and records
+its own columns (those after the DSA layers of the earlier stages) and the stages join their columns over the pipeline
+group when a call finishes, so every rank returns the whole record and the same metrics.
 """
 from __future__ import annotations
 
@@ -233,13 +235,32 @@ class LearnerIndexer:
             raise ValueError(f"routing.indexer_replay must be 'none', 'R2' or 'R3' on the learner (got {mode!r})")
         self.layout, self.groups, self.mode = layout, groups, mode
         self.model = ModelIndexer(model)
-        self.layers = tuple(range(len(self.model.indexers)))
+        # the record's columns: every DSA layer of the model in order; this stage's j-th indexer is column _first + j
+        self._first, total = self._stage_columns()
+        self.layers = tuple(range(total))
         self._request: IndexerRequest | None = None
         self._lengths: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
         self._parts: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]] = []
         self._pending: torch.Tensor | None = None
         self._shape: tuple[int, int] = (0, 0)
+
+    def _stage_columns(self) -> tuple[int, int]:
+        """(this stage's first column, the model's DSA layers): the counts of the earlier stages' indexers."""
+        local = len(self.model.indexers)
+        if self.layout.pp == 1:
+            return 0, local
+        counts: list = [None] * self.layout.pp
+        dist.all_gather_object(counts, local, group=self.groups.pp)
+        return sum(counts[:self.groups.pp_rank]), sum(counts)
+
+    def _join_stages(self, local: torch.Tensor) -> torch.Tensor:
+        """[..., this stage's DSA layers, ...] (layers on dim 2) -> every stage's, in order (collective over pp)."""
+        if self.layout.pp == 1:
+            return local
+        parts: list = [None] * self.layout.pp
+        dist.all_gather_object(parts, local, group=self.groups.pp)
+        return torch.cat(parts, dim=2)
 
     # ---- what the RL step's forwards ask for (routing.indexer_replay) ------------------------------
     def old_forward(self, engine: IndexerRecord | None = None) -> IndexerRequest | None:
@@ -275,9 +296,6 @@ class LearnerIndexer:
     def begin(self, tokens: torch.Tensor, lengths: torch.Tensor | None, request: IndexerRequest) -> None:
         """Check `request` against the call (before any forward: shapes, and that each record belongs to the
         call's tokens) and start it."""
-        if self.layout.pp > 1:
-            raise IndexerReplayError(f"indexer replay/recording runs with parallel.pp = 1 (got {self.layout.pp}): a "
-                                     "pipeline stage holds only its own DSA layers")
         rows, width = tokens.shape[0], tokens.shape[1] - 1
         lengths = (torch.full((rows,), width + 1, dtype=torch.long) if lengths is None
                    else torch.as_tensor(lengths, dtype=torch.long).reshape(-1))
@@ -307,7 +325,7 @@ class LearnerIndexer:
         if self._request.replay is not None:
             width = inputs.shape[1]
             rows = unpack_positions(self._request.replay.indices[index, :width])  # [b, width, layers, k]
-            targets = [rows[:, :, j].contiguous() for j in range(len(self.layers))]
+            targets = [rows[:, :, self._first + j].contiguous() for j in range(len(self.model.indexers))]
         self._pending = index.clone()
         self.model.set_micro_batch(targets, keep=self._request.record)
 
@@ -340,22 +358,24 @@ class LearnerIndexer:
     def _assemble(self) -> IndexerRecord:
         rows, width = self._shape
         pos = torch.arange(width).view(1, -1, 1, 1)
-        out = pos.expand(rows, width, len(self.layers), self.model.topk).clone()
+        out = pos.expand(rows, width, len(self.model.indexers), self.model.topk).clone()
         for index, fresh, _ in self._parts:
-            mb = torch.stack([f.cpu() for f in fresh], dim=2)  # [b, w, layers, k]
-            out[index, :mb.shape[1]] = mb.long()
+            if fresh:
+                mb = torch.stack([f.cpu() for f in fresh], dim=2)  # [b, w, this stage's layers, k]
+                out[index, :mb.shape[1]] = mb.long()
+        out = self._join_stages(out)
         return IndexerRecord(pack_positions(out, width), row_hashes(self._tokens, self._lengths))
 
     def _assemble_applied(self) -> torch.Tensor:
         """bool [B, S-1, layers]: queries whose attention read the replayed set (False where no attention call
         was observed)."""
         rows, width = self._shape
-        out = torch.zeros(rows, width, len(self.layers), dtype=torch.bool)
+        out = torch.zeros(rows, width, len(self.model.indexers), dtype=torch.bool)
         for index, _, applied in self._parts:
             for j, a in enumerate(applied):
                 if a is not None:
                     out[index, :a.shape[1], j] = a
-        return out
+        return self._join_stages(out)
 
     def stop(self) -> None:
         """The indexers select themselves again (also when a call fails half-way)."""

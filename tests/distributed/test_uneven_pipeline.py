@@ -2,7 +2,8 @@
 7 layers at pp 3 on 3 gloo ranks, stages 3,2,2 chosen automatically and 2,3,2 written as a layout string. Logprobs
 against HF transformers (fp32, 1e-4), each stage's layers where Megatron's offset puts them, routes recorded equal
 to pp 1's and pp 1's routes replayed under re-drawn routers, a training step's gradients equal to pp 1's (slow),
-the weight-sync stream equal to the checkpoint, per-layer keep-set masks giving pp 1's logprobs, and HF -> torch_dist -> HF conversion bit-exact at the uneven split
+the weight-sync stream equal to the checkpoint, per-layer keep-set masks giving pp 1's logprobs, DSA indexer replay
+(a 5-layer DeepSeek-V3.2 at stages 2,2,1, slow) recording and replaying as pp 1 does, and HF -> torch_dist -> HF conversion bit-exact at the uneven split
 and across splits (3,2,2 -> pp 1; 2,3,2 -> 3,2,2). The refusals of bad layouts are unit-tested (tests/unit/test_pipeline_stages.py)."""
 import pytest
 import torch
@@ -175,3 +176,45 @@ def test_keep_set_masks_follow_uneven_stages(seven, tokens):
     assert (ref - plain).abs().max() > 1e-3, "the keep sets must change the logprobs for this to mean anything"
     for lp in run_distributed(keep_set_worker, 3, args=(seven, tokens, 3, allowed)):  # stages 3,2,2
         assert (lp - ref).abs().max() < 1e-5
+
+
+def indexer_worker(rank, world, model_dir, pp, recorded):
+    """DSA indexer replay (R2) at `pp`: the old forward's record; given `recorded` (pp 1's), the logprobs replaying it
+    under perturbed indexers (each perturbed by its global layer) and the applied fraction."""
+    from megatron_sparse_rl.learner.extras import ForwardExtras
+    from megatron_sparse_rl.learner.indexer_replay import IndexerRequest
+    from tests.distributed.test_indexer_replay import LENGTHS, TOKENS, perturb
+
+    learner = W.make_learner(world, model_dir, pp=pp, mbs=2, indexer_replay="R2")
+
+    def call(request):
+        return learner.forward_logprobs(TOKENS, lengths=LENGTHS, extras=ForwardExtras(indexer=request))
+
+    out = {"record": call(learner.indexer.old_forward())["indexer"].record}
+    if recorded is not None:
+        for j, module in enumerate(learner.indexer.model.indexers):
+            perturb(module.linear_weights_proj.weight, learner.indexer._first + j)
+        up = call(IndexerRequest(replay=recorded, record=True, compare_with=recorded))
+        out["replayed"], out["metrics"] = up["logprobs"], up["indexer"].metrics
+    return out
+
+
+@pytest.mark.slow
+def test_indexer_replay_follows_uneven_stages(tmp_path):
+    """A tiny DeepSeek-V3.2 (DSA) of 5 layers at pp 3, stages 2,2,1: the indexers' record equals pp 1's, and pp 1's
+    record replayed under perturbed indexers gives pp 1's logprobs, applied everywhere."""
+    from megatron_sparse_rl.models.tiny_families import build_tiny_dsa
+    from tests.distributed.test_indexer_replay import LENGTHS, TOKENS, TOPK
+
+    model_dir = str(build_tiny_dsa(tmp_path / "hf", arch="deepseek_v32", layers=5, index_topk=TOPK, rope="yarn",
+                                   seed=3))
+    recorded = run_distributed(indexer_worker, 1, args=(model_dir, 1, None), timeout=300)[0]["record"]
+    ref = run_distributed(indexer_worker, 1, args=(model_dir, 1, recorded), timeout=300)[0]
+    assert ref["metrics"]["indexer/flip_rate"] > 0, "the perturbed indexers must choose otherwise somewhere"
+    real = torch.arange(TOKENS.shape[1] - 1)[None, :] < (LENGTHS - 1)[:, None]  # pp > 1 runs padded rows whole
+    for out in run_distributed(indexer_worker, 3, args=(model_dir, 3, recorded), timeout=300):
+        assert out["record"].indices.shape == recorded.indices.shape and recorded.indices.shape[2] == 5
+        assert torch.equal(out["record"].indices[real], recorded.indices[real])
+        assert (out["replayed"] - ref["replayed"])[real].abs().max() < 1e-5
+        assert out["metrics"]["indexer/replay_applied_fraction"] == 1.0
+        assert out["metrics"] == pytest.approx(ref["metrics"])
