@@ -4,7 +4,8 @@ against HF transformers (fp32, 1e-4), each stage's layers where Megatron's offse
 to pp 1's and pp 1's routes replayed under re-drawn routers, a training step's gradients equal to pp 1's (slow),
 the weight-sync stream equal to the checkpoint, per-layer keep-set masks giving pp 1's logprobs, DSA indexer replay
 (a 5-layer DeepSeek-V3.2 at stages 2,2,1, slow) recording and replaying as pp 1 does, and HF -> torch_dist -> HF conversion bit-exact at the uneven split
-and across splits (3,2,2 -> pp 1; 2,3,2 -> 3,2,2). The refusals of bad layouts are unit-tested (tests/unit/test_pipeline_stages.py)."""
+and across splits (3,2,2 -> pp 1; 2,3,2 -> 3,2,2), and a learner checkpoint (weights and optimizer) saved at 3,2,2
+reloading at 2,3,2 and at pp 1 with the same logprobs (slow). The refusals of bad layouts are unit-tested (tests/unit/test_pipeline_stages.py)."""
 import pytest
 import torch
 
@@ -218,3 +219,28 @@ def test_indexer_replay_follows_uneven_stages(tmp_path):
         assert (out["replayed"] - ref["replayed"])[real].abs().max() < 1e-5
         assert out["metrics"]["indexer/replay_applied_fraction"] == 1.0
         assert out["metrics"] == pytest.approx(ref["metrics"])
+
+
+def save_load_worker(rank, world, model_dir, tokens, pp, layout, ckpt, mode):
+    """'save': one SFT step from HF, save the learner (weights and optimizer); 'load': load it. Logprobs after."""
+    from megatron_sparse_rl.learner.checkpoint import load_learner, save_learner
+    from megatron_sparse_rl.learner.sft import make_sft_loss
+
+    learner = W.make_learner(world, model_dir, pp=pp, pipeline_layout=layout, load=mode == "save")
+    if mode == "save":
+        mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+        learner.train_step(tokens, make_sft_loss(mask, mask.sum().item()))
+        save_learner(learner, ckpt)
+    else:
+        load_learner(learner, ckpt, load_optimizer=True)
+    return learner.forward_logprobs(tokens)["logprobs"]
+
+
+@pytest.mark.slow
+def test_learner_checkpoint_saved_at_uneven_stages_reloads_at_another_split(seven, tokens, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(save_load_worker, 3, args=(seven, tokens, 3, None, ckpt, "save"))[0]  # 3,2,2
+    for lp in run_distributed(save_load_worker, 3, args=(seven, tokens, 3, "Ett|ttt|ttL", ckpt, "load")):  # 2,3,2
+        assert (lp - saved).abs().max() < 1e-5
+    loaded = run_distributed(save_load_worker, 1, args=(seven, tokens, 1, None, ckpt, "load"))[0]
+    assert (loaded - saved).abs().max() < 1e-5
