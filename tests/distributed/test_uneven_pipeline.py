@@ -147,7 +147,7 @@ def export_worker(rank, world, model_dir, layout):
     return {name: t.clone() for name, t in iter_hf_tensors(learner)}
 
 
-@pytest.mark.parametrize("layout", [None, "Ett|ttt|ttL"], ids=["auto", "layout"])
+@pytest.mark.parametrize("layout", [None, pytest.param("Ett|ttt|ttL", marks=pytest.mark.slow)], ids=["auto", "layout"])
 def test_weight_sync_stream_at_uneven_pp_is_the_checkpoint(seven, layout):
     from tests.distributed.test_convert import _load_dir
 
