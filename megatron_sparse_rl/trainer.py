@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from megatron_sparse_rl.config.schema import RunConfig
+from megatron_sparse_rl.kv.budget_schedule import BudgetSchedule
 from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training import steps as S
 from megatron_sparse_rl.training.context import build_context, open_metrics
@@ -89,7 +90,10 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
     if counters["rl_step"] == 0:
         report.warm_start(S.evaluate(ctx, correct, cfg.eval_prompts))
     queued, task_states = counters["rl_step"] - 1, {}  # the last step handed to the engines; task positions
+    schedule = BudgetSchedule.start(run.rollout.kv, counters.get("kv_budget"))  # None: rollout.kv.budget throughout
     for step in range(counters["rl_step"], cfg.steps):
+        if schedule is not None:  # synchronous, colocated (validate): this step's rollouts at the scheduled budget
+            S.apply_kv_budget(ctx, schedule.budget)
         batch, metrics = S.next_batch(ctx, step, score, correct)  # sampled ahead during earlier steps, or now
         queued = max(queued, step)
         # a checkpoint after this step resumes with the next step's prompts: the task's position before them
@@ -99,7 +103,10 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
             S.sample_ahead(ctx, queued, score, correct)
             task_states[queued + 1] = ctx.task.state_dict()
         task_state = task_states.pop(step + 1)
-        metrics.update(S.train_step(ctx, batch, version=step))
+        metrics.update(S.train_step(ctx, batch, version=step, kv_budget=schedule and schedule.budget))
+        if schedule is not None:  # the next step's budget from this step's tail (kv/budget_schedule.py)
+            metrics.update(schedule.after_step(metrics["mismatch/rho_p5"]))
+            counters["kv_budget"] = schedule.budget
         metrics.update(S.sync_step(ctx, counters["syncs"], probe, version=step + 1))
         counters["syncs"] += 1
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:

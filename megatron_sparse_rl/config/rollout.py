@@ -100,6 +100,49 @@ class SamplingConfig:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class KVBudgetScheduleConfig:
+    """A KV budget that follows the low tail of the per-token ratio (`rollout.kv.budget_schedule`, off by default).
+
+    Step t + 1's rollouts use the budget the rule gives from step t's budget b and the 5th percentile p5 of rho_t =
+    pi_old / mu that step measured (`mismatch/rho_p5`; Sparrow, arXiv 2606.08446: stable while p5 >= 0.86): if
+    p5 < target_p5, ceil(b * step_up); if p5 > target_p5 + margin, floor(b * step_down); else b; then clamped to
+    [min_budget, max_budget]. The first step uses rollout.kv.budget (kv/budget_schedule.py `next_budget`;
+    docs/sparse_kv.md, "Budget schedule")."""
+
+    enabled: bool = False
+    """Schedule the budget (needs a sparse rollout.kv.policy); false keeps rollout.kv.budget at every step."""
+    target_p5: float = 0.86
+    """The 5th percentile of rho_t to stay above (Sparrow's stable runs kept it >= 0.86)."""
+    margin: float = 0.04
+    """Lower the budget only while p5 > target_p5 + margin (a dead band, so the budget does not oscillate)."""
+    step_up: float = 1.25
+    """Factor of a raise (> 1; the new budget is rounded up)."""
+    step_down: float = 0.9
+    """Factor of a cut (in (0, 1); the new budget is rounded down)."""
+    min_budget: int | None = None
+    """Lowest budget (required when enabled): >= rollout.kv.window (+ sinks for streamingllm) and <= rollout.kv.budget."""
+    max_budget: int | None = None
+    """Highest budget (required when enabled): >= rollout.kv.budget."""
+
+    def __post_init__(self) -> None:
+        _require(0.0 < self.target_p5 <= 1.0, "rollout.kv.budget_schedule.target_p5", "must be in (0, 1]",
+                 self.target_p5)
+        _require(0.0 <= self.margin <= 1.0, "rollout.kv.budget_schedule.margin", "must be in [0, 1]", self.margin)
+        _require(1.0 < self.step_up <= 16.0, "rollout.kv.budget_schedule.step_up", "must be in (1, 16]", self.step_up)
+        _require(0.0 < self.step_down < 1.0, "rollout.kv.budget_schedule.step_down", "must be in (0, 1)",
+                 self.step_down)
+        for name, value in (("min_budget", self.min_budget), ("max_budget", self.max_budget)):
+            _require(value is None or 1 <= value <= MAX_TOKENS, f"rollout.kv.budget_schedule.{name}",
+                     f"must be None or in [1, {MAX_TOKENS}]", value)
+        if self.enabled:
+            for name, value in (("min_budget", self.min_budget), ("max_budget", self.max_budget)):
+                _require(value is not None, f"rollout.kv.budget_schedule.{name}",
+                         "must be set when rollout.kv.budget_schedule.enabled = true", value)
+            _require(self.min_budget <= self.max_budget, "rollout.kv.budget_schedule.min_budget",
+                     f"must be <= rollout.kv.budget_schedule.max_budget = {self.max_budget}", self.min_budget)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class KVConfig:
     """Fixed-budget KV cache compression during rollout (Sparse-RL); "none" keeps the dense cache.
 
@@ -142,6 +185,9 @@ class KVConfig:
     admission_control: bool = True
     """Admit a request only when the worst-case blocks of all running requests still fit the pool (no
     preemption of compressed requests); false leaves vLLM's optimistic admission and preemption."""
+    budget_schedule: KVBudgetScheduleConfig = field(default_factory=KVBudgetScheduleConfig)
+    """Each step's budget from the tail of the previous step's per-token ratio (off by default); `budget` is the
+    first step's."""
 
     def __post_init__(self) -> None:
         _require(self.policy in get_args(KVPolicy), "rollout.kv.policy", f"must be one of {list(get_args(KVPolicy))}",
@@ -173,6 +219,26 @@ class KVConfig:
         _require(0.0 <= self.rkv_lambda <= 1.0, "rollout.kv.rkv_lambda", "must be in [0, 1]", self.rkv_lambda)
         _require(-1.0 <= self.rkv_threshold <= 1.0, "rollout.kv.rkv_threshold", "must be in [-1, 1]",
                  self.rkv_threshold)
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """The schedule's bounds hold the starting budget, and its lowest budget keeps what `budget` must keep."""
+        sched = self.budget_schedule
+        if not sched.enabled:
+            return
+        if self.policy == "none":
+            raise ValueError("rollout.kv.budget_schedule.enabled = true needs a sparse rollout.kv.policy (got 'none': "
+                             "a dense cache has no budget to schedule)")
+        if not sched.min_budget <= self.budget <= sched.max_budget:
+            name = "min_budget" if self.budget < sched.min_budget else "max_budget"
+            raise ValueError(f"rollout.kv.budget_schedule.{name} = {getattr(sched, name)}: the bounds "
+                             f"[{sched.min_budget}, {sched.max_budget}] must hold the starting budget "
+                             f"rollout.kv.budget = {self.budget}")
+        least = self.window + (self.sinks if self.policy == "streamingllm" else 0)
+        if sched.min_budget < least:
+            raise ValueError(f"rollout.kv.budget_schedule.min_budget must be >= {least} (rollout.kv.window"
+                             + (" + sinks for streamingllm" if self.policy == "streamingllm" else "")
+                             + f", what every budget must keep; got {sched.min_budget})")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

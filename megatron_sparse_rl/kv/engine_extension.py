@@ -5,6 +5,7 @@ Built where the run is set up when `rollout.kv.policy` is not "none", and handed
     engine = RolloutEngine(model_dir, cfg, extensions=sparse_kv_extensions(cfg.kv))   # [SparseKV()] unless dense
     batch = engine.generate(prompts, sampling)     # batch.kv_keep: one KVKeepRecord per row
     sparse_kv_stats(engine), sparse_kv_timing(engine)
+    set_sparse_kv_budget(engine, 48)               # later generates compact to 48 (rollout.kv.budget_schedule)
 
 Before vLLM starts it installs the runner hooks in this process (kv/vllm_hooks.py), asks the vLLM plugin to install
 them in the engine's spawned processes (kv/vllm_plugin.py) and gives vLLM the sparse-KV scheduler and settings.
@@ -86,6 +87,19 @@ def sparse_kv_stats(engine) -> dict[str, int]:
     """The sparse-KV scheduler's counters (compactions, blocks freed, peak blocks in use, peak running,
     preemptions, preempted compressed requests); in-process engine core only."""
     return dict(engine.scheduler().msrl_stats)
+
+
+def set_sparse_kv_budget(engine, budget: int) -> None:
+    """Make the engine's later generates compact to `budget` (rollout.kv.budget_schedule), between generate calls.
+    The sparse-KV scheduler holds the budget: its compaction commands carry it to the worker(s), which keep that
+    many entries per layer and KV head, and its admission control counts budget + interval. In-process engine core
+    only (every CPU engine; a GPU engine with vLLM's engine-core process has no scheduler here)."""
+    if not any(ext.provides == "sparse_kv" for ext in engine.extensions):
+        raise ValueError("set_sparse_kv_budget: the engine runs a dense KV cache (no sparse-KV extension)")
+    if not engine.in_process:
+        raise RuntimeError("set_sparse_kv_budget needs the engine core in this process (its scheduler holds the "
+                           "budget); rollout.kv.budget_schedule cannot run with vLLM's engine-core process")
+    engine.scheduler().msrl_set_budget(budget)
 
 
 def sparse_kv_timing(engine) -> dict[str, float]:

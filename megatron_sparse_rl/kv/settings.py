@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_sparse_rl.config.rollout import KVConfig
+from megatron_sparse_rl.config.rollout import KVBudgetScheduleConfig, KVConfig
 
 CONFIG_KEY = "msrl_sparse_kv"
 
@@ -29,4 +29,7 @@ class SparseKVSettings(KVConfig):
     def from_vllm_config(cls, vllm_config) -> "SparseKVSettings | None":
         extra = getattr(vllm_config, "additional_config", None) or {}
         raw = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
-        return None if raw is None else cls(**raw)
+        if raw is None:
+            return None
+        schedule = KVBudgetScheduleConfig(**raw.get("budget_schedule", {}))  # asdict made the section a dict
+        return cls(**{**raw, "budget_schedule": schedule})

@@ -20,6 +20,7 @@ lists and checks every attribute used here; the scheduler checks its live instan
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -92,6 +93,12 @@ class _SparseKVMixin:
         self.msrl_preempted_compressed: set[str] = set()
         self.msrl_stats = {"compactions": 0, "blocks_freed": 0, "peak_blocks_in_use": 0, "peak_running": 0,
                            "preemptions": 0, "preempted_compressed": 0}
+
+    def msrl_set_budget(self, budget: int) -> None:
+        """Compact to `budget` from now on (rollout.kv.budget_schedule, between generate calls); the commands carry
+        it to the worker, and admission control counts budget + interval. Checked by KVConfig's rules."""
+        self.msrl = dataclasses.replace(self.msrl, budget=budget,
+                                        budget_schedule=dataclasses.replace(self.msrl.budget_schedule, enabled=False))
 
     # ---- compaction ------------------------------------------------------------------------------
     def _msrl_compact(self) -> dict[str, tuple[int, int]]:

@@ -27,6 +27,7 @@ but only its own heads' queries).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -277,28 +278,36 @@ class SparseKVWorkerState:
         return self._queries_at(query, torch.arange(a, b, device=query.device), w_uk).transpose(0, 1)
 
     # ---- compaction -----------------------------------------------------------------------------------
+    def _knobs(self, budget: int) -> SparseKVSettings:
+        """The policy's knobs at `budget`, the budget the scheduler's command carries (it moves between generate
+        calls under rollout.kv.budget_schedule; the engine's settings hold the starting one)."""
+        if budget == self.settings.budget:
+            return self.settings
+        sched = dataclasses.replace(self.settings.budget_schedule, enabled=False)
+        return dataclasses.replace(self.settings, budget=budget, budget_schedule=sched)
+
     def _keep(self, li: int, rids: list[str], flat: torch.Tensor, blocks: torch.Tensor,
-              stored: int) -> torch.Tensor:
-        """int64 [R, H, budget]: the stored indices each request keeps. The score policies score the R requests
+              stored: int, knobs: SparseKVSettings) -> torch.Tensor:
+        """int64 [R, H, knobs.budget]: the stored indices each request keeps. The score policies score the R requests
         (same stored length) as one batch of R x H KV heads (each head's scores are its own); H2O carries
         per-request sums, so it runs request by request."""
-        n, budget = len(rids), self.settings.budget
-        if self.settings.policy == "streamingllm":
-            return P.streamingllm_keep(self.kv_heads, stored, self.settings, blocks.device).expand(n, -1, -1)
+        n, budget = len(rids), knobs.budget
+        if knobs.policy == "streamingllm":
+            return P.streamingllm_keep(self.kv_heads, stored, knobs, blocks.device).expand(n, -1, -1)
         slots = torch.arange(stored, device=blocks.device).expand(n, self.kv_heads, stored)
         keys = self.slot_index[0].read(flat, blocks, slots)  # [R, H, stored, D]
-        if self.settings.policy == "h2o":
-            return torch.stack([self._h2o_keep(li, self.reqs[rid], keys[i]) for i, rid in enumerate(rids)])
-        queries = torch.cat([self.windows.get(li, rid)[:, -self.settings.window:] for rid in rids])  # [R x Hq, W, D]
-        keep = P.select_keep(self.settings.policy, keys.reshape(n * self.kv_heads, stored, -1), queries,
-                             self.settings, scale=self.scale)
+        if knobs.policy == "h2o":
+            return torch.stack([self._h2o_keep(li, self.reqs[rid], keys[i], knobs) for i, rid in enumerate(rids)])
+        queries = torch.cat([self.windows.get(li, rid)[:, -knobs.window:] for rid in rids])  # [R x Hq, W, D]
+        keep = P.select_keep(knobs.policy, keys.reshape(n * self.kv_heads, stored, -1), queries, knobs,
+                             scale=self.scale)
         return keep.view(n, self.kv_heads, budget)
 
-    def _h2o_keep(self, li: int, r: _Request, keys: torch.Tensor) -> torch.Tensor:
+    def _h2o_keep(self, li: int, r: _Request, keys: torch.Tensor, knobs: SparseKVSettings) -> torch.Tensor:
         queries = torch.cat(r.queries[li], dim=1)
         prev = r.acc[li] if li < len(r.acc) else None
         acc = P.h2o_scores(keys, queries, torch.cat(r.query_index), previous=prev, scale=self.scale)
-        keep = P.select_keep("h2o", keys, None, self.settings, h2o_acc=acc)
+        keep = P.select_keep("h2o", keys, None, knobs, h2o_acc=acc)
         while len(r.acc) <= li:
             r.acc.append(None)
         r.acc[li] = acc.gather(1, keep)
@@ -316,11 +325,12 @@ class SparseKVWorkerState:
         blocks = torch.tensor(tables, dtype=torch.int64, device=self.slot_index[0].element.device)
         dst = torch.arange(budget, device=blocks.device).expand(len(rids), self.kv_heads, budget)
         kept_pos = [[] for _ in rids]
+        knobs = self._knobs(budget)
         for li, layer in enumerate(self.layers):
             cache = _kv_cache(layer)
             flat = cache.view(cache.shape[0], -1)
             with self._timed("score_s"):
-                keep = self._keep(li, rids, flat, blocks, stored)  # [R, H, budget] stored indices
+                keep = self._keep(li, rids, flat, blocks, stored, knobs)  # [R, H, budget] stored indices
             with self._timed("copy_s"):
                 for index in self.slot_index:
                     index.copy(flat, blocks, keep, dst)

@@ -44,7 +44,10 @@ def sparse_logprobs(learner, batch: RolloutBatch, tokens: torch.Tensor,
 def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                mask: torch.Tensor, budget: int, sparse: torch.Tensor | None = None) -> dict[str, float]:
     """Retention, compaction and preemption rates and the k1 mismatch before/after the first compaction;
-    with `sparse` (pi_sparse recomputed by the learner) the exact split of the mismatch after it."""
+    with `sparse` (pi_sparse recomputed by the learner) the exact split of the mismatch after it.
+    `kv/retention`: mean over samples of the share of the final sequence's KV the cache holds at its end (budget + the
+    tokens after the last compaction, over the length; 1 for a sample never compacted); `kv/saved_frac` = 1 - that,
+    the KV saved; `kv/budget`: the budget the batch was sampled at (`budget`)."""
     records = batch.kv_keep
     if records is None:
         raise ValueError("rollout.kv.policy is set but the rollout batch carries no kv_keep records")
@@ -65,6 +68,8 @@ def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs
                  "kv/k1_sparse_compression": mean(sparse - old_logprobs, after)}
     return {
         **split,
+        "kv/budget": float(budget),
+        "kv/saved_frac": 1.0 - sum(retention) / len(retention),
         "kv/compressed_frac": sum(bool(r.lengths) for r in records) / len(records),
         "kv/compactions_per_sample": sum(len(r.lengths) for r in records) / len(records),
         "kv/retention": sum(retention) / len(retention),

@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.kv.engine_extension import set_sparse_kv_budget
 from megatron_sparse_rl.learner.finite import require_finite
 from megatron_sparse_rl.learner.sft import make_sft_loss
 from megatron_sparse_rl.rollout.versions import too_stale
@@ -166,9 +167,16 @@ def _kv_usage_metrics(ctx: RunContext, usage: dict | None) -> dict[str, float]:
             "rollout/kv_pool_blocks": pool, "rollout/running_mean": running, "rollout/preemptions": preempted}
 
 
-def train_step(ctx: RunContext, batch, version: int = 0) -> dict[str, float]:
+def apply_kv_budget(ctx: RunContext, budget: int) -> None:
+    """The engines compact to `budget` from the next generate on (rollout.kv.budget_schedule; colocated placements:
+    each engine's rank sets its own)."""
+    ctx.placement.generate(lambda engine, dp_rank: set_sparse_kv_budget(engine, budget))
+
+
+def train_step(ctx: RunContext, batch, version: int = 0, kv_budget: int | None = None) -> dict[str, float]:
     """Dense old-logprob recompute, advantages, corrections and the policy updates, by the learner at weight
-    version `version` (RL steps trained so far)."""
+    version `version` (RL steps trained so far). `kv_budget`: the budget the batch was sampled at (None:
+    rollout.kv.budget)."""
     t0 = time.perf_counter()
     algo = ctx.run.algorithm
     prep = U.prepare(ctx.learner, batch, algo, pad_id=ctx.placement.pad_id, dp_group=ctx.dp_group,
@@ -179,8 +187,8 @@ def train_step(ctx: RunContext, batch, version: int = 0) -> dict[str, float]:
     if ctx.run.rollout.kv.policy != "none":
         kv = ctx.run.rollout.kv
         sparse = sparse_logprobs(ctx.learner, batch, prep.tokens, prep.sampling_support) if kv.record_keep else None
-        metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.response_mask, kv.budget,
-                                  sparse=sparse))
+        metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.response_mask,
+                                  kv.budget if kv_budget is None else kv_budget, sparse=sparse))
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
         log.warning("skipping the update: the batch's k1 mismatch is over algorithm.corrections.batch_skip.max_k1")
     else:

@@ -332,6 +332,46 @@ def _async_problems(run: RunConfig) -> list[str]:
     return problems
 
 
+CPU_DEFAULT_BLOCK, GPU_DEFAULT_BLOCK = 128, 16
+"""vLLM's default KV block size (tokens) on CPU and on GPU, when rollout.kv.block_size is unset."""
+
+
+def _kv_pool_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
+    """A fixed sparse-KV pool (rollout.kv.pool_blocks) must hold one sequence at the lowest budget the run uses
+    (rollout.kv.budget_schedule.min_budget when the schedule is on, else rollout.kv.budget): its stored KV peaks at
+    budget + interval tokens (compaction then cuts it back; capped by max_model_len), in whole blocks, plus the one
+    block vLLM's pool holds back. The schedule's budgets: colocated, synchronous runs only."""
+    kv = run.rollout.kv
+    if kv.policy == "none":
+        return []
+    problems = []
+    sched = kv.budget_schedule
+    if sched.enabled and run.launch.rollout_world_size:
+        problems.append("rollout.kv.budget_schedule.enabled = true needs the colocated placement (the budget is set on "
+                        "the engines of this process); the run has rollout ranks (launch.rollout_ranks or "
+                        "launch.rollout_nodes): turn the schedule off or run colocated")
+    if sched.enabled and run.trainer.max_staleness:
+        problems.append(f"rollout.kv.budget_schedule.enabled = true needs trainer.max_staleness = 0 (got "
+                        f"{run.trainer.max_staleness}): a batch sampled ahead would not use the budget its previous "
+                        "step's tail asks for")
+    if kv.pool_blocks is None:
+        return problems
+    lowest = sched.min_budget if sched.enabled else kv.budget
+    block = kv.block_size or (GPU_DEFAULT_BLOCK if cuda else CPU_DEFAULT_BLOCK)
+    context = max_model_len(run.rollout, spec)
+    peak = lowest + kv.interval if context is None else min(lowest + kv.interval, context)
+    need = -(-peak // block) + 1
+    if kv.pool_blocks < need:
+        field = "rollout.kv.budget_schedule.min_budget" if sched.enabled else "rollout.kv.budget"
+        problems.append(f"rollout.kv.pool_blocks = {kv.pool_blocks} is too small for one sequence at the lowest budget "
+                        f"({field} = {lowest}): its KV peaks at budget + interval = {lowest} + {kv.interval} tokens"
+                        + (f" (capped by max_model_len {context})" if context is not None and peak < lowest + kv.interval
+                           else "")
+                        + f", {need - 1} blocks of {block} tokens, plus the block vLLM's pool holds back: "
+                        f"set rollout.kv.pool_blocks >= {need}")
+    return problems
+
+
 def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
     """What multi-turn episodes (env.kind) need: chat-templated data, and none of the engine
     features that do not follow an episode across turns yet (docs/episodes.md). R3 / route capture does, through
@@ -417,6 +457,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _indexer_replay_problems(run, spec, cuda)
     problems += _indexer_loss_problems(run, spec)
     problems += _async_problems(run)
+    problems += _kv_pool_problems(run, spec, cuda)
     problems += _env_problems(run, cuda)
     problems += _precision_problems(run, spec, cuda)
     if run.routing.engine_routes == "vllm" and not cuda:

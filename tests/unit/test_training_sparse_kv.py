@@ -24,6 +24,8 @@ def test_metrics_split_the_mismatch_at_the_first_compaction():
     m = kv_metrics(batch, old, rollout, mask, budget=3)
     assert m["kv/compressed_frac"] == 0.5
     assert m["kv/retention"] == pytest.approx(((3 + 8 - 5) / 8 + 1.0) / 2)
+    assert m["kv/saved_frac"] == pytest.approx(1 - ((3 + 8 - 5) / 8 + 1.0) / 2)  # 2 of 8 entries saved, then none
+    assert m["kv/budget"] == 3.0
     assert m["kv/tokens_after_compression_frac"] == pytest.approx(2 / 12)
     assert m["kv/k1_after_compression"] == pytest.approx(-0.5)
     assert m["kv/k1_before_compression"] == pytest.approx(0.0)
