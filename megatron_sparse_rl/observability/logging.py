@@ -2,8 +2,11 @@
 directory is known.
 
 The console stays readable: this project's own messages at `level` (rank 0; WARNING elsewhere); the libraries'
-(vLLM, Megatron-Core, transformers, torch) only from WARNING up, less the known-benign start-up warnings in
-`BENIGN`, unless `verbose`. The log file gets everything from every logger at INFO (DEBUG with level DEBUG), so
+(vLLM, Megatron-Core, transformers, torch) only from `library_level` up (`msrl train` and the tools: ERROR), less
+the known-benign start-up warnings in `BENIGN`, unless `verbose`. Libraries that print through their own console
+handlers (torch's logging module, vLLM's, transformers') are rerouted to the root logger's handlers; the C++
+warnings of torch and of the extensions built on it (vLLM's "NUMA binding" TORCH_WARN) go straight to fd 2, so
+`quiet_native_logs` raises their level to ERROR before torch is imported (cli.py, unless --verbose). The log file gets everything from every logger at INFO (DEBUG with level DEBUG), so
 nothing is lost by keeping the console short, except the listings of the `QUIET` loggers (Megatron's per-parameter
 gradient buckets), which only `verbose` keeps. Python `warnings` are routed into logging (logger "py.warnings").
 
@@ -55,9 +58,10 @@ def _benign(message: str) -> bool:
 # verbose: Megatron-Core's DDP lists every parameter of every gradient bucket at INFO when it builds its buffers.
 QUIET = ("megatron.core.distributed.param_and_grad_buffer",)
 
-# Libraries that install their own console handler: their records are sent to the root logger instead. (torch
-# is left alone: its logging module attaches handlers to many child loggers and manages their levels itself;
-# it prints only warnings by default.)
+# Libraries that install their own console handler: their records are sent to the root logger instead. torch's
+# logging module attaches a stderr handler (and propagate=False) to each of its registered loggers at import
+# ("torch", "torch.distributed", ...; "Triton not available" comes through "torch"): `_reroute_console_handlers`
+# sends those to the root too, keeping the levels torch set (WARNING).
 _OWN_HANDLERS = ("vllm", "transformers")
 _FORMAT = "[rank {rank}] %(levelname)s %(name)s: %(message)s"
 
@@ -88,13 +92,13 @@ def reroute(name: str) -> None:
     lib.setLevel(logging.NOTSET)
 
 
-def _reroute_library_handlers(verbose: bool) -> None:
+def _reroute_library_handlers(verbose: bool, libraries: bool = True) -> None:
     """Send vLLM's and transformers' records to the root logger's handlers (the console filter and the
     log file) instead of their own console handlers. The variable covers a later `import vllm` (and spawned
     engine processes); transformers sets its handler up at its first import and never again, so it is imported
     here (when installed: it comes with vLLM) and its handler rewired."""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    if _has("transformers"):
+    if libraries and _has("transformers"):
         from transformers.utils import logging as hf_logging
 
         hf_logging.get_logger()  # its console handler, installed now so that reroute removes it
@@ -102,14 +106,40 @@ def _reroute_library_handlers(verbose: bool) -> None:
             hf_logging.disable_progress_bar()  # "Writing model shards" bars of the tiny builder
     for name in _OWN_HANDLERS:
         reroute(name)
+    if libraries and _has("torch"):
+        import torch  # noqa: F401  (installs torch's logging handlers now, so that they are rerouted)
+    _reroute_console_handlers()
+
+
+def _reroute_console_handlers() -> None:
+    """Every library logger that writes to the console itself (a StreamHandler on stderr or stdout, as torch's
+    logging module installs) sends its records to the root logger's handlers instead; its level stays."""
+    root = logging.getLogger()
+    for name, lib in list(logging.root.manager.loggerDict.items()):
+        if not isinstance(lib, logging.Logger) or lib is root or name.split(".")[0] in OWN:
+            continue
+        console = [h for h in lib.handlers if type(h) is logging.StreamHandler or
+                   getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)]
+        if console:
+            lib.handlers[:] = [h for h in lib.handlers if h not in console]
+            lib.propagate = True
+
+
+def quiet_native_logs() -> None:
+    """Keep the C++ warnings of torch and its extensions (c10's TORCH_WARN / LOG(WARNING): vLLM's CPU worker
+    prints "NUMA binding: ..." at every engine start) off fd 2: TORCH_CPP_LOG_LEVEL=ERROR, unless the user set it.
+    c10 reads it when torch is imported, so call this first (cli.py does, unless --verbose); C++ errors still
+    show, and the spawned ranks and engine processes inherit it."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 def init_logging(rank: int = 0, level: int | str | None = None, *, verbose: bool = False,
-                 library_level: int = logging.WARNING) -> None:
+                 library_level: int = logging.WARNING, libraries: bool = True) -> None:
     """Configure the root logger once per process: `[rank N] LEVEL name: message` on stderr.
 
     Rank 0 shows this project's messages from `level` (default INFO), the others from WARNING; the libraries'
-    from `library_level` (unless verbose)."""
+    from `library_level` (unless verbose). `libraries` False: a process that never imports torch or transformers
+    (`msrl compare`) skips importing them to rewire their handlers."""
     if level is None:
         level = logging.INFO if rank == 0 else logging.WARNING
     level = logging.getLevelName(level) if isinstance(level, str) else level
@@ -124,7 +154,7 @@ def init_logging(rank: int = 0, level: int | str | None = None, *, verbose: bool
     # replaced since (warnings.catch_warnings, a second init in one process): release it, then capture again
     logging.captureWarnings(False)
     logging.captureWarnings(True)
-    _reroute_library_handlers(verbose)
+    _reroute_library_handlers(verbose, libraries)
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
@@ -147,11 +177,12 @@ def tool_log_path(command: str) -> Path:
     return Path(tempfile.gettempdir()) / "msrl" / f"{command}.log"
 
 
-def init_tool_logging(command: str, *, verbose: bool = False, path: str | Path | None = None) -> Path:
+def init_tool_logging(command: str, *, verbose: bool = False, path: str | Path | None = None,
+                      libraries: bool = True) -> Path:
     """Logging for a tool other than `msrl train`: this project's lines on the console, the libraries' (vLLM,
     Megatron-Core, transformers, torch, Python warnings) in the log file `path` (default `tool_log_path`) and,
-    below ERROR, on the console only when `verbose`. Returns the log file's path."""
-    init_logging(0, verbose=verbose, library_level=logging.ERROR)
+    below ERROR, on the console only when `verbose`. Returns the log file's path. (`libraries`: `init_logging`.)"""
+    init_logging(0, verbose=verbose, library_level=logging.ERROR, libraries=libraries)
     return attach_log_file(tool_log_path(command) if path is None else path)
 
 

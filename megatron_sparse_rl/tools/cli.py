@@ -7,7 +7,8 @@ installs as `megatron_sparse_rl.tools`, setup.py maps it).
 Each subcommand lives in its own module `tools/<name>_cmd.py` exposing `add_arguments(parser)` and
 `run(args) -> int`; add one by writing that module and, for a new name, a line in COMMANDS. Only the
 chosen command's module is imported. A command whose module does not exist yet answers
-"not implemented yet" (exit 2). A ConfigError from any command prints `error: <message>` (exit 2); in a rank of a
+"not implemented yet" (exit 2). Unless the command's --verbose, the C++ warnings of torch and its extensions stay off
+the console (observability/logging.py `quiet_native_logs`). A ConfigError from any command prints `error: <message>` (exit 2); in a rank of a
 torchrun launch it goes to the rank's error file instead, and the launcher prints it once (launch/refusal.py).
 """
 from __future__ import annotations
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]), run the command and return its exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
+    if not getattr(args, "verbose", False):
+        from megatron_sparse_rl.observability.logging import quiet_native_logs
+
+        quiet_native_logs()  # before any command imports torch: c10 reads it then
     from megatron_sparse_rl.config import ConfigError
     from megatron_sparse_rl.launch.refusal import record
 

@@ -170,7 +170,7 @@ def _checked(run: RunConfig):
     joined = not dist.is_initialized()
     rank, world = init_world(run.parallel)
     try:
-        init_logging(rank, run.logging.level, verbose=run.logging.verbose)
+        init_logging(rank, run.logging.level, verbose=run.logging.verbose, library_level=logging.ERROR)
         spec = validate(run, world)
         summary = run_summary(run, spec, world) if rank == 0 else []  # what the model resolves (max_model_len)
         run = resolve(run, spec)  # every rank's engine and records see the values left to the model filled in

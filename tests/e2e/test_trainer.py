@@ -3,6 +3,7 @@ finite metrics and leaves its artifacts; a run killed mid-way and restarted give
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -75,6 +76,25 @@ def test_short_run_logs_finite_metrics_and_artifacts(straight):
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "hf_final" / "config.json").is_file()
     assert "[####################] 4/4" in proc.stdout + proc.stderr
+
+
+def test_the_console_holds_only_our_lines(straight):
+    """Issue 51: nothing from a library on the console of `msrl train` (no --verbose): stdout is the step lines and
+    the JSON summary; every stderr record is `[rank 0] LEVEL name:` of one of this project's loggers, its further
+    lines indented. (Seen before: torch's "Triton not available" and vLLM's C++ "NUMA binding" warning.)"""
+    from megatron_sparse_rl.observability.logging import OWN
+
+    _, proc = straight
+    out = proc.stdout.splitlines()
+    steps = [ln for ln in out if ln.startswith("[#") or ln.startswith("[.")]
+    assert len(steps) == 4 and json.loads("\n".join(out[len(steps):]))["rl_steps"] == 4, proc.stdout
+    record = re.compile(r"\[rank 0\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+): ")
+    ours = False  # whether the last record was ours (its continuation lines are then ours too)
+    for line in proc.stderr.splitlines():
+        m = record.match(line)
+        if m:
+            ours = m.group(2).split(".")[0] in OWN
+        assert (m and ours) or (not m and ours and line[:1].isspace()), f"not our logger's line: {line!r}"
 
 
 def test_kl_to_the_reference_model(straight):
