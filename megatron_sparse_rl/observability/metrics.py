@@ -1,5 +1,8 @@
 """Per-step metrics sinks: `metrics.jsonl` (always), TensorBoard event files (when installed) and the trackers
 `logging.trackers` names (W&B, MLflow: observability/trackers.py), which get the numbers under TensorBoard's names.
+TensorBoard also gets metrics.png's panels as a custom-scalars layout when the writer is given one (`layout`:
+training/context.py hands it observability/features.py `tensorboard_layout`; TensorBoard's "Custom Scalars" tab
+then has one chart per panel of the RL steps, under the same metric names).
 
 One JSON object per `log()` call, written with a single append `os.write` (a whole line or nothing
 under concurrent readers; no user-space buffer to lose): {"step": 12, "phase": "rl", "time": <unix s>,
@@ -22,7 +25,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from megatron_sparse_rl._optional import _has
 from megatron_sparse_rl.config.loader import ConfigError
@@ -111,8 +114,9 @@ class MetricsWriter:
     (objects with `log(step, scalars)` and `close(failed)`, observability/trackers.py open_trackers), closed with it."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, *, keep_records: int | None = None,
-                 trackers: Sequence[Any] = ()):
+                 trackers: Sequence[Any] = (), layout: Callable[[set[str]], dict] | None = None):
         self.trackers = list(trackers)
+        self.layout = layout  # metric names -> TensorBoard custom-scalars layout (features.py tensorboard_layout)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / FILENAME
@@ -121,6 +125,8 @@ class MetricsWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._tb: dict[str, Any] | None = None  # phase -> SummaryWriter, opened at the phase's first record
         self._purge: dict[str, int] = {}
+        self._tags: set[str] = set()  # the rl metrics seen, and the custom-scalars layout written for them
+        self._written_layout: dict | None = None
         if tensorboard:
             if _has("tensorboard"):
                 self._tb = {}
@@ -163,6 +169,17 @@ class MetricsWriter:
             writer = self._tb[phase] = SummaryWriter(log_dir=str(self.tensorboard_dir(phase)), purge_step=purge)
         return writer
 
+    def _layout(self, writer, values: Mapping[str, float]) -> None:
+        """TensorBoard's custom-scalars layout (`self.layout` of the rl metric names seen), written again when a
+        record brings metrics that fill another chart (eval/accuracy at the first evaluation)."""
+        if self.layout is None:
+            return
+        self._tags.update(values)
+        layout = self.layout(self._tags)
+        if layout != self._written_layout:
+            writer.add_custom_scalars(layout)
+            self._written_layout = layout
+
     def _resuming(self, phase: str) -> bool:
         """Whether a phase's events from before may exist: this writer resumes and the phase's directory holds
         event files."""
@@ -204,6 +221,8 @@ class MetricsWriter:
             writer = self._writer(phase)
             for tag, v in values.items():
                 writer.add_scalar(tag, v, global_step=int(step))
+            if phase == "rl":
+                self._layout(writer, values)
             writer.flush()
         for tracker in self.trackers:
             tracker.log(step, values)

@@ -3,9 +3,9 @@
     [######..............]  30/100  30% eta 4m12s | roll 1.20s train 0.45s sync 0.10s | 812 tok/s kv 41% |
     reward 0.412 acc 0.380 eval 0.350 | k1 1.2e-03 k3 4.0e-04 | clip 0.021 rej 0.050
 
-(one line; wrapped here). A metric that is missing from a step is left out of its line. With sparse KV
-(rollout.kv.policy != none: `step_line_groups(sparse_kv=True)`) "p5 0.93" follows "kv 41%": the 5th percentile of
-rho_t = pi_old / mu (`mismatch/rho_p5`), the low tail of the sampler / learner agreement. The ETA is the mean
+(one line; wrapped here). A metric that is missing from a step is left out of its line. Each feature the run has
+on adds its own group at the end (observability/features.py; docs/data.md, "What a run shows"), e.g. with
+episodes and sparse KV: `| turns 1.80 tools 0.75 err 0.02 | saved 33% p5 0.93`. The ETA is the mean
 time per step since the first line (or since `restart(step)`) times the steps left; so the one-off start-up
 before the first step (engine and learner start, the SFT stage, the warm-start evaluation, a resume's skipped
 steps) never counts. At the first line, where no step has been timed between two lines yet, it is that step's
@@ -43,17 +43,12 @@ DEFAULT_GROUPS: tuple[tuple[Field, ...], ...] = (
     (Field("k1", (M.MISMATCH_K1,), "{:.1e}"), Field("k3", (M.MISMATCH_K3,), "{:.1e}")),
     (Field("clip", M.CLIP_FRACTION[:1]), CLIP_FIELD, Field("rej", M.REJECTION)),
 )
-RHO_P5_FIELD = Field("p5", (M.MISMATCH_RHO_P5,), "{:.2f}")
-"""Sparse KV's field, beside "kv": Sparrow (arXiv 2606.08446, as the issue cites it) reports training
-stable while it stays >= 0.86."""
 
 
-def step_line_groups(*, sparse_kv: bool) -> tuple[tuple[Field, ...], ...]:
-    """The line's fields for a run: DEFAULT_GROUPS, plus `RHO_P5_FIELD` after "kv" when sparse KV is on."""
-    if not sparse_kv:
-        return DEFAULT_GROUPS
-    return tuple(group + (RHO_P5_FIELD,) if any(f.label == "kv" for f in group) else group
-                 for group in DEFAULT_GROUPS)
+def step_line_groups(features: tuple[tuple[Field, ...], ...] = ()) -> tuple[tuple[Field, ...], ...]:
+    """The line's fields for a run: DEFAULT_GROUPS, then one group per feature the run has on (observability/
+    features.py `step_line_fields(run)`)."""
+    return DEFAULT_GROUPS + tuple(features)
 
 
 # The phases of one step whose sum estimates its duration before two lines have been timed.

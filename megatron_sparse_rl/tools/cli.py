@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "plan": "memory and layout plan for a model and cluster",
     "routing": "routing statistics from recorded routes: inspect | compare",
     "bench": "benchmarks that print ratios: sync | kv | learner | routing | convert | async",
+    "compare": "draw several runs' metrics on shared axes and print their final and peak values",
 }
 
 

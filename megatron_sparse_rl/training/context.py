@@ -277,10 +277,12 @@ def open_metrics(ctx: RunContext, keep_records: int | None) -> None:
     its id (a resumed run goes on logging to the same tracker run); on resume, records written after the
     checkpoint are dropped."""
     from megatron_sparse_rl.config.loader import to_dict
+    from megatron_sparse_rl.observability.features import tensorboard_layout
     from megatron_sparse_rl.observability.metrics import MetricsWriter
     from megatron_sparse_rl.observability.trackers import open_trackers
 
     if ctx.is_main:
         cfg = ctx.run.logging
-        ctx.writer = MetricsWriter(ctx.run_dir, tensorboard=cfg.tensorboard, keep_records=keep_records)
+        ctx.writer = MetricsWriter(ctx.run_dir, tensorboard=cfg.tensorboard, keep_records=keep_records,
+                                   layout=tensorboard_layout)
         ctx.writer.trackers = open_trackers(cfg, ctx.run_dir, getattr(ctx.owner, "run_id", None), to_dict(ctx.run))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_sparse_rl.observability.features import step_line_fields
 from megatron_sparse_rl.observability.metrics import EVAL_ACCURACY, FILENAME, read_metrics
 from megatron_sparse_rl.observability.plot import plot_metrics
 from megatron_sparse_rl.observability.progress import ProgressPrinter, step_line_groups
@@ -31,8 +32,8 @@ def recorded_accuracies(path: Path) -> tuple[float | None, float | None]:
 class Reporter:
     def __init__(self, ctx: RunContext, total: int):
         self.ctx = ctx
-        sparse_kv = ctx.run.rollout.kv.policy != "none"
-        self.progress = ProgressPrinter(total, groups=step_line_groups(sparse_kv=sparse_kv)) if ctx.is_main else None
+        groups = step_line_groups(step_line_fields(ctx.run))  # the fields of the features the run has on
+        self.progress = ProgressPrinter(total, groups=groups) if ctx.is_main else None
         self.start = time.perf_counter()
         # A resumed run past its warm start reports the accuracies its metrics.jsonl already holds (rank 0
         # owns that file; open_metrics has cut it back to the checkpoint's records).

@@ -48,6 +48,7 @@ SMOKES: dict[str, tuple[str, ...]] = {
     "msrl bench routing": (f"{SMOKE}::test_msrl_bench_routing",),
     "msrl bench convert": (f"{SMOKE}::test_bench_convert_as_msrl_and_as_a_script",),
     "msrl bench async": (f"{SMOKE}::test_msrl_bench_async",),
+    "msrl compare": ("tests/unit/test_run_views.py::test_msrl_compare_cli",),
     "python benchmarks/convert.py": (f"{SMOKE}::test_bench_convert_as_msrl_and_as_a_script",),
     "python -m megatron_sparse_rl.demo": ("tests/unit/test_demo_entry.py::test_previous_run_is_replaced_but_nothing_else",),
     "python -m megatron_sparse_rl.data.calc_task": (

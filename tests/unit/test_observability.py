@@ -163,7 +163,7 @@ def test_plot_writes_a_png(tmp_path):
                  "mismatch/k3": float("nan") if step == 3 else 1e-4}
             if step % 2 == 0:
                 m["eval/accuracy"] = step / 15
-            w.log(step, m)  # no clip fraction at all: its panel says "no data"
+            w.log(step, m)  # no clip fraction at all: its panel is a "not logged" note
     out = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "plots" / "curves.png")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
@@ -277,19 +277,6 @@ def test_tool_logging_keeps_library_warnings_in_the_file(tmp_path, capsys, verbo
         assert text in in_file
     assert "our result line" in console and "a vLLM error" in console
     assert ("a Megatron warning" in console) == verbose and ("a vLLM warning" in console) == verbose
-
-
-def test_p5_on_the_line_exactly_when_sparse_kv_is_on():
-    """rollout.kv.policy != none: the 5th percentile of rho_t (mismatch/rho_p5) follows the kv field; otherwise not,
-    though the metric is logged every step."""
-    from megatron_sparse_rl.observability.progress import step_line_groups
-
-    metrics = {"rollout/tokens_per_s": 812.4, "rollout/kv_peak_occupancy": 0.4149, "mismatch/rho_p5": 0.8634,
-               "mismatch/k1": 0.0012}
-    assert format_metrics(metrics, step_line_groups(sparse_kv=True)) == "812 tok/s kv 41% p5 0.86 | k1 1.2e-03"
-    assert format_metrics(metrics, step_line_groups(sparse_kv=False)) == "812 tok/s kv 41% | k1 1.2e-03"
-    assert format_metrics(metrics) == "812 tok/s kv 41% | k1 1.2e-03"
-    assert format_metrics({"mismatch/rho_p5": 0.5}, step_line_groups(sparse_kv=True)) == "p5 0.50"
 
 
 def test_the_reporter_shows_p5_with_sparse_kv(tmp_path):
