@@ -62,6 +62,7 @@ SMOKES: dict[str, tuple[str, ...]] = {
     # experiment-scale: their --quick smokes are marked slow (make test-all)
     "python experiments/routing_stability.py": ("tests/e2e/test_routing_stability.py::test_files_rows_and_time",),
     "python experiments/sparse_rl_compare.py": ("tests/e2e/test_sparse_rl_compare.py::test_files_rows_and_progress_lines",),
+    "python experiments/sparse_rl_fixed_memory.py": ("tests/e2e/test_sparse_rl_fixed_memory.py::test_files_rows_and_statistics",),
     "python experiments/tool_calc_control.py": (f"{SMOKE}::test_tool_calc_control_runs_both_arms",),
     "pytest": ("tests/unit/test_doc_commands.py::test_documented_files_exist",),
 }
