@@ -10,7 +10,8 @@ arm (ARMS: name, label, group, overrides of the config) as a real `msrl train` f
 its numbers and per-step curves (routing_stability_stats.py, where the collapse rule is written); the script writes
 OUT/summary.json, OUT/summary.md (per arm mean ± standard error over seeds of final and peak held-out accuracy, the
 fraction of seeds that collapsed and their collapse step, paired per-seed differences of each arm against its
-reference, per-run rows) and OUT/plots/<group>.png (bands over seeds), atomically.
+reference, per-run rows), OUT/plots/<group>.png (bands over seeds) and OUT/plots/runs.png (`msrl compare`'s picture
+of every run: study_plot.py `runs_png`), atomically.
 
     .venv/bin/python experiments/routing_stability.py --out runs/routing_stability               (the study)
     .venv/bin/python experiments/routing_stability.py --arms on_policy gspo_vs_grpo --seeds 5 --out ...
@@ -30,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import routing_stability_stats as S  # noqa: E402  (this directory is on sys.path: script or tests)
+import study_plot as P  # noqa: E402
 import study_runs as R  # noqa: E402
 import study_stats as T  # noqa: E402
 
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     from routing_stability_plot import plot_all
 
     summary["plots"] = plot_all(summary, args.out / "plots")
+    summary["plots"]["runs"] = str(P.runs_png(rows, args.out / "plots" / "runs.png"))  # msrl compare's picture
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
     T.write_atomic(args.out / "summary.json", json.dumps(summary, indent=2))
     T.write_atomic(args.out / "summary.md", S.render_markdown(summary))

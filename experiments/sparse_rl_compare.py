@@ -26,7 +26,7 @@ loss is NaN/inf (experiments/study_stats.py).
 The runs share this process (experiments/study_runs.py: one Python, vLLM and Megatron start-up for all of them: a later run starts in
 seconds instead of ~40 s; a run's metrics are identical to a fresh `msrl train` of the same config). Each run's
 console goes to OUT/logs/seed<s>_<arm>.log, its full log to its run directory. Writes OUT/compare.png,
-OUT/summary.json and OUT/summary.md (mean ± standard error over seeds per arm, paired per-seed differences,
+OUT/runs.png (`msrl compare`'s picture of every run: study_plot.py `runs_png`), OUT/summary.json and OUT/summary.md (mean ± standard error over seeds per arm, paired per-seed differences,
 per-run rows, collapse flags, runtime), atomically.
 
     .venv/bin/python experiments/sparse_rl_compare.py --seeds 3 --out runs/sparse_rl_compare     (documented run)
@@ -45,6 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import sparse_rl_compare_stats as S  # noqa: E402  (this directory is on sys.path: script or tests)
+import study_plot as P  # noqa: E402
 import study_runs as R  # noqa: E402
 import study_stats as T  # noqa: E402
 
@@ -165,6 +166,7 @@ def write_outputs(args, base, tight, rows, records, evals, starts, timing, t_sta
     rows = [S.add_eval(r, accuracy.get((r["seed"], r["arm"]), {})) for r in rows]
     summary = summarize(args, base, tight, rows, evals, starts, timing)
     summary["plot"] = str(plot(summary, records, LABELS, args.window, args.out / "compare.png"))
+    summary["runs_plot"] = str(P.runs_png(rows, args.out / "runs.png"))  # msrl compare's picture of every run
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
     diff = summary["checks"]["own_engine_final_vs_engine_only_max_abs_diff"]
     if diff:

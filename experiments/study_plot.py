@@ -1,13 +1,16 @@
 """Plot pieces shared by the arms x seeds experiments (experiments/sparse_rl_compare_plot.py,
 experiments/routing_stability_plot.py): a metric's mean over seeds with a ± standard-error band, the panels' titles
-and legends, and an atomic PNG write. matplotlib's Agg canvas directly (no pyplot).
+and legends, an atomic PNG write, and `runs_png`: `msrl compare`'s picture of every run (its per-step metrics on
+shared axes, each arm's seeds as mean and min-max band; observability/compare.py). The studies' own figures draw
+what `msrl compare` does not: trailing-window means with ± standard-error bands, each arm's collapses, the final
+weights' accuracies under several evaluation engines. matplotlib's Agg canvas directly (no pyplot).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import study_stats as T
-from megatron_sparse_rl.observability.plot import series
+from megatron_sparse_rl.observability.plot import save_png, series  # noqa: F401  (save_png: the studies' PNG writer)
 
 
 def band(ax, records: list[list[dict]], keys: tuple[str, ...], window: int, color: str, label: str, *,
@@ -42,9 +45,12 @@ def finish_axes(panels, fontsize: int = 7) -> None:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
-def save_png(fig, out_png: Path) -> Path:
-    """Write `fig` to `out_png` through a temporary file and a rename."""
-    tmp = out_png.with_name(out_png.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    tmp.replace(out_png)
-    return out_png
+def runs_png(rows: list[dict], out_png: Path) -> Path:
+    """`msrl compare OUT/seed*/<arm> ...` of the study's runs (`rows`' run_dir: OUT/seed<s>/<arm>, so an arm's seeds
+    share a band), over the default metrics every run logged, into `out_png`."""
+    from megatron_sparse_rl.observability.compare import common_metrics, figure, load_run
+
+    runs = [load_run(row["run_dir"]) for row in rows]
+    arms = list(dict.fromkeys(run.arm for run in runs))
+    fig = figure(runs, common_metrics(runs), title=f"msrl compare: {len(runs)} runs of {', '.join(arms)}")
+    return save_png(fig, out_png)

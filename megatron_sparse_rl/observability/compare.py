@@ -91,6 +91,13 @@ def choose_metrics(runs: list[Run], metrics: list[str] | None) -> list[str]:
     return chosen
 
 
+def common_metrics(runs: list[Run]) -> list[str]:
+    """The default metrics every one of the runs logged (for a caller that draws what it can instead of refusing:
+    the experiments' runs.png)."""
+    have = [logged(run) for run in runs]
+    return [m for m in DEFAULT_METRICS if all(m in h for h in have)]
+
+
 def table(runs: list[Run], metrics: list[str]) -> list[Row]:
     """Per run and metric: the final value (the last step holding one) and the peak (the largest), with steps."""
     rows = []

@@ -10,7 +10,8 @@ features on (`features_on(run)`), the figure the panels of the features whose me
 | feature | on when | step line | panel | heat map |
 | episodes | env.kind != none | turns, tools, err (per episode) | episodes | - |
 | sparse KV | rollout.kv.policy != none | saved (KV share compaction freed), p5 (rho 5th pct) | sparse KV | - |
-| routing flips | routing.record_stats and the engine's routes captured (R3, capture_rollout_routes) | flip | routing flips | routing flip rate per layer |
+| routing flips | routing.record_stats, engine routes captured (R3 or capture_rollout_routes) | flip | routing flips |
+  routing flip rate per layer |
 | async | trainer.max_staleness > 0 | stale (mean staleness) | staleness | - |
 | DSA indexer | routing.indexer_replay != none | agree (indexer agreement) | DSA indexer | indexer agreement per layer |
 | expert drift | routing.record_stats | - | - | expert drift per layer |
@@ -96,7 +97,8 @@ FEATURES: tuple[Feature, ...] = (
                                Line("tool errors", ("episode/tool_errors",))))),
     Feature("sparse KV", lambda run: run.rollout.kv.policy != "none",
             (Field("saved", (KV_SAVED,), "{:.0%}"), Field("p5", (M.MISMATCH_RHO_P5,), "{:.2f}")),
-            Panel("sparse KV", (Line("KV saved", (KV_SAVED,)), Line("rejected (Sparse-RL)", ("sparse_rl/rejected_seq_frac",)),
+            Panel("sparse KV", (Line("KV saved", (KV_SAVED,)),
+                                Line("rejected (Sparse-RL)", ("sparse_rl/rejected_seq_frac",)),
                                 Line("rho p5", (M.MISMATCH_RHO_P5,))))),
     Feature("routing flips", lambda run: run.routing.record_stats and run.routing.capture,
             (Field("flip", ("routing/flip_rate_mean",)),),

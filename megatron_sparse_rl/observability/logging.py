@@ -6,13 +6,13 @@ The console stays readable: this project's own messages at `level` (rank 0; WARN
 the known-benign start-up warnings in `BENIGN`, unless `verbose`. Libraries that print through their own console
 handlers (torch's logging module, vLLM's, transformers') are rerouted to the root logger's handlers; the C++
 warnings of torch and of the extensions built on it (vLLM's "NUMA binding" TORCH_WARN) go straight to fd 2, so
-`quiet_native_logs` raises their level to ERROR before torch is imported (cli.py, unless --verbose). The log file gets everything from every logger at INFO (DEBUG with level DEBUG), so
-nothing is lost by keeping the console short, except the listings of the `QUIET` loggers (Megatron's per-parameter
+`quiet_native_logs` raises their level to ERROR before torch is imported (cli.py, unless --verbose). The log file
+gets everything from every logger at INFO (DEBUG with level DEBUG), so nothing is lost by keeping the console short, except the listings of the `QUIET` loggers (Megatron's per-parameter
 gradient buckets), which only `verbose` keeps. Python `warnings` are routed into logging (logger "py.warnings").
 
-The tools other than `msrl train` (`msrl bench`, `msrl convert`) call `init_tool_logging` instead: their console
-shows only this project's lines and the libraries' errors; the libraries' warnings go to `tool_log_path(command)`
-(all of them, with `verbose` on the console too). Their spawned ranks (parallel/spawn.py `run_ranks`) do the same
+The tools other than `msrl train` (`msrl bench`, `msrl convert`, `msrl compare`) call `init_tool_logging` instead:
+their console shows only this project's lines and the libraries' errors; the libraries' warnings go to
+`tool_log_path(command)` (all of them, with `verbose` on the console too). Their spawned ranks (parallel/spawn.py `run_ranks`) do the same
 through `RankLogging`, appending to the same file with a `[rank N]` prefix.
 """
 from __future__ import annotations

@@ -87,6 +87,7 @@ def test_files_rows_and_time(run):
     for group in ("on_policy", "off_policy_N2", "gspo_vs_grpo"):
         assert (out / "plots" / f"{group}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"## {group}: mean ± standard error over 2 seed(s)" in md
+    assert (out / "plots" / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # msrl compare's picture
     assert not list(out.rglob("*.tmp")) and summary["collapse_rule"] in md
     for r in summary["runs"]:
         assert r["steps"] == 2 and (out / "logs" / f"seed{r['seed']}_{r['arm']}.log").is_file()

@@ -50,6 +50,7 @@ def run(tmp_path_factory):
 def test_files_rows_and_progress_lines(run):
     out, summary, stdout = run
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # msrl compare's picture of every run
     md = (out / "summary.md").read_text()
     assert "| metric | dense | naive_sparse | sparse_rl |" in md and "## Per run" in md and "Runtime" in md
     assert not list(out.glob("*.tmp"))

@@ -231,3 +231,19 @@ def test_msrl_compare_cli(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("error: msrl compare:") and proc.stderr.count("\n") == 1
     assert f"'kv/saved_frac' is in 1 of the runs but not in '{a}'" in proc.stderr
+
+
+def test_the_studies_runs_png_is_msrl_compares_picture_of_every_run(tmp_path, monkeypatch):
+    """experiments/study_plot.py `runs_png` (routing_stability.py, sparse_rl_compare.py): the default metrics every
+    run logged (a 2-step arm without an evaluation leaves eval/accuracy out instead of refusing), arms banded."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(str(REPO / "experiments"))
+    import study_plot
+    from megatron_sparse_rl.observability import compare as C
+
+    rows = [{"run_dir": str(_run_dir(tmp_path, arm, seed, steps=steps))}
+            for arm, seed, steps in (("dense", 0, 6), ("dense", 1, 6), ("sparse", 0, 2))]
+    out = study_plot.runs_png(rows, tmp_path / "plots" / "runs.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.rglob("*.tmp"))
+    runs = [C.load_run(r["run_dir"]) for r in rows]
+    assert C.common_metrics(runs) == ["rollout/reward", "rollout/accuracy", "mismatch/k1"]
