@@ -145,9 +145,9 @@ def _announce(ctx, counters: dict) -> None:
     lay = ctx.layout
     where = (f"continuing at RL step {counters['rl_step']} (SFT step {counters['sft_step']})"
              if counters["rl_step"] or counters["sft_step"] else "from the start")
-    log.info("run %s in %s, %s: %s (%.1fM parameters), %d RL steps, learner TP%d PP%d EP%d DP%d%s; full log: %s",
+    log.info("run %s in %s, %s: %s (%.1fM parameters), %d RL steps, learner TP%d PP%d%s EP%d DP%d%s; full log: %s",
              ctx.owner.run_id[:8], ctx.run_dir, where, ctx.spec.architecture, ctx.spec.parameter_count() / 1e6,
-             ctx.run.trainer.steps, lay.tp, lay.pp, lay.ep, lay.dp,
+             ctx.run.trainer.steps, lay.tp, lay.pp, f" CP{lay.cp}" if lay.cp > 1 else "", lay.ep, lay.dp,
              (f" (pipeline {lay.stages(ctx.spec.num_layers).describe()})" if lay.pp > 1 else "")
              + (f" + {lay.rollout_ranks} rollout ranks" if lay.rollout_ranks else "")
              + (f", asynchronous (trainer.max_staleness {ctx.run.trainer.max_staleness}: up to that many batches "

@@ -37,6 +37,8 @@ class ParallelDegrees:
     dp: int
     world_size: int
     sequence_parallel: bool = False
+    cp: int = 1
+    """`parallel.cp`: context parallel degree (each sequence split over cp ranks in 2 x cp chunks)."""
     backend: str = "gloo"
     rollout_ranks: int = 0
     """Disaggregated placement: ranks [world_size, world_size + rollout_ranks) own engines, not the model
@@ -54,10 +56,12 @@ class ParallelDegrees:
             raise ValueError(f"world size must be >= 1 (got {world_size})")
         if rollout_ranks < 0:
             raise ValueError(f"rollout_ranks must be >= 0 (got {rollout_ranks})")
-        model_parallel = cfg.tp * cfg.pp
+        model_parallel = cfg.tp * cfg.pp * cfg.cp
         if world_size % model_parallel:
+            names, values = ("parallel.tp * parallel.pp", f"{cfg.tp} * {cfg.pp}") if cfg.cp == 1 else \
+                ("parallel.tp * parallel.pp * parallel.cp", f"{cfg.tp} * {cfg.pp} * {cfg.cp}")
             raise ValueError(
-                f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {cfg.tp} * {cfg.pp} = "
+                f"world size {world_size} is not divisible by {names} = {values} = "
                 f"{model_parallel}; use a world size that is a multiple of {model_parallel}"
             )
         per_stage = world_size // cfg.pp
@@ -71,13 +75,43 @@ class ParallelDegrees:
             raise ValueError("parallel.etp > 1 needs NCCL: gloo cannot do the uneven all-gather it uses (got etp="
                              f"{cfg.etp}, backend gloo)")
         return cls(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, dp=world_size // model_parallel,
-                   world_size=world_size, sequence_parallel=cfg.sequence_parallel, backend=backend,
+                   world_size=world_size, sequence_parallel=cfg.sequence_parallel, cp=cfg.cp, backend=backend,
                    rollout_ranks=rollout_ranks, pipeline_layout=cfg.pipeline_layout)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """The learner right-pads every sequence it runs (its input positions) to a multiple of this: 2 x cp equal
+        chunks for context parallelism (Megatron's load-balanced split), each divisible by tp under sequence
+        parallelism. Padding after a token changes nothing before it under causal attention."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sequence_parallel else 1)
+
+    def padded_positions(self, positions: int) -> int:
+        """The input positions the learner runs for a sequence of `positions` (right-padded to
+        `sequence_multiple`)."""
+        return -(-positions // self.sequence_multiple) * self.sequence_multiple
 
     def stages(self, num_layers: int) -> PipelineStages:
         """The decoder layers of each pipeline stage for a model of `num_layers` (ValueError naming the field when
         the layout does not fit)."""
         return pipeline_stages(self.pp, num_layers, self.pipeline_layout)
+
+    def _context_problems(self, spec) -> list[str]:
+        """What context parallelism (cp > 1) does not run yet, each with its reason."""
+        if self.cp == 1:
+            return []
+        problems = []
+        if getattr(spec, "index_topk", 0):
+            problems.append(f"parallel.cp={self.cp} is not supported for DeepSeek Sparse Attention models "
+                            f"({spec.architecture}): the indexer's top-k over the keys of every context-parallel "
+                            "rank is not implemented; use parallel.cp=1")
+        elif getattr(spec, "kv_lora_rank", 0):
+            problems.append(f"parallel.cp={self.cp} is not supported for multi-latent attention models "
+                            f"({spec.architecture}) yet: the MLA latent path and its YaRN rotary split are untested "
+                            "at cp > 1; use parallel.cp=1")
+        if self.pp > 1:
+            problems.append(f"parallel.cp={self.cp} with parallel.pp={self.pp} is not supported yet (the pipelined "
+                            "schedule at cp > 1 is untested); use one of them")
+        return problems
 
     def check_model(self, spec) -> None:
         """Raise ValueError if these degrees cannot shard `spec` (models/spec.py `ModelSpec`)."""
@@ -102,6 +136,7 @@ class ParallelDegrees:
                                 "(Megatron-Core refuses to train MoE under TP without it)")
         elif self.ep > 1:
             problems.append(f"parallel.ep={self.ep} needs an MoE model ({spec.architecture} has no routed experts)")
+        problems += self._context_problems(spec)
         has_dense_mlp = not all(spec.moe_layers) if spec.moe_layers else True
         if has_dense_mlp and spec.ffn_hidden_size % self.tp:
             problems.append(f"parallel.tp={self.tp} must divide the FFN size ({spec.ffn_hidden_size})")

@@ -177,7 +177,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ParallelConfig:
-    """Parallel degrees of the learner. Data parallel is what is left: world / (tp * pp)."""
+    """Parallel degrees of the learner. Data parallel is what is left: world / (tp * pp * cp)."""
 
     tp: int = 1
     """Tensor parallel degree (divides attention heads and KV heads)."""
@@ -194,12 +194,16 @@ class ParallelConfig:
     """Expert tensor parallel degree (1 on CPU: gloo cannot do the uneven all-gather it needs)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
+    cp: int = 1
+    """Context parallel degree (Megatron's context_parallel_size): every sequence is split into 2 x cp load-balanced
+    chunks, rank r of the context-parallel group holding chunks r and 2cp - 1 - r, and attention all-gathers K/V over
+    the group. The learner right-pads each sequence to a multiple of 2 x cp (x tp with sequence parallelism)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend of the run's torch.distributed world: auto = nccl with CUDA, gloo without; a named one
     is used as named (nccl on a machine without CUDA is an error before the world starts)."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "ep", "etp"):
+        for name in ("tp", "pp", "ep", "etp", "cp"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1 (got {getattr(self, name)})")
             _range(getattr(self, name), f"parallel.{name}", 1, MAX_RANKS)
         _check(not self.sequence_parallel or self.tp > 1,

@@ -28,7 +28,8 @@ def run_summary(run: RunConfig, spec, world_size: int) -> list[str]:
     layout = ParallelDegrees.from_config(run.parallel, world_size - rollout, rollout_ranks=rollout)
     lines = model_lines(run, spec)
     who = "world" if not rollout else "learner ranks"
-    lines.append(f"layout: {who} {layout.world_size} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}; "
+    cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
+    lines.append(f"layout: {who} {layout.world_size} = tp {layout.tp} x pp {layout.pp}{cp} x dp {layout.dp}; "
                  f"ep {layout.ep}, etp {layout.etp}, sequence_parallel {layout.sequence_parallel}, "
                  f"backend {layout.backend}" + _stage_note(layout, spec))
     engine_tp = run.rollout.tensor_parallel_size

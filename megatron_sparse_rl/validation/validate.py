@@ -79,6 +79,44 @@ def _layout_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[
     return problems
 
 
+def _context_parallel_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[str]:
+    """parallel.cp > 1: the kernels that run it and the sequence length limit its split needs. (What the model or
+    the other degrees cannot run at cp > 1 is `ParallelDegrees.check_model`'s.)"""
+    from megatron_sparse_rl._optional import has_te
+
+    if run.parallel.cp == 1:
+        return []
+    problems = []
+    if run.learner.kernels == "local" and not (cuda and has_te()):
+        problems.append(f"learner.kernels = 'local' with parallel.cp = {run.parallel.cp}: Megatron-Core's local "
+                        "DotProductAttention refuses context parallelism (it runs only in Transformer Engine's "
+                        "attention, absent here); use 'fast' or 'auto' (the SDPA attention, which all-gathers K/V over "
+                        "the context-parallel group)")
+    limit = max_model_len(run.rollout, spec)
+    if limit is None:
+        return problems
+    rollout = run.launch.rollout_world_size
+    try:
+        degrees = ParallelDegrees.from_config(run.parallel, world_size - rollout, rollout_ranks=rollout, cuda=cuda)
+    except ValueError:
+        return problems  # the layout's own problem is reported by _layout_problems
+    positions, chunks = limit - 1, 2 * degrees.cp
+    where = f"rollout.max_model_len = {limit}" + (f" ({max_model_len_origin(run.rollout, spec)})"
+                                                  if run.rollout.max_model_len is None else "")
+    if positions < chunks:
+        problems.append(f"{where} gives the learner {positions} input positions, fewer than the 2 x parallel.cp = "
+                        f"{chunks} chunks context parallelism splits every sequence into; raise "
+                        f"rollout.max_model_len to at least {chunks + 1} or lower parallel.cp")
+    elif spec is not None and degrees.padded_positions(positions) > spec.max_position_embeddings:
+        padded = degrees.padded_positions(positions)
+        problems.append(f"{where}: the learner pads a sequence's {positions} input positions to a multiple of "
+                        f"{degrees.sequence_multiple} (2 x parallel.cp" + (" x parallel.tp, sequence parallel"
+                                                                             if degrees.sequence_parallel else "")
+                        + f") = {padded}, beyond the model's max_position_embeddings ({spec.max_position_embeddings}); "
+                        f"lower rollout.max_model_len to at most {spec.max_position_embeddings // degrees.sequence_multiple * degrees.sequence_multiple + 1}")
+    return problems
+
+
 def _from_tiny(run: RunConfig) -> bool:
     """Whether the model's shapes come from `model.tiny` (no config.json at `model.path`)."""
     return run.model.tiny is not None and not _has_config(run)
@@ -451,6 +489,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
                         f"{run.launch.nproc_per_node} = {launch_world}; make them equal")
     spec = model_spec(run)
     problems += _layout_problems(run, world_size, spec, cuda)
+    problems += _context_parallel_problems(run, world_size, spec, cuda)
     problems += _model_problems(run, spec, cuda)
     problems += _rollout_algorithm_problems(run, world_size, spec)
     problems += _old_logprobs_problems(run)
