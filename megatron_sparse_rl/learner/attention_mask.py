@@ -14,7 +14,9 @@ Heads: query head h of KV group g = h // (heads / kv_heads) (Megatron's GQA expa
 parallelism this rank holds KV groups [tp_rank * g_local, (tp_rank + 1) * g_local). A mask with ONE KV head
 applies to every query head on every rank: multi-head latent attention (DeepSeek-V3 / Kimi-K2), whose engine
 keeps one set of latent rows per layer for all heads, records it that way. Layers: the global
-index `layer_number - 1` (pipeline offsets included). Only Megatron's local (torch) DotProductAttention and its
+index `layer_number - 1` (pipeline offsets included). Context parallelism (parallel.cp > 1): the Learner passes
+the rows of this rank's query positions only ([b, layers, kv_heads, s / cp, s]: key positions stay global), which
+`SDPAttention` applies against the K/V it gathers. Only Megatron's local (torch) DotProductAttention and its
 subclasses are supported (learner.kernels fast: models/sdpa_attention.py, which hands the mask to SDPA): they take
 any boolean mask; TE kernels take no per-head mask.
 """
@@ -46,9 +48,9 @@ class LayerAttentionMasks:
         if mask is None or mask.dim() != _PER_LAYER:
             return None
         query = args[0]
-        local = self._local(mask, module)  # [b, np_local, s, s], True = masked out
-        if local.shape[-1] != query.shape[0]:
-            raise ValueError(f"attention mask covers {local.shape[-1]} positions, the forward has {query.shape[0]}")
+        local = self._local(mask, module)  # [b, np_local, s (this rank's queries), s], True = masked out
+        if local.shape[-2] != query.shape[0]:
+            raise ValueError(f"attention mask covers {local.shape[-2]} positions, the forward has {query.shape[0]}")
         local = local.to(query.device)
         if positional:
             args = (*args[:3], local, *args[4:])

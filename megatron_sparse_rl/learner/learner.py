@@ -38,6 +38,7 @@ from megatron_sparse_rl.learner.params import load_full_tensors, local_params
 from megatron_sparse_rl.learner.routing import LearnerRouting
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
+from megatron_sparse_rl.parallel.context import GatherSequence, gather_sequence, split_sequence
 from megatron_sparse_rl.parallel.layout import ParallelGroups, ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -152,18 +153,30 @@ class Learner:
         return lengths
 
     def _padded(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Right-pad the sequence so sequence parallelism can split it over TP ranks (padding after a token
-        changes nothing before it under causal attention)."""
-        length = tokens.shape[1] - 1
-        if self.layout.sequence_parallel and length % self.layout.tp:
-            tokens = torch.nn.functional.pad(tokens, (0, self.layout.tp - length % self.layout.tp))
+        """Right-pad the sequence so its input positions split into the 2 x cp context-parallel chunks and over the
+        TP ranks under sequence parallelism (`layout.sequence_multiple`; padding after a token changes nothing
+        before it under causal attention)."""
+        length, multiple = tokens.shape[1] - 1, self.layout.sequence_multiple
+        if length % multiple:
+            tokens = torch.nn.functional.pad(tokens, (0, multiple - length % multiple))
         return tokens
+
+    def _this_cp_rank(self, **batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The positions of each [b, W] input this context-parallel rank runs (Megatron's `get_batch_on_this_cp_rank`:
+        chunks r and 2cp - 1 - r of 2 x cp); unchanged at cp 1."""
+        if self.layout.cp == 1:
+            return batch
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        return get_batch_on_this_cp_rank(dict(batch), cp_group=self.groups.cp)
 
     def _scores(self, logits: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor, support=None):
         """Last-stage logits [b, s, V/tp] of right-padded `tokens` -> (logprobs, entropy) [b, S-1]. With the
         call's sampling `support` (ForwardExtras.sampling_support) the logprobs are renormalised over each
         position's kept ids; the entropy is the unrestricted policy's."""
         length = tokens.shape[1] - 1
+        if self.layout.cp > 1:
+            return self._cp_scores(logits, tokens, index, support)
         logits = logits[:, :length]
         entropy = vocab_parallel_entropy(logits, self.groups.tp)
         targets = self._padded(tokens)[:, 1:length + 1].to(logits.device).contiguous()
@@ -172,6 +185,27 @@ class Learner:
             start = self.groups.tp_rank * logits.shape[-1]
             allowed = support.local_mask(index, length, start, start + logits.shape[-1]).to(logits.device)
         return vocab_parallel_logprobs(logits, targets, self.temperature, allowed), entropy
+
+    def _cp_scores(self, logits: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor, support=None):
+        """`_scores` at cp > 1: `logits` [b, W / cp, V/tp] hold this rank's positions of the padded width W; each
+        rank scores its own positions, then the group's pieces are gathered into sequence order, so every rank
+        of the group holds the whole [b, S-1] logprobs and entropy and computes the same loss from them (every
+        aggregation and per-sequence sum sees whole sequences). The logprobs' gather keeps each rank's own
+        positions of the gradient in the backward; the context-parallel gradient all-reduce sums the ranks."""
+        length, cp = tokens.shape[1] - 1, self.groups.cp
+        targets = self._padded(tokens)[:, 1:].to(logits.device)
+        width = targets.shape[1]
+        allowed = None
+        if support is not None:
+            start = self.groups.tp_rank * logits.shape[-1]
+            allowed = support.local_mask(index, length, start, start + logits.shape[-1])
+            allowed = torch.nn.functional.pad(allowed, (0, 0, 0, width - length), value=True)  # padding: any id
+            allowed = split_sequence(allowed, cp, 1).to(logits.device)
+        local = vocab_parallel_logprobs(logits, split_sequence(targets, cp, 1).contiguous(), self.temperature,
+                                        allowed)
+        logprobs = GatherSequence.apply(local, cp, 1, False)[:, :length]
+        entropy = gather_sequence(vocab_parallel_entropy(logits, self.groups.tp), cp, 1)[:, :length]
+        return logprobs, entropy
 
     def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool,
                       extras: ForwardExtras, lengths: torch.Tensor | None = None):
@@ -206,13 +240,16 @@ class Learner:
             if blocked is not None:
                 width = inputs.shape[1]
                 mask = blocked[index][..., :width, :width]
-            output = model(inputs, positions, mask)
+                if self.layout.cp > 1:  # this rank's query rows against every key (key positions are global)
+                    mask = split_sequence(mask, self.groups.cp, mask.dim() - 2)
+            local = self._this_cp_rank(tokens=inputs, position_ids=positions)
+            output = model(local["tokens"], local["position_ids"], mask)
             return output, partial(self._loss_wrapper, loss_fn, mb_tokens, index, extras.sampling_support,
                                    tokens.shape[1] - 1)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
-            num_microbatches=len(batches), seq_length=padded.shape[1] - 1, micro_batch_size=mbs,
+            num_microbatches=len(batches), seq_length=(padded.shape[1] - 1) // self.layout.cp, micro_batch_size=mbs,
             forward_only=forward_only,
         )
 

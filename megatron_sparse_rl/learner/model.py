@@ -28,6 +28,9 @@ def build_gpt_model(adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout
     # uneven stages reach Megatron as its layout string; its get_transformer_layer_offset then numbers each stage's
     # layers (layer_number), which every layer-indexed feature of the learner reads
     stages = layout.stages(spec.num_layers).megatron_kwargs()
+    if layout.cp > 1:  # the learner splits each sequence (learner/context.py); attention all-gathers K/V
+        model_kernels.check_context_parallel(kernels, use_te=has_te() and cuda)
+        stages["context_parallel_size"] = layout.cp
     config = adapter.transformer_config(
         spec, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
         sequence_parallel=layout.sequence_parallel, dtype=DTYPES[dtype], recompute=recompute,

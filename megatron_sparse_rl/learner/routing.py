@@ -6,9 +6,9 @@ RouterReplay) and owns it; a call asks for replay or recording through `ForwardE
 (learner/extras.py `RouteRequest`), and the learner starts the request before its forward, feeds every
 micro-batch's routes to the routers, and ends it after, returning a `RoutingResult`. Routes are kept per
 SEQUENCE in layout-independent form (`moe.RouteStore`: all MoE layers, full sequence); this module translates
-them to what each rank's routers see: the micro-batch's rows, the rank's sequence-parallel chunk of positions
-(TP + SP), the rank's pipeline stage's layers, flattened [positions, rows] as Megatron does. Recording does
-the reverse (all-gather over TP under SP, over PP for the layers).
+them to what each rank's routers see: the micro-batch's rows, the rank's context-parallel positions (its two
+of the 2 x cp chunks) and within them its sequence-parallel chunk (TP + SP), the rank's pipeline stage's layers, flattened [positions, rows] as Megatron does. Recording does
+the reverse (all-gather over TP under SP, over CP into sequence order, over PP for the layers).
 
 What the RL step's forwards ask for follows `routing.mode` (`old_forward`, `after_old_forward`, `update`):
 
@@ -37,6 +37,7 @@ from megatron_sparse_rl.moe.indexer_storage import IndexerRecord
 from megatron_sparse_rl.moe.replay import ModelRouting
 from megatron_sparse_rl.moe.stats import drift_metrics, routing_metrics
 from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash
+from megatron_sparse_rl.parallel.context import cp_positions, gather_sequence
 
 
 @dataclass(frozen=True)
@@ -205,11 +206,14 @@ class LearnerRouting:
         self._request = self._tokens = self._lengths = self._rows = None
 
     # ---- checks and layout -------------------------------------------------------------------------
-    def _positions(self, width: int) -> slice:
+    def _positions(self, width: int) -> torch.Tensor:
+        """The positions of a `width`-wide micro-batch this rank's routers see: its context-parallel chunks, and of
+        those its sequence-parallel share."""
+        held = cp_positions(width, self.layout.cp, self.groups.cp_rank) if self.layout.cp > 1 else torch.arange(width)
         if not self.layout.sequence_parallel or self.layout.tp == 1:
-            return slice(0, width)
-        chunk = width // self.layout.tp
-        return slice(self.groups.tp_rank * chunk, (self.groups.tp_rank + 1) * chunk)
+            return held
+        chunk = len(held) // self.layout.tp
+        return held[self.groups.tp_rank * chunk:(self.groups.tp_rank + 1) * chunk]
 
     def _pad_routes(self, rows: int, width: int) -> torch.Tensor:
         k = self.model.topk
@@ -261,6 +265,8 @@ class LearnerRouting:
                 parts = [torch.empty_like(local) for _ in range(tp)]
                 dist.all_gather(parts, local.contiguous(), group=self.groups.tp)
                 local = torch.cat(parts, dim=0)
+            if self.layout.cp > 1:  # this rank's chunks -> every position in sequence order
+                local = gather_sequence(local, self.groups.cp, 0)
             if self.layout.pp > 1:
                 parts = [None] * self.layout.pp
                 dist.all_gather_object(parts, (list(self.model.layers), local), group=self.groups.pp)

@@ -38,6 +38,15 @@ def resolve(choice: str, device_type: str) -> str:
     return AUTO.get(device_type, "local") if choice == "auto" else choice
 
 
+def check_context_parallel(kernels: str, use_te: bool, field: str = "learner.kernels") -> None:
+    """ValueError when the resolved `kernels` choice cannot run context parallelism: Megatron-Core's local
+    `DotProductAttention` asserts context_parallel_size == 1; `SDPAttention` (fast) all-gathers K/V over the
+    context-parallel group, and Transformer Engine's attention (GPU with TE) runs its own CP."""
+    if kernels == "local" and not use_te:
+        raise ValueError(f"{field}: local runs Megatron-Core's DotProductAttention, which refuses context "
+                         "parallelism (parallel.cp > 1); use fast or auto")
+
+
 def config_kwargs(kernels: str, cuda: bool) -> dict:
     """TransformerConfig settings of a resolved kernel choice: the fused SwiGLU / bias-dropout-add on CUDA only."""
     if kernels == "fast" and cuda:

@@ -16,18 +16,26 @@ causal mask type becomes `is_causal`. Which kernel runs (torch 2.13):
 A query row whose mask hides every key gets 0 here and the mean of the values in the local kernel; no real keep set
 makes such a row (a token always sees itself), and padding rows see causally.
 
-Context parallelism is not implemented (Megatron's `DotProductAttention.__init__` still asserts cp == 1); its seam is
-`_global_keys`: with cp > 1 this rank holds two of the 2 x cp load-balanced sequence chunks (chunks r and
-2cp - 1 - r, Megatron's `get_batch_on_this_cp_rank`); `_global_keys` will all-gather K/V over the CP group and
-return the mask of this rank's query positions against every key position, and the one SDPA call below runs
-unchanged. One attention module serves both.
+Context parallelism (parallel.cp > 1; Megatron-Core's own `DotProductAttention` asserts cp == 1, which this module
+steps around by building its parent with a cp-1 view of the config): this rank's queries are two of the 2 x cp
+load-balanced chunks of every sequence (chunks r and 2cp - 1 - r, Megatron's `get_batch_on_this_cp_rank`, applied by
+the learner; RoPE already rotated them at their global positions). `_global_keys` all-gathers K/V over the
+context-parallel group into sequence order (parallel/context.py `GatherSequence`: the backward sums the K/V
+gradients over the group and keeps this rank's positions) and gives the causal mask of this rank's global query
+positions against every key position; a mask that comes in (per-layer keep sets, learner/attention_mask.py) already
+holds this rank's query rows against every key column. The one SDPA call below then runs unchanged, and padding
+(the learner right-pads to a multiple of 2 x cp) stays behind every real query under the causal mask. One attention
+module serves both. With Transformer Engine (GPU) the spec keeps TE's attention, which runs its own CP.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.nn.functional as F
+
+from megatron_sparse_rl.parallel.context import GatherSequence, cp_positions
 
 
 def _dot_product_attention():
@@ -54,8 +62,18 @@ class SDPAttention(_dot_product_attention()):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
         check_sdpa_config(config)
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        parent_config = config
+        if config.context_parallel_size > 1:  # the parent asserts cp == 1; this module does the CP itself
+            parent_config = copy.copy(config)
+            parent_config.context_parallel_size = 1
+        super().__init__(parent_config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
+                         pg_collection=pg_collection)
+        self.config = config
+        self.cp_group = getattr(self.pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        if config.context_parallel_size > 1 and self.cp_group is None:
+            raise ValueError("SDPAttention at context_parallel_size > 1 needs the context-parallel group in its "
+                             "pg_collection")
         if v_channels is not None:  # MLA: the output is v_channels wide per head
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
             self.hidden_size_per_attention_head = v_channels
@@ -63,7 +81,19 @@ class SDPAttention(_dot_product_attention()):
     def _global_keys(self, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, is_causal: bool):
         """The keys and values this rank's queries attend ([b, groups, sk, d]) and the mask between them. The
         context-parallel seam (module docstring); without context parallelism, the local ones unchanged."""
-        return key, value, mask, is_causal
+        if self.cp_group is None:
+            return key, value, mask, is_causal
+        key = GatherSequence.apply(key, self.cp_group, 2, True)
+        value = GatherSequence.apply(value, self.cp_group, 2, True)
+        if mask is None and is_causal:  # this rank's global query positions against every key position
+            width = key.shape[2]
+            rows = cp_positions(width, self.cp_group.size(), self.cp_group.rank(), key.device)
+            mask = rows[:, None] < torch.arange(width, device=key.device)[None, :]  # True = masked out
+            mask = mask[None, None]
+        elif mask is not None and mask.shape[-1] != key.shape[2]:
+            raise ValueError(f"at context_parallel_size > 1 an attention mask must cover every key position "
+                             f"({key.shape[2]}), got {tuple(mask.shape)}")
+        return key, value, mask, False
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):

@@ -48,6 +48,8 @@ class ParallelGroups:
     etp: Any
     expert_dp: Any
     model_parallel: Any
+    """The ranks that hold one data-parallel rank's batch: tp x pp (Megatron's model-parallel group), and x cp with
+    context parallelism (the context-parallel ranks share their sequences)."""
     tp_rank: int
     pp_rank: int
     dp_rank: int
@@ -55,6 +57,9 @@ class ParallelGroups:
     etp_rank: int
     learner: Any = None
     """All learner ranks [0, L): the default world (in a disaggregated run, the learner ranks' own world)."""
+    cp: Any = None
+    """The context-parallel group (the ranks that share a sequence, parallel.cp of them)."""
+    cp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,19 +103,23 @@ class ParallelLayout(ParallelDegrees):
         ps.initialize_model_parallel(
             tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
-            distributed_timeout_minutes=timeout_minutes,
+            context_parallel_size=self.cp, distributed_timeout_minutes=timeout_minutes,
             # gloo side groups on NCCL too (Megatron's default): get_megatron_optimizer asks for the gloo data-parallel
             # groups and fails without them (seen on an H100: "Intra partial data parallel group is not initialized")
             create_gloo_process_groups=True,
         )
+        model_parallel = ps.get_model_parallel_group()
+        if self.cp > 1:  # Megatron's model-parallel group is tp x pp; the ranks of one batch are tp x pp x cp
+            model_parallel = _same_data_group(ps.get_data_parallel_rank())
         return ParallelGroups(
             tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
             dp=ps.get_data_parallel_group(), ep=ps.get_expert_model_parallel_group(),
             etp=ps.get_expert_tensor_parallel_group(), expert_dp=ps.get_expert_data_parallel_group(),
-            model_parallel=ps.get_model_parallel_group(),
+            model_parallel=model_parallel,
             tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(), ep_rank=ps.get_expert_model_parallel_rank(),
             etp_rank=ps.get_expert_tensor_parallel_rank(), learner=dist.group.WORLD,
+            cp=ps.get_context_parallel_group(), cp_rank=ps.get_context_parallel_rank(),
         )
 
     def _bridge(self, members: list[int]):
@@ -154,3 +163,16 @@ class ParallelLayout(ParallelDegrees):
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
+
+
+def _same_data_group(dp_rank: int):
+    """The group of the learner ranks whose data-parallel rank is `dp_rank` (every learner rank calls this: each
+    group is made on every rank, in the same order)."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dp_rank)
+    mine = None
+    for d in sorted(set(every)):
+        group = dist.new_group([r for r, x in enumerate(every) if x == d])
+        if d == dp_rank:
+            mine = group
+    return mine

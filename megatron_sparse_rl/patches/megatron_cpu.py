@@ -153,6 +153,28 @@ def patch_causal_mask() -> None:
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
 
 
+def _host_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """Host body of rope_utils.get_pos_emb_on_this_cp_rank: the rotary table rows of this context-parallel rank's
+    chunks (r and 2cp - 1 - r of 2 x cp), as upstream computes them."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+@_once("cp_rotary")
+def patch_cp_rotary() -> None:
+    """`get_pos_emb_on_this_cp_rank` (RoPE at context_parallel_size > 1) builds its chunk index in pinned memory
+    and moves it with `.cuda()`; both fail without CUDA. Index on the table's own device."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = _host_pos_emb_on_this_cp_rank
+
+
 @_once("te_general_gemm")
 def patch_te_general_gemm() -> None:
     """moe_utils references `te_general_gemm` in the router GEMM but only defines it when Transformer Engine
@@ -358,6 +380,7 @@ def apply() -> None:
     patch_rng_tracker()
     patch_alltoall_dispatcher()
     patch_causal_mask()
+    patch_cp_rotary()
     patch_optimizer_devices()
     patch_mixed_precision_optimizer()
     patch_dist_checkpointing()

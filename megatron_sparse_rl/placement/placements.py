@@ -105,7 +105,8 @@ class Placement:
 
 
 class Colocated(Placement):
-    """Every learner rank owns a whole engine in its own process; `model_parallel` = tp * pp of the learner."""
+    """Every learner rank owns a whole engine in its own process; `model_parallel` = tp * pp * cp of the learner (the
+    ranks of `groups.model_parallel`, which share one data-parallel rank's batch)."""
 
     def __init__(self, engine, groups, model_parallel: int, *, weights: EngineWeights = EngineWeights()):
         self.engine, self.groups, self.model_parallel = engine, groups, model_parallel
@@ -121,7 +122,7 @@ class Colocated(Placement):
         return holder[0]
 
     def generate(self, work: Work) -> T:
-        leader = self.groups.tp_rank == 0 and self.groups.pp_rank == 0
+        leader = self.groups.tp_rank == 0 and self.groups.pp_rank == 0 and self.groups.cp_rank == 0
         return self._from_leader(work(self.engine, self.groups.dp_rank) if leader else None)
 
     def sync(self, learner, *, bucket_mb: float, version: int = 0):

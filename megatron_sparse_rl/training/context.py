@@ -200,7 +200,7 @@ def _colocated(run: RunConfig, run_dir: Path, model_dir: Path, spec, layout, gro
     from megatron_sparse_rl.placement import placements as P
 
     engine = _engine(run, run_dir, model_dir, spec)
-    engine_tp, model_parallel = run.rollout.tensor_parallel_size, layout.tp * layout.pp
+    engine_tp, model_parallel = run.rollout.tensor_parallel_size, layout.tp * layout.pp * layout.cp
     weights = EngineWeights.of(run.rollout)
     if engine_tp == 1:
         return P.Colocated(engine, groups, model_parallel, weights=weights)
