@@ -14,8 +14,8 @@ Every final model is then evaluated on the held-out prompts by a dense and a spa
 each started once in this process (experiments/sparse_rl_compare_eval.py). Measured per arm, at equal steps and on
 the training wall-clock (experiments/sparse_rl_fixed_memory_stats.py has the definitions): held-out accuracy under
 both engines; the wall-clock to reach dense's final accuracy; peak and mean KV saved; the budget; the rejection
-rate; concurrency and preemptions. Writes OUT/fixed_memory.png (bands: ± s.e. over seeds), OUT/summary.json and
-OUT/summary.md, atomically; every statistic is recomputed from each run's metrics.jsonl.
+rate; concurrency and preemptions. Writes OUT/fixed_memory.png (bands: ± s.e. over seeds), OUT/runs.png (`msrl
+compare`'s picture of every run: study_plot.py `runs_png`), OUT/summary.json and OUT/summary.md, atomically; every statistic is recomputed from each run's metrics.jsonl.
 
     .venv/bin/python experiments/sparse_rl_fixed_memory.py --out runs/sparse_rl_fixed_memory      (documented run)
     .venv/bin/python experiments/sparse_rl_fixed_memory.py --quick --out /tmp/x     (smoke: 2 seeds x 4 arms x 2 steps)
@@ -32,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import sparse_rl_fixed_memory_stats as S  # noqa: E402  (this directory is on sys.path: script or tests)
+import study_plot as P  # noqa: E402
 import study_runs as R  # noqa: E402
 import study_stats as T  # noqa: E402
 
@@ -148,6 +149,7 @@ def write_outputs(args, base, pool, rows, records, evals, starts, timing, t_star
     rows, target = S.add_time_to_target(rows)
     summary = summarize(args, base, pool, rows, target, evals, starts, timing)
     summary["plot"] = str(plot(summary, records, LABELS, args.window, args.out / "fixed_memory.png"))
+    summary["runs_plot"] = str(P.runs_png(rows, args.out / "runs.png"))  # msrl compare's picture of every run
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
     T.write_atomic(args.out / "summary.json", json.dumps(summary, indent=2))
     T.write_atomic(args.out / "summary.md", S.render_markdown(summary))

@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue the previous demo run instead of replacing it")
     parser.add_argument("--verbose", action="store_true", help="also show vLLM / Megatron-Core INFO lines")
     args = parser.parse_args(argv)
+    if not args.verbose:
+        from megatron_sparse_rl.observability.logging import quiet_native_logs
+
+        quiet_native_logs()  # as `msrl train`: torch's and vLLM's C++ warnings off the console, set before torch loads
     from megatron_sparse_rl.config import load_config
     from megatron_sparse_rl.trainer import train
     from megatron_sparse_rl.run.run_dir import ARTIFACTS

@@ -59,6 +59,7 @@ def run(tmp_path_factory):
 def test_files_rows_and_statistics(run):
     out, summary, stdout = run
     assert (out / "fixed_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # msrl compare's picture of every run
     md = (out / "summary.md").read_text()
     assert "| metric | dense | naive_sparse | sparse_rl | sparse_rl_sched |" in md and "## Per run" in md
     assert sorted((r["seed"], r["arm"]) for r in summary["runs"]) == sorted((s, a) for s in (0, 1) for a in ARMS)
