@@ -104,10 +104,6 @@ class ParallelDegrees:
             problems.append(f"parallel.cp={self.cp} is not supported for DeepSeek Sparse Attention models "
                             f"({spec.architecture}): the indexer's top-k over the keys of every context-parallel "
                             "rank is not implemented; use parallel.cp=1")
-        elif getattr(spec, "kv_lora_rank", 0):
-            problems.append(f"parallel.cp={self.cp} is not supported for multi-latent attention models "
-                            f"({spec.architecture}) yet: the MLA latent path and its YaRN rotary split are untested "
-                            "at cp > 1; use parallel.cp=1")
         if self.pp > 1:
             problems.append(f"parallel.cp={self.cp} with parallel.pp={self.pp} is not supported yet (the pipelined "
                             "schedule at cp > 1 is untested); use one of them")

@@ -5,7 +5,8 @@ Each sequence runs as Megatron's load-balanced 2 x cp chunks, attention all-gath
 SFT loss against HF transformers (1e-4); the RL loss under each aggregation (with OPSM's and TIS's per-sequence and
 per-token terms of the current policy, and GSPO's sequence ratio) equal to cp 1's (1e-6); per-layer keep-set masks
 giving cp 1's logprobs; R2 routes recorded equal to cp 1's, and cp 1's routes replayed under re-drawn routers (R2/R3's
-replay) giving cp 1's logprobs with applied fraction 1.0. The refusals are unit-tested (tests/unit/test_context_parallel.py)."""
+replay) giving cp 1's logprobs with applied fraction 1.0; multi-latent attention (a tiny DeepSeek-V3, slow) against
+HF and cp 1. The refusals are unit-tested (tests/unit/test_context_parallel.py)."""
 import pytest
 import torch
 
@@ -245,3 +246,23 @@ def test_tp2_cp2_losses_and_keep_sets_equal_cp1(moe_dir, batch):
         assert (out["masked"] - ref["masked"]).abs().max() < 1e-5
         for case in AGGREGATIONS:
             assert abs(out[case]["loss"] - ref[case]["loss"]) < 1e-6, case
+
+
+@pytest.mark.slow
+def test_mla_cp2_matches_hf_and_cp1(tmp_path, batch):
+    """Multi-latent attention (a tiny DeepSeek-V3, YaRN RoPE as released) at cp 2: logprobs and entropies against HF
+    transformers, every gradient of an SFT step against cp 1's."""
+    from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
+
+    tokens, lengths = batch
+    model_dir = str(build_tiny_deepseek(tmp_path / "ds", seed=3, layers=2))
+    ref_lp, ref_ent = hf_reference(model_dir, tokens)
+    real = _real(lengths, tokens.shape[1] - 1)
+    base = run_distributed(hf_worker, 1, args=(model_dir, tokens, lengths, 1, 1))[0][3]
+    for lp, ent, seen, grads in run_distributed(hf_worker, 2, args=(model_dir, tokens, lengths, 1, 2)):
+        assert seen == [6, 8]
+        assert (lp.double() - ref_lp)[real].abs().max() < 1e-4
+        assert (ent.double() - ref_ent)[real].abs().max() < 1e-4
+        assert sorted(grads) == sorted(base)
+        for name, g in base.items():
+            assert (grads[name] - g).abs().max() < 1e-5, name

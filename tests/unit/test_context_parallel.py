@@ -68,8 +68,6 @@ def test_validate_accepts_cp_and_names_it():
      r"rollout.max_model_len = 4 gives the learner 3 input positions, fewer than the 2 x parallel.cp = 4 chunks"),
     (("parallel.cp=2", "parallel.pp=2", "launch.nproc_per_node=4"), r"parallel.cp=2 with parallel.pp=2 is not "
                                                                     r"supported yet"),
-    (("parallel.cp=2", "model.tiny.arch=deepseek_v3", "model.tiny.heads=2", "model.tiny.kv_heads=2"),
-     r"parallel.cp=2 is not supported for multi-latent attention models"),
     (("parallel.cp=2", "launch.nproc_per_node=3"), r"parallel.tp \* parallel.pp \* parallel.cp"),
 ])
 def test_validate_refuses(overrides, match):
@@ -77,6 +75,18 @@ def test_validate_refuses(overrides, match):
     world = run.launch.nproc_per_node if run.launch.nproc_per_node > 1 else 2
     with pytest.raises(ConfigError, match=match):
         validate(run, world, cuda=False)
+
+
+def test_validate_takes_mla_and_refuses_dsa(tmp_path):
+    """Multi-latent attention runs at cp > 1 (tests/distributed/test_context_parallel.py); DSA's indexer does not."""
+    from megatron_sparse_rl.models.tiny_families import build_tiny_dsa
+
+    validate(run_of("parallel.cp=2", "model.tiny.arch=deepseek_v3"), 2, cuda=False)
+    model = build_tiny_dsa(tmp_path / "dsa", seed=1)
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 is not supported for DeepSeek Sparse Attention models "
+                                          r"\(DeepseekV32ForCausalLM\): the indexer's top-k over the keys of every "
+                                          r"context-parallel rank is not implemented"):
+        validate(run_of(f"model.path={model}", "parallel.cp=2", tiny=False), 2, cuda=False)
 
 
 def test_validate_refuses_padding_beyond_the_positions(tmp_path):
