@@ -10,6 +10,7 @@ features on (`features_on(run)`), the figure the panels of the features whose me
 | feature | on when | step line | panel | heat map |
 | episodes | env.kind != none | turns, tools, err (per episode) | episodes | - |
 | sparse KV | rollout.kv.policy != none | saved (KV share compaction freed), p5 (rho 5th pct) | sparse KV | - |
+| KV budget schedule | rollout.kv.budget_schedule.enabled | budget (this step's) | KV budget | - |
 | routing flips | routing.record_stats, engine routes captured (R3 or capture_rollout_routes) | flip | routing flips |
   routing flip rate per layer |
 | async | trainer.max_staleness > 0 | stale (mean staleness) | staleness | - |
@@ -80,6 +81,8 @@ class Feature:
 
 KV_SAVED = "kv/saved_frac"
 """1 - kv/retention: the share of a sample's KV entries that compaction freed (training/sparse_kv.py)."""
+KV_BUDGET = "kv/budget"
+"""The budget a step's rollouts were sampled at (rollout.kv.budget_schedule moves it: kv/budget_schedule.py)."""
 
 # The four core panels: every run has them; one whose lines are constant is replaced by a note (plot.py).
 CORE_PANELS: tuple[Panel, ...] = (
@@ -100,6 +103,10 @@ FEATURES: tuple[Feature, ...] = (
             Panel("sparse KV", (Line("KV saved", (KV_SAVED,)),
                                 Line("rejected (Sparse-RL)", ("sparse_rl/rejected_seq_frac",)),
                                 Line("rho p5", (M.MISMATCH_RHO_P5,))))),
+    Feature("KV budget schedule",
+            lambda run: run.rollout.kv.policy != "none" and run.rollout.kv.budget_schedule.enabled,
+            (Field("budget", (KV_BUDGET,), "{:.0f}"),),
+            Panel("KV budget", (Line("next step's budget", ("kv/budget_next",)), Line("budget", (KV_BUDGET,))))),
     Feature("routing flips", lambda run: run.routing.record_stats and run.routing.capture,
             (Field("flip", ("routing/flip_rate_mean",)),),
             Panel("routing flips", (Line("flip rate (mean over layers)", ("routing/flip_rate_mean",)),

@@ -25,6 +25,7 @@ CORE = ["reward", "accuracy", "mismatch", "clip fraction"]
 FEATURE_METRICS = {
     "episode/turns": 1.75, "episode/tool_calls": 0.75, "episode/tool_errors": 0.125,
     "kv/saved_frac": 0.3312, "mismatch/rho_p5": 0.8634, "sparse_rl/rejected_seq_frac": 0.05,
+    "kv/budget": 48.0, "kv/budget_next": 60.0,
     "routing/flip_rate_mean": 0.03125, "routing/flipped_token_fraction": 0.1,
     "async/staleness_mean": 1.25, "async/staleness_max": 2,
     "indexer/agreement": 0.97, "indexer/flip_rate": 0.2,
@@ -42,6 +43,9 @@ ROWS = [
      CORE + ["episodes", "expert drift per layer"]),
     ("configs/sparse_rl_tiny_moe.yaml", [], "saved 33% p5 0.86",
      ("kv/saved_frac", "sparse_rl/rejected_seq_frac"), ("drift",), CORE + ["sparse KV", "expert drift per layer"]),
+    ("configs/sparse_rl_fixed_memory.yaml", ["rollout.kv.budget_schedule.enabled=true"], "saved 33% p5 0.86 | budget 48",
+     ("kv/saved_frac", "sparse_rl/rejected_seq_frac", "kv/budget", "kv/budget_next"), (),
+     CORE + ["sparse KV", "KV budget"]),
     ("configs/tiny_moe.yaml", ["rollout.dtype=bfloat16", "routing.capture_rollout_routes=true"], "flip 0.031",
      ("routing/flip_rate_mean", "routing/flipped_token_fraction"), ("drift", "flip"),
      CORE + ["routing flips", "routing flip rate per layer", "expert drift per layer"]),
@@ -55,7 +59,7 @@ ROWS = [
      ("episode/turns", "kv/saved_frac", "async/staleness_mean"), ("drift",),
      CORE + ["episodes", "sparse KV", "staleness", "expert drift per layer"]),
 ]
-IDS = ["no-stats", "tiny_moe", "episodes", "sparse-kv", "bf16-flips", "async", "dsa", "episodes+kv+async"]
+IDS = ["no-stats", "tiny_moe", "episodes", "sparse-kv", "kv-schedule", "bf16-flips", "async", "dsa", "episodes+kv+async"]
 
 BASE = {"rollout/reward": 0.4, "rollout/accuracy": 0.375, "mismatch/k1": 0.0012}
 BASE_LINE = "reward 0.400 acc 0.375 | k1 1.2e-03"
