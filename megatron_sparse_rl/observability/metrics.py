@@ -111,7 +111,8 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 class MetricsWriter:
     """Appends one record per step to `<run_dir>/metrics.jsonl`; mirrors numbers to TensorBoard and to `trackers`
-    (objects with `log(step, scalars)` and `close(failed)`, observability/trackers.py open_trackers), closed with it."""
+    (objects with `log(step, scalars)` and `close(failed)`, observability/trackers.py open_trackers), closed with it;
+    with a `layout`, a tracker that has `panels(layout)` gets the layout of the rl metrics it was given at the close."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, *, keep_records: int | None = None,
                  trackers: Sequence[Any] = (), layout: Callable[[set[str]], dict] | None = None):
@@ -169,12 +170,11 @@ class MetricsWriter:
             writer = self._tb[phase] = SummaryWriter(log_dir=str(self.tensorboard_dir(phase)), purge_step=purge)
         return writer
 
-    def _layout(self, writer, values: Mapping[str, float]) -> None:
+    def _layout(self, writer) -> None:
         """TensorBoard's custom-scalars layout (`self.layout` of the rl metric names seen), written again when a
         record brings metrics that fill another chart (eval/accuracy at the first evaluation)."""
         if self.layout is None:
             return
-        self._tags.update(values)
         layout = self.layout(self._tags)
         if layout != self._written_layout:
             writer.add_custom_scalars(layout)
@@ -217,12 +217,14 @@ class MetricsWriter:
         self._append(data, step)
         self.records += 1
         values = scalars(metrics, phase)
+        if phase == "rl":
+            self._tags.update(values)
         if self._tb is not None:
             writer = self._writer(phase)
             for tag, v in values.items():
                 writer.add_scalar(tag, v, global_step=int(step))
             if phase == "rl":
-                self._layout(writer, values)
+                self._layout(writer)
             writer.flush()
         for tracker in self.trackers:
             tracker.log(step, values)
@@ -257,8 +259,13 @@ class MetricsWriter:
                 writer.close()
             self._tb = None
         trackers, self.trackers = self.trackers, []
+        layout = self.layout(self._tags) if self.layout is not None and self._tags else None
         for tracker in trackers:
-            tracker.close(failed=failed)
+            try:
+                if layout is not None:
+                    tracker.panels(layout)  # metrics.png's panels over the names the tracker got (trackers.py)
+            finally:
+                tracker.close(failed=failed)
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -18,6 +18,10 @@ it opens. Only rank 0 opens trackers (training/context.py open_metrics).
   that are new) and as the artifact `config.json`, rewritten at every start. Each record is one `log_batch` at the
   record's step.
 
+At the close, each tracker gets metrics.png's panels over those names (`panels(layout)`, the layout TensorBoard's
+custom scalars get: observability/features.py `tensorboard_layout`, {panel title: ["Multiline", [metric names]]}):
+W&B as the run config's `panels` entry, MLflow as the artifact `panels.json`.
+
 Each tracker's `close(failed)` ends its run: FINISHED (W&B exit code 0) when the trainer finished or stopped on
 request, FAILED (W&B exit code 1) when it raised (trainer.py).
 
@@ -257,6 +261,11 @@ class WandbTracker:
         if values:
             self.run.log({**values, "step": int(step)})
 
+    def panels(self, layout: dict) -> None:
+        """metrics.png's panels (observability/features.py tensorboard_layout: {"msrl": {title: ["Multiline", [metric
+        names]]}}) as the run config's `panels` entry."""
+        self.run.config.update({"panels": layout["msrl"]}, allow_val_change=True)
+
     def close(self, failed: bool = False) -> None:
         """Finish the run (exit code 1 when `failed`: W&B marks it failed) and stop W&B's service process: `finish`
         alone returns before the service has written the run's last records to its .wandb file (seen with wandb
@@ -307,6 +316,10 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         if values:
             self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, int(step)) for k, v in values.items()])
+
+    def panels(self, layout: dict) -> None:
+        """metrics.png's panels (observability/features.py tensorboard_layout) as the artifact `panels.json`."""
+        self.client.log_dict(self.run_id, layout["msrl"], "panels.json")
 
     def close(self, failed: bool = False) -> None:
         """End the run: status FAILED when `failed` (the trainer raised), else FINISHED."""

@@ -21,6 +21,7 @@ import pytest
 from megatron_sparse_rl import _optional
 from megatron_sparse_rl.config.loader import ConfigError, from_dict
 from megatron_sparse_rl.config.schema import LoggingConfig, RunConfig
+from megatron_sparse_rl.observability.features import tensorboard_layout
 from megatron_sparse_rl.observability.metrics import MetricsWriter, read_metrics
 from megatron_sparse_rl.observability.trackers import open_trackers, require_trackers
 
@@ -40,9 +41,13 @@ def _logging(tmp_path: Path, trackers: list[str], **extra) -> LoggingConfig:
                      "logging")
 
 
+# metrics.png's panels over the rl metrics LOGGED (bools count: "stopped" fills no panel)
+PANELS = {"reward": ["Multiline", ["rollout/reward"]], "clip fraction": ["Multiline", ["loss/clip_frac"]]}
+
+
 def _log_run(tmp_path: Path, cfg: LoggingConfig, logged=LOGGED, config: dict = CONFIG) -> None:
     trackers = open_trackers(cfg, tmp_path, RUN_ID, config)
-    with MetricsWriter(tmp_path, tensorboard=False, trackers=trackers) as writer:
+    with MetricsWriter(tmp_path, tensorboard=False, trackers=trackers, layout=tensorboard_layout) as writer:
         for step, metrics, phase in logged:
             writer.log(step, metrics, phase=phase)
     written = read_metrics(tmp_path / "metrics.jsonl")[-len(logged):]  # metrics.jsonl still gets every record
@@ -98,6 +103,7 @@ def test_wandb_offline_run_holds_the_metrics_and_config(tmp_path):
     _log_run(tmp_path, _logging(tmp_path, ["wandb"]))
     config, rows = _wandb_run(tmp_path)
     assert {k: config[k] for k in CONFIG} == CONFIG
+    assert config["panels"] == PANELS
     assert rows == [{**values, "step": step} for step, values in TRACKED]
 
 
@@ -133,6 +139,7 @@ def test_mlflow_file_store_holds_the_metrics_and_config(tmp_path, monkeypatch):
     assert params == {"trainer.steps": "3", "trainer.lr": "0.001", "algorithm.name": "grpo",
                       "algorithm.clip": "[0.2, 0.28]", "note": "x"}
     assert json.loads((run / "artifacts" / "config.json").read_text()) == CONFIG
+    assert json.loads((run / "artifacts" / "panels.json").read_text()) == PANELS
 
 
 def test_mlflow_resume_continues_the_run(tmp_path, monkeypatch):
