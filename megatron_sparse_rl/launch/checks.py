@@ -22,10 +22,12 @@ def layout_problems(run, launch: LaunchConfig) -> list[str]:
     if launch.rollout_ranks:
         where = (f"learner ranks = launch.nproc_per_node {launch.nproc_per_node} - launch.rollout_ranks "
                  f"{launch.rollout_ranks} = {learner_world}")
-    mp = p.tp * p.pp
+    mp = p.tp * p.pp * p.cp
     if learner_world % mp:
-        problems.append(f"{where} is not divisible by parallel.tp * parallel.pp = {p.tp} * {p.pp} = {mp}; "
-                        f"use a multiple of {mp} learner GPUs or change tp/pp")
+        names, values, knobs = ("parallel.tp * parallel.pp", f"{p.tp} * {p.pp}", "tp/pp") if p.cp == 1 else \
+            ("parallel.tp * parallel.pp * parallel.cp", f"{p.tp} * {p.pp} * {p.cp}", "tp/pp/cp")
+        problems.append(f"{where} is not divisible by {names} = {values} = {mp}; "
+                        f"use a multiple of {mp} learner GPUs or change {knobs}")
     elif (learner_world // p.pp) % (p.ep * p.etp):
         problems.append(f"{where} gives {learner_world // p.pp} ranks per pipeline stage, not divisible by "
                         f"parallel.ep * parallel.etp = {p.ep} * {p.etp}")

@@ -116,3 +116,12 @@ def test_start_line_names_cp(caplog, tmp_path):
     with caplog.at_level(logging.INFO, logger=trainer.__name__):
         trainer._announce(ctx, {"rl_step": 0, "sft_step": 0})
     assert "learner TP1 PP1 CP2 EP1 DP1;" in caplog.text
+
+
+def test_launch_checks_count_cp():
+    from megatron_sparse_rl.launch.checks import layout_problems
+
+    run = run_of("parallel.cp=2", "launch.nproc_per_node=3")
+    assert any("not divisible by parallel.tp * parallel.pp * parallel.cp = 1 * 1 * 2 = 2" in p
+               for p in layout_problems(run, run.launch))
+    assert layout_problems(run_of("parallel.cp=2", "launch.nproc_per_node=4"), run.launch.__class__(nproc_per_node=4)) == []
