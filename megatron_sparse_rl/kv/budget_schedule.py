@@ -42,11 +42,13 @@ class BudgetSchedule:
 
     @classmethod
     def start(cls, kv: KVConfig, resumed: int | None = None) -> "BudgetSchedule | None":
-        """The schedule of `kv` starting at rollout.kv.budget (or the budget a resumed run had reached); None when
-        the schedule is off."""
+        """The schedule of `kv` starting at rollout.kv.budget, or at the budget a resumed run had reached (clamped to
+        the bounds, like every budget the rule gives); None when the schedule is off."""
         if kv.policy == "none" or not kv.budget_schedule.enabled:
             return None
-        return cls(kv.budget_schedule, kv.budget if resumed is None else int(resumed))
+        sched = kv.budget_schedule
+        start = kv.budget if resumed is None else min(max(int(resumed), sched.min_budget), sched.max_budget)
+        return cls(sched, start)
 
     def after_step(self, p5: float) -> dict[str, float]:
         """Move to the next step's budget from this step's `p5`; the metrics kv/budget_next and kv/budget_change."""

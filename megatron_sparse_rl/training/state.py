@@ -162,9 +162,12 @@ def resume_run(ctx: RunContext) -> dict | None:
     return counters
 
 
-RUN_COUNTERS = {"rl_step": int, "sft_step": int, "syncs": int, "sft_done": bool, "metrics_records": int}
+RUN_COUNTERS = {"rl_step": int, "sft_step": int, "syncs": int, "sft_done": bool, "metrics_records": int,
+                "kv_budget": int}
 """The loop counters a run's checkpoint holds (`extra.counters` of its common_state.json) and their types; all but
-metrics_records (the records of metrics.jsonl, absent when the run kept none) are required."""
+metrics_records (the records of metrics.jsonl, absent when the run kept none) and kv_budget (the budget
+rollout.kv.budget_schedule had reached, absent without it; >= 1) are required."""
+OPTIONAL_COUNTERS = ("metrics_records", "kv_budget")
 
 
 def _saved_counters(file: Path, extra: dict) -> dict:
@@ -174,12 +177,12 @@ def _saved_counters(file: Path, extra: dict) -> dict:
         raise StateFileError(f"{file}: field 'extra.counters' must be a mapping of the run's loop counters (got "
                              f"{counters!r:.200})")
     for name, kind in RUN_COUNTERS.items():
-        if name == "metrics_records" and name not in counters:
+        if name in OPTIONAL_COUNTERS and name not in counters:
             continue
-        value = counters.get(name)
-        ok = isinstance(value, bool) if kind is bool else type(value) is int and value >= 0
+        value, least = counters.get(name), 1 if name == "kv_budget" else 0
+        ok = isinstance(value, bool) if kind is bool else type(value) is int and value >= least
         if not ok:
-            rule = "true or false" if kind is bool else "an integer >= 0"
+            rule = "true or false" if kind is bool else f"an integer >= {least}"
             got = f"{value!r:.200}" if name in counters else "nothing"
             raise StateFileError(f"{file}: field 'extra.counters.{name}' must be {rule} (got {got})")
     return counters

@@ -59,6 +59,7 @@ def test_schedule_follows_a_sequence_of_tails_and_reports_the_moves():
         assert m == {"kv/budget_next": float(sched.budget), "kv/budget_change": float(sched.budget - before)}
     assert seen == [80, 100, 100, 90, 81]   # 64 -> 80 -> 100 (band) -> 90 -> 81
     assert BudgetSchedule.start(kv, resumed=90).budget == 90
+    assert BudgetSchedule.start(kv, resumed=500).budget == 200 and BudgetSchedule.start(kv, resumed=3).budget == 32
     assert BudgetSchedule.start(KVConfig(policy="rkv", budget=64, window=8)) is None  # off by default
     assert not KVConfig().budget_schedule.enabled
 

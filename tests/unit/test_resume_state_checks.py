@@ -68,6 +68,8 @@ def test_a_missing_scheduler_is_named(tmp_path):
     (lambda c: c.pop("syncs"), "syncs", "an integer >= 0"),
     (lambda c: c.update(sft_done=1), "sft_done", "true or false"),
     (lambda c: c.update(metrics_records=-4), "metrics_records", "an integer >= 0"),
+    (lambda c: c.update(kv_budget=0), "kv_budget", "an integer >= 1"),  # rollout.kv.budget_schedule's budget
+    (lambda c: c.update(kv_budget="48"), "kv_budget", "an integer >= 1"),
 ])
 def test_a_loop_counter_of_the_wrong_type_is_named(tmp_path, change, field, rule):
     counters = dict(GOOD["extra"]["counters"])
@@ -83,6 +85,7 @@ def test_counters_that_are_not_a_mapping_and_well_formed_ones(tmp_path):
         _saved_counters(file, {"counters": [0, 2]})
     counters = {k: v for k, v in GOOD["extra"]["counters"].items() if k != "metrics_records"}  # optional
     assert _saved_counters(file, {"counters": counters}) == counters
+    assert _saved_counters(file, {"counters": {**counters, "kv_budget": 48}})["kv_budget"] == 48  # optional too
 
 
 # ---- RNG files -------------------------------------------------------------------------------------------------
