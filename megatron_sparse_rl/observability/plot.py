@@ -17,6 +17,7 @@ from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.observability import metrics as M
 from megatron_sparse_rl.observability.features import CORE_PANELS, HeatMap, Panel, panels_in
 
+
 def series(records: list[dict], keys: tuple[str, ...], phase: str = "rl") -> tuple[list[int], list[float]]:
     """(steps, values) of records of `phase` (records without a phase count as "rl") holding any of
     `keys` (summed), finite values only."""
@@ -35,6 +36,7 @@ def series(records: list[dict], keys: tuple[str, ...], phase: str = "rl") -> tup
 
 
 def _draw(ax, panel: Panel, records: list[dict]) -> int:
+    """The panel's lines on `ax`; returns how many had points."""
     drawn = 0
     for line in panel.lines:
         xs, ys = series(records, line.keys)
