@@ -12,6 +12,11 @@ ceil(layers / pp) layers, MoE layers first, plus the larger of embedding and out
 Activations follow Korthikanti et al. 2022 with TP + sequence parallel (everything / tp), flash attention (no
 s^2), 1F1B keeping `pp` micro-batches in flight on the first stage, fp32 logits and their gradient. A DSA indexer
 (DeepSeek-V3.2, GLM-5) is not split by TP: its parameters and activations count whole on every rank.
+
+With LoRA (`lora_rank` > 0) the base is frozen in bf16 (2 B per parameter, no gradient, no optimizer state) and the
+adapters (lora/targets.py) train in fp32: weights 4 B, gradients 4 B, Adam m, v 8 B sharded over the data-parallel
+group of the base they adapt (Megatron's distributed-optimizer table: fp32 parameters and gradients, 8 + 8/d bytes;
+no separate master copy). Activations are counted as without LoRA (the backward still runs through every layer).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from math import ceil
 
 from megatron_sparse_rl.config.degrees import ParallelDegrees
+from megatron_sparse_rl.lora.targets import layer_params_per_tp_rank, resolve_targets
 from megatron_sparse_rl.planner.recipes import Recipe, published_recipe
 from megatron_sparse_rl.config.stages import balanced
 from megatron_sparse_rl.planner.shapes import ModelShape
@@ -46,6 +52,10 @@ class PlanOptions:
     """Master weights and Adam states on the host (Megatron's optimizer CPU offload)."""
     reserve_gib: float = 6.0
     """Left for the CUDA context, NCCL buffers, allocator fragmentation and temporaries."""
+    lora_rank: int = 0
+    """LoRA adapter rank; 0: full RL (every parameter trains)."""
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    """The modules adapted when lora_rank > 0 (model.lora.target_modules' names; lora/targets.py)."""
     margin: float = 0.10
     """Headroom a layout should keep beyond `reserve_gib`, as a fraction of GPU memory (0.10: 8 GiB of 80): what
     the estimate leaves out (experts receiving more than their share of tokens, allocator peaks) has to fit there.
@@ -61,6 +71,9 @@ class PlanOptions:
         if self.recompute not in ("full", "none") or self.grad_dtype not in ("fp32", "bf16"):
             raise ValueError(f"recompute must be full|none and grad_dtype fp32|bf16 (got {self.recompute!r}, "
                              f"{self.grad_dtype!r})")
+        if self.lora_rank < 0 or not self.lora_targets:
+            raise ValueError(f"lora_rank must be >= 0 (0: no LoRA) and lora_targets non-empty (got {self.lora_rank}, "
+                             f"{self.lora_targets!r})")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin must be a fraction of GPU memory in [0, 1) (got {self.margin:g})")
 
@@ -184,6 +197,21 @@ def stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple[float, f
     return dense, experts
 
 
+def lora_stage_params(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions) -> tuple[float, float]:
+    """(dense, expert) adapter parameters one GPU of the worst pipeline stage holds (0, 0 without LoRA): the A/B
+    split follows the base linear's TP split (LoraLinear.params_per_tp_rank); routed experts' adapters go with their
+    expert (EP)."""
+    if not opts.lora_rank:
+        return 0.0, 0.0
+    targets = resolve_targets(opts.lora_targets, shape.spec, field="--lora-targets")
+    per_layer = layer_params_per_tp_rank(shape.spec, opts.lora_rank, targets, tp)
+    per_stage = ceil(shape.layers / pp)
+    n_moe = min(per_stage, shape.n_moe)
+    dense = (per_stage * per_layer.get("attention", 0) + (per_stage - n_moe) * per_layer.get("dense_mlp", 0)
+             + n_moe * per_layer.get("shared_experts", 0))
+    return dense, n_moe * (shape.num_experts // ep) * per_layer.get("experts", 0)
+
+
 def activation_bytes(shape: ModelShape, tp: int, pp: int, opts: PlanOptions) -> float:
     """Activation bytes on the first stage (the one with the most micro-batches in flight)."""
     h, k = shape.hidden, shape.topk
@@ -213,10 +241,15 @@ def plan_layout(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions)
     dense, experts = stage_params(shape, tp, pp, ep)
     grad_b = 4 if opts.grad_dtype == "fp32" else 2
     opt_b = 12 + (4 if grad_b == 2 else 0)
-    optim = opt_b * (dense / dp + experts / edp)
+    if opts.lora_rank:  # the frozen base: bf16 weights only; the fp32 adapters: weights, grads, Adam m and v
+        a_dense, a_experts = lora_stage_params(shape, tp, pp, ep, opts)
+        weights, grads = 2 * (dense + experts) + 4 * (a_dense + a_experts), 4 * (a_dense + a_experts)
+        optim = 8 * (a_dense / dp + a_experts / edp)
+    else:
+        weights, grads = 2 * (dense + experts), grad_b * (dense + experts)
+        optim = opt_b * (dense / dp + experts / edp)
     acts = activation_bytes(shape, tp, pp, opts)
-    plan = dict(tp=tp, pp=pp, ep=ep, dp=dp, edp=edp, weights_gib=2 * (dense + experts) / GiB,
-                grads_gib=grad_b * (dense + experts) / GiB,
+    plan = dict(tp=tp, pp=pp, ep=ep, dp=dp, edp=edp, weights_gib=weights / GiB, grads_gib=grads / GiB,
                 optimizer_gib=0.0 if opts.optimizer_offload else optim / GiB,
                 activations_gib=acts / GiB, host_optimizer_gib=optim / GiB if opts.optimizer_offload else 0.0,
                 usable_gib=opts.usable_gib, margin_gib=opts.margin_gib,
@@ -227,7 +260,7 @@ def plan_layout(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions)
     states = plan["weights_gib"] + plan["grads_gib"] + plan["optimizer_gib"]
     problems = []
     # bf16 grads: -2 B per parameter held, +4 B of fp32 grads sharded over the data-parallel group
-    bf16_helps = 2 * (dense + experts) > 4 * (dense / dp + experts / edp)
+    bf16_helps = not opts.lora_rank and 2 * (dense + experts) > 4 * (dense / dp + experts / edp)
     if states > opts.usable_gib:
         fixes = ["raise ep/pp (experts) or tp (dense)"] + memory_remedies(opts, activations=False,
                                                                           bf16_grads_help=bf16_helps)

@@ -11,6 +11,8 @@ A heuristic, not a simulator: it does not model all-to-all bandwidth or overlap.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_sparse_rl.config.stages import compact
 from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions, plan_layout
 from megatron_sparse_rl.planner.shapes import ModelShape
@@ -104,3 +106,14 @@ def chosen_reason(plans: list[LayoutPlan]) -> str | None:
         if p.recipe is not None and p.fits:
             why.append(f"the published layout tp{p.tp} pp{p.pp} ep{p.ep} ranks #{i}: {TIERS[tier(p)]}")
     return f"chosen: tp{best.tp} pp{best.pp} ep{best.ep}: " + "; ".join(why)
+
+
+def fewest_gpus(shape: ModelShape, opts: PlanOptions, *, limit: int = 8192) -> tuple[int, LayoutPlan] | None:
+    """The smallest power-of-two GPU count (up to `limit`, `opts`' node size and memory) on which a layout fits and
+    this learner runs it, and the layout ranked first there; None when none up to `limit` does. `msrl plan
+    --lora-rank` prints it for LoRA and for full RL side by side."""
+    for gpus in _pow2_upto(limit):
+        plans = rank_layouts(shape, dataclasses.replace(opts, gpus=gpus))
+        if plans and plans[0].fits and plans[0].runs_here:
+            return gpus, plans[0]
+    return None

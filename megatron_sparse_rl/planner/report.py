@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from megatron_sparse_rl.config.stages import compact
+from megatron_sparse_rl.lora.targets import AdapterCount
 from megatron_sparse_rl.planner.indexer_record import IndexerRecord
 from megatron_sparse_rl.planner.memory import LayoutPlan, PlanOptions, memory_remedies, one_of, plan_layout
 from megatron_sparse_rl.planner.ranking import TIERS, chosen_reason, shard_problems
@@ -40,6 +41,29 @@ def model_lines(shape: ModelShape) -> list[str]:
     return lines + [f"  note: {n}" for n in shape.notes]
 
 
+def lora_lines(shape: ModelShape, opts: PlanOptions, adapters: AdapterCount, lora: tuple[int, LayoutPlan] | None,
+               full: tuple[int, LayoutPlan] | None) -> list[str]:
+    """The adapter count and what it saves: the fewest GPUs (powers of two) on which LoRA and full RL each fit."""
+    targets = ", ".join(opts.lora_targets)
+    total = shape.total_params()
+
+    def fewest(found: tuple[int, LayoutPlan] | None) -> str:
+        if found is None:
+            return "none up to 8192"
+        gpus, p = found
+        tight = "" if p.roomy else f", TIGHT: {p.headroom_gib:.1f} spare < margin {p.margin_gib:.1f}"
+        return f"{gpus} (tp{p.tp} pp{p.pp} ep{p.ep}, {p.total_gib:.1f} GiB/GPU{tight})"
+
+    return [f"LoRA rank {opts.lora_rank} on {targets}: {count(adapters.total)} adapter parameters "
+            f"({adapters.total / total:.2%} of the model; {count(adapters.dense)} on attention, dense MLP and shared "
+            f"experts, {count(adapters.experts)} on routed experts); {size(4 * adapters.total)} in fp32, "
+            f"{size(2 * adapters.total)} in bf16",
+            f"  base {count(total)} frozen in bf16 (2 B, no gradient, no optimizer state); adapters fp32: weights 4 B, "
+            "gradients 4 B, Adam m, v 8 B over the data-parallel size",
+            f"  fewest GPUs ({opts.gpus_per_node}/node, {opts.gpu_mem_gib:g} GiB, powers of two) with a layout that "
+            f"fits and runs here: LoRA {fewest(lora)}; full RL {fewest(full)}"]
+
+
 def _status(p: LayoutPlan) -> str:
     """The row's verdict: fits (with the spare GiB and the margin), published recipe, learner limits, or why not."""
     if not p.fits:
@@ -65,7 +89,8 @@ def layout_lines(plans: list[LayoutPlan], opts: PlanOptions, top: int) -> list[s
     head = (f"learner layouts on {opts.gpus} GPUs ({opts.gpus_per_node}/node, {opts.gpu_mem_gib:g} GiB, usable "
             f"{opts.usable_gib:g}, margin {opts.margin_gib:.1f} = {opts.margin:.0%} of the GPU); seq {opts.seq_len} x "
             f"mbs {opts.micro_batch}, recompute {opts.recompute}, grads {opts.grad_dtype}, optimizer "
-            f"{'offloaded to host' if opts.optimizer_offload else 'on GPU'}")
+            f"{'offloaded to host' if opts.optimizer_offload else 'on GPU'}"
+            + (f"; LoRA rank {opts.lora_rank}: bf16 base frozen, fp32 adapters" if opts.lora_rank else ""))
     order = ("ranked: " + " > ".join(TIERS) + "; then a published recipe's layout, fewest nodes per EP group (epN), "
              "least tp*pp, fewest stages, smallest ep, most headroom")
     cols = f"{'#':>3} {'tp':>3} {'pp':>3} {'ep':>4} {'epN':>3} {'dp':>5} {'edp':>4} {'weights':>8} {'grads':>8} " \

@@ -3,6 +3,7 @@
     msrl plan kimi-k2 --gpus 256 --gpu-mem 80 --optimizer-offload
     msrl plan qwen3-30b-a3b --gpus 8 --gpu-mem 80 --seq-len 16384 --kv-budget 2048
     msrl plan /models/MyMoE --nodes 4 --gpu-mem 141 --sync-bandwidth 50
+    msrl plan kimi-k2 --gpus 64 --gpu-mem 80 --lora-rank 16
 
 MODEL is a bundled name (qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, kimi-k2, deepseek-v3.2, glm-5) or a model
 directory / config.json. Prints parameters, ranked learner layouts (per-GPU weights, grads, optimizer, activations; the
@@ -11,7 +12,8 @@ run, why a layout does not fit) and why the first is chosen, rollout KV per sequ
 sequences an engine can hold (an engine across nodes flagged), for DSA models (DeepSeek-V3.2, GLM-5) the indexer's
 key cache in the KV and the indexer replay record's host memory per learner rank (`--rollout-batch`), and the
 weight-sync time of the planned layout (`--layout`, else the chosen one, else the closest miss) as built and
-shard-to-shard, with the link it needs for <= 2 s. The assumptions and the ranking are in docs/scale.md; the sync estimate in docs/weight_sync.md ("What 1T in
+shard-to-shard, with the link it needs for <= 2 s. With `--lora-rank R` the learner memory is that of LoRA (bf16 frozen
+base, fp32 adapters on `--lora-targets`), with the adapter count and the fewest GPUs LoRA and full RL each fit on. The assumptions and the ranking are in docs/scale.md; the sync estimate in docs/weight_sync.md ("What 1T in
 <= 2 s takes").
 
 Exit status: 0 when a learner layout this learner runs and the rollout engine fit; 1 when none does (or the
@@ -42,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--optimizer-offload", action="store_true", help="master weights + Adam states on the host")
     a("--margin", type=finite, default=0.10, metavar="FRACTION",
       help="headroom a layout should keep, as a fraction of GPU memory (default 0.10); tighter layouts rank lower")
+    a("--lora-rank", type=int, default=0, metavar="R", help="plan LoRA of rank R: bf16 frozen base, fp32 adapters "
+      "(default 0: full RL)")
+    a("--lora-targets", default="all-linear", metavar="NAMES", help="comma-separated modules LoRA adapts, as "
+      "model.lora.target_modules names them (default all-linear: every one; 'experts': the routed experts)")
     a("--top", type=int, default=8, help="fitting layouts to show")
     a("--layout", default=None, metavar="TP,PP,EP", help="also evaluate this one layout (e.g. 8,8,32)")
     a("--rollout-gpus", type=int, default=None, help="GPUs per rollout engine (default: smallest that fits)")
@@ -84,6 +90,8 @@ def _check(args) -> tuple[int, int]:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
+    if args.lora_rank < 0:
+        raise ConfigError(f"--lora-rank must be >= 1, or 0 for full RL (got {args.lora_rank})")
     if not 0 <= args.margin < 1:
         raise ConfigError(f"--margin is a fraction of GPU memory in [0, 1) (got {args.margin:g})")
     if g is None and n is None:
@@ -121,9 +129,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     opts = PlanOptions(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem, seq_len=args.seq_len,
                        micro_batch=args.micro_batch, recompute=args.recompute, grad_dtype=args.grad_dtype,
-                       optimizer_offload=args.optimizer_offload, margin=args.margin)
+                       optimizer_offload=args.optimizer_offload, margin=args.margin, lora_rank=args.lora_rank,
+                       lora_targets=tuple(t.strip() for t in args.lora_targets.split(",")))
+    lines = report.model_lines(shape) + [""] + (_lora_lines(shape, opts) if opts.lora_rank else [])
     plans = rank_layouts(shape, opts)
-    lines = report.model_lines(shape) + [""] + report.layout_lines(plans, opts, args.top)
+    lines += report.layout_lines(plans, opts, args.top)
     asked = None
     if layout:
         line, bad = report.requested_layout(shape, layout, opts)
@@ -142,6 +152,25 @@ def run(args: argparse.Namespace) -> int:
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _lora_lines(shape, opts) -> list[str]:
+    """The adapter count of `opts`' LoRA and the fewest GPUs it and full RL fit on; a target the model lacks is a
+    bad argument (exit 2, naming what the model has)."""
+    import dataclasses
+
+    from megatron_sparse_rl.config import ConfigError
+    from megatron_sparse_rl.lora import adapter_params, resolve_targets
+    from megatron_sparse_rl.planner import report
+    from megatron_sparse_rl.planner.ranking import fewest_gpus
+
+    try:
+        targets = resolve_targets(opts.lora_targets, shape.spec, field="--lora-targets")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    adapters = adapter_params(shape.spec, opts.lora_rank, targets)
+    full = fewest_gpus(shape, dataclasses.replace(opts, lora_rank=0))
+    return report.lora_lines(shape, opts, adapters, fewest_gpus(shape, opts), full) + [""]
 
 
 def _planned(plans, layout: tuple[int, int, int] | None) -> tuple[tuple[int, int, int], str]:
