@@ -104,9 +104,6 @@ class ParallelDegrees:
             problems.append(f"parallel.cp={self.cp} is not supported for DeepSeek Sparse Attention models "
                             f"({spec.architecture}): the indexer's top-k over the keys of every context-parallel "
                             "rank is not implemented; use parallel.cp=1")
-        if self.pp > 1:
-            problems.append(f"parallel.cp={self.cp} with parallel.pp={self.pp} is not supported yet (the pipelined "
-                            "schedule at cp > 1 is untested); use one of them")
         return problems
 
     def check_model(self, spec) -> None:

@@ -249,7 +249,7 @@ class Learner:
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
-            num_microbatches=len(batches), seq_length=(padded.shape[1] - 1) // self.layout.cp, micro_batch_size=mbs,
+            num_microbatches=len(batches), seq_length=padded.shape[1] - 1, micro_batch_size=mbs,  # Megatron divides by cp
             forward_only=forward_only,
         )
 

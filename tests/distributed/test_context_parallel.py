@@ -6,7 +6,7 @@ SFT loss against HF transformers (1e-4); the RL loss under each aggregation (wit
 per-token terms of the current policy, and GSPO's sequence ratio) equal to cp 1's (1e-6); per-layer keep-set masks
 giving cp 1's logprobs; R2 routes recorded equal to cp 1's, and cp 1's routes replayed under re-drawn routers (R2/R3's
 replay) giving cp 1's logprobs with applied fraction 1.0; multi-latent attention (a tiny DeepSeek-V3, slow) against
-HF and cp 1. The refusals are unit-tested (tests/unit/test_context_parallel.py)."""
+HF and cp 1; pp 2 x cp 2 with uneven stages (slow) against HF and pp 1 cp 1. The refusals are unit-tested (tests/unit/test_context_parallel.py)."""
 import pytest
 import torch
 
@@ -266,3 +266,46 @@ def test_mla_cp2_matches_hf_and_cp1(tmp_path, batch):
         assert sorted(grads) == sorted(base)
         for name, g in base.items():
             assert (grads[name] - g).abs().max() < 1e-5, name
+
+
+def pipeline_worker(rank, world, model_dir, tokens, lengths, pp, cp):
+    """Logprobs, entropies and R2's recorded routes, then one SFT step: its loss and every full gradient this rank's
+    stage holds."""
+    from megatron_sparse_rl.config.routing import RoutingConfig
+    from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
+    from megatron_sparse_rl.learner.params import gather_full, local_params
+    from megatron_sparse_rl.learner.sft import make_sft_loss
+
+    learner = W.make_learner(world, model_dir, pp=pp, cp=cp, clip=0.0, routing=RoutingConfig(mode="R2"))
+    out = learner.forward_logprobs(tokens, lengths=lengths, extras=ForwardExtras(routes=RouteRequest(record=True)))
+    mask = _real(lengths, tokens.shape[1] - 1).float()
+    loss = learner.train_step(tokens, make_sft_loss(mask, mask.sum().item()), lengths=lengths).get("loss")
+    grads = {}
+    for name, lp in local_params(learner.model, learner.groups).items():
+        grad = getattr(lp.param, "main_grad", None)
+        if grad is not None:
+            grads[name] = gather_full(type(lp)(lp.full_name, grad, lp.tp_dim, lp.glu, lp.expert), learner.groups)
+    return out["logprobs"], out["entropy"], out["routing"].routes, loss, grads
+
+
+@pytest.mark.slow
+def test_pp2_cp2_matches_hf_and_pp1(tmp_path, batch):
+    """pp 2 x cp 2 (4 ranks) on a 3-layer tiny Qwen3-MoE, stages 2,1: logprobs and entropies against HF transformers,
+    recorded routes, the loss and every gradient against pp 1 cp 1."""
+    tokens, lengths = batch
+    model_dir = str(build_tiny_hf_model(tmp_path / "three", layers=3, seed=3))
+    ref_lp, ref_ent = hf_reference(model_dir, tokens)
+    real = _real(lengths, tokens.shape[1] - 1)
+    _, _, routes, loss1, base = run_distributed(pipeline_worker, 1, args=(model_dir, tokens, lengths, 1, 1))[0]
+    held, losses = {}, []
+    for lp, ent, got_routes, loss, grads in run_distributed(pipeline_worker, 4,
+                                                             args=(model_dir, tokens, lengths, 2, 2)):
+        assert (lp.double() - ref_lp)[real].abs().max() < 1e-4
+        assert (ent.double() - ref_ent)[real].abs().max() < 1e-4
+        assert torch.equal(got_routes.indices.sort(-1).values, routes.indices.sort(-1).values)
+        losses.append(loss)
+        held.update(grads)
+    assert abs(losses[-1] - loss1) < 1e-5  # the last stage computes the loss
+    assert sorted(held) == sorted(base)
+    for name, g in base.items():
+        assert (held[name] - g).abs().max() < 1e-5, name

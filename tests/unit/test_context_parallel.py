@@ -54,6 +54,7 @@ def test_split_is_megatron_get_batch_on_this_cp_rank(monkeypatch):
 
 
 def test_validate_accepts_cp_and_names_it():
+    validate(run_of("parallel.cp=2", "parallel.pp=2", "launch.nproc_per_node=4"), 4, cuda=False)  # pp x cp runs
     run = run_of("parallel.cp=2", "launch.nproc_per_node=4")
     spec = validate(run, 4, cuda=False)
     assert any("tp 1 x pp 1 x cp 2 x dp 2" in line for line in run_summary(run, spec, 4))
@@ -66,8 +67,6 @@ def test_validate_accepts_cp_and_names_it():
                                                  r"local DotProductAttention refuses context parallelism"),
     (("parallel.cp=2", "rollout.max_model_len=4", "rollout.sampling.max_tokens=2"),
      r"rollout.max_model_len = 4 gives the learner 3 input positions, fewer than the 2 x parallel.cp = 4 chunks"),
-    (("parallel.cp=2", "parallel.pp=2", "launch.nproc_per_node=4"), r"parallel.cp=2 with parallel.pp=2 is not "
-                                                                    r"supported yet"),
     (("parallel.cp=2", "launch.nproc_per_node=3"), r"parallel.tp \* parallel.pp \* parallel.cp"),
 ])
 def test_validate_refuses(overrides, match):
