@@ -14,6 +14,7 @@ from megatron_sparse_rl.config.algorithm import AlgorithmConfig
 from megatron_sparse_rl.config.data import DataConfig, RewardConfig
 from megatron_sparse_rl.config.env import EnvConfig
 from megatron_sparse_rl.config.launch import LaunchConfig
+from megatron_sparse_rl.config.lora import LoraConfig
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.stages import LAYOUT_CHARS
@@ -168,6 +169,9 @@ class ModelConfig:
     """Coefficient of the DeepSeek Sparse Attention indexer's own KL loss (Megatron's `dsa_indexer_loss_coeff`;
     learner/dsa_indexer_loss.py): trains the indexer towards the main attention's head-summed distribution, the
     rest of the model untouched; step metric indexer/kl_loss. 0 = off; > 0 needs a DSA model."""
+    lora: LoraConfig | None = None
+    """LoRA adapters (rank, alpha, dropout, target modules); null: none, every parameter trains. The learner cannot
+    train adapters yet: validate refuses a run that sets it (the planner's `msrl plan --lora-rank` counts them)."""
 
     def __post_init__(self):
         _check(self.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff must be >= 0 (got {self.moe_aux_loss_coeff})")

@@ -2,8 +2,8 @@
 
     from megatron_sparse_rl.lora import ALL_LINEAR, adapter_params, lora_linears, resolve_targets
 """
-from megatron_sparse_rl.lora.targets import ALL_LINEAR, AdapterCount, LoraLinear, adapter_params, lora_linears, \
-    resolve_targets, target_names
+from megatron_sparse_rl.lora.targets import ALL_LINEAR, AdapterCount, LoraLinear, adapter_params, config_problems, \
+    lora_linears, resolve_targets, target_names
 
-__all__ = ["ALL_LINEAR", "AdapterCount", "LoraLinear", "adapter_params", "lora_linears", "resolve_targets",
-           "target_names"]
+__all__ = ["ALL_LINEAR", "AdapterCount", "LoraLinear", "adapter_params", "config_problems", "lora_linears",
+           "resolve_targets", "target_names"]

@@ -162,3 +162,19 @@ def layer_params_per_tp_rank(spec, rank: int, targets: frozenset[str], tp: int) 
     return {group: sum(x.params_per_tp_rank(rank, 1 if group == "experts" else tp) for x in linears
                        if x.name in targets)
             for group, linears in lora_linears(spec).items()}
+
+
+def config_problems(lora, spec) -> list[str]:
+    """What validate refuses in `model.lora` (a config.LoraConfig, or None: off): a target the model lacks (checked
+    when the model is known here, `spec` not None), and, until the learner trains adapters, the section itself."""
+    if lora is None:
+        return []
+    problems = []
+    if spec is not None:
+        try:
+            resolve_targets(lora.target_modules, spec)
+        except ValueError as e:
+            problems.append(str(e))
+    problems.append("model.lora: the learner does not train LoRA adapters yet (only `msrl plan --lora-rank` counts "
+                    "them); leave model.lora unset (null) to train every parameter")
+    return problems

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from megatron_sparse_rl.config.degrees import ParallelDegrees
 from megatron_sparse_rl.config.loader import ConfigError
+from megatron_sparse_rl.lora.targets import config_problems as lora_config_problems
 from megatron_sparse_rl.validation.resolve import max_model_len, max_model_len_origin
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.schema import RunConfig
@@ -495,6 +496,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _old_logprobs_problems(run)
     problems += _indexer_replay_problems(run, spec, cuda)
     problems += _indexer_loss_problems(run, spec)
+    problems += lora_config_problems(run.model.lora, spec)
     problems += _async_problems(run)
     problems += _kv_pool_problems(run, spec, cuda)
     problems += _env_problems(run, cuda)
