@@ -6,7 +6,8 @@ SFT loss against HF transformers (1e-4); the RL loss under each aggregation (wit
 per-token terms of the current policy, and GSPO's sequence ratio) equal to cp 1's (1e-6); per-layer keep-set masks
 giving cp 1's logprobs; R2 routes recorded equal to cp 1's, and cp 1's routes replayed under re-drawn routers (R2/R3's
 replay) giving cp 1's logprobs with applied fraction 1.0; multi-latent attention (a tiny DeepSeek-V3, slow) against
-HF and cp 1; pp 2 x cp 2 with uneven stages (slow) against HF and pp 1 cp 1. The refusals are unit-tested (tests/unit/test_context_parallel.py)."""
+HF and cp 1; pp 2 x cp 2 with uneven stages (slow) against HF and pp 1 cp 1, and resuming there from a checkpoint
+saved at pp 1 cp 1. The refusals are unit-tested (tests/unit/test_context_parallel.py)."""
 import pytest
 import torch
 
@@ -309,3 +310,36 @@ def test_pp2_cp2_matches_hf_and_pp1(tmp_path, batch):
     assert sorted(held) == sorted(base)
     for name, g in base.items():
         assert (held[name] - g).abs().max() < 1e-5, name
+
+
+def resume_worker(rank, world, model_dir, tokens, lengths, pp, cp, ckpt, mode):
+    """mode 'straight': two SFT steps, a checkpoint (weights and optimizer) saved after the first; mode 'resume': that
+    checkpoint loaded at this layout, then the second step. Returns the losses of the steps this process ran."""
+    from megatron_sparse_rl.learner.checkpoint import load_learner, save_learner
+    from megatron_sparse_rl.learner.sft import make_sft_loss
+
+    learner = W.make_learner(world, model_dir, pp=pp, cp=cp, lr=1e-2, load=mode == "straight")
+    mask = _real(lengths, tokens.shape[1] - 1).float()
+    steps = 2
+    if mode == "resume":
+        load_learner(learner, ckpt)
+        steps = 1
+    losses = []
+    for step in range(steps):
+        if mode == "straight" and step == 1:
+            save_learner(learner, ckpt)
+        losses.append(learner.train_step(tokens, make_sft_loss(mask, mask.sum().item()), lengths=lengths).get("loss"))
+    return losses
+
+
+@pytest.mark.slow
+def test_checkpoint_from_pp1_resumes_at_pp2_cp2(tmp_path, batch):
+    """A learner checkpoint saved at pp 1 cp 1 resumes at pp 2 x cp 2 (stages 2,1): the next step's loss equals the
+    straight run's."""
+    tokens, lengths = batch
+    model_dir = str(build_tiny_hf_model(tmp_path / "three", layers=3, seed=3))
+    ckpt = str(tmp_path / "ckpt")
+    straight = run_distributed(resume_worker, 1, args=(model_dir, tokens, lengths, 1, 1, ckpt, "straight"))[0]
+    resumed = run_distributed(resume_worker, 4, args=(model_dir, tokens, lengths, 2, 2, ckpt, "resume"))[-1]
+    assert straight[0] - straight[1] > 1e-3, "the first step must change the model"
+    assert resumed[0] == pytest.approx(straight[1], rel=1e-6, abs=1e-6)
