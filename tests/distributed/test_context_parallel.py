@@ -137,6 +137,7 @@ def loss_worker(rank, world, model_dir, tokens, lengths, tp, cp, allowed):
 
     learner = W.make_learner(world, model_dir, tp=tp, cp=cp, clip=0.0)
     masked = learner.forward_logprobs(tokens, extras=ForwardExtras(attention_mask=allowed))["logprobs"]
+    plain = learner.forward_logprobs(tokens)["logprobs"]
     base = learner.forward_logprobs(tokens, lengths=lengths)["logprobs"]
     mask = _real(lengths, tokens.shape[1] - 1)
     mask[:, :3] = False  # a 4-token prompt
@@ -147,7 +148,7 @@ def loss_worker(rank, world, model_dir, tokens, lengths, tp, cp, allowed):
     prep = PreparedBatch(tokens=tokens, mask=mask, old_logprobs=old, rollout_logprobs=rollout,
                          advantages=torch.tensor([0.7, -1.2, 0.4, -0.3]), weights=torch.ones(base.shape),
                          metrics={}, lengths=lengths)
-    out = {"masked": masked}
+    out = {"masked": masked, "plain": plain}
     for name, aggregation in AGGREGATIONS:
         tis = TISConfig(enabled=name == "grpo", ratio="pi_theta", cap=1.02)
         cfg = AlgorithmConfig(loss=LossConfig(name=name, aggregation=aggregation),
@@ -168,8 +169,7 @@ def test_cp2_losses_and_keep_sets_equal_cp1(moe_dir, batch):
     tokens, lengths = batch
     allowed = _keep_sets(tokens)
     ref = run_distributed(loss_worker, 1, args=(moe_dir, tokens, lengths, 1, 1, allowed))[0]
-    plain = run_distributed(W.logprobs_worker, 1, args=(moe_dir, tokens, 1, 1))[0][0]
-    assert (ref["masked"] - plain).abs().max() > 1e-3, "the keep sets must change the logprobs"
+    assert (ref["masked"] - ref["plain"]).abs().max() > 1e-3, "the keep sets must change the logprobs"
     for out in run_distributed(loss_worker, 2, args=(moe_dir, tokens, lengths, 1, 2, allowed)):
         assert (out["masked"] - ref["masked"]).abs().max() < 1e-5
         for case in AGGREGATIONS:
@@ -182,8 +182,9 @@ def test_cp2_losses_and_keep_sets_equal_cp1(moe_dir, batch):
 
 
 def routing_worker(rank, world, model_dir, tokens, lengths, tp, cp, routes):
-    """R2's record (the learner's own routes); given `routes` (cp 1's), the logprobs replaying them under re-drawn
-    routers and the applied fractions of that forward and of a training step replaying them."""
+    """R2's record (the learner's own routes); given `routes` (cp 1's; "own": the ones just recorded), the logprobs
+    replaying them under re-drawn routers and the applied fractions of that forward and of a training step replaying
+    them."""
     from megatron_sparse_rl.config.routing import RoutingConfig
     from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
     from megatron_sparse_rl.learner.sft import make_sft_loss
@@ -192,6 +193,8 @@ def routing_worker(rank, world, model_dir, tokens, lengths, tp, cp, routes):
     learner = W.make_learner(world, model_dir, tp=tp, cp=cp, routing=RoutingConfig(mode="R2"))
     out = learner.forward_logprobs(tokens, lengths=lengths, extras=ForwardExtras(routes=RouteRequest(record=True)))
     result = {"lp": out["logprobs"], "routes": out["routing"].routes}
+    if routes == "own":
+        routes = result["routes"]
     if routes is not None:
         for router in find_routers(learner.model):
             g = torch.Generator().manual_seed(7 + int(router.layer_number))
@@ -219,8 +222,8 @@ def _check_routing(results, ref_routes, replayed_ref, lengths):
 @pytest.fixture(scope="module")
 def cp1_routing(moe_dir, batch):
     tokens, lengths = batch
-    routes = run_distributed(routing_worker, 1, args=(moe_dir, tokens, lengths, 1, 1, None))[0]["routes"]
-    return routes, run_distributed(routing_worker, 1, args=(moe_dir, tokens, lengths, 1, 1, routes))[0]["replayed"]
+    ref = run_distributed(routing_worker, 1, args=(moe_dir, tokens, lengths, 1, 1, "own"))[0]
+    return ref["routes"], ref["replayed"]
 
 
 def test_cp2_routing_replay_equals_cp1(moe_dir, batch, cp1_routing):
