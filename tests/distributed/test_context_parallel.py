@@ -6,7 +6,7 @@ SFT loss against HF transformers (1e-4); the RL loss under each aggregation (wit
 per-token terms of the current policy, and GSPO's sequence ratio) equal to cp 1's (1e-6); per-layer keep-set masks
 giving cp 1's logprobs; R2 routes recorded equal to cp 1's, and cp 1's routes replayed under re-drawn routers (R2/R3's
 replay) giving cp 1's logprobs with applied fraction 1.0; multi-latent attention (a tiny DeepSeek-V3, slow) against
-HF and cp 1; pp 2 x cp 2 with uneven stages (slow) against HF and pp 1 cp 1, and resuming there from a checkpoint
+HF and cp 1, its one-head keep sets and losses against cp 1; pp 2 x cp 2 with uneven stages (slow) against HF and pp 1 cp 1, and resuming there from a checkpoint
 saved at pp 1 cp 1. The refusals are unit-tested (tests/unit/test_context_parallel.py)."""
 import pytest
 import torch
@@ -346,3 +346,20 @@ def test_checkpoint_from_pp1_resumes_at_pp2_cp2(tmp_path, batch):
     resumed = run_distributed(resume_worker, 4, args=(model_dir, tokens, lengths, 2, 2, ckpt, "resume"))[-1]
     assert straight[0] - straight[1] > 1e-3, "the first step must change the model"
     assert resumed[0] == pytest.approx(straight[1], rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_mla_cp2_losses_and_keep_sets_equal_cp1(tmp_path, batch):
+    """Multi-latent attention at cp 2: one keep set per layer for all heads (MLA's shared latent rows) gives cp 1's
+    logprobs, and each loss aggregation equals cp 1's."""
+    from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
+
+    tokens, lengths = batch
+    model_dir = str(build_tiny_deepseek(tmp_path / "ds", seed=3, layers=2))
+    allowed = _keep_sets(tokens, kv_heads=1)
+    ref = run_distributed(loss_worker, 1, args=(model_dir, tokens, lengths, 1, 1, allowed))[0]
+    assert (ref["masked"] - ref["plain"]).abs().max() > 1e-3, "the keep sets must change the logprobs"
+    for out in run_distributed(loss_worker, 2, args=(model_dir, tokens, lengths, 1, 2, allowed)):
+        assert (out["masked"] - ref["masked"]).abs().max() < 1e-5
+        for case in AGGREGATIONS:
+            assert abs(out[case]["loss"] - ref[case]["loss"]) < 1e-6, case
