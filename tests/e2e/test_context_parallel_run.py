@@ -1,6 +1,7 @@
-"""A 2-step colocated RL run at context parallel 2 (`msrl launch local --nproc 2`, parallel.cp=2, R2 routing replay):
-both ranks hold every row's sequences split in two, one of them samples for both, the learner's old logprobs agree
-with the engine's sampling logprobs (k1 near 0) and every update replays the recorded routes (applied fraction 1)."""
+"""A 2-step colocated RL run at context parallel 2 (`msrl launch local --nproc 2`, parallel.cp=2, R2 routing replay,
+keep-sampling-mask under top-k/top-p): both ranks hold every row's sequences split in two, one of them samples for
+both, the learner's old logprobs (renormalised over the sampled support) agree with the engine's sampling logprobs
+(k1 near 0) and every update replays the recorded routes (applied fraction 1)."""
 import json
 import subprocess
 from pathlib import Path
@@ -19,7 +20,10 @@ def test_two_rl_steps_at_cp2(tmp_path):
             "trainer.prompts_per_step=4", "trainer.eval_prompts=8", "trainer.eval_every=2", "trainer.sft.max_steps=2",
             "trainer.sft.eval_every=2", "trainer.sft.batch_size=8", "rollout.sampling.n=4",
             "rollout.sampling.max_tokens=6", "rollout.max_model_len=64", "logging.tensorboard=false",
-            "learner.optimizer.lr=1e-3", "trainer.verify_sync_every=1", "parallel.cp=2", "routing.mode=R2"]
+            "learner.optimizer.lr=1e-3", "trainer.verify_sync_every=1", "parallel.cp=2", "routing.mode=R2",
+            # keep-sampling-mask: the learner renormalises each rank's positions over the sampler's recorded support
+            "rollout.sampling.temperature=0.8", "rollout.sampling.top_p=0.8", "rollout.sampling.top_k=20",
+            "rollout.record_sampling_mask=true", "algorithm.keep_sampling_mask=true"]
     cmd = [*MSRL, "launch", "local", str(REPO / "configs/tiny_moe.yaml"), "--nproc", "2", "--set", *sets]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
