@@ -14,9 +14,15 @@ otherwise fight over the cores). `rank_init(rank)`, when given (a picklable call
 `RankLogging` for `msrl bench` and `msrl convert`), runs first in each rank, before torch is imported, so it sees
 every line the libraries log in the rank. A failure on any rank raises `RankFailed` here with that rank's error and
 traceback; a hang past `timeout` kills every rank.
+
+`RankPool` keeps a world's rank processes between calls (the test suite's `run_distributed`): each call joins a
+fresh world on a fresh store with the caller's working directory and environment, and leaves it after `fn` (Megatron's
+parallel state destroyed, the process group destroyed), so a call sees what a fresh rank sees except for modules
+already imported. Ranks that imported vLLM (whose distributed state lives for the process) or failed are not reused.
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -67,6 +73,105 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, 
         dist = sys.modules.get("torch.distributed")  # absent when the rank failed before importing torch
         if dist is not None and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave_world() -> None:
+    """Undo `_join` and whatever `fn` set up on top of the world, so that the process can join another."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _pool_rank_main(rank: int, world_size: int, tasks, results, backend: str, threads: int | None) -> None:
+    """A pooled rank: runs (port, cwd, env, payload) tasks until it gets None; answers each with
+    (rank, ok, out, reusable)."""
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    while (task := tasks.get()) is not None:
+        port, cwd, env, payload = task
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            fn, args = pickle.loads(payload)
+            _join(rank, world_size, port, backend, threads)
+            answer = (True, pickle.dumps(fn(rank, world_size, *args)))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+            kinds = tuple(c.__name__ for c in type(e).__mro__)
+            answer = (False, (f"{type(e).__name__}: {e}", kinds, traceback.format_exc()))
+        try:
+            _leave_world()
+            reusable = answer[0] and "vllm" not in sys.modules
+        except BaseException:  # noqa: BLE001 - a rank that cannot leave its world is not reused
+            reusable = False
+        results.put((rank, *answer, reusable))
+        if not reusable:
+            return
+
+
+class RankPool:
+    """`world_size` rank processes reused across `run` calls (see the module docstring). `run` raises `RankFailed`
+    or `TimeoutError` as `run_ranks` does; after either, or after a rank said it cannot be reused, the ranks are
+    ended and the next call starts new ones."""
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", threads: int | None = 1):
+        self.world_size, self.backend, self.threads = world_size, backend, threads
+        self._procs: list = []
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), timeout: float | None = 300) -> list[Any]:
+        if not self._procs:
+            self._start()
+        store = store_server(LOOPBACK, world_size=self.world_size)
+        payload = pickle.dumps((fn, args))
+        for q in self._tasks:
+            q.put((store.port, os.getcwd(), dict(os.environ), payload))
+        outs: dict[int, Any] = {}
+        keep = True
+        try:
+            for _ in range(self.world_size):
+                try:
+                    rank, ok, out, reusable = self._results.get(timeout=timeout)
+                except queue.Empty:
+                    keep = False
+                    raise TimeoutError(f"{self.world_size} ranks did not finish in {timeout} s "
+                                       f"(ranks done: {sorted(outs)})")
+                keep = keep and reusable
+                if not ok:
+                    keep = False
+                    raise RankFailed(rank, *out)
+                outs[rank] = pickle.loads(out)
+        finally:
+            if not keep:
+                self.close()
+            del store
+        return [outs[r] for r in range(self.world_size)]
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [ctx.Process(target=_pool_rank_main,
+                                   args=(r, self.world_size, self._tasks[r], self._results, self.backend,
+                                         self.threads))
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+
+    def close(self) -> None:
+        """End the ranks (those still waiting for a task leave at once; the others are killed)."""
+        for q, p in zip(self._tasks if self._procs else [], self._procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float | None = 300, *,
