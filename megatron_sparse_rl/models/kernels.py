@@ -43,8 +43,10 @@ def check_context_parallel(kernels: str, use_te: bool, field: str = "learner.ker
     `DotProductAttention` asserts context_parallel_size == 1; `SDPAttention` (fast) all-gathers K/V over the
     context-parallel group, and Transformer Engine's attention (GPU with TE) runs its own CP."""
     if kernels == "local" and not use_te:
-        raise ValueError(f"{field}: local runs Megatron-Core's DotProductAttention, which refuses context "
-                         "parallelism (parallel.cp > 1); use fast or auto")
+        raise ValueError(f"{field} = 'local' runs Megatron-Core's local DotProductAttention, which refuses context "
+                         "parallelism (parallel.cp > 1; Megatron runs it only in Transformer Engine's attention, absent "
+                         "here); use 'fast' or 'auto' (the SDPA attention, which all-gathers K/V over the "
+                         "context-parallel group)")
 
 
 def config_kwargs(kernels: str, cuda: bool) -> dict:

@@ -84,15 +84,16 @@ def _context_parallel_problems(run: RunConfig, world_size: int, spec, cuda: bool
     """parallel.cp > 1: the kernels that run it and the sequence length limit its split needs. (What the model or
     the other degrees cannot run at cp > 1 is `ParallelDegrees.check_model`'s.)"""
     from megatron_sparse_rl._optional import has_te
+    from megatron_sparse_rl.models import kernels as model_kernels
 
     if run.parallel.cp == 1:
         return []
     problems = []
-    if run.learner.kernels == "local" and not (cuda and has_te()):
-        problems.append(f"learner.kernels = 'local' with parallel.cp = {run.parallel.cp}: Megatron-Core's local "
-                        "DotProductAttention refuses context parallelism (it runs only in Transformer Engine's "
-                        "attention, absent here); use 'fast' or 'auto' (the SDPA attention, which all-gathers K/V over "
-                        "the context-parallel group)")
+    try:
+        model_kernels.check_context_parallel(model_kernels.resolve(run.learner.kernels, "cuda" if cuda else "cpu"),
+                                             use_te=cuda and has_te())
+    except ValueError as e:
+        problems.append(f"{e} (parallel.cp = {run.parallel.cp})")
     limit = max_model_len(run.rollout, spec)
     if limit is None:
         return problems

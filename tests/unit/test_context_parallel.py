@@ -63,8 +63,9 @@ def test_validate_accepts_cp_and_names_it():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (("parallel.cp=2", "learner.kernels=local"), r"learner.kernels = 'local' with parallel.cp = 2: Megatron-Core's "
-                                                 r"local DotProductAttention refuses context parallelism"),
+    (("parallel.cp=2", "learner.kernels=local"), r"learner.kernels = 'local' runs Megatron-Core's local "
+                                                 r"DotProductAttention, which refuses context parallelism .* "
+                                                 r"\(parallel.cp = 2\)"),
     (("parallel.cp=2", "rollout.max_model_len=4", "rollout.sampling.max_tokens=2"),
      r"rollout.max_model_len = 4 gives the learner 3 input positions, fewer than the 2 x parallel.cp = 4 chunks"),
     (("parallel.cp=2", "launch.nproc_per_node=3"), r"parallel.tp \* parallel.pp \* parallel.cp"),
@@ -124,3 +125,13 @@ def test_launch_checks_count_cp():
     assert any("not divisible by parallel.tp * parallel.pp * parallel.cp = 1 * 1 * 2 = 2" in p
                for p in layout_problems(run, run.launch))
     assert layout_problems(run_of("parallel.cp=2", "launch.nproc_per_node=4"), run.launch.__class__(nproc_per_node=4)) == []
+
+
+def test_kernel_choice_at_cp():
+    """The learner's build refuses what validate refuses (one check, models/kernels.py)."""
+    from megatron_sparse_rl.models.kernels import check_context_parallel
+
+    check_context_parallel("fast", use_te=False)
+    check_context_parallel("local", use_te=True)  # Transformer Engine's attention runs CP itself
+    with pytest.raises(ValueError, match=r"learner.kernels = 'local' runs Megatron-Core's local DotProductAttention"):
+        check_context_parallel("local", use_te=False)
