@@ -170,8 +170,8 @@ class ModelConfig:
     learner/dsa_indexer_loss.py): trains the indexer towards the main attention's head-summed distribution, the
     rest of the model untouched; step metric indexer/kl_loss. 0 = off; > 0 needs a DSA model."""
     lora: LoraConfig | None = None
-    """LoRA adapters (rank, alpha, dropout, target modules); null: none, every parameter trains. The learner cannot
-    train adapters yet: validate refuses a run that sets it (the planner's `msrl plan --lora-rank` counts them)."""
+    """LoRA adapters (rank, alpha, dropout, target modules); null: none, every parameter trains. A run cannot train
+    them yet (adapter checkpoints and weight sync are missing): validate refuses a run that sets it (docs/lora.md)."""
 
     def __post_init__(self):
         _check(self.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff must be >= 0 (got {self.moe_aux_loss_coeff})")

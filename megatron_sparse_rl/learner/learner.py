@@ -36,6 +36,7 @@ from megatron_sparse_rl.learner.logprobs import vocab_parallel_entropy, vocab_pa
 from megatron_sparse_rl.learner.model import build_gpt_model
 from megatron_sparse_rl.learner.params import load_full_tensors, local_params
 from megatron_sparse_rl.learner.routing import LearnerRouting
+from megatron_sparse_rl.lora.layers import attach_lora
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
 from megatron_sparse_rl.parallel.context import GatherSequence, gather_sequence, split_sequence
@@ -63,6 +64,9 @@ class Learner:
             **indexer_loss_config(spec, model_cfg.dsa_indexer_loss_coeff),
         )
         self.config = config
+        # LoRA (model.lora): the base frozen, adapters hooked on its linears; DDP and the optimizer hold them only
+        self.lora_params = attach_lora(model, adapter, spec, model_cfg.lora, tp=layout.tp, pp=layout.pp,
+                                       seed=cfg.seed) if model_cfg.lora is not None else {}
         self._layer_masks = None  # LayerAttentionMasks: hooks made on the first call with an attention mask
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=False)
@@ -112,7 +116,7 @@ class Learner:
 
     def load_hf(self, model_dir) -> None:
         """Load Hugging Face safetensors weights into this rank's shards (every parameter must be covered)."""
-        wanted = set(local_params(self.model, self.groups))
+        wanted = set(local_params(self.model, self.groups)) - set(self.lora_params)  # adapters are not in HF files
         loaded = load_full_tensors(self.model, self.groups, iter_mcore_tensors(model_dir, self.adapter, self.spec,
                                                                                wanted=wanted))
         missing = wanted - loaded

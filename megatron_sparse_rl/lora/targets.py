@@ -175,6 +175,6 @@ def config_problems(lora, spec) -> list[str]:
             resolve_targets(lora.target_modules, spec)
         except ValueError as e:
             problems.append(str(e))
-    problems.append("model.lora: the learner does not train LoRA adapters yet (only `msrl plan --lora-rank` counts "
-                    "them); leave model.lora unset (null) to train every parameter")
+    problems.append("model.lora: training with LoRA adapters is not supported yet (adapter checkpoints and weight "
+                    "sync are missing; docs/lora.md); leave model.lora unset (null) to train every parameter")
     return problems

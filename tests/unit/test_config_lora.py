@@ -1,6 +1,6 @@
 """`model.lora` (config/lora.py): off by default; its fields refused at load with the field named and what is allowed;
 a target module the model lacks refused at validate, listing the modules the model has; a run that sets it refused
-until the learner trains adapters.
+until adapter checkpoints and weight sync exist.
 
     .venv/bin/python -m pytest -q tests/unit/test_config_lora.py
 """
@@ -14,7 +14,7 @@ from megatron_sparse_rl.config import ConfigError, load_config
 from megatron_sparse_rl.validation.validate import validate
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-NOT_YET = "model.lora: the learner does not train LoRA adapters yet"
+NOT_YET = "model.lora: training with LoRA adapters is not supported yet"
 
 
 def _problems(config, *overrides: str) -> str:
@@ -77,7 +77,7 @@ def test_mla_targets_are_the_deepseek_modules():
     assert "DeepseekV3ForCausalLM has no module 'k_proj'; it has " in text and "kv_b_proj" in text
 
 
-def test_a_run_with_lora_is_refused_until_the_learner_trains_adapters():
+def test_a_run_with_lora_is_refused_until_adapter_checkpoints_and_sync_exist():
     text = _problems(CONFIGS / "tiny_moe.yaml", "model.lora.rank=16")
-    assert text == f"{NOT_YET} (only `msrl plan --lora-rank` counts them); leave model.lora unset (null) to train " \
-                   "every parameter"
+    assert text == f"{NOT_YET} (adapter checkpoints and weight sync are missing; docs/lora.md); leave model.lora " \
+                   "unset (null) to train every parameter"

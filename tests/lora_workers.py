@@ -1,0 +1,46 @@
+"""Module-level worker of the LoRA learner test (pickled into a spawned rank): tests/distributed/test_lora.py."""
+from __future__ import annotations
+
+import torch
+
+from tests import learner_workers as W
+
+
+def lora_key(name: str) -> tuple[int, bool, str, str]:
+    """(layer, in shared experts, Hugging Face module, 'A' or 'B') of an adapter, from PEFT's name
+    (`...layers.{i}...{module}.lora_{A|B}.default.weight`) or the learner's (`decoder.layers.{i}...lora.{A|B}.{module}`)."""
+    parts = name.split(".")
+    shared = "shared_expert" in name
+    if parts[-1] == "weight":  # PEFT
+        return int(parts[parts.index("layers") + 1]), shared, parts[-4], parts[-3][-1]
+    return int(parts[parts.index("layers") + 1]), shared, parts[-1], parts[-2]
+
+
+def lora_learner_worker(rank, world_size, model_dir, tokens, lora, adapters):
+    """A TP1 learner with `lora` (config.LoraConfig) adapters set to `adapters` ({name: tensor}): its logprobs of
+    `tokens`, the adapters' gradients (by lora_key) of the summed-logprob SFT loss (a step at lr 0, no clipping), what its optimizer
+    holds, and after one step at lr 1e-2 the base parameters that changed and the adapters that did not."""
+    from megatron_sparse_rl.learner.sft import make_sft_loss
+
+    learner = W.make_learner(world_size, model_dir, lora=lora, clip=1e9)
+    params = learner.lora_params
+    keys = {lora_key(n): n for n in params}
+    assert len(keys) == len(params) and set(keys) == set(adapters), sorted(set(keys) ^ set(adapters))[:4]
+    with torch.no_grad():
+        for key, value in adapters.items():
+            params[keys[key]].copy_(value)
+    logprobs = learner.forward_logprobs(tokens)["logprobs"]
+    mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+    loss = make_sft_loss(mask, mask.sum().item())
+    base = {n: p.detach().clone() for n, p in learner.model.module.named_parameters() if n not in params}
+    learner.train_step(tokens, loss, lr=0.0)
+    grads = {lora_key(n): p.main_grad.detach().clone() for n, p in params.items()}
+    held = [p for group in learner.optimizer.param_groups for p in group["params"]]
+    held_ids = {id(p) for p in held}
+    learner.train_step(tokens, loss, lr=1e-2)
+    named = dict(learner.model.module.named_parameters())
+    base_changed = [n for n, v in base.items() if not torch.equal(named[n], v)]
+    adapters_unchanged = [k for k, v in adapters.items() if torch.equal(params[keys[k]].detach(), v)]
+    return dict(logprobs=logprobs, grads=grads, held=len(held), held_are_adapters=held_ids == {id(p) for p in
+                params.values()}, base_changed=base_changed, adapters_unchanged=adapters_unchanged,
+                base_requires_grad=[n for n, p in named.items() if p.requires_grad and n not in params])
