@@ -136,20 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     kv, say = base.rollout.kv, R.Console()
     say(f"{args.seeds} seed(s) x {len(ARMS)} arms x {args.steps} RL steps ({args.sft_steps} SFT steps per seed) of "
         f"{args.config}; sparse engine {kv.policy} budget {kv.budget}, tight budget {tight}; out {args.out}")
-    try:
-        rows, records, timing = R.train_all(args, jobs, configs, say, lambda recs: S.run_metrics(
-            recs, window=args.window, drop=args.collapse_drop, blowup=args.grad_blowup), _describe)
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
+    done = R.train_and_evaluate(args, jobs, configs, rollouts, say, S.run_metrics, _describe)
+    if done is None:
         return 1
-    from sparse_rl_compare_eval import Target, evaluate
-
-    targets = [Target(r["seed"], r["arm"], Path(r["run_dir"]) / "hf_final", configs[f"seed{r['seed']}/{r['arm']}"])
-               for r in rows]
-    t_eval = time.perf_counter()
-    with R.console_to(args.out / "logs" / "eval.log"):
-        evals, starts = evaluate(targets, rollouts, args.out / "eval" / "vllm_cache", say)
-    timing["eval"] = time.perf_counter() - t_eval
+    rows, records, evals, starts, timing = done
     write_outputs(args, base, tight, rows, records, evals, starts, timing, t_start)
     return 0
 

@@ -141,14 +141,5 @@ def render_markdown(summary: dict) -> str:
            f"Target: dense's final held-out accuracy (own engine, mean over seeds) = {T.fmt(target)}; runs that "
            "reached it: " + ", ".join(f"{a} {reached[a]}" for a in arms) + ".", "",
            f"Runtime {summary['seconds']:.0f} s in all ({summary['runtime']}).", "",
-           f"## Per arm: mean ± standard error over {n} seed(s)", ""]
-    out += T.table(["metric", *arms], [[desc.replace("W steps", f"{summary['window']} steps"),
-                                        *(T.arm_cell(per_arm[a][k], k) for a in arms)] for k, desc in METRICS])
-    out += ["", "## Paired by seed: mean ± s.e. of per-seed differences", "", *T.paired_table(summary["paired"])]
-    cols = [k for k, _ in METRICS]
-    out += ["", "## Per run", ""]
-    out += T.table(["seed", "arm", *cols], [[str(r["seed"]), r["arm"], *(T.fmt(r.get(k)) for k in cols)]
-                                            for r in summary["runs"]])
-    out += ["", "## Collapse", "", *T.collapse_lines(summary["collapse_rule"], summary["runs"])]
-    out += ["", f"Plot: {summary['plot']}", ""]
+           *T.summary_sections(summary, METRICS)]
     return "\n".join(out)

@@ -197,3 +197,26 @@ def train_all(args, jobs: dict[int, list[Job]], configs: dict, say, run_row: Run
             rows.append(row)
             say(f"    done in {seconds:.0f} s: {describe(row)}" + (" COLLAPSED" if row["collapsed"] else ""))
     return rows, records, timing
+
+
+def train_and_evaluate(args, jobs: dict[int, list[Job]], configs: dict, rollouts: dict, say, run_metrics,
+                       describe: Callable[[dict], str]):
+    """`train_all` (each run's row from `run_metrics(records, window=, drop=, blowup=)` of the command line's
+    --window, --collapse-drop, --grad-blowup), then every run's final model evaluated under each engine of `rollouts`
+    (experiments/sparse_rl_compare_eval.py): (rows, records, evals, starts, timing), or None when a run failed (its
+    error printed)."""
+    try:
+        rows, records, timing = train_all(args, jobs, configs, say, lambda recs: run_metrics(
+            recs, window=args.window, drop=args.collapse_drop, blowup=args.grad_blowup), describe)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return None
+    from sparse_rl_compare_eval import Target, evaluate
+
+    targets = [Target(r["seed"], r["arm"], Path(r["run_dir"]) / "hf_final", configs[f"seed{r['seed']}/{r['arm']}"])
+               for r in rows]
+    t_eval = time.perf_counter()
+    with console_to(args.out / "logs" / "eval.log"):
+        evals, starts = evaluate(targets, rollouts, args.out / "eval" / "vllm_cache", say)
+    timing["eval"] = time.perf_counter() - t_eval
+    return rows, records, evals, starts, timing

@@ -207,6 +207,22 @@ def collapse_lines(rule: str, runs: list[dict]) -> list[str]:
     return [rule, "", *(flagged or ["No run collapsed."])]
 
 
+def summary_sections(summary: dict, metrics: list[tuple[str, str]]) -> list[str]:
+    """The body of a study's summary.md after its header: per-arm mean ± s.e. of each (key, description) of
+    `metrics`, paired differences, per-run rows, the collapse rule and the plot."""
+    arms, per_arm = summary["arms"], summary["per_arm"]
+    out = [f"## Per arm: mean ± standard error over {summary['seeds']} seed(s)", ""]
+    out += table(["metric", *arms], [[desc.replace("W steps", f"{summary['window']} steps"),
+                                      *(arm_cell(per_arm[a][k], k) for a in arms)] for k, desc in metrics])
+    out += ["", "## Paired by seed: mean ± s.e. of per-seed differences", "", *paired_table(summary["paired"])]
+    cols = [k for k, _ in metrics]
+    out += ["", "## Per run", ""]
+    out += table(["seed", "arm", *cols], [[str(r["seed"]), r["arm"], *(fmt(r.get(k)) for k in cols)]
+                                          for r in summary["runs"]])
+    out += ["", "## Collapse", "", *collapse_lines(summary["collapse_rule"], summary["runs"])]
+    return out + ["", f"Plot: {summary['plot']}", ""]
+
+
 def write_atomic(path: Path, data: str | bytes) -> Path:
     """Write `path` through a temporary file in the same directory and os.replace (readers never see half)."""
     tmp = path.with_name(path.name + ".tmp")

@@ -9,42 +9,22 @@ seed's sparse arms share it.
     .venv/bin/python -m pytest -q tests/e2e/test_sparse_rl_compare.py      (about 1.5 min: one process for all)
 """
 import json
-import math
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.study_checks import mean_se, rl, run_quick, run_records
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 ARMS = ("dense", "naive_sparse", "sparse_rl")
 MODES = ("dense", "sparse", "tight")
 
 
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _rl(records: list[dict], key: str) -> list[float]:
-    return [r[key] for r in records if r["phase"] == "rl" and isinstance(r.get(key), (int, float))]
-
-
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compare") / "out"
-    cmd = [sys.executable, str(REPO / "experiments" / "sparse_rl_compare.py"), "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return out, json.loads((out / "summary.json").read_text()), proc.stdout
+    return run_quick("sparse_rl_compare.py", tmp_path_factory.mktemp("compare") / "out", timeout=900)
 
 
 def test_files_rows_and_progress_lines(run):
@@ -68,26 +48,26 @@ def test_per_arm_mean_and_se_equal_a_recomputation_from_the_runs(run):
     out, summary, _ = run
     by_arm = {a: [r for r in summary["runs"] if r["arm"] == a] for a in ARMS}
     for arm, rows in by_arm.items():
-        records = [_records(Path(r["run_dir"])) for r in rows]
+        records = [run_records(Path(r["run_dir"])) for r in rows]
         recomputed = {
-            "mismatch_k1": [statistics.fmean(_rl(recs, "mismatch/k1")) for recs in records],
-            "reward_last": [statistics.fmean(_rl(recs, "rollout/reward")) for recs in records],  # 2 steps < window
-            "eval_own_final": [_rl(recs, "eval/accuracy")[-1] for recs in records],
+            "mismatch_k1": [statistics.fmean(rl(recs, "mismatch/k1")) for recs in records],
+            "reward_last": [statistics.fmean(rl(recs, "rollout/reward")) for recs in records],  # 2 steps < window
+            "eval_own_final": [rl(recs, "eval/accuracy")[-1] for recs in records],
         }
         if arm != "dense":
-            recomputed["k1_after_compression"] = [statistics.fmean(_rl(recs, "kv/k1_after_compression"))
+            recomputed["k1_after_compression"] = [statistics.fmean(rl(recs, "kv/k1_after_compression"))
                                                   for recs in records]
-            recomputed["k1_before_compression"] = [statistics.fmean(_rl(recs, "kv/k1_before_compression"))
+            recomputed["k1_before_compression"] = [statistics.fmean(rl(recs, "kv/k1_before_compression"))
                                                    for recs in records]
         if arm == "sparse_rl":
-            recomputed["rejected_seq_frac"] = [statistics.fmean(_rl(recs, "sparse_rl/rejected_seq_frac"))
+            recomputed["rejected_seq_frac"] = [statistics.fmean(rl(recs, "sparse_rl/rejected_seq_frac"))
                                                for recs in records]
         for mode in MODES:  # from the evaluation records, one per (seed, arm, mode)
             recomputed[f"eval_{mode}"] = [e["accuracy"] for e in summary["evals"] if e["arm"] == arm
                                           and e["mode"] == mode]
         for key, values in recomputed.items():
             assert len(values) == 2, (arm, key)
-            mean, se = _mean_se(values)
+            mean, se = mean_se(values)
             got = summary["per_arm"][arm][key]
             assert got["n"] == 2 and got["mean"] == pytest.approx(mean, abs=1e-12), (arm, key)
             assert got["se"] == pytest.approx(se, abs=1e-12), (arm, key)

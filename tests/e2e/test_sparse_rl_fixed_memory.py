@@ -8,33 +8,17 @@ the schedule arm logged its budgets by the rule.
 
     .venv/bin/python -m pytest -q tests/e2e/test_sparse_rl_fixed_memory.py      (about 3-4 min on a busy 2-core machine)
 """
-import json
 import math
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.study_checks import mean_se, rl, run_quick, run_records
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 ARMS = ("dense", "naive_sparse", "sparse_rl", "sparse_rl_sched")
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _rl(records: list[dict], key: str) -> list[float]:
-    return [r[key] for r in records if r["phase"] == "rl" and isinstance(r.get(key), (int, float))]
-
-
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
 def _clock(records: list[dict]) -> list[float]:
@@ -49,11 +33,7 @@ def _clock(records: list[dict]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fixed_memory") / "out"
-    cmd = [sys.executable, str(REPO / "experiments" / "sparse_rl_fixed_memory.py"), "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return out, json.loads((out / "summary.json").read_text()), proc.stdout
+    return run_quick("sparse_rl_fixed_memory.py", tmp_path_factory.mktemp("fixed_memory") / "out", timeout=1200)
 
 
 def test_files_rows_and_statistics(run):
@@ -64,30 +44,30 @@ def test_files_rows_and_statistics(run):
     assert "| metric | dense | naive_sparse | sparse_rl | sparse_rl_sched |" in md and "## Per run" in md
     assert sorted((r["seed"], r["arm"]) for r in summary["runs"]) == sorted((s, a) for s in (0, 1) for a in ARMS)
     assert stdout.count("    done in ") == 8
-    records = {(r["seed"], r["arm"]): _records(Path(r["run_dir"])) for r in summary["runs"]}
-    finals = {k: _rl(recs, "eval/accuracy")[-1] for k, recs in records.items()}
+    records = {(r["seed"], r["arm"]): run_records(Path(r["run_dir"])) for r in summary["runs"]}
+    finals = {k: rl(recs, "eval/accuracy")[-1] for k, recs in records.items()}
     target = statistics.fmean(finals[(s, "dense")] for s in (0, 1))
     assert summary["target_accuracy"] == pytest.approx(target, abs=1e-12)
     for arm in ARMS:
         recs = [records[(s, arm)] for s in (0, 1)]
-        saved = [_rl(r, "kv/saved_frac") or [0.0] for r in recs]
+        saved = [rl(r, "kv/saved_frac") or [0.0] for r in recs]
         recomputed = {
             "eval_dense": [e["accuracy"] for e in summary["evals"] if e["arm"] == arm and e["mode"] == "dense"],
             "eval_sparse": [e["accuracy"] for e in summary["evals"] if e["arm"] == arm and e["mode"] == "sparse"],
             "eval_own_final": [finals[(s, arm)] for s in (0, 1)],
             "kv_saved_peak": [max(x) for x in saved],
             "kv_saved_mean": [statistics.fmean(x) for x in saved],
-            "rejected_seq_frac": [statistics.fmean(_rl(r, "sparse_rl/rejected_seq_frac") or [0.0]) for r in recs],
+            "rejected_seq_frac": [statistics.fmean(rl(r, "sparse_rl/rejected_seq_frac") or [0.0]) for r in recs],
             "rl_seconds": [_clock(r)[-1] for r in recs],
         }
         for key, values in recomputed.items():
-            mean, se = _mean_se(values)
+            mean, se = mean_se(values)
             got = summary["per_arm"][arm][key]
             assert got["n"] == 2 and got["mean"] == pytest.approx(mean, abs=1e-9), (arm, key)
             assert got["se"] == pytest.approx(se, abs=1e-9), (arm, key)
         for s, r in zip((0, 1), recs):
             row = next(x for x in summary["runs"] if (x["seed"], x["arm"]) == (s, arm))
-            accs, clock = _rl(r, "eval/accuracy"), _clock(r)
+            accs, clock = rl(r, "eval/accuracy"), _clock(r)
             want = next((t for a, t in zip(accs, clock) if a >= target), None)
             assert row["time_to_target"] == (None if want is None else pytest.approx(want, abs=1e-9)), (s, arm)
         if arm == "dense":
@@ -102,12 +82,12 @@ def test_shared_pool_dense_queues_and_the_schedule_moves_by_its_rule(run):
     assert pool["usable"] < pool["dense_step_need"]
     sched = summary["kv"]["schedule"]
     for r in summary["runs"]:
-        recs = _records(Path(r["run_dir"]))
+        recs = run_records(Path(r["run_dir"]))
         assert {x["rollout/kv_pool_blocks"] for x in recs if x["phase"] == "rl"} == {pool["usable"]}, r["arm"]
         if r["arm"] != "sparse_rl_sched":
-            assert set(_rl(recs, "kv/budget")) <= {float(summary["kv"]["budget"])}
+            assert set(rl(recs, "kv/budget")) <= {float(summary["kv"]["budget"])}
             continue
-        budgets, p5s = _rl(recs, "kv/budget"), _rl(recs, "mismatch/rho_p5")
+        budgets, p5s = rl(recs, "kv/budget"), rl(recs, "mismatch/rho_p5")
         assert budgets[0] == summary["kv"]["budget"]
         for b, p5, nxt in zip(budgets, p5s, budgets[1:]):  # the rule, recomputed
             want = math.ceil(b * sched["step_up"]) if p5 < sched["target_p5"] else (
