@@ -44,3 +44,50 @@ def lora_learner_worker(rank, world_size, model_dir, tokens, lora, adapters):
     return dict(logprobs=logprobs, grads=grads, held=len(held), held_are_adapters=held_ids == {id(p) for p in
                 params.values()}, base_changed=base_changed, adapters_unchanged=adapters_unchanged,
                 base_requires_grad=[n for n, p in named.items() if p.requires_grad and n not in params])
+
+
+def _random_adapters(learner, seed: int) -> None:
+    """Every adapter A and B random (B non-zero, so the adapters change the logprobs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(learner.lora_params.items()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _sft_loss(tokens):
+    from megatron_sparse_rl.learner.sft import make_sft_loss
+
+    mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+    return make_sft_loss(mask, mask.sum().item())
+
+
+def lora_save_worker(rank, world_size, model_dir, tokens, lora, path, steps_before, steps_after):
+    """A TP1 LoRA learner with random adapters: `steps_before` scheduled SFT steps, its adapters saved to `path`
+    (lora/checkpoint.py), then `steps_after` more. Returns the logprobs at save and the adapters at the end."""
+    from megatron_sparse_rl.lora.checkpoint import save_adapter
+
+    learner = W.make_learner(world_size, model_dir, lora=lora, lr=1e-2)
+    _random_adapters(learner, seed=0)
+    for _ in range(steps_before):
+        learner.train_step(tokens, _sft_loss(tokens))
+    logprobs = learner.forward_logprobs(tokens)["logprobs"]
+    save_adapter(path, learner, lora, model_dir)
+    for _ in range(steps_after):
+        learner.train_step(tokens, _sft_loss(tokens))
+    return dict(logprobs=logprobs, adapters={n: p.detach().clone() for n, p in learner.lora_params.items()},
+                step=learner.step)
+
+
+def lora_resume_worker(rank, world_size, model_dir, tokens, lora, path, steps_after):
+    """A fresh TP1 LoRA learner (other random adapters) loading adapter checkpoint `path`: its logprobs, then the
+    adapters after `steps_after` more scheduled SFT steps."""
+    from megatron_sparse_rl.lora.checkpoint import load_adapter
+
+    learner = W.make_learner(world_size, model_dir, lora=lora, lr=1e-2)
+    _random_adapters(learner, seed=1)
+    load_adapter(path, learner, model_dir)
+    logprobs = learner.forward_logprobs(tokens)["logprobs"]
+    for _ in range(steps_after):
+        learner.train_step(tokens, _sft_loss(tokens))
+    return dict(logprobs=logprobs, adapters={n: p.detach().clone() for n, p in learner.lora_params.items()},
+                step=learner.step)

@@ -1,5 +1,6 @@
 """LoRA: the linears a model can adapt and their adapter sizes (targets.py); adapters on Megatron's linears
-(layers.py, imported from there: it needs the model adapters). docs/lora.md says what exists.
+(layers.py, imported from there: it needs the model adapters); adapter checkpoints in PEFT's format (checkpoint.py).
+docs/lora.md says what exists.
 
     from megatron_sparse_rl.lora import ALL_LINEAR, adapter_params, lora_linears, resolve_targets
 """
