@@ -16,7 +16,7 @@ DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
 _START = r"(?:\.venv/bin/)?(?:msrl|make|python3?)(?=\s|$)"
 _INLINE = re.compile(r"`(" + _START + r"[^`]*)`")
 _LINE = re.compile(r"^\s*(?:\$\s+)?(" + _START + r".*)$")
-SUBCOMMANDS = {"launch": ("local", "slurm"), "convert": ("hf-to-mcore", "mcore-to-hf"),
+SUBCOMMANDS = {"launch": ("local", "slurm"), "convert": ("hf-to-mcore", "mcore-to-hf", "merge-lora"),
                "routing": ("inspect", "compare"), "bench": ("kv", "sync", "learner", "routing", "convert", "async")}
 """msrl commands whose second word names what runs (tools/cli.py and each command's module)."""
 

@@ -21,7 +21,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "train": "run the RL loop (and the sft stage when configured)",
     "validate": "check a config without starting anything",
-    "convert": "convert checkpoints: hf-to-mcore | mcore-to-hf (--tp/--ep/--pp, --verify)",
+    "convert": "convert checkpoints: hf-to-mcore | mcore-to-hf (--tp/--ep/--pp, --verify) | merge-lora",
     "launch": "start a run: local (torchrun) | slurm (sbatch; --dry-run prints the script)",
     "plan": "memory and layout plan for a model and cluster",
     "routing": "routing statistics from recorded routes: inspect | compare",

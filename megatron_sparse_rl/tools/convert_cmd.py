@@ -2,10 +2,12 @@
 
     msrl convert hf-to-mcore --hf DIR --out DIR --tp 2 --ep 2 [--pp N] [--etp N] [--overwrite] [--verify]
     msrl convert mcore-to-hf --mcore DIR --out DIR [--tp N --ep N ...] [--hf-config DIR] [--max-shard-size 5GB]
+    msrl convert merge-lora --base DIR --adapter DIR --out DIR [--overwrite]
 
 Under torchrun/srun (WORLD_SIZE set) every rank runs the conversion in the launcher's world. Without a
 launcher the command spawns the smallest world the layout needs (pp * lcm(tp, ep * etp) local processes).
 Rank 0 prints throttled progress lines (tensors, MB done of the total, MB/s) to stderr. See docs/conversion.md.
+merge-lora (no process group) writes an HF model with a PEFT-format adapter merged into its base: docs/lora.md.
 """
 from __future__ import annotations
 
@@ -26,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="HF config/tokenizer directory (default: the checkpoint's own hf/ copy, which converted "
                           "and training checkpoints carry; needed only for checkpoints saved without one)")
     m2h.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    merge = sub.add_parser("merge-lora", help="HF base + PEFT LoRA adapter -> HF model with W + (alpha/r) B A")
+    merge.add_argument("--base", required=True, help="HF model directory the adapter was trained on")
+    merge.add_argument("--adapter", required=True, help="adapter checkpoint directory (adapter_model.safetensors, "
+                       "adapter_config.json, base_model.json)")
+    merge.add_argument("--out", required=True, help="output HF model directory (must not exist unless --overwrite)")
+    merge.add_argument("--overwrite", action="store_true", help="replace an existing --out (after success)")
+    merge.add_argument("--verbose", action="store_true", help="also show the libraries' warnings on the console")
     for p in (h2m, m2h):
         p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
         p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (default 1)")
@@ -54,10 +63,24 @@ def convert(args: argparse.Namespace) -> None:
                     overwrite=args.overwrite, verify=args.verify, **layout)
 
 
+def _merge_lora(args: argparse.Namespace) -> int:
+    from megatron_sparse_rl.lora.merge import merge_adapter
+
+    try:
+        merge_adapter(args.base, args.adapter, args.out, overwrite=args.overwrite)
+    except (ValueError, OSError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(f"merged {args.adapter} into {args.base} -> {args.out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_sparse_rl.checkpoint import launch
 
     log_file = init_tool_logging("convert", verbose=args.verbose)
+    if args.direction == "merge-lora":
+        return _merge_lora(args)
     for name in ("tp", "ep", "pp", "etp"):
         if getattr(args, name) < 1:
             print(f"error: --{name} must be >= 1 (got {getattr(args, name)})", file=sys.stderr)

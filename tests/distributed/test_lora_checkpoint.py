@@ -9,6 +9,7 @@ modules (on transformers 5 MoE models it remaps gate/up/down_proj onto the fused
     .venv/bin/python -m pytest -q tests/distributed/test_lora_checkpoint.py
 """
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +82,37 @@ def test_resume_is_exact_and_another_base_is_refused(tmp_path):
     other = _model(tmp_path / "other", seed=4)
     with pytest.raises(ValueError, match=r"base_sha256 [0-9a-f]{64} .* manifest sha256 [0-9a-f]{64}"):
         load_adapter(path, None, other)
+
+
+def test_merged_export_equals_peft_merge_and_unload(tmp_path):
+    """`merge_adapter` (msrl convert merge-lora) of a learner-saved adapter against PEFT's `merge_and_unload` of the
+    same adapter loaded with `PeftModel.from_pretrained` (dense Qwen3, which PEFT maps as saved): every tensor bit for
+    bit, and the merged model's logprobs are the learner's within 1e-4. A base of other weights is refused."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_sparse_rl.lora.merge import merge_adapter
+
+    model_dir = _model(tmp_path / "hf")
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=TARGETS)
+    adapter = str(tmp_path / "adapter")
+    out = run_distributed(lora_save_worker, 1, args=(model_dir, TOKENS, lora, adapter, 0, 0))[0]
+    merged_dir = merge_adapter(model_dir, adapter, tmp_path / "merged")
+
+    merged = {k: v for f in sorted(merged_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    ref = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                         adapter).merge_and_unload()
+    ref_sd = ref.state_dict()
+    original = {k: v for f in sorted(Path(model_dir).glob("*.safetensors"))
+                for k, v in load_file(f).items()}
+    assert merged.keys() == original.keys()
+    changed = [k for k in merged if not torch.equal(merged[k], original[k])]
+    assert len(changed) == 2 * len(TARGETS)  # every adapted weight of both layers, nothing else
+    for key, value in merged.items():
+        assert torch.equal(value, ref_sd[key]), key
+    model = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32)
+    assert (out["logprobs"].double() - _hf_logprobs(model)).abs().max() < 1e-4
+
+    with pytest.raises(ValueError, match="base_sha256"):
+        merge_adapter(_model(tmp_path / "other", seed=4), adapter, tmp_path / "merged2")
+    assert not (tmp_path / "merged2").exists()

@@ -90,6 +90,50 @@ def test_msrl_convert_both_ways_with_verify(tmp_path):
     assert all(torch.equal(original[k], back[k]) for k in original)
 
 
+def test_msrl_convert_merge_lora(tmp_path):
+    """`msrl convert merge-lora` on a hand-written PEFT adapter (q_proj and o_proj of every layer): each adapted weight
+    is W + (alpha/r) B A recomputed in float64 (within 1e-6), every other tensor is the base's bit for bit, and an
+    adapter recorded for another base exits 2 naming base_sha256. (Bit-exactness against PEFT's merge_and_unload:
+    tests/distributed/test_lora_checkpoint.py, tests/unit/test_lora_merge.py.)"""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from megatron_sparse_rl.lora.checkpoint import base_digest
+    from megatron_sparse_rl.models.tiny import build_tiny_hf_model
+
+    hf = Path(build_tiny_hf_model(tmp_path / "hf", seed=0))
+    base = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
+    g = torch.Generator().manual_seed(0)
+    adapter, names = {}, [k for k in base if k.endswith(("self_attn.q_proj.weight", "self_attn.o_proj.weight"))]
+    for name in names:
+        module = "base_model.model." + name.removesuffix(".weight")
+        adapter[f"{module}.lora_A.weight"] = torch.randn(4, base[name].shape[1], generator=g)
+        adapter[f"{module}.lora_B.weight"] = torch.randn(base[name].shape[0], 4, generator=g)
+    (tmp_path / "ad").mkdir()
+    save_file(adapter, str(tmp_path / "ad" / "adapter_model.safetensors"))
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 6}))
+    (tmp_path / "ad" / "base_model.json").write_text(json.dumps({"base_sha256": base_digest(hf)}))
+
+    out = _run([*MSRL, "convert", "merge-lora", "--base", str(hf), "--adapter", str(tmp_path / "ad"), "--out",
+                str(tmp_path / "merged")])
+    assert "merged" in out, out
+    merged = {k: v for f in sorted((tmp_path / "merged").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert merged.keys() == base.keys() and len(names) >= 2
+    for key, w in base.items():
+        if key in names:
+            module = "base_model.model." + key.removesuffix(".weight")
+            a, b = adapter[f"{module}.lora_A.weight"].double(), adapter[f"{module}.lora_B.weight"].double()
+            want = w.double() + 1.5 * b @ a
+            assert (merged[key].double() - want).abs().max() < 1e-6 * want.abs().max(), key
+        else:
+            assert torch.equal(merged[key], w), key
+
+    (tmp_path / "ad" / "base_model.json").write_text(json.dumps({"base_sha256": "0" * 64}))
+    proc = subprocess.run([*MSRL, "convert", "merge-lora", "--base", str(hf), "--adapter", str(tmp_path / "ad"),
+                           "--out", str(tmp_path / "m2")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "base_sha256" in proc.stderr, proc.stderr
+
+
 def test_plot_module_writes_a_png(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "phase": "rl", "reward/mean": 0.1 * s, "eval/accuracy": 0.05 * s} for s in range(1, 5)]

@@ -41,6 +41,7 @@ SMOKES: dict[str, tuple[str, ...]] = {
     "msrl convert hf-to-mcore": (f"{SMOKE}::test_msrl_convert_both_ways_with_verify",),
     "msrl convert mcore-to-hf": (f"{SMOKE}::test_msrl_convert_both_ways_with_verify",
                                  "tests/e2e/test_trainer.py::test_training_checkpoint_converts_without_hf_config"),
+    "msrl convert merge-lora": (f"{SMOKE}::test_msrl_convert_merge_lora",),
     "msrl routing inspect": ("tests/unit/test_moe.py::test_cli_inspect_compare",),
     "msrl routing compare": ("tests/unit/test_moe.py::test_cli_inspect_compare",),
     "msrl bench kv": (f"{SMOKE}::test_msrl_bench_kv",),
