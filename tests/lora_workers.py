@@ -91,3 +91,22 @@ def lora_resume_worker(rank, world_size, model_dir, tokens, lora, path, steps_af
         learner.train_step(tokens, _sft_loss(tokens))
     return dict(logprobs=logprobs, adapters={n: p.detach().clone() for n, p in learner.lora_params.items()},
                 step=learner.step)
+
+
+def lora_sync_worker(rank, world_size, model_dir, lora):
+    """A TP1 LoRA learner with random adapters: what a weight sync sends (iter_hf_tensors: HF name -> tensor), its
+    adapters by lora_key, and what loading a bf16 engine's weights back into it (EngineWeights.held_by) says."""
+    from megatron_sparse_rl.weight_sync import iter_hf_tensors
+
+    learner = W.make_learner(world_size, model_dir, lora=lora)
+    _random_adapters(learner, seed=0)
+    from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
+
+    sent = {name: t.detach().clone() for name, t in iter_hf_tensors(learner)}
+    try:
+        with EngineWeights(dtype=torch.bfloat16).held_by(learner):
+            held_by = "entered"
+    except RuntimeError as e:
+        held_by = str(e)
+    return dict(sent=sent, adapters={lora_key(n): p.detach().clone() for n, p in learner.lora_params.items()},
+                held_by=held_by)

@@ -54,6 +54,23 @@ class LoraParams(torch.nn.Module):
         return (to_mcore(self.tm, parts, spec).t() * self.scale).reshape(*lead, -1)
 
 
+    @torch.no_grad()
+    def merged(self, weight: torch.Tensor, spec) -> torch.Tensor:
+        """The linear's full Megatron weight [sum(outs), in] with its adapters merged: W + scale x B_i A_i in each
+        adapted part (laid out as in `delta`), computed in float32 and rounded to W's dtype."""
+        parts = [(self.B[leaf] @ self.A[leaf]) * self.scale if leaf in self.A else
+                 torch.zeros(out, weight.shape[1], dtype=torch.float32, device=weight.device)
+                 for leaf, out in zip(self.leaves, self.outs)]
+        return (weight.to(torch.float32) + to_mcore(self.tm, parts, spec)).to(weight.dtype)
+
+
+def adapted_linears(model) -> dict[str, LoraParams]:
+    """{Megatron weight name (`<linear>.weight`): its adapters} of every adapted linear of `model` (TP1, PP1: local
+    names are the full names)."""
+    return {f"{name.removesuffix(f'.{LORA}')}.weight": module for name, module in model.named_modules()
+            if isinstance(module, LoraParams)}
+
+
 def _hook(spec):
     def add_delta(module, args, output):
         out, bias = output

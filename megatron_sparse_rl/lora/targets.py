@@ -166,7 +166,7 @@ def layer_params_per_tp_rank(spec, rank: int, targets: frozenset[str], tp: int) 
 
 def config_problems(lora, spec) -> list[str]:
     """What validate refuses in `model.lora` (a config.LoraConfig, or None: off): a target the model lacks (checked
-    when the model is known here, `spec` not None), and, until the learner trains adapters, the section itself."""
+    when the model is known here, `spec` not None), and, until a run trains adapters end to end, the section itself."""
     if lora is None:
         return []
     problems = []
@@ -175,6 +175,7 @@ def config_problems(lora, spec) -> list[str]:
             resolve_targets(lora.target_modules, spec)
         except ValueError as e:
             problems.append(str(e))
-    problems.append("model.lora: training with LoRA adapters is not supported yet (adapter checkpoints and weight "
-                    "sync are missing; docs/lora.md); leave model.lora unset (null) to train every parameter")
+    problems.append("model.lora: training with LoRA adapters is not supported yet (the run loop neither saves nor "
+                    "resumes adapter checkpoints, and the merged weight sync is not yet checked by the engine probe; "
+                    "docs/lora.md); leave model.lora unset (null) to train every parameter")
     return problems

@@ -75,8 +75,12 @@ class EngineWeights:
         enters it (the full tensors are gathered: collectives). Costs one copy of this rank's parameters."""
         from megatron_sparse_rl.learner.params import load_full_tensors
         from megatron_sparse_rl.models.tensor_map import to_hf, to_mcore
-        from megatron_sparse_rl.weight_sync.export import iter_full_mcore
+        from megatron_sparse_rl.weight_sync.export import WeightSyncError, iter_full_mcore
 
+        if getattr(learner, "lora_params", None):
+            raise WeightSyncError("model.lora: the engine's low-precision weights cannot be loaded back into a LoRA "
+                                  "learner (its base would hold the merged adapters while they still apply); not "
+                                  "supported yet")
         saved = {name: lp.param.detach().clone() for name, lp in learner.named_full_parameters()}
         spec = learner.spec
 

@@ -12,6 +12,8 @@ single naming truth, shared with checkpoint conversion. For each map:
   so every rank receives every expert without ever materialising more than one tensor at a time.
 - pipeline parallelism: the stage holding a tensor (the lowest, for tensors more than one stage holds)
   produces it as above, then broadcasts it over the pipeline group, so every stage receives every layer.
+- LoRA (model.lora): the adapters themselves are not sent; each adapted linear is sent merged,
+  W + scale x B A in every adapted part (lora/layers.py LoraParams.merged), so any engine serves the adapted model.
 Every rank walks the same maps in the same order, so collectives line up. Every rank receives the full
 stream (each colocated rank may own an engine); a rank without an engine must still drain it.
 Yielded tensors may share storage with the learner's parameters: do not modify them in place.
@@ -99,7 +101,8 @@ def _stage_tensor(tm, params: dict[str, LocalParam], groups, ep: int, n_local: i
 def iter_full_mcore(learner) -> Iterator[tuple[object, torch.Tensor]]:
     """(TensorMap, full Megatron tensor) for every adapter tensor map, on every rank (collective)."""
     groups, pp = learner.groups, learner.layout.pp
-    params = dict(learner.named_full_parameters())
+    adapted = getattr(learner, "lora_linears", {})
+    params = {n: lp for n, lp in learner.named_full_parameters() if n not in getattr(learner, "lora_params", {})}
     ep = learner.layout.ep
     n_local = _n_local_experts(params, ep, learner.spec.num_experts)
     maps = learner.adapter.tensor_maps(learner.spec)
@@ -121,6 +124,8 @@ def iter_full_mcore(learner) -> Iterator[tuple[object, torch.Tensor]]:
         if pp > 1:
             full = full.contiguous()
             dist.broadcast(full, src=pp_ranks[stage], group=groups.pp)
+        if tm.mcore in adapted:
+            full = adapted[tm.mcore].merged(full, learner.spec)
         yield tm, full
 
 
