@@ -110,3 +110,27 @@ def lora_sync_worker(rank, world_size, model_dir, lora):
         held_by = str(e)
     return dict(sent=sent, adapters={lora_key(n): p.detach().clone() for n, p in learner.lora_params.items()},
                 held_by=held_by)
+
+
+def lora_engine_sync_worker(rank, world_size, model_dir, lora, probe, tol):
+    """A TP1 LoRA learner (random adapters, two SFT steps) synced into a vLLM-CPU engine of its base
+    (sync_to_engine: the merged weights): the probe's |engine - learner| before and after (verify_logprobs, which
+    raises above `tol`, so `before` is measured by hand) and the learner's LoRA logprobs."""
+    from megatron_sparse_rl.config.rollout import RolloutConfig
+    from megatron_sparse_rl.patches import vllm_cpu
+    from megatron_sparse_rl.rollout import RolloutEngine
+    from megatron_sparse_rl.weight_sync import sync_to_engine, verify_logprobs
+
+    learner = W.make_learner(world_size, model_dir, lora=lora, lr=1e-2)
+    _random_adapters(learner, seed=0)
+    tokens = torch.tensor(probe)
+    for _ in range(2):
+        learner.train_step(tokens, _sft_loss(tokens))
+    vllm_cpu.apply()
+    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1))
+    mine = learner.forward_logprobs(tokens)["logprobs"]
+    before = (torch.stack(engine.prompt_logprobs(probe)) - mine).abs().max().item()
+    stats = sync_to_engine(learner, engine, bucket_mb=0.1)
+    after = verify_logprobs(learner, engine, probe, tol=tol)
+    engine.shutdown()
+    return dict(before=before, after=after, tensors=stats.tensors)

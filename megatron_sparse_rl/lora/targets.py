@@ -176,6 +176,6 @@ def config_problems(lora, spec) -> list[str]:
         except ValueError as e:
             problems.append(str(e))
     problems.append("model.lora: training with LoRA adapters is not supported yet (the run loop neither saves nor "
-                    "resumes adapter checkpoints, and the merged weight sync is not yet checked by the engine probe; "
+                    "resumes adapter checkpoints, and the sync probe of a bf16 or FP8 engine cannot check a LoRA learner; "
                     "docs/lora.md); leave model.lora unset (null) to train every parameter")
     return problems
