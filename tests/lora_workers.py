@@ -61,9 +61,11 @@ def _sft_loss(tokens):
     return make_sft_loss(mask, mask.sum().item())
 
 
-def lora_save_worker(rank, world_size, model_dir, tokens, lora, path, steps_before, steps_after):
-    """A TP1 LoRA learner with random adapters: `steps_before` scheduled SFT steps, its adapters saved to `path`
-    (lora/checkpoint.py), then `steps_after` more. Returns the logprobs at save and the adapters at the end."""
+def lora_save_worker(rank, world_size, model_dir, tokens, lora, path, steps_before, steps_after, fmt="adapter"):
+    """A TP1 LoRA learner with random adapters: `steps_before` scheduled SFT steps, saved to `path` (fmt 'adapter':
+    its adapters alone, lora/checkpoint.py; 'learner': the run loop's torch_dist checkpoint, learner/checkpoint.py),
+    then `steps_after` more. Returns the logprobs at save and the adapters at the end."""
+    from megatron_sparse_rl.learner.checkpoint import save_learner
     from megatron_sparse_rl.lora.checkpoint import save_adapter
 
     learner = W.make_learner(world_size, model_dir, lora=lora, lr=1e-2)
@@ -71,21 +73,28 @@ def lora_save_worker(rank, world_size, model_dir, tokens, lora, path, steps_befo
     for _ in range(steps_before):
         learner.train_step(tokens, _sft_loss(tokens))
     logprobs = learner.forward_logprobs(tokens)["logprobs"]
-    save_adapter(path, learner, lora, model_dir)
+    if fmt == "adapter":
+        save_adapter(path, learner, lora, model_dir)
+    else:
+        save_learner(learner, path)
     for _ in range(steps_after):
         learner.train_step(tokens, _sft_loss(tokens))
     return dict(logprobs=logprobs, adapters={n: p.detach().clone() for n, p in learner.lora_params.items()},
                 step=learner.step)
 
 
-def lora_resume_worker(rank, world_size, model_dir, tokens, lora, path, steps_after):
-    """A fresh TP1 LoRA learner (other random adapters) loading adapter checkpoint `path`: its logprobs, then the
-    adapters after `steps_after` more scheduled SFT steps."""
+def lora_resume_worker(rank, world_size, model_dir, tokens, lora, path, steps_after, fmt="adapter"):
+    """A fresh TP1 LoRA learner (other random adapters) loading checkpoint `path` (fmt as lora_save_worker's): its
+    logprobs, then the adapters after `steps_after` more scheduled SFT steps."""
+    from megatron_sparse_rl.learner.checkpoint import load_learner
     from megatron_sparse_rl.lora.checkpoint import load_adapter
 
     learner = W.make_learner(world_size, model_dir, lora=lora, lr=1e-2)
     _random_adapters(learner, seed=1)
-    load_adapter(path, learner, model_dir)
+    if fmt == "adapter":
+        load_adapter(path, learner, model_dir)
+    else:
+        load_learner(learner, path)
     logprobs = learner.forward_logprobs(tokens)["logprobs"]
     for _ in range(steps_after):
         learner.train_step(tokens, _sft_loss(tokens))
