@@ -4,7 +4,7 @@ summary check a run with it; `ParallelLayout` (parallel/layout.py) is these degr
 
     degrees = ParallelDegrees.from_config(run.parallel, world_size=8)   # ValueError naming the fields
     degrees.check_model(spec)             # TP divides heads, EP divides experts, the pipeline layout fits, ...
-    degrees.stages(spec.num_layers)       # PipelineStages (config/stages.py): layers per pipeline stage
+    degrees.stages(spec.num_layers)       # PipelineStages (config/stages.py): layers per (virtual) pipeline stage
     resolve_backend("auto", cuda=False)   # "gloo": what parallel.backend means on ranks with(out) CUDA
 """
 from __future__ import annotations
@@ -45,6 +45,8 @@ class ParallelDegrees:
     (`world_size` counts the learner ranks only). 0: every rank is a learner rank."""
     pipeline_layout: str | None = None
     """`parallel.pipeline_layout`: Megatron-Core's layout string, or None for balanced stages."""
+    vpp: int = 1
+    """`parallel.vpp`: model chunks (virtual pipeline stages) per pipeline rank."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int, rollout_ranks: int = 0, *,
@@ -76,7 +78,7 @@ class ParallelDegrees:
                              f"{cfg.etp}, backend gloo)")
         return cls(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, dp=world_size // model_parallel,
                    world_size=world_size, sequence_parallel=cfg.sequence_parallel, cp=cfg.cp, backend=backend,
-                   rollout_ranks=rollout_ranks, pipeline_layout=cfg.pipeline_layout)
+                   rollout_ranks=rollout_ranks, pipeline_layout=cfg.pipeline_layout, vpp=cfg.vpp)
 
     @property
     def sequence_multiple(self) -> int:
@@ -93,7 +95,7 @@ class ParallelDegrees:
     def stages(self, num_layers: int) -> PipelineStages:
         """The decoder layers of each pipeline stage for a model of `num_layers` (ValueError naming the field when
         the layout does not fit)."""
-        return pipeline_stages(self.pp, num_layers, self.pipeline_layout)
+        return pipeline_stages(self.pp, num_layers, self.pipeline_layout, self.vpp)
 
     def _context_problems(self, spec) -> list[str]:
         """What context parallelism (cp > 1) does not run yet, each with its reason."""

@@ -192,7 +192,12 @@ class ParallelConfig:
     pipeline_layout: str | None = None
     """Megatron-Core's pipeline layout string, one stage per pipeline rank separated by '|': E the embedding (first),
     t a decoder layer, L the loss (last), x*n and (..)*n repeats, e.g. 'Ettt|tt|ttL' or 'Et*8|(t*8|)*6t*5L'. It must
-    place every layer once; null: balanced stages. Virtual pipeline stages and MTP layers ('m') are not supported."""
+    place every layer once; null: balanced stages. With `vpp` > 1 it has pp * vpp stages, the virtual stages in layer
+    order (virtual stage v runs on pipeline rank v % pp). MTP layers ('m') are not supported."""
+    vpp: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank: Megatron-Core's interleaved 1F1B schedule. Needs
+    pp > 1; the layers are balanced over the pp * vpp virtual stages (7 layers at pp 2 x vpp 2: 2,2,2,1) unless
+    `pipeline_layout` writes them, and each step's micro-batches per data-parallel rank must be a multiple of pp."""
     ep: int = 1
     """Expert parallel degree (divides the expert count)."""
     etp: int = 1
@@ -211,6 +216,10 @@ class ParallelConfig:
         for name in ("tp", "pp", "ep", "etp", "cp"):
             _check(getattr(self, name) >= 1, f"parallel.{name} must be >= 1 (got {getattr(self, name)})")
             _range(getattr(self, name), f"parallel.{name}", 1, MAX_RANKS)
+        _check(self.vpp >= 1, f"parallel.vpp must be >= 1 (got {self.vpp})")
+        _range(self.vpp, "parallel.vpp", 1, MAX_RANKS)
+        _check(self.vpp == 1 or self.pp > 1, f"parallel.vpp={self.vpp} needs parallel.pp > 1 (got pp={self.pp}): "
+                                             "interleaving splits each pipeline rank's layers into vpp model chunks")
         _check(not self.sequence_parallel or self.tp > 1,
                f"parallel.sequence_parallel needs parallel.tp > 1 (got tp={self.tp})")
         if self.pipeline_layout is not None:

@@ -77,6 +77,35 @@ def _layout_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[
             problems.append(str(e))
     if layout.backend == "nccl" and not cuda:
         problems.append("parallel.backend='nccl' needs CUDA, which is not available; use 'auto' or 'gloo'")
+    return problems + _interleaved_problems(run, layout)
+
+
+def _interleaved_problems(run: RunConfig, layout: ParallelDegrees) -> list[str]:
+    """parallel.vpp > 1: Megatron-Core's interleaved schedule runs the micro-batches in groups of pp per model chunk
+    (microbatch_group_size_per_vp_stage = pp) and refuses a count that is not a multiple of pp; the pipeline also
+    needs equal micro-batches. Checked on each update's rows per data-parallel rank (prompts_per_step * n / dp /
+    updates_per_rollout) and on the SFT warm-start's (sft.batch_size / dp) when it runs."""
+    if layout.vpp == 1:
+        return []
+    problems = []
+    if run.routing.indexer_replay != "none" or run.model.dsa_indexer_loss_coeff > 0:
+        problems.append(f"routing.indexer_replay = {run.routing.indexer_replay!r} and model.dsa_indexer_loss_coeff = "
+                        f"{run.model.dsa_indexer_loss_coeff:g} need parallel.vpp = 1 (got {layout.vpp}): a rank's DSA "
+                        "layers are not one run of the record's columns across model chunks; set 'none' and 0")
+    t, n, mbs = run.trainer, run.rollout.sampling.n, run.learner.micro_batch_size
+    batches = [("each update's rows per data-parallel rank (trainer.prompts_per_step * rollout.sampling.n / dp / "
+                f"trainer.updates_per_rollout = {t.prompts_per_step} * {n} / {layout.dp} / {t.updates_per_rollout})",
+                t.prompts_per_step * n, layout.dp * t.updates_per_rollout)]
+    if t.sft.max_steps > 0:
+        batches.append(("the SFT warm-start's rows per data-parallel rank (trainer.sft.batch_size / dp = "
+                        f"{t.sft.batch_size} / {layout.dp})", t.sft.batch_size, layout.dp))
+    for what, total, parts in batches:
+        rows, rest = divmod(total, parts)
+        if rest or rows % mbs or (rows // mbs) % layout.pp:
+            problems.append(f"parallel.vpp={layout.vpp}: {what} must split into micro-batches of "
+                            f"learner.micro_batch_size={mbs} whose count is a multiple of parallel.pp={layout.pp} "
+                            f"(Megatron-Core's interleaved schedule runs them in groups of pp per model chunk); got "
+                            f"{total / parts:g} rows")
     return problems
 
 

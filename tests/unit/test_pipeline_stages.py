@@ -50,7 +50,7 @@ def test_offsets_are_megatron_get_transformer_layer_offset():
 @pytest.mark.parametrize("layout,pp,message", [
     ("Ett|tt|ttL", 3, "places 6 decoder layers ('t'), the model has 7: the layout must cover every layer once"),
     ("Etttt|tttL", 3, "has 2 stages, parallel.pp=3"),
-    ("Et|t|t|t|t|ttL", 3, "virtual pipeline stages are not supported"),
+    ("Et|t|t|t|t|ttL", 3, "for interleaved virtual stages set parallel.vpp=2"),
     ("Ettt|ttm|ttL", 3, "puts multi-token-prediction layers ('m') on stage 1, before the last stage (2)"),
     ("Ettt|tt|ttmL", 3, "the learner builds none"),
     ("tttE|tt|ttL", 3, "must start with the embedding 'E' and end with the loss 'L'"),
@@ -104,3 +104,78 @@ def test_start_line_names_the_split(caplog, tmp_path):
     with caplog.at_level(logging.INFO, logger=trainer.__name__):
         trainer._announce(ctx, {"rl_step": 0, "sft_step": 0})
     assert "learner TP1 PP3 EP1 DP1 (pipeline stages 3,2,2 (balanced, automatic))" in caplog.text
+
+
+# ---- interleaved pipelines (parallel.vpp) ------------------------------------------------------------------------
+
+def test_virtual_stages_balanced_in_layer_order_and_megatron_agrees(monkeypatch):
+    """7 layers at pp 2 x vpp 2 -> virtual stages 2,2,2,1; rank 0 holds virtual stages 0 and 2, rank 1 stages 1
+    and 3; Megatron-Core's own layout class puts each chunk's first layer where our offsets say."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    stages = pipeline_stages(2, 7, vpp=2)
+    assert stages == PipelineStages((2, 2, 2, 1), vpp=2) and stages.pp == 2
+    assert stages.chunks(0) == (0, 2) and stages.chunks(1) == (1, 3)
+    assert stages.megatron_kwargs() == {"pipeline_model_parallel_layout": "Ett|tt|tt|tL"}
+    assert stages.describe() == "virtual stages 2,2,2,1 (pp 2 x vpp 2; balanced, automatic)"
+    assert pipeline_stages(2, 8, vpp=2).megatron_kwargs() == {"pipeline_model_parallel_layout": "Ett|tt|tt|ttL"}
+    for pp, vpp, layers in ((2, 2, 7), (3, 2, 10), (2, 3, 13), (4, 2, 61)):
+        stages = pipeline_stages(pp, layers, vpp=vpp)
+        parsed = PipelineParallelLayerLayout(stages.layout(), pp)
+        parsed.validate_layer_layout(layers, None)
+        assert parsed.virtual_pipeline_model_parallel_size == vpp
+        # its offsets read the chunk (vp_stage) only when parallel_state says the pipeline is interleaved
+        monkeypatch.setattr(parallel_state, "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", vpp)
+        for p in range(pp):
+            for chunk, v in enumerate(stages.chunks(p)):
+                assert parsed.get_layer_offset(vp_stage=chunk, pp_rank=p) == stages.offset(v)
+                assert parsed.get_num_layers_to_build(vp_stage=chunk, pp_rank=p) == stages.layers[v]
+    written = pipeline_stages(2, 7, "Et|ttt|tt|tL", vpp=2)
+    assert written.layers == (1, 3, 2, 1) and written.explicit
+    assert written.describe() == "virtual stages 1,3,2,1 (pp 2 x vpp 2; parallel.pipeline_layout)"
+
+
+@pytest.mark.parametrize("pp,vpp,layout,message", [
+    (1, 2, None, "parallel.vpp=2 needs parallel.pp > 1 (got pp=1)"),
+    (2, 2, "Ett|tt|tttL", "has 3 stages, parallel.pp * parallel.vpp = 2 * 2 = 4"),
+    (2, 2, "Ett|tttL", "has 2 stages, parallel.pp * parallel.vpp = 2 * 2 = 4"),
+    (2, 4, None, "parallel.pp * parallel.vpp = 2 * 4 = 8 exceeds the layer count (7)"),
+    (2, 2, "Ett|tt|tt|ttL", "places 8 decoder layers ('t'), the model has 7"),
+])
+def test_bad_interleaved_layouts_are_refused_naming_the_field(pp, vpp, layout, message):
+    with pytest.raises(ValueError, match=r"parallel\.(vpp|pp|pipeline_layout)") as e:
+        pipeline_stages(pp, 7, layout, vpp=vpp)
+    assert message in str(e.value)
+
+
+def test_vpp_refused_at_config_load_and_validate():
+    with pytest.raises(ValueError, match=r"parallel.vpp=2 needs parallel.pp > 1 \(got pp=1\)"):
+        ParallelConfig(vpp=2)
+    with pytest.raises(ValueError, match=r"parallel.vpp must be >= 1 \(got 0\)"):
+        ParallelConfig(pp=2, vpp=0)
+    ok = run_of("model.tiny.layers=7", "parallel.pp=2", "parallel.vpp=2", "launch.nproc_per_node=2",
+                "learner.micro_batch_size=2")
+    assert any("pipeline virtual stages 2,2,2,1 (pp 2 x vpp 2; balanced, automatic) of 7 layers" in line
+               for line in run_summary(ok, validate(ok, 2, cuda=False), 2))
+    # 16 prompts x 4 samples = 64 rows: micro-batches of 3 do not divide them; of 32, 2 micro-batches at pp 4 ...
+    for extra, world in ((("learner.micro_batch_size=3",), 2), (("learner.micro_batch_size=32", "parallel.pp=4"), 4)):
+        run = run_of("model.tiny.layers=7", "parallel.pp=2", "parallel.vpp=2", f"launch.nproc_per_node={world}",
+                     *extra)
+        with pytest.raises(ConfigError, match=r"parallel.vpp=2: each update's rows per data-parallel rank .* must "
+                                              r"split into micro-batches of learner.micro_batch_size=\d+ whose count "
+                                              r"is a multiple of parallel.pp="):
+            validate(run, world, cuda=False)
+    sft = run_of("model.tiny.layers=7", "parallel.pp=2", "parallel.vpp=2", "launch.nproc_per_node=2",
+                 "learner.micro_batch_size=4", "trainer.sft.max_steps=1", "trainer.sft.batch_size=4")
+    with pytest.raises(ConfigError, match=r"the SFT warm-start's rows per data-parallel rank \(trainer.sft.batch_size "
+                                          r"/ dp = 4 / 1\) must split"):
+        validate(sft, 2, cuda=False)
+    dsa = run_of("model.tiny.layers=7", "parallel.pp=2", "parallel.vpp=2", "launch.nproc_per_node=2",
+                 "learner.micro_batch_size=2", "model.dsa_indexer_loss_coeff=0.1")
+    with pytest.raises(ConfigError, match=r"model.dsa_indexer_loss_coeff = 0.1 need parallel.vpp = 1"):
+        validate(dsa, 2, cuda=False)
+    bad = run_of("model.tiny.layers=7", "parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_layout='Ett|tt|tttL'",
+                 "launch.nproc_per_node=2", "learner.micro_batch_size=2")
+    with pytest.raises(ConfigError, match=r"parallel.pipeline_layout = 'Ett\|tt\|tttL' has 3 stages"):
+        validate(bad, 2, cuda=False)
