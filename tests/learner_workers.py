@@ -8,7 +8,7 @@ from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, Optimiz
 
 def make_learner(world_size, model_dir, tp=1, ep=1, pp=1, sp=None, lr=1e-3, mbs=2, load=True, clip=1.0, eps=1e-8,
                  dtype="float32", routing=None, indexer_replay="none", kernels="auto", pipeline_layout=None,
-                 cp=1, lora=None):
+                 cp=1, lora=None, vpp=1):
     from megatron_sparse_rl.learner.learner import Learner
     from megatron_sparse_rl.models import load_spec
     from megatron_sparse_rl.parallel import ParallelLayout
@@ -18,7 +18,7 @@ def make_learner(world_size, model_dir, tp=1, ep=1, pp=1, sp=None, lr=1e-3, mbs=
     sp = tp > 1 if sp is None else sp
     adapter, spec = load_spec(model_dir)
     layout = ParallelLayout.from_config(ParallelConfig(tp=tp, ep=ep, pp=pp, sequence_parallel=sp,
-                                                       pipeline_layout=pipeline_layout, cp=cp), world_size)
+                                                       pipeline_layout=pipeline_layout, cp=cp, vpp=vpp), world_size)
     layout.check_model(spec)
     groups = layout.initialize()
     learner = Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir), dtype=dtype, lora=lora),

@@ -110,9 +110,10 @@ def _publish(stage: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _layout(spec, tp: int, ep: int, pp: int, etp: int, pipeline_layout: str | None = None):
+def _layout(spec, tp: int, ep: int, pp: int, etp: int, pipeline_layout: str | None = None, vpp: int = 1):
     layout = ParallelLayout.from_config(ParallelConfig(tp=tp, ep=ep, pp=pp, etp=etp, sequence_parallel=tp > 1,
-                                                       pipeline_layout=pipeline_layout), dist.get_world_size())
+                                                       pipeline_layout=pipeline_layout, vpp=vpp),
+                                        dist.get_world_size())
     layout.check_model(spec)
     return layout
 
@@ -176,10 +177,13 @@ def _read_into_shards(holder, spec, ckpt: HFCheckpoint, maps: list, stream) -> d
 
 # ---- HF -> Megatron --------------------------------------------------------------------------------
 def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1, overwrite: bool = False,
-                verify: bool = False, progress: TextIO | None = None, pipeline_layout: str | None = None) -> Path:
+                verify: bool = False, progress: TextIO | None = None, pipeline_layout: str | None = None,
+                vpp: int = 1) -> Path:
     """Convert the HF checkpoint at `hf_dir` into a torch_dist checkpoint at `out_dir` (see module doc).
     Rank 0 prints progress lines to `progress` (default stderr). `pipeline_layout`: parallel.pipeline_layout (None:
-    balanced stages where pp does not divide the layers); the checkpoint holds global layer numbers either way."""
+    balanced stages where pp does not divide the layers); `vpp`: parallel.vpp, model chunks per pipeline rank (the
+    balanced split is then over pp * vpp virtual stages). The checkpoint holds global layer numbers either way, so it
+    loads at any other split."""
     hf_dir, out = Path(hf_dir), Path(out_dir).absolute()
     _check_out(out, overwrite, [hf_dir])
     adapter, spec = load_spec(hf_dir)
@@ -191,7 +195,7 @@ def hf_to_mcore(hf_dir, out_dir, *, tp: int, ep: int, pp: int = 1, etp: int = 1,
                          "against transformers")
     check_hf_files(ckpt)  # the input checks need no process group: they run before anything else
     check_hf_tensors(ckpt, adapter, spec, hf_dir / "config.json")
-    layout = _layout(spec, tp, ep, pp, etp, pipeline_layout)
+    layout = _layout(spec, tp, ep, pp, etp, pipeline_layout, vpp)
     maps = adapter.tensor_maps(spec)
     hf_names = [n for tm in maps for n in tm.hf]
     float_dtypes = {ckpt.header(n)[0] for n in hf_names}
@@ -243,7 +247,8 @@ def _check_digests(mcore: Path) -> None:
 
 def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, etp: int = 1,
                 hf_config_dir=None, max_shard_size: str | int = "5GB", overwrite: bool = False,
-                verify: bool = False, progress: TextIO | None = None, pipeline_layout: str | None = None) -> Path:
+                verify: bool = False, progress: TextIO | None = None, pipeline_layout: str | None = None,
+                vpp: int = 1) -> Path:
     """Convert the torch_dist checkpoint at `mcore_dir` (loaded at this world's layout tp/ep/pp/etp) to HF
     safetensors at `out_dir`. Side files come from `<mcore_dir>/hf/` (converted and training checkpoints carry it)
     or `hf_config_dir`; a training checkpoint has no conversion manifest, so its tensors are checked by its sha256
@@ -266,7 +271,7 @@ def mcore_to_hf(mcore_dir, out_dir, *, tp: int = 1, ep: int = 1, pp: int = 1, et
     hf_cfg = json.loads((side_dir / "config.json").read_text())
     param_dtype = manifest["param_dtype"] if manifest else ("bfloat16" if hf_cfg.get("dtype") == "bfloat16"
                                                             else "float32")
-    layout = _layout(spec, tp, ep, pp, etp, pipeline_layout)
+    layout = _layout(spec, tp, ep, pp, etp, pipeline_layout, vpp)
     stage = _staging(out)
     try:
         if dist.get_rank() == 0:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.schema import LearnerConfig
 from megatron_sparse_rl.learner.checkpoint import write_common_state
+from megatron_sparse_rl.learner.chunks import load_sharded, sharded_state_dict
 from megatron_sparse_rl.learner.integrity import DONE
 from megatron_sparse_rl.learner.model import build_gpt_model
 from megatron_sparse_rl.models import load_spec
@@ -75,12 +76,6 @@ def _mark_tensor_parallel(model) -> None:
             set_tensor_model_parallel_attributes(weight, True, 1, 1)
 
 
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def _default_scheduler_state() -> dict:
     """The LR-schedule state a fresh Learner with the default LearnerConfig saves at step 0 (what
     `load_learner` expects in common_state.json); built with Megatron's scheduler over a stand-in optimizer
@@ -105,7 +100,7 @@ def save_model_only(model, path: Path) -> None:
     if dist.get_rank() == 0:
         path.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save({"model": _unwrap(model).sharded_state_dict()}, str(path))
+    dist_checkpointing.save({"model": sharded_state_dict(model)}, str(path))
     if dist.get_rank() == 0:
         write_common_state(path, {"step": 0, "scheduler": _default_scheduler_state(), "extra": {},
                                   "world_size": dist.get_world_size()})
@@ -120,9 +115,8 @@ def load_model_only(model, path: Path) -> None:
     from megatron.core import dist_checkpointing  # megatron: imported when used
 
     torch_dist_safe_load.apply()
-    inner = _unwrap(model)
-    state = dist_checkpointing.load({"model": inner.sharded_state_dict()}, str(path))
-    inner.load_state_dict(state["model"])
+    state = dist_checkpointing.load({"model": sharded_state_dict(model)}, str(path))
+    load_sharded(model, state["model"])
 
 
 def sharded_shapes(model) -> dict[str, tuple[tuple[int, ...] | None, str]]:
@@ -132,7 +126,7 @@ def sharded_shapes(model) -> dict[str, tuple[tuple[int, ...] | None, str]]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    state = _unwrap(model).sharded_state_dict()
+    state = sharded_state_dict(model)
     apply_factories(state)  # e.g. the gated MLP's fc1, saved as two halves of one key
     return {t.key: (None if t.allow_shape_mismatch else tuple(t.global_shape), str(t.dtype).removeprefix("torch."))
             for t in nested_values(state) if isinstance(t, ShardedTensor)}

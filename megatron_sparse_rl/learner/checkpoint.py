@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron_sparse_rl.formats.hf_writer import write_side_files
 from megatron_sparse_rl.formats.manifest import HF_FILES_DIR
 from megatron_sparse_rl.formats.safe_load import check_checkpoint_files, load_torch_file
+from megatron_sparse_rl.learner.chunks import load_sharded, sharded_state_dict
 from megatron_sparse_rl.learner.integrity import DONE, digest_files, write_manifest
 from megatron_sparse_rl.patches import megatron_ckpt_queue, torch_dist_safe_load
 
@@ -232,7 +233,7 @@ def has_common_state(path: str | Path) -> bool:
 
 
 def _sharded_state(learner, is_loading: bool, with_optimizer: bool) -> dict:
-    model_sd = learner.model.module.sharded_state_dict()
+    model_sd = sharded_state_dict(learner.model)  # model chunks (parallel.vpp > 1): model0, model1, ...
     state = {"model": model_sd}
     if with_optimizer:  # Adam moments exist only after the first step
         state["optimizer"] = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
@@ -324,7 +325,7 @@ def load_learner(learner, path: str | Path, *, load_optimizer: bool = True, load
     rng = _read_rank_rng(path, dist.get_rank()) if same_layout else None  # checked before anything is loaded
     with_optimizer = load_optimizer and common["step"] > 0
     state = dist_checkpointing.load(_sharded_state(learner, True, with_optimizer), str(path))
-    learner.model.module.load_state_dict(state["model"])
+    load_sharded(learner.model, state["model"])
     if with_optimizer:
         learner.optimizer.load_state_dict(state["optimizer"])
     learner.step = common["step"]

@@ -14,6 +14,10 @@ rank's batch) and returns a loss that is already normalised by the GLOBAL token/
 micro-batch and data-parallel contributions are summed, never averaged. `extras` (learner/extras.py
 `ForwardExtras`: sampling support, per-layer attention mask, routes to replay or record) are the call's own
 inputs, applied for that call only.
+
+Interleaved pipelines (parallel.vpp > 1): `self.model` is a `ModelChunks` (learner/chunks.py) of vpp DDP-wrapped
+chunks, run by Megatron's interleaved 1F1B schedule; the optimizer holds every chunk and the logprobs come from the
+last pipeline rank's last chunk. Each call's micro-batches must be a multiple of pp.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
 from megatron_sparse_rl.formats.hf_io import iter_mcore_tensors
 from megatron_sparse_rl.learner.attention_mask import LayerAttentionMasks, pad_causal
+from megatron_sparse_rl.learner.chunks import ModelChunks, chunks_of
 from megatron_sparse_rl.learner.dsa_indexer_loss import IndexerLoss, indexer_loss_config
 from megatron_sparse_rl.learner.extras import NO_EXTRAS, ForwardExtras
 from megatron_sparse_rl.learner.indexer_replay import LearnerIndexer
@@ -71,17 +76,25 @@ class Learner:
         self._layer_masks = None  # LayerAttentionMasks: hooks made on the first call with an attention mask
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=False)
-        self.model = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
+        if isinstance(model, ModelChunks):  # one DDP per chunk; later chunks in one bucket, as Megatron's training
+            self.model = ModelChunks([DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=c,
+                                                              disable_bucketing=i > 0) for i, c in enumerate(model)])
+            config.no_sync_func = [c.no_sync for c in self.model]
+        else:
+            self.model = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
+            config.no_sync_func = self.model.no_sync
         # Losses arrive globally normalised; the schedule sums micro-batches and finalize_model_grads sums
         # data-parallel ranks (num_tokens = 0 means "do not rescale").
         config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = self.model.no_sync
         config.grad_sync_func = None
         # This model's routing replay/recording state (learner/routing.py); calls use it through extras.routes.
         self.routing = LearnerRouting(self.model, layout, groups, routing) if routing is not None else None
         # DSA models: the indexers' replay/recording state (learner/indexer_replay.py), used through extras.indexer;
         # `indexer_replay` (routing.indexer_replay) says what the RL step's forwards ask of it.
         self.indexer = None
+        if layout.vpp > 1 and (indexer_replay != "none" or model_cfg.dsa_indexer_loss_coeff):
+            raise ValueError("routing.indexer_replay and model.dsa_indexer_loss_coeff need parallel.vpp = 1 (a rank's "
+                             f"DSA layers are not one run of columns across model chunks); got vpp={layout.vpp}")
         if getattr(config, "experimental_attention_variant", None) == "dsa":
             self.indexer = LearnerIndexer(self.model, layout, groups, indexer_replay)
         elif indexer_replay != "none":
@@ -106,7 +119,7 @@ class Learner:
             adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad, bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False,
         )
-        optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        optimizer = get_megatron_optimizer(opt_cfg, chunks_of(self.model))
         decay_steps = max(total_steps, o.warmup_steps + 1)
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
@@ -226,6 +239,12 @@ class Learner:
             # pipeline stages exchange activations of one fixed [seq, micro_batch, hidden] shape
             raise ValueError(f"with parallel.pp={self.layout.pp} the batch ({tokens.shape[0]} rows) must split into "
                              f"equal micro-batches of learner.micro_batch_size={self.cfg.micro_batch_size}")
+        chunks = chunks_of(self.model)
+        if len(chunks) > 1 and len(batches) % self.layout.pp:
+            # the interleaved schedule runs micro-batches in groups of pp per chunk (microbatch_group_size_per_vp_stage)
+            raise ValueError(f"with parallel.vpp={self.layout.vpp} the batch ({tokens.shape[0]} rows) must split into "
+                             f"a multiple of parallel.pp={self.layout.pp} micro-batches of learner.micro_batch_size="
+                             f"{self.cfg.micro_batch_size} (got {len(batches)})")
         padded = self._padded(tokens)
         device = next(self.model.parameters()).device
         blocked = None  # Megatron's convention: True = masked out
@@ -233,12 +252,12 @@ class Learner:
             blocked = ~pad_causal(extras.attention_mask, padded.shape[1] - 1)
 
         def forward_step(data_iterator, model):
-            index = next(data_iterator)
+            number, index = next(data_iterator)  # every chunk forwards micro-batch `number` in turn
             mb_tokens = tokens[index, :self._width(tokens, lengths, index)]
             inputs = self._padded(mb_tokens)[:, :-1].to(device).contiguous()
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
             if extras.routes is not None:
-                self.routing.before_micro_batch(index, inputs)
+                self.routing.before_micro_batch(index, inputs, number)
             if extras.indexer is not None:
                 self.indexer.before_micro_batch(index, inputs)
             mask = None  # None: Megatron's causal mask; else the per-layer mask its core-attention hooks slice
@@ -252,8 +271,10 @@ class Learner:
             return output, partial(self._loss_wrapper, loss_fn, mb_tokens, index, extras.sampling_support,
                                    tokens.shape[1] - 1)
 
+        numbered = list(enumerate(batches))
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
+            forward_step_func=forward_step, model=chunks,
+            data_iterator=[iter(numbered) for _ in chunks] if len(chunks) > 1 else iter(numbered),
             num_microbatches=len(batches), seq_length=padded.shape[1] - 1, micro_batch_size=mbs,  # Megatron divides by cp
             forward_only=forward_only,
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron_sparse_rl._optional import has_te
+from megatron_sparse_rl.learner.chunks import ModelChunks
 from megatron_sparse_rl.models import kernels as model_kernels
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
@@ -19,7 +20,9 @@ def build_gpt_model(adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout
                     dtype: str = "float32", seed: int = 1234, recompute: bool = False,
                     aux_loss_coeff: float = 0.0, kernels: str = "local", **config_extra):
     """Construct this rank's GPTModel shard (random init from `seed`); returns (model, transformer_config).
-    `kernels`: learner.kernels (models/kernels.py), `auto` resolved for this machine's device."""
+    `kernels`: learner.kernels (models/kernels.py), `auto` resolved for this machine's device. With parallel.vpp > 1
+    the model is a `ModelChunks` (learner/chunks.py) of vpp GPTModels, chunk i built with vp_stage=i: virtual stage
+    i * pp + pp_rank, the embedding on the first rank's chunk 0, the output layer on the last rank's last chunk."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
 
@@ -37,14 +40,21 @@ def build_gpt_model(adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout
         aux_loss_coeff=aux_loss_coeff, **{**model_kernels.config_kwargs(kernels, cuda), **stages, **config_extra},
     )
     use_te = has_te() and cuda
-    layer_spec = model_kernels.apply(adapter.layer_spec(config, use_te=use_te), kernels, config)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,
-        max_sequence_length=spec.max_position_embeddings, pre_process=groups.pp_rank == 0,
-        post_process=groups.pp_rank == layout.pp - 1, share_embeddings_and_output_weights=spec.tie_embeddings,
-        position_embedding_type="rope", rotary_base=int(spec.rope_theta),
-    )
+    vpp = layout.vpp
+
+    def chunk(i: int):
+        vp_stage = i if vpp > 1 else None
+        layer_spec = model_kernels.apply(adapter.layer_spec(config, use_te=use_te, vp_stage=vp_stage), kernels, config)
+        return GPTModel(
+            config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,
+            max_sequence_length=spec.max_position_embeddings, pre_process=groups.pp_rank == 0 and i == 0,
+            post_process=groups.pp_rank == layout.pp - 1 and i == vpp - 1,
+            share_embeddings_and_output_weights=spec.tie_embeddings, position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta), **({"vp_stage": vp_stage} if vpp > 1 else {}),
+        )
+
+    model = chunk(0) if vpp == 1 else ModelChunks([chunk(i) for i in range(vpp)])
     _mark_expert_params(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -6,6 +6,9 @@ Local names differ from full names in two ways: pipeline stages number their lay
 `tensor_model_parallel` / `partition_dim` attributes; a gated (GLU) fc1 is split per half ([gate; up] ->
 [gate_r; up_r] on rank r).
 
+An interleaved pipeline's model chunks (learner/chunks.py) are listed together: each chunk's layers by their own
+`layer_number`.
+
 Persistent buffers are checkpointed state like parameters (they are in `state_dict`), so they are listed too:
 DeepSeek-V3's router `expert_bias` (HF `e_score_correction_bias`) must be loaded, saved and synced, or routing
 silently changes. Non-persistent buffers (token counters, caches) are not.
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.learner.chunks import chunks_of, unwrap
 from megatron_sparse_rl.parallel.layout import ParallelGroups
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -35,12 +39,6 @@ class LocalParam:
     expert: bool
 
 
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def _named_state(model):
     """(name, tensor) of every parameter and persistent buffer of `model` (what its state_dict holds)."""
     yield from model.named_parameters()
@@ -51,8 +49,15 @@ def _named_state(model):
 
 
 def local_params(model, groups: ParallelGroups) -> dict[str, LocalParam]:
-    """Full name -> LocalParam for every parameter and persistent buffer of this rank's model shard."""
-    model = _unwrap(model)
+    """Full name -> LocalParam for every parameter and persistent buffer of this rank's model shard (all its model
+    chunks)."""
+    out = {}
+    for chunk in chunks_of(model):
+        out.update(_chunk_params(unwrap(chunk), groups))
+    return out
+
+
+def _chunk_params(model, groups: ParallelGroups) -> dict[str, LocalParam]:
     layers = {}
     if hasattr(model, "decoder"):
         for idx, layer in enumerate(model.decoder.layers):

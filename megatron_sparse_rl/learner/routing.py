@@ -154,11 +154,13 @@ class LearnerRouting:
         self._mb_rows, self._mb_widths = [], []
         self.model.start("replay" if request.replay is not None else "record")
 
-    def before_micro_batch(self, index: torch.Tensor, inputs: torch.Tensor) -> None:
-        """Called by the learner before each micro-batch forward of a routed call."""
-        self._mb_rows.append(index.clone())
+    def before_micro_batch(self, index: torch.Tensor, inputs: torch.Tensor, micro_batch: int | None = None) -> None:
+        """Called by the learner before each micro-batch forward of a routed call; `micro_batch`: its number in the
+        call (an interleaved pipeline forwards micro-batch m once per model chunk: the first time starts it)."""
         width = inputs.shape[1]  # a micro-batch may run fewer positions than the batch (learner trims it)
-        self._mb_widths.append(width)
+        if micro_batch is None or micro_batch == len(self._mb_rows):
+            self._mb_rows.append(index.clone())
+            self._mb_widths.append(width)
         targets = None
         if self.model.phase == "replay":
             full = self._rows[index][:, :width]  # [b, L, all layers, k]
@@ -169,7 +171,7 @@ class LearnerRouting:
             local = full[:, :, cols][:, self._positions(width)]  # [b, L_local, local layers, k]
             local = local.permute(1, 0, 2, 3).reshape(-1, len(cols), self.model.topk)
             targets = [local[:, j].contiguous().to(inputs.device) for j in range(len(cols))]
-        self.model.set_micro_batch(targets)
+        self.model.set_micro_batch(targets, micro_batch)
 
     def finish(self) -> RoutingResult:
         """End the call's request after its forward (and backward): the recorded routes (the learner's own,

@@ -90,10 +90,12 @@ class GPTAdapter:
                 kwargs.update(moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size)
         return kwargs
 
-    def layer_spec(self, config, use_te: bool):
+    def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
+        """The decoder block spec of this rank's layers (of model chunk `vp_stage` under an interleaved pipeline)."""
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                          vp_stage=vp_stage)
 
     # ---- name map ------------------------------------------------------------------------------
     def tensor_maps(self, spec: ModelSpec) -> list[TensorMap]:

@@ -123,11 +123,11 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
                       dsa_indexer_loss_coeff=0.0, dsa_indexer_use_sparse_loss=False)
         return kwargs
 
-    def layer_spec(self, config, use_te: bool):
+    def layer_spec(self, config, use_te: bool, vp_stage: int | None = None):
         """The local DSA spec on every machine (models/dsa_layers.py says why TE's would differ)."""
         from megatron_sparse_rl.models.dsa_layers import dsa_block_spec
 
-        return dsa_block_spec(config)
+        return dsa_block_spec(config, vp_stage)
 
     # ---- name map ------------------------------------------------------------------------------
     def _attention_maps(self, spec: DsaSpec, hf: str, mc: str) -> list[TensorMap]:

@@ -55,7 +55,7 @@ class IndexerKeyNorm(torch.nn.LayerNorm):
         super().__init__(hidden_size, eps=INDEXER_KEY_NORM_EPS, dtype=config.params_dtype)
 
 
-def dsa_block_spec(config):
+def dsa_block_spec(config, vp_stage: int | None = None):
     """The local GPT decoder block spec of `config` (MLA, MoE pattern from moe_layer_freq) with every layer's core
     attention replaced by DSAttention + DSAIndexer built from `IndexerLinear` and `IndexerKeyNorm`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -72,7 +72,8 @@ def dsa_block_spec(config):
     indexer = ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
         linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=IndexerKeyNorm, linear_weights_proj=IndexerLinear))
     core = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer))
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage)
     for layer in block.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = core
     return block

@@ -121,18 +121,21 @@ class ModelRouting:
         self.phase = "off"
         self._targets = None
 
-    def set_micro_batch(self, targets: list[torch.Tensor] | None) -> None:
+    def set_micro_batch(self, targets: list[torch.Tensor] | None, micro_batch: int | None = None) -> None:
         """Called before each micro-batch forward. In replay: `targets[j]` (long [router tokens, topk]) for
-        local MoE layer j; in record/observe: None."""
+        local MoE layer j; in record/observe: None. `micro_batch`: the micro-batch's number in the call (None: the
+        next one). An interleaved pipeline runs each micro-batch once per model chunk, not in one go: every chunk's
+        forward names its micro-batch, so each layer records into that micro-batch's row."""
         if self.phase == "replay":
             if targets is None or len(targets) != len(self.routers):
                 got = "none" if targets is None else len(targets)
                 raise RoutingError(f"routing replay: {got} route tensors for the {len(self.routers)} MoE layers "
                                    f"{list(self.layers)} of this rank")
         self._targets = targets
-        self._micro_batch += 1
-        self.recorded.append([None] * len(self.routers))
-        self.observed.append([None] * len(self.routers))
+        self._micro_batch = self._micro_batch + 1 if micro_batch is None else micro_batch
+        while len(self.recorded) <= self._micro_batch:
+            self.recorded.append([None] * len(self.routers))
+            self.observed.append([None] * len(self.routers))
 
     def close(self) -> None:
         """Remove the hooks (the model keeps working with its own routing)."""

@@ -102,6 +102,7 @@ class ParallelLayout(ParallelDegrees):
                 return None
         ps.initialize_model_parallel(
             tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp if self.vpp > 1 else None,
             expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
             context_parallel_size=self.cp, distributed_timeout_minutes=timeout_minutes,
             # gloo side groups on NCCL too (Megatron's default): get_megatron_optimizer asks for the gloo data-parallel

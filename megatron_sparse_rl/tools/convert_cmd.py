@@ -43,7 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--etp", type=int, default=1, help="expert tensor parallel degree (default 1)")
         p.add_argument("--pipeline-layout", default=None,
                        help="Megatron-Core layout string of the pipeline stages, e.g. 'Ettt|tt|ttL' (default: "
-                            "balanced stages where --pp does not divide the layers)")
+                            "balanced stages where --pp does not divide the layers); with --vpp it has pp * vpp "
+                            "stages")
+        p.add_argument("--vpp", type=int, default=1,
+                       help="model chunks (virtual pipeline stages) per pipeline rank, as parallel.vpp (default 1; "
+                            "> 1 needs --pp > 1)")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --out (after success)")
         p.add_argument("--verbose", action="store_true", help="also show the libraries' warnings on the console "
                        f"(always in {tool_log_path('convert')})")
@@ -55,7 +59,8 @@ def convert(args: argparse.Namespace) -> None:
     """Run the conversion on this rank (the process group is initialised)."""
     from megatron_sparse_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
 
-    layout = dict(tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp, pipeline_layout=args.pipeline_layout)
+    layout = dict(tp=args.tp, ep=args.ep, pp=args.pp, etp=args.etp, pipeline_layout=args.pipeline_layout,
+                  vpp=args.vpp)
     if args.direction == "hf-to-mcore":
         hf_to_mcore(args.hf, args.out, overwrite=args.overwrite, verify=args.verify, **layout)
     else:

@@ -1,0 +1,55 @@
+"""`ModelChunks`: the model chunks of one pipeline rank under an interleaved pipeline (`parallel.vpp` > 1), and the
+helpers that treat one model and several chunks alike.
+
+    model = ModelChunks([chunk0, chunk1])   # chunk i: GPTModel(vp_stage=i), virtual stage i * pp + pp_rank
+    chunks_of(model)                        # [chunk0, chunk1]; [model] for a single model (vpp 1)
+    sharded_state_dict(model)               # {"model0": ..., "model1": ...}, as Megatron's training names them
+    load_sharded(model, state["model"])     # back into each chunk
+
+A `ModelChunks` is a `torch.nn.ModuleList`, so `modules()`, `parameters()`, `train()` and `eval()` reach every chunk:
+what finds layers by walking the modules (routers, indexers, attention hooks) sees all of this rank's layers and reads
+each one's global index from `layer_number`. At vpp 1 the learner keeps its single model as before (no ModelChunks).
+torch_dist keys are global (layer offsets are part of each sharded tensor), so a checkpoint saved with chunks loads
+into one model and the other way round: only the nesting of the Python dict differs.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ModelChunks(torch.nn.ModuleList):
+    """This pipeline rank's model chunks, in chunk (vp_stage) order; each a GPTModel or its DDP wrapper."""
+
+    def zero_grad_buffer(self) -> None:
+        for chunk in self:
+            chunk.zero_grad_buffer()
+
+
+def chunks_of(model) -> list:
+    """The chunks of `model`: its members for a ModelChunks, else [model]."""
+    return list(model) if isinstance(model, ModelChunks) else [model]
+
+
+def unwrap(model):
+    """The GPTModel inside DDP (and other `.module`) wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def sharded_state_dict(model) -> dict:
+    """Megatron's sharded state dict of `model`; of several chunks, one per chunk under model0, model1, ..."""
+    chunks = chunks_of(model)
+    if len(chunks) == 1:
+        return unwrap(chunks[0]).sharded_state_dict()
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def load_sharded(model, state: dict) -> None:
+    """Load what `dist_checkpointing.load` returned for `sharded_state_dict(model)` into `model`."""
+    chunks = chunks_of(model)
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(state)
+        return
+    for i, c in enumerate(chunks):
+        unwrap(c).load_state_dict(state[f"model{i}"])
