@@ -88,6 +88,9 @@ def _interleaved_problems(run: RunConfig, layout: ParallelDegrees) -> list[str]:
     if layout.vpp == 1:
         return []
     problems = []
+    if layout.cp > 1:
+        problems.append(f"parallel.vpp = {layout.vpp} with parallel.cp = {layout.cp}: the interleaved schedule at cp > 1 "
+                        "is not tested yet; use vpp 1 with context parallelism")
     if run.routing.indexer_replay != "none" or run.model.dsa_indexer_loss_coeff > 0:
         problems.append(f"routing.indexer_replay = {run.routing.indexer_replay!r} and model.dsa_indexer_loss_coeff = "
                         f"{run.model.dsa_indexer_loss_coeff:g} need parallel.vpp = 1 (got {layout.vpp}): a rank's DSA "
