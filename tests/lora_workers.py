@@ -63,8 +63,9 @@ def _sft_loss(tokens):
 
 def lora_save_worker(rank, world_size, model_dir, tokens, lora, path, steps_before, steps_after, fmt="adapter"):
     """A TP1 LoRA learner with random adapters: `steps_before` scheduled SFT steps, saved to `path` (fmt 'adapter':
-    its adapters alone, lora/checkpoint.py; 'learner': the run loop's torch_dist checkpoint, learner/checkpoint.py),
-    then `steps_after` more. Returns the logprobs at save and the adapters at the end."""
+    its adapters alone, lora/checkpoint.py; 'learner': the run loop's torch_dist checkpoint, learner/checkpoint.py,
+    which then also holds the adapters alone under adapter/), then `steps_after` more. Returns the logprobs at save
+    and the adapters at the end."""
     from megatron_sparse_rl.learner.checkpoint import save_learner
     from megatron_sparse_rl.lora.checkpoint import save_adapter
 
@@ -76,7 +77,7 @@ def lora_save_worker(rank, world_size, model_dir, tokens, lora, path, steps_befo
     if fmt == "adapter":
         save_adapter(path, learner, lora, model_dir)
     else:
-        save_learner(learner, path)
+        save_learner(learner, path, hf_files=model_dir)
     for _ in range(steps_after):
         learner.train_step(tokens, _sft_loss(tokens))
     return dict(logprobs=logprobs, adapters={n: p.detach().clone() for n, p in learner.lora_params.items()},

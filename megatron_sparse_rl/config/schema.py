@@ -171,8 +171,8 @@ class ModelConfig:
     rest of the model untouched; step metric indexer/kl_loss. 0 = off; > 0 needs a DSA model."""
     lora: LoraConfig | None = None
     """LoRA adapters (rank, alpha, dropout, target modules); null: none, every parameter trains. A run cannot train
-    them yet (the run loop does not save adapter checkpoints; the probe of a bf16/FP8 engine cannot check them):
-    validate refuses a run that sets it (docs/lora.md)."""
+    them yet (no such run is tested end to end; the probe of a bf16/FP8 engine cannot check them): validate refuses
+    a run that sets it (docs/lora.md)."""
 
     def __post_init__(self):
         _check(self.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff must be >= 0 (got {self.moe_aux_loss_coeff})")

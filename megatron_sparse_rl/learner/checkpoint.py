@@ -34,6 +34,7 @@ from megatron_sparse_rl.formats.manifest import HF_FILES_DIR
 from megatron_sparse_rl.formats.safe_load import check_checkpoint_files, load_torch_file
 from megatron_sparse_rl.learner.chunks import load_sharded, sharded_state_dict
 from megatron_sparse_rl.learner.integrity import DONE, digest_files, write_manifest
+from megatron_sparse_rl.lora.checkpoint import save_adapter
 from megatron_sparse_rl.patches import megatron_ckpt_queue, torch_dist_safe_load
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,10 @@ def _sharded_state(learner, is_loading: bool, with_optimizer: bool) -> dict:
     return state
 
 
+ADAPTER_DIR = "adapter"
+"""Where a LoRA learner's checkpoint (with `hf_files`) also holds its adapters alone, in PEFT's format."""
+
+
 def temporary_path(path: str | Path) -> Path:
     """Where `save_learner` writes the checkpoint for `path` before renaming it into place."""
     path = Path(path)
@@ -252,7 +257,8 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
     `owner`: the id of the run saving it (recorded in the manifest; a run resumes only its own checkpoints).
     `config`: the run's resolved config as a plain dict (`config.to_dict(run)`), saved as `run_config.json`.
     `hf_files`: the HF model directory whose config.json and tokenizer are saved under `hf/` (config fitted to the
-    learner's dtype), so that `msrl convert mcore-to-hf` of the checkpoint needs no --hf-config."""
+    learner's dtype), so that `msrl convert mcore-to-hf` of the checkpoint needs no --hf-config; a LoRA learner's
+    adapters are then also saved alone under `adapter/` (lora/checkpoint.py: PEFT's format, the base's digest)."""
     from megatron.core import dist_checkpointing
 
     megatron_ckpt_queue.apply()  # the writer's results queue must survive a stop signal to the process group
@@ -274,6 +280,8 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
             (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         if hf_files is not None:
             write_side_files(Path(hf_files), tmp / HF_FILES_DIR, dtype=param_dtype_name(learner))
+            if learner.lora_params:  # the adapters alone too, in PEFT's format, tied to this base
+                save_adapter(tmp / ADAPTER_DIR, learner, learner.lora, hf_files)
     dist.barrier()
     files = digest_files(tmp)  # collective: each rank hashes a share of the files
     if rank == 0:

@@ -72,6 +72,7 @@ class Learner:
         # LoRA (model.lora): the base frozen, adapters hooked on its linears; DDP and the optimizer hold them only
         self.lora_params = attach_lora(model, adapter, spec, model_cfg.lora, tp=layout.tp, pp=layout.pp,
                                        seed=cfg.seed) if model_cfg.lora is not None else {}
+        self.lora = model_cfg.lora  # config.LoraConfig or None: what an adapter checkpoint records
         self.lora_linears = adapted_linears(model)  # {weight name: its adapters}: a weight sync sends them merged
         self._layer_masks = None  # LayerAttentionMasks: hooks made on the first call with an attention mask
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

@@ -17,6 +17,7 @@ and renamed into place.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,19 +40,26 @@ PREFIX = "base_model.model."
 
 def base_digest(model_dir: str | Path) -> str:
     """sha256 of the base model's manifest: the sorted (file name, sha256) of its config.json and weight files
-    (tokenizer and generation files do not change the weights an adapter was trained against)."""
-    root = Path(model_dir)
+    (tokenizer and generation files do not change the weights an adapter was trained against). Computed once per
+    directory state (the files' names, sizes and mtimes), so a run saving adapters every few steps hashes its
+    base once."""
+    root = Path(model_dir).resolve()
     files = sorted(p for p in root.iterdir() if p.is_file() and (
         p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES) or p.name.endswith(INDEX_SUFFIX)))
     if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
         raise FileNotFoundError(f"{root}: no weight files (*.safetensors) to identify the base model by")
+    return _digest(root, tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(root: Path, files: tuple[tuple[str, int, int], ...]) -> str:
     manifest = {}
-    for p in files:
+    for name, _, _ in files:
         h = hashlib.sha256()
-        with open(p, "rb") as f:
+        with open(root / name, "rb") as f:
             while chunk := f.read(8 << 20):
                 h.update(chunk)
-        manifest[p.name] = h.hexdigest()
+        manifest[name] = h.hexdigest()
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 

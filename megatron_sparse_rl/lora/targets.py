@@ -175,7 +175,7 @@ def config_problems(lora, spec) -> list[str]:
             resolve_targets(lora.target_modules, spec)
         except ValueError as e:
             problems.append(str(e))
-    problems.append("model.lora: training with LoRA adapters is not supported yet (the run loop neither saves nor "
-                    "resumes adapter checkpoints, and the sync probe of a bf16 or FP8 engine cannot check a LoRA learner; "
+    problems.append("model.lora: training with LoRA adapters is not supported yet (no run with adapters has been "
+                    "tested end to end, and the sync probe of a bf16 or FP8 engine cannot check a LoRA learner; "
                     "docs/lora.md); leave model.lora unset (null) to train every parameter")
     return problems

@@ -121,7 +121,7 @@ def test_merged_export_equals_peft_merge_and_unload(tmp_path):
 def test_run_loop_learner_checkpoint_resumes_a_lora_learner_exactly(tmp_path):
     """The run loop's own checkpoint (learner/checkpoint.py save_learner/load_learner, torch_dist: the frozen base,
     the adapters and their Adam state) of a LoRA learner: the same logprobs after the load, and two steps on, the
-    adapters of the run that did not stop, bit for bit."""
+    adapters of the run that did not stop, bit for bit; likewise from the adapter-only copy it holds in adapter/."""
     model_dir = _model(tmp_path / "hf")
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
     path = str(tmp_path / "ckpt")
@@ -131,3 +131,8 @@ def test_run_loop_learner_checkpoint_resumes_a_lora_learner_exactly(tmp_path):
     assert resumed["step"] == straight["step"] == 4
     for name, value in straight["adapters"].items():
         assert torch.equal(resumed["adapters"][name], value), name
+    # the same checkpoint holds the adapters alone (PEFT's format, the base's digest), also resuming exactly
+    alone = run_distributed(lora_resume_worker, 1, args=(model_dir, TOKENS, lora, f"{path}/adapter", 2))[0]
+    assert torch.equal(alone["logprobs"], straight["logprobs"]) and alone["step"] == 4
+    for name, value in straight["adapters"].items():
+        assert torch.equal(alone["adapters"][name], value), name

@@ -2,8 +2,8 @@
 sync sends are the Hugging Face model's with every adapted weight W + (alpha / r) x B A, recomputed here in float64
 from the base's safetensors and the learner's adapters (within 1e-5 relative; fp32 rounding), every other tensor
 the base's bit for bit, and no adapter tensor sent. Loading a bf16 engine's weights back into a LoRA learner (the
-low-precision probe's EngineWeights.held_by) is refused, naming model.lora. Dense Qwen3 (q/k/v interleaved in linear_qkv, gate/up stacked
-in linear_fc1) and DeepSeek-V3 (MLA, a dense layer and shared experts).
+low-precision probe's EngineWeights.held_by) is refused, naming model.lora. Dense Qwen3 (q/k/v interleaved in
+linear_qkv, gate/up stacked in linear_fc1) and DeepSeek-V3 (MLA, a dense layer and shared experts).
 
     .venv/bin/python -m pytest -q tests/distributed/test_lora_sync.py
 """

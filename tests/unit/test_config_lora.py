@@ -1,7 +1,6 @@
 """`model.lora` (config/lora.py): off by default; its fields refused at load with the field named and what is allowed;
 a target module the model lacks refused at validate, listing the modules the model has; a run that sets it refused
-until a run trains adapters end to end (adapter checkpoints saved by the run loop, the probe of low-precision
-engines).
+until a run with adapters is tested end to end (and the probe of low-precision engines can check one).
 
     .venv/bin/python -m pytest -q tests/unit/test_config_lora.py
 """
@@ -80,6 +79,6 @@ def test_mla_targets_are_the_deepseek_modules():
 
 def test_a_run_with_lora_is_refused_until_adapter_checkpoints_and_sync_exist():
     text = _problems(CONFIGS / "tiny_moe.yaml", "model.lora.rank=16")
-    assert text == f"{NOT_YET} (the run loop neither saves nor resumes adapter checkpoints, and the sync probe of " \
-                   "a bf16 or FP8 engine cannot check a LoRA learner; docs/lora.md); leave model.lora unset (null) " \
-                   "to train every parameter"
+    assert text == f"{NOT_YET} (no run with adapters has been tested end to end, and the sync probe of a bf16 or " \
+                   "FP8 engine cannot check a LoRA learner; docs/lora.md); leave model.lora unset (null) to train " \
+                   "every parameter"
