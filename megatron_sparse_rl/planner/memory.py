@@ -12,6 +12,11 @@ ceil(layers / pp) layers, MoE layers first, plus the larger of embedding and out
 Activations follow Korthikanti et al. 2022 with TP + sequence parallel (everything / tp), flash attention (no
 s^2), 1F1B keeping `pp` micro-batches in flight on the first stage, fp32 logits and their gradient. A DSA indexer
 (DeepSeek-V3.2, GLM-5) is not split by TP: its parameters and activations count whole on every rank.
+Context parallelism (cp > 1) splits every sequence over cp ranks: activations and logits count seq_len / cp tokens,
+plus the K and V of the whole sequence that each attention gathers (bf16, hidden wide each: an upper bound for
+GQA/MLA; one layer's worth under full recompute); the weights are whole on every CP rank; the distributed
+optimizer shards dense states over dp * cp (Megatron's data-parallel group with context parallelism); expert data
+parallel stays world / (pp * ep).
 
 With LoRA (`lora_rank` > 0) the base is frozen in bf16 (2 B per parameter, no gradient, no optimizer state) and the
 adapters (lora/targets.py) train in fp32: weights 4 B, gradients 4 B, Adam m, v 8 B sharded over the data-parallel
@@ -132,6 +137,13 @@ class LayoutPlan:
     divide the layers; the memory model counts the largest, ceil(layers / pp))."""
     recipe: Recipe | None = None
     """The published recipe that uses this layout on this many GPUs."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks."""
+
+    @property
+    def name(self) -> str:
+        """'tp8 pp8 ep32', with ' cp2' after pp when cp > 1."""
+        return f"tp{self.tp} pp{self.pp}" + (f" cp{self.cp}" if self.cp > 1 else "") + f" ep{self.ep}"
 
     @property
     def total_gib(self) -> float:
@@ -168,14 +180,14 @@ def ep_nodes(ep: int, gpus: int, gpus_per_node: int) -> int:
 _LIMITS_PREFIX = "parallel layout does not fit the model: "
 
 
-def learner_limits(shape: ModelShape, tp: int, pp: int, ep: int, gpus: int) -> tuple[str, ...]:
+def learner_limits(shape: ModelShape, tp: int, pp: int, ep: int, gpus: int, cp: int = 1) -> tuple[str, ...]:
     """What this project's learner refuses in a layout Megatron could run (its own check, ParallelDegrees.check_model:
     tp must divide the vocabulary, pp must not exceed the layers, ...); () when it runs it. Uneven pipeline stages
     run (balanced, config/stages.py)."""
     if shape.spec is None:
         return ()
-    layout = ParallelDegrees(tp=tp, pp=pp, ep=ep, etp=1, dp=gpus // (tp * pp), world_size=gpus,
-                             sequence_parallel=tp > 1)
+    layout = ParallelDegrees(tp=tp, pp=pp, ep=ep, etp=1, dp=gpus // (tp * pp * cp), world_size=gpus,
+                             sequence_parallel=tp > 1, cp=cp)
     try:
         layout.check_model(shape.spec)
     except ValueError as e:
@@ -212,10 +224,10 @@ def lora_stage_params(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOp
     return dense, n_moe * (shape.num_experts // ep) * per_layer.get("experts", 0)
 
 
-def activation_bytes(shape: ModelShape, tp: int, pp: int, opts: PlanOptions) -> float:
+def activation_bytes(shape: ModelShape, tp: int, pp: int, opts: PlanOptions, cp: int = 1) -> float:
     """Activation bytes on the first stage (the one with the most micro-batches in flight)."""
     h, k = shape.hidden, shape.topk
-    tokens = opts.seq_len * opts.micro_batch
+    tokens = opts.seq_len * opts.micro_batch / cp
     attn = 2 * (2 * h + shape.act_attn) + 4 * shape.heads
     dense = 2 * (2 * h + 3 * shape.ffn)
     moe = 2 * (2 * h + k * (h + 3 * shape.moe_ffn) + 3 * shape.shared_ffn) + 4 * shape.num_experts
@@ -232,42 +244,45 @@ def activation_bytes(shape: ModelShape, tp: int, pp: int, opts: PlanOptions) -> 
     # a DSA indexer's activations are whole on every TP rank (it gathers the sequence-parallel input)
     indexer = shape.dsa.activation_bytes if shape.dsa else 0
     indexer_kept = indexer if opts.recompute == "full" else per_stage * indexer * in_flight
-    return tokens * ((kept + logits) / tp + indexer_kept)
+    # cp > 1: each attention gathers the whole sequence's K and V (2 x hidden bf16 per token, split by TP)
+    gathered = 0.0 if cp == 1 else (opts.seq_len * opts.micro_batch * 2 * 2 * h / tp
+                                    * (1 if opts.recompute == "full" else per_stage * in_flight))
+    return tokens * ((kept + logits) / tp + indexer_kept) + gathered
 
 
-def plan_layout(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions) -> LayoutPlan:
+def plan_layout(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions, cp: int = 1) -> LayoutPlan:
     world = opts.gpus
-    dp, edp = world // (tp * pp), world // (pp * ep)
+    dp, edp = world // (tp * pp * cp), world // (pp * ep)
     dense, experts = stage_params(shape, tp, pp, ep)
     grad_b = 4 if opts.grad_dtype == "fp32" else 2
     opt_b = 12 + (4 if grad_b == 2 else 0)
     if opts.lora_rank:  # the frozen base: bf16 weights only; the fp32 adapters: weights, grads, Adam m and v
         a_dense, a_experts = lora_stage_params(shape, tp, pp, ep, opts)
         weights, grads = 2 * (dense + experts) + 4 * (a_dense + a_experts), 4 * (a_dense + a_experts)
-        optim = 8 * (a_dense / dp + a_experts / edp)
+        optim = 8 * (a_dense / (dp * cp) + a_experts / edp)
     else:
         weights, grads = 2 * (dense + experts), grad_b * (dense + experts)
-        optim = opt_b * (dense / dp + experts / edp)
-    acts = activation_bytes(shape, tp, pp, opts)
-    plan = dict(tp=tp, pp=pp, ep=ep, dp=dp, edp=edp, weights_gib=weights / GiB, grads_gib=grads / GiB,
+        optim = opt_b * (dense / (dp * cp) + experts / edp)
+    acts = activation_bytes(shape, tp, pp, opts, cp)
+    plan = dict(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, edp=edp, weights_gib=weights / GiB, grads_gib=grads / GiB,
                 optimizer_gib=0.0 if opts.optimizer_offload else optim / GiB,
                 activations_gib=acts / GiB, host_optimizer_gib=optim / GiB if opts.optimizer_offload else 0.0,
                 usable_gib=opts.usable_gib, margin_gib=opts.margin_gib,
                 ep_nodes=ep_nodes(ep, world, opts.gpus_per_node),
-                learner_limits=learner_limits(shape, tp, pp, ep, world),
+                learner_limits=learner_limits(shape, tp, pp, ep, world, cp),
                 stages=balanced(shape.layers, pp) if pp <= shape.layers else (),
-                recipe=published_recipe(shape, gpus=world, tp=tp, pp=pp, ep=ep))
+                recipe=published_recipe(shape, gpus=world, tp=tp, pp=pp, ep=ep) if cp == 1 else None)
     states = plan["weights_gib"] + plan["grads_gib"] + plan["optimizer_gib"]
     problems = []
     # bf16 grads: -2 B per parameter held, +4 B of fp32 grads sharded over the data-parallel group
-    bf16_helps = not opts.lora_rank and 2 * (dense + experts) > 4 * (dense / dp + experts / edp)
+    bf16_helps = not opts.lora_rank and 2 * (dense + experts) > 4 * (dense / (dp * cp) + experts / edp)
     if states > opts.usable_gib:
         fixes = ["raise ep/pp (experts) or tp (dense)"] + memory_remedies(opts, activations=False,
                                                                           bf16_grads_help=bf16_helps)
         problems.append(f"weights+grads+optimizer {states:.1f} GiB > usable {opts.usable_gib:.1f} GiB: "
                         + one_of(fixes))
     elif states + plan["activations_gib"] > opts.usable_gib:
-        fixes = ["shorten --seq-len"] + memory_remedies(opts, bf16_grads_help=bf16_helps) + ["raise tp/pp"]
+        fixes = ["shorten --seq-len"] + memory_remedies(opts, bf16_grads_help=bf16_helps) + ["raise tp/pp/cp"]
         problems.append(f"activations {plan['activations_gib']:.1f} GiB leave no room "
                         f"({states + plan['activations_gib']:.1f} > {opts.usable_gib:.1f} GiB): " + one_of(fixes))
     return LayoutPlan(problems=tuple(problems), **plan)

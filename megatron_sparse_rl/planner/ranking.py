@@ -5,8 +5,10 @@
 
 Order: first by class (TIERS), then within a class: a published recipe's layout, the fewest nodes an
 expert-parallel group spans (its all-to-all, dispatch and combine in every MoE layer forward and backward, runs
-over NVLink inside a node and over the slower network across nodes), the least model parallelism tp*pp (fewer
-per-layer collectives, more data parallelism), fewer pipeline stages (bubble), the smallest ep, the most headroom.
+over NVLink inside a node and over the slower network across nodes), the least model parallelism tp*pp*cp (fewer
+per-layer collectives, more data parallelism), fewer pipeline stages (bubble), the least context parallelism (its
+K/V gathers), the smallest ep, the most headroom. Context parallelism (cp 2, 4, 8) is a candidate where the sequence
+splits into 2 x cp chunks; it ranks above cp 1 only where cp 1 does not fit or keeps less headroom class.
 A heuristic, not a simulator: it does not model all-to-all bandwidth or overlap.
 """
 from __future__ import annotations
@@ -31,11 +33,14 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
-def shard_problems(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions) -> list[str]:
-    """Why (tp, pp, ep) cannot shard `shape` on `opts.gpus` GPUs at all ([] if it can)."""
+def shard_problems(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptions, cp: int = 1) -> list[str]:
+    """Why (tp, pp, ep) at context parallel `cp` cannot shard `shape` on `opts.gpus` GPUs at all ([] if it can)."""
     p = []
-    if opts.gpus % (tp * pp) or (opts.gpus // pp) % ep:
-        p.append(f"{opts.gpus} GPUs do not divide into tp*pp={tp * pp} and ep={ep} per stage")
+    if opts.gpus % (tp * pp * cp) or (opts.gpus // pp) % ep:
+        mp = f"tp*pp={tp * pp}" if cp == 1 else f"tp*pp*cp={tp * pp * cp}"
+        p.append(f"{opts.gpus} GPUs do not divide into {mp} and ep={ep} per stage")
+    if cp > 1 and opts.seq_len % (2 * cp):
+        p.append(f"cp={cp}: seq {opts.seq_len} does not split into 2*cp={2 * cp} equal chunks")
     if tp > opts.gpus_per_node:
         p.append(f"tp={tp} > {opts.gpus_per_node} GPUs per node")
     if shape.heads % tp or (shape.kv_heads and shape.kv_heads % tp):
@@ -47,14 +52,15 @@ def shard_problems(shape: ModelShape, tp: int, pp: int, ep: int, opts: PlanOptio
     return p
 
 
-def candidate_layouts(shape: ModelShape, opts: PlanOptions) -> list[tuple[int, int, int]]:
-    """(tp, pp, ep) with tp, pp, ep powers of two that shard the model on the cluster."""
+def candidate_layouts(shape: ModelShape, opts: PlanOptions) -> list[tuple[int, int, int, int]]:
+    """(tp, pp, ep, cp) with tp, pp, ep powers of two and cp 1, 2, 4 or 8 that shard the model on the cluster."""
     out = []
     for tp in _pow2_upto(min(8, opts.gpus_per_node)):
         for pp in _pow2_upto(min(32, opts.gpus)):
             for ep in _pow2_upto(min(opts.gpus, max(shape.num_experts, 1))):
-                if not shard_problems(shape, tp, pp, ep, opts):
-                    out.append((tp, pp, ep))
+                for cp in _pow2_upto(min(8, opts.gpus)):
+                    if not shard_problems(shape, tp, pp, ep, opts, cp):
+                        out.append((tp, pp, ep, cp))
     return out
 
 
@@ -67,12 +73,12 @@ def tier(p: LayoutPlan) -> int:
 
 
 def rank_key(p: LayoutPlan):
-    return (tier(p), p.recipe is None, p.ep_nodes, p.tp * p.pp, p.pp, p.ep, -p.headroom_gib)
+    return (tier(p), p.recipe is None, p.ep_nodes, p.tp * p.pp * p.cp, p.pp, p.cp, p.ep, -p.headroom_gib)
 
 
 def rank_layouts(shape: ModelShape, opts: PlanOptions) -> list[LayoutPlan]:
     """Every candidate layout, best first (see the module docstring)."""
-    plans = [plan_layout(shape, tp, pp, ep, opts) for tp, pp, ep in candidate_layouts(shape, opts)]
+    plans = [plan_layout(shape, tp, pp, ep, opts, cp) for tp, pp, ep, cp in candidate_layouts(shape, opts)]
     return sorted(plans, key=rank_key)
 
 
@@ -99,13 +105,14 @@ def chosen_reason(plans: list[LayoutPlan]) -> str | None:
                  f"as in all {len(peers)}")
         why.append(f"its EP group runs {ep}, {among} layouts that rank as '{TIERS[t]}'")
         if sum(p.ep_nodes == best.ep_nodes for p in peers) > 1:
-            why.append(f"of those it has the least model parallelism (tp*pp {best.tp * best.pp}, pp {best.pp})")
+            mp = f"tp*pp {best.tp * best.pp}" if best.cp == 1 else f"tp*pp*cp {best.tp * best.pp * best.cp}"
+            why.append(f"of those it has the least model parallelism ({mp}, pp {best.pp})")
     else:
         why.append(f"its EP group runs {ep}")
     for i, p in enumerate(plans[1:], 2):
         if p.recipe is not None and p.fits:
-            why.append(f"the published layout tp{p.tp} pp{p.pp} ep{p.ep} ranks #{i}: {TIERS[tier(p)]}")
-    return f"chosen: tp{best.tp} pp{best.pp} ep{best.ep}: " + "; ".join(why)
+            why.append(f"the published layout {p.name} ranks #{i}: {TIERS[tier(p)]}")
+    return f"chosen: {best.name}: " + "; ".join(why)
 
 
 def fewest_gpus(shape: ModelShape, opts: PlanOptions, *, limit: int = 8192) -> tuple[int, LayoutPlan] | None:

@@ -4,8 +4,9 @@
 
 A recipe names its model by shape (architecture, layers, hidden size, routed experts), so a local copy of the
 same model directory matches as the bundled name does. Every entry was read from the recipe file it cites
-(NVIDIA-NeMo/RL, `examples/configs/recipes/llm/`); what the planner does not model (context parallelism, uneven
-first/last stages) is stated in `note` and printed with the layout.
+(NVIDIA-NeMo/RL, `examples/configs/recipes/llm/`); a recipe matches its layout at cp 1 (the planner ranks the
+recipe's context parallelism as a candidate of its own), and what else it sets (its cp, its hand-written stages) is
+stated in `note` and printed with the layout.
 """
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ _QWEN3_30B = dict(architecture="Qwen3MoeForCausalLM", layers=48, hidden=2048, nu
 
 RECIPES: tuple[Recipe, ...] = (
     Recipe(name=_NEMO_RL + "grpo-dapomath17k-dsv3-megatron.yaml", gpus=256, tp=8, pp=8, ep=32, **_DSV3,
-           note="the recipe adds context parallel 4, which the planner counts as data parallel: dp 4 here, 1 "
-                "there; stages of 7, 8 x 6, 6 layers; 16384 tokens"),
+           note="the recipe adds context parallel 4 (tp8 pp8 cp4 ep32, dp 1; this row is its cp 1 variant, dp 4); "
+                "stages of 7, 8 x 6, 6 layers; 16384 tokens"),
     Recipe(name=_NEMO_RL + "performance/grpo-deepseek-v3-32n8g.yaml", gpus=256, tp=1, pp=16, ep=16, **_DSV3,
            note="stages of 3, 4 x 14, 2 layers; 1536 tokens"),
     Recipe(name=_NEMO_RL + "performance/grpo-qwen3-235b-16n8g.yaml", gpus=128, tp=2, pp=8, ep=16, **_QWEN3_235B,
-           note="the recipe adds context parallel 2, which the planner counts as data parallel; stages of 11, "
-                "12 x 6, 11 layers; 8192 tokens"),
+           note="the recipe adds context parallel 2 (this row is its cp 1 variant); stages of 11, 12 x 6, 11 "
+                "layers; 8192 tokens"),
     Recipe(name=_NEMO_RL + "performance/grpo-qwen3-30ba3b-4n8g.yaml", gpus=32, tp=1, pp=1, ep=8, **_QWEN3_30B,
            note="4096 tokens"),
 )

@@ -52,7 +52,7 @@ def lora_lines(shape: ModelShape, opts: PlanOptions, adapters: AdapterCount, lor
             return "none up to 8192"
         gpus, p = found
         tight = "" if p.roomy else f", TIGHT: {p.headroom_gib:.1f} spare < margin {p.margin_gib:.1f}"
-        return f"{gpus} (tp{p.tp} pp{p.pp} ep{p.ep}, {p.total_gib:.1f} GiB/GPU{tight})"
+        return f"{gpus} ({p.name}, {p.total_gib:.1f} GiB/GPU{tight})"
 
     return [f"LoRA rank {opts.lora_rank} on {targets}: {count(adapters.total)} adapter parameters "
             f"({adapters.total / total:.2%} of the model; {count(adapters.dense)} on attention, dense MLP and shared "
@@ -92,8 +92,8 @@ def layout_lines(plans: list[LayoutPlan], opts: PlanOptions, top: int) -> list[s
             f"{'offloaded to host' if opts.optimizer_offload else 'on GPU'}"
             + (f"; LoRA rank {opts.lora_rank}: bf16 base frozen, fp32 adapters" if opts.lora_rank else ""))
     order = ("ranked: " + " > ".join(TIERS) + "; then a published recipe's layout, fewest nodes per EP group (epN), "
-             "least tp*pp, fewest stages, smallest ep, most headroom")
-    cols = f"{'#':>3} {'tp':>3} {'pp':>3} {'ep':>4} {'epN':>3} {'dp':>5} {'edp':>4} {'weights':>8} {'grads':>8} " \
+             "least tp*pp*cp, fewest stages, least cp, smallest ep, most headroom")
+    cols = f"{'#':>3} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>4} {'epN':>3} {'dp':>5} {'edp':>4} {'weights':>8} {'grads':>8} " \
            f"{'optim':>8} {'activ':>8} {'total':>8}  GiB/GPU"
     rank = {id(p): str(i) for i, p in enumerate(plans, 1) if p.fits}  # a layout that does not fit shows '-'
     fitting = [p for p in plans if p.fits][:top]
@@ -104,7 +104,7 @@ def layout_lines(plans: list[LayoutPlan], opts: PlanOptions, top: int) -> list[s
     rest = sorted((p for p in plans if not p.fits and id(p) not in shown), key=lambda p: p.total_gib)
     lines = [head, order, cols]
     for p in fitting + published + rest[:max(3, top // 2)]:
-        lines.append(f"{rank.get(id(p), '-'):>3} {p.tp:>3} {p.pp:>3} {p.ep:>4} {p.ep_nodes:>3} {p.dp:>5} {p.edp:>4} "
+        lines.append(f"{rank.get(id(p), '-'):>3} {p.tp:>3} {p.pp:>3} {p.cp:>3} {p.ep:>4} {p.ep_nodes:>3} {p.dp:>5} {p.edp:>4} "
                      f"{p.weights_gib:>8.1f} {p.grads_gib:>8.1f} {p.optimizer_gib:>8.1f} {p.activations_gib:>8.1f} "
                      f"{p.total_gib:>8.1f}  " + _status(p))
     reason = chosen_reason(plans)
@@ -255,11 +255,10 @@ def failures(shape: ModelShape, plans: list[LayoutPlan], opts: PlanOptions, roll
     if not any(p.fits for p in plans):  # tp = pp = ep = 1 always shards, so `plans` is never empty
         best = min(plans, key=lambda p: p.total_gib)
         where = f"{opts.gpus} x {opts.gpu_mem_gib:g} GiB GPUs"
-        out.append(f"no learner layout fits {shape.name} on {where}; the closest, tp{best.tp} pp{best.pp} "
-                   f"ep{best.ep}, needs {best.total_gib:.1f} GiB/GPU ({best.problems[0]})")
+        out.append(f"no learner layout fits {shape.name} on {where}; the closest, {best.name}, needs {best.total_gib:.1f} GiB/GPU ({best.problems[0]})")
     elif not any(p.fits and p.runs_here for p in plans):
         best = next(p for p in plans if p.fits)
-        out.append(f"no fitting learner layout runs in this learner: the best, tp{best.tp} pp{best.pp} ep{best.ep}, "
+        out.append(f"no fitting learner layout runs in this learner: the best, {best.name}, "
                    "needs what it refuses (" + "; ".join(best.learner_limits) + ")")
     if layout is not None and layout[1]:
         (tp, pp, ep), problems = layout

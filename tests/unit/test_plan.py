@@ -6,6 +6,7 @@ import pytest
 
 from megatron_sparse_rl.planner import PlanOptions, bundled_models, load_shape, plan_layout, rank_layouts, rollout_plan
 from megatron_sparse_rl.planner.memory import GiB
+from megatron_sparse_rl.planner.ranking import shard_problems
 from megatron_sparse_rl.tools import cli
 
 # Published totals. Qwen3-30B-A3B: 30.5B (Qwen3 model card / technical report). Qwen3-235B-A22B: 235B (same).
@@ -231,7 +232,8 @@ def test_cli_exits_1_and_says_so_when_no_layout_fits(tmp_path, monkeypatch, caps
     # 671B parameters with fp32 Adam on GPU: 186 GiB of states per GPU on 64 x 80 GiB at best (see above).
     code, out, err = _plan_in(tmp_path, monkeypatch, capsys, "deepseek-v3", "--gpus", "64", "--gpu-mem", "80")
     assert code == 1
-    assert "error: no learner layout fits deepseek-v3 on 64 x 80 GiB GPUs; the closest, tp8 pp1 ep64" in err
+    # the closest: the most sharding of the states (tp8, ep64), with cp8's shorter activations
+    assert "error: no learner layout fits deepseek-v3 on 64 x 80 GiB GPUs; the closest, tp8 pp1 cp8 ep64" in err
     assert "weights+grads+optimizer" in err and "NO:" in out  # the table is still printed, with its reasons
 
 
@@ -338,7 +340,7 @@ def test_deepseek_v3_256_gpus_chooses_the_published_uneven_layout(capsys):
     assert plans[0] is pub
     assert cli.main(["plan", "deepseek-v3", "--gpus", "256", "--gpu-mem", "80"]) == 0
     out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.split()[1:5] == ["8", "8", "32", "4"])
+    row = next(line for line in out.splitlines() if line.split()[1:6] == ["8", "8", "1", "32", "4"])
     assert "fits" in row and "uneven stages 8*5,7*3 layers" in row and "NOT IN THIS LEARNER" not in row
     assert "published: NeMo-RL examples/configs/recipes/llm/grpo-dapomath17k-dsv3-megatron.yaml" in row
     assert ("chosen: tp8 pp8 ep32: 14.7 GiB to spare, keeping the 8.0 GiB margin; this learner runs it with uneven "
@@ -453,3 +455,23 @@ def test_fp8_engine_weights_halve_engine_weight_memory(capsys):
     out = capsys.readouterr().out
     assert (f"rollout engine on 16 GPU(s): fp8 weights {deepseek_v3_params_by_hand() / 16 / GiB:.1f} GiB/GPU" in out
             and "fp8 engine weights / KV cache are projections" in out)
+
+
+def test_context_parallel_is_ranked_and_chosen_where_no_cp1_layout_fits():
+    """Qwen3-30B-A3B at 32K tokens on 8 x 80 GiB: no cp 1 layout fits (activations); cp 2 halves them and the
+    planner picks tp4 pp1 cp2 ep8. By hand against cp 1: activations / 2 plus the gathered K and V of the whole
+    sequence (2 x hidden 2048 bf16 per token, over tp 4); optimizer states unchanged (dense shards over dp * cp = 2
+    either way); weights whole on each CP rank."""
+    s = load_shape("qwen3-30b-a3b")
+    opts = PlanOptions(gpus=8, gpus_per_node=8, gpu_mem_gib=80)
+    plans = rank_layouts(s, opts)
+    assert not any(p.fits for p in plans if p.cp == 1)
+    best = plans[0]
+    assert (best.tp, best.pp, best.cp, best.ep, best.dp) == (4, 1, 2, 8, 1) and best.fits
+    assert best.name == "tp4 pp1 cp2 ep8"
+    cp1 = plan_layout(s, 4, 1, 8, opts)
+    assert best.activations_gib * GiB == pytest.approx(cp1.activations_gib * GiB / 2 + 32768 * 2 * 2 * 2048 / 4)
+    assert (best.weights_gib, best.grads_gib) == (cp1.weights_gib, cp1.grads_gib)
+    assert best.optimizer_gib == pytest.approx(cp1.optimizer_gib)
+    assert shard_problems(s, 1, 1, 8, PlanOptions(gpus=16, gpu_mem_gib=80, seq_len=1000), cp=8) == [
+        "cp=8: seq 1000 does not split into 2*cp=16 equal chunks"]
