@@ -56,7 +56,7 @@ class StandInRemote:
 
 
 def _groups(dp_rank=0):
-    return SimpleNamespace(tp_rank=0, pp_rank=0, dp_rank=dp_rank, model_parallel=None, learner=None)
+    return SimpleNamespace(tp_rank=0, pp_rank=0, cp_rank=0, dp_rank=dp_rank, model_parallel=None, learner=None)
 
 
 def _recording_work(seen):
