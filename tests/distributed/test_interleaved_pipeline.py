@@ -9,26 +9,16 @@ unit-tested (tests/unit/test_pipeline_stages.py)."""
 import pytest
 import torch
 
-from megatron_sparse_rl.models.tiny import build_tiny_hf_model
 from tests import learner_workers as W
 from tests.distributed.test_convert import _assert_identical
 from tests.distributed.test_deepseek import hf_grads
 from tests.distributed.test_learner import hf_reference
+from tests.distributed.test_uneven_pipeline import seven, tokens  # noqa: F401  (the 7-layer model and its batch)
 from tests.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 CHUNK_LAYERS = {0: [[1, 2], [5, 6]], 1: [[3, 4], [7]]}  # layer_number of each rank's chunks at 2,2,2,1
-
-
-@pytest.fixture(scope="module")
-def seven(tmp_path_factory):
-    return str(build_tiny_hf_model(tmp_path_factory.mktemp("seven"), layers=7, seed=3))
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    return torch.randint(3, 40, (4, 14), generator=torch.Generator().manual_seed(0))
 
 
 def _chunk_layers(learner):
