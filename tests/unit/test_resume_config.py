@@ -145,6 +145,18 @@ def test_a_section_set_on_one_side_only_is_one_change():
     assert str(change) == 'model.tiny: null -> {"hidden": 64}' and not change.allowed
 
 
+def test_a_long_value_keeps_both_ends():
+    """A path past 160 characters (JSON-quoted) loses its middle, not its tail, which tells runs apart."""
+    old, new = "/runs/a", "/scratch/" + "x" * 200 + "/run-7"
+    (change,) = compare({"logging": {"dir": old}}, {"logging": {"dir": new}})
+    quoted = '"' + new + '"'
+    shown = str(change).split(" -> ")[1]
+    assert len(shown) == 160 and shown == quoted[:78] + "..." + quoted[-79:] and shown.endswith('/run-7"')
+    # shorter ones are whole
+    (change,) = compare({"logging": {"dir": old}}, {"logging": {"dir": "/tmp/" + "y" * 140}})
+    assert str(change) == 'logging.dir: "/runs/a" -> "/tmp/' + "y" * 140 + '"'
+
+
 def test_what_is_allowed():
     for path in ("trainer.steps", "logging.dir", "checkpoint.keep_last", "parallel.tp", "launch.slurm.time",
                  "trainer.eval_every", "model.recompute_activations", "routing.record_stats"):
