@@ -66,32 +66,33 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
     marker = run.data.answer_marker  # the final answer follows it in a worked response ('' = the whole line)
     score = make_scorer(run.reward, answer_marker=marker)
     correct = make_scorer(run.reward, shaping=False, answer_marker=marker)
-    counters = state.resume_run(ctx) or {"sft_step": 0, "rl_step": 0, "sft_done": cfg.sft.max_steps == 0}
+    loop = state.resume_run(ctx)
+    # The engine's first load in this process is always probed; the every-N schedule counts the run's syncs
+    # across restarts (a resume's first sync is extra, so it does not count).
+    resumed = loop is not None
+    loop = loop or state.LoopState(sft_done=cfg.sft.max_steps == 0)
     # a signal during start-up stops before the first step; the preemption file is read after steps, as ever
     why = state.stop_requested(ctx, stops, preemption=False)
     if why:  # asked during start-up: nothing new to checkpoint
-        return _stopped(ctx, why, counters, None)
-    _announce(ctx, counters)
-    open_metrics(ctx, counters.pop("metrics_records", 0))  # a fresh run starts a fresh metrics.jsonl
+        return _stopped(ctx, why, loop, None)
+    _announce(ctx, loop)
+    open_metrics(ctx, loop.metrics_records)  # a fresh run starts a fresh metrics.jsonl
     report = Reporter(ctx, total=cfg.steps)
     probe = report.probe_tokens()
-    # The engine's first load in this process is always probed; the every-N schedule counts the run's syncs
-    # across restarts (a resume's first sync is extra, so it does not count).
-    resumed = "syncs" in counters
     # weight versions count the RL steps trained (RolloutBatch.token_version); the SFT stage's syncs are version 0
-    report.scalars(S.sync_step(ctx, 0, probe, version=counters["rl_step"]), step=counters["rl_step"], phase="sync")
-    counters["syncs"] = counters["syncs"] if resumed else 1
-    if not counters["sft_done"]:
-        why = sft_stage(ctx, correct, counters, report, probe, stops)
+    report.scalars(S.sync_step(ctx, 0, probe, version=loop.rl_step), step=loop.rl_step, phase="sync")
+    loop.syncs = loop.syncs if resumed else 1
+    if not loop.sft_done:
+        why = sft_stage(ctx, correct, loop, report, probe, stops)
         if why:
-            return _stopped(ctx, why, counters, state.save_run(ctx, counters))
+            return _stopped(ctx, why, loop, state.save_run(ctx, loop))
         if run.checkpoint.save_every:
-            state.save_run(ctx, counters)
-    if counters["rl_step"] == 0:
+            state.save_run(ctx, loop)
+    if loop.rl_step == 0:
         report.warm_start(S.evaluate(ctx, correct, cfg.eval_prompts))
-    queued, task_states = counters["rl_step"] - 1, {}  # the last step handed to the engines; task positions
-    schedule = BudgetSchedule.start(run.rollout.kv, counters.get("kv_budget"))  # None: rollout.kv.budget throughout
-    for step in range(counters["rl_step"], cfg.steps):
+    queued, task_states = loop.rl_step - 1, {}  # the last step handed to the engines; task positions
+    schedule = BudgetSchedule.start(run.rollout.kv, loop.kv_budget)  # None: rollout.kv.budget throughout
+    for step in range(loop.rl_step, cfg.steps):
         if schedule is not None:  # synchronous, colocated (validate): this step's rollouts at the scheduled budget
             S.apply_kv_budget(ctx, schedule.budget)
         batch, metrics = S.next_batch(ctx, step, score, correct)  # sampled ahead during earlier steps, or now
@@ -106,28 +107,28 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
         metrics.update(S.train_step(ctx, batch, version=step, kv_budget=schedule and schedule.budget))
         if schedule is not None:  # the next step's budget from this step's tail (kv/budget_schedule.py)
             metrics.update(schedule.after_step(metrics["mismatch/rho_p5"]))
-            counters["kv_budget"] = schedule.budget
-        metrics.update(S.sync_step(ctx, counters["syncs"], probe, version=step + 1))
-        counters["syncs"] += 1
+            loop.kv_budget = schedule.budget
+        metrics.update(S.sync_step(ctx, loop.syncs, probe, version=step + 1))
+        loop.syncs += 1
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
             metrics["eval/accuracy"] = S.evaluate(ctx, correct, cfg.eval_prompts)
-        counters["rl_step"] = step + 1
+        loop.rl_step = step + 1
         report.step(step + 1, metrics)
         # a checkpoint drops the batches sampled ahead: a resumed run samples those steps again, under its weights
         if run.checkpoint.save_every and (step + 1) % run.checkpoint.save_every == 0:
-            state.save_run(ctx, counters, task_state)
+            state.save_run(ctx, loop, task_state)
         why = state.stop_requested(ctx, stops)
         if why:
             if ctx.is_main:
                 log.warning("%s: checkpointing after RL step %d and exiting", why, step + 1)
-            return _stopped(ctx, why, counters, state.save_run(ctx, counters, task_state))
-    return report.finish(counters)
+            return _stopped(ctx, why, loop, state.save_run(ctx, loop, task_state))
+    return report.finish(loop)
 
 
-def _stopped(ctx, why: str, counters: dict, checkpoint) -> dict:
+def _stopped(ctx, why: str, loop: state.LoopState, checkpoint) -> dict:
     """The summary of a run stopped on request (tools/train_cmd.py exits EXIT_STOPPED with it); rank 0 says where
     it stopped and records it for the launcher (logs/stop.json)."""
-    where = f"RL step {counters['rl_step']}, SFT step {counters['sft_step']}"
+    where = loop.where()
     if ctx.is_main:
         state.record_stop(ctx, why, where, checkpoint)
         if ctx.writer is not None:  # flushes metrics.jsonl and ends the tracker runs (a resume reopens them)
@@ -138,13 +139,13 @@ def _stopped(ctx, why: str, counters: dict, checkpoint) -> dict:
             "checkpoint": str(checkpoint) if checkpoint else None}
 
 
-def _announce(ctx, counters: dict) -> None:
+def _announce(ctx, loop: state.LoopState) -> None:
     """The start line: which run, where, from which step, on which layout, and where the full log is."""
     if not ctx.is_main:
         return
     lay = ctx.layout
-    where = (f"continuing at RL step {counters['rl_step']} (SFT step {counters['sft_step']})"
-             if counters["rl_step"] or counters["sft_step"] else "from the start")
+    where = (f"continuing at RL step {loop.rl_step} (SFT step {loop.sft_step})"
+             if loop.rl_step or loop.sft_step else "from the start")
     log.info("run %s in %s, %s: %s (%.1fM parameters), %d RL steps, learner TP%d PP%d%s EP%d DP%d%s; full log: %s",
              ctx.owner.run_id[:8], ctx.run_dir, where, ctx.spec.architecture, ctx.spec.parameter_count() / 1e6,
              ctx.run.trainer.steps, lay.tp, lay.pp, f" CP{lay.cp}" if lay.cp > 1 else "", lay.ep, lay.dp,
@@ -154,24 +155,24 @@ def _announce(ctx, counters: dict) -> None:
                 "sampled ahead while this one trains)" if ctx.run.trainer.max_staleness else ""), ctx.run_dir / "logs")
 
 
-def sft_stage(ctx, correct, counters: dict, report, probe, stops: StopSignals) -> str | None:
+def sft_stage(ctx, correct, loop: state.LoopState, report, probe, stops: StopSignals) -> str | None:
     """Supervised warm-start until `trainer.sft.max_steps` or the target held-out accuracy; returns why it stopped
     early on request (a stop signal, checked after every step), else None."""
     cfg = ctx.run.trainer.sft
-    while counters["sft_step"] < cfg.max_steps:
-        metrics = S.sft_step(ctx, counters["sft_step"] + 1)
-        counters["sft_step"] += 1
-        if counters["sft_step"] % cfg.eval_every == 0 or counters["sft_step"] == cfg.max_steps:
-            metrics.update(S.sync_step(ctx, counters["syncs"], probe))
-            counters["syncs"] += 1
+    while loop.sft_step < cfg.max_steps:
+        metrics = S.sft_step(ctx, loop.sft_step + 1)
+        loop.sft_step += 1
+        if loop.sft_step % cfg.eval_every == 0 or loop.sft_step == cfg.max_steps:
+            metrics.update(S.sync_step(ctx, loop.syncs, probe))
+            loop.syncs += 1
             metrics["eval/accuracy"] = S.evaluate(ctx, correct, ctx.run.trainer.eval_prompts)
-            report.scalars(metrics, step=counters["sft_step"], phase="sft")
+            report.scalars(metrics, step=loop.sft_step, phase="sft")
             if cfg.target_accuracy and metrics["eval/accuracy"] >= cfg.target_accuracy:
                 break
         why = state.stop_requested(ctx, stops, preemption=False)  # the preemption file: after RL steps
         if why:
             return why
-    counters["sft_done"] = True
-    report.scalars(S.sync_step(ctx, counters["syncs"], probe), step=counters["sft_step"], phase="sync")
-    counters["syncs"] += 1
+    loop.sft_done = True
+    report.scalars(S.sync_step(ctx, loop.syncs, probe), step=loop.sft_step, phase="sync")
+    loop.syncs += 1
     return None

@@ -74,7 +74,7 @@ class RolloutBatch:
     loss_mask:        bool [B, R] or None. Multi-turn episodes (rollout/episodes.py): true on the model's own tokens,
                       false on the environment's tokens (tool results, chat markup) that sit in the response between
                       turns; the loss, the corrections and the mismatch metrics read only the tokens it marks
-                      (training/update.py `align_rollout`). None: every response token is the model's.
+                      (training/learner_batch.py `LearnerBatch`). None: every response token is the model's.
     episodes:         sums over the batch's episodes (counts and token totals, per turn too; rollout/episodes.py
                       `EPISODE_KEYS`), not per row; None for single-turn rollouts.
     kv_usage:         vLLM's KV block pool while this batch was sampled (not per row): peak_blocks (most blocks

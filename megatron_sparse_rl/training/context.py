@@ -11,13 +11,24 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.schema import RunConfig
 from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
+
+if TYPE_CHECKING:  # the set-up below imports these where it builds them
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_sparse_rl.data.task import Task
+    from megatron_sparse_rl.learner.learner import Learner
+    from megatron_sparse_rl.models.spec import ModelSpec
+    from megatron_sparse_rl.observability.metrics import MetricsWriter
+    from megatron_sparse_rl.parallel.layout import ParallelGroups, ParallelLayout
+    from megatron_sparse_rl.placement.placements import Placement
+    from megatron_sparse_rl.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +40,20 @@ class RunContext:
     model_dir: Path
     rank: int
     world_size: int
-    layout: Any
-    groups: Any
-    learner: Any
-    placement: Any
+    layout: ParallelLayout
+    groups: ParallelGroups
+    learner: Learner
+    placement: Placement
     """Where the engines are (placement/placements.py): the steps generate, sync and verify through it."""
-    tokenizer: Any
-    task: Any
-    writer: Any
-    spec: Any
-    reference: Any = None
-    """A frozen copy of the initial model (a Learner never stepped) when algorithm.kl.coef > 0."""
-    owner: Any = None
+    tokenizer: PreTrainedTokenizerBase
+    task: Task
+    writer: MetricsWriter | None
+    """Rank 0's metrics sink (`open_metrics`); None on the other ranks and before it opens."""
+    spec: ModelSpec
+    owner: RunDir
     """The run directory and this run's identity (run/run_dir.py `RunDir`)."""
+    reference: Learner | None = None
+    """A frozen copy of the initial model (a Learner never stepped) when algorithm.kl.coef > 0."""
 
     @property
     def dp_group(self):
@@ -151,7 +163,7 @@ def build_context(run: RunConfig, total_steps: int):
                                  depth=max(run.trainer.max_staleness, 1)) if n_rollout
                  else _colocated(run, run_dir, model_dir, spec, layout, groups))
     return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, placement, tokenizer, task,
-                      None, spec, reference, owner)
+                      writer=None, spec=spec, owner=owner, reference=reference)
 
 
 def _checked(run: RunConfig):
@@ -285,4 +297,4 @@ def open_metrics(ctx: RunContext, keep_records: int | None) -> None:
         cfg = ctx.run.logging
         ctx.writer = MetricsWriter(ctx.run_dir, tensorboard=cfg.tensorboard, keep_records=keep_records,
                                    layout=tensorboard_layout)
-        ctx.writer.trackers = open_trackers(cfg, ctx.run_dir, getattr(ctx.owner, "run_id", None), to_dict(ctx.run))
+        ctx.writer.trackers = open_trackers(cfg, ctx.run_dir, ctx.owner.run_id, to_dict(ctx.run))

@@ -74,12 +74,12 @@ class Reporter:
         if self.progress is not None:
             self.progress.update(step, metrics)
 
-    def finish(self, counters: dict) -> dict:
+    def finish(self, loop: state.LoopState) -> dict:
         """Final checkpoint, HF export and plot; returns the run summary."""
         ctx = self.ctx
-        ckpt = state.save_run(ctx, counters) if ctx.run.checkpoint.save_every or ctx.run.trainer.steps else None
+        ckpt = state.save_run(ctx, loop) if ctx.run.checkpoint.save_every or ctx.run.trainer.steps else None
         hf_dir = state.export_hf(ctx, ctx.run_dir / "hf_final")
-        summary = {"rank": ctx.rank, "rl_steps": counters["rl_step"], "sft_steps": counters["sft_step"],
+        summary = {"rank": ctx.rank, "rl_steps": loop.rl_step, "sft_steps": loop.sft_step,
                    "warm_start_accuracy": self.warm_start_accuracy, "final_accuracy": self.last_eval,
                    "seconds": round(time.perf_counter() - self.start, 1)}
         if ctx.is_main:

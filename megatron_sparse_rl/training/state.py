@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -37,20 +38,19 @@ def own_checkpoints(ctx: RunContext) -> list[Path]:
     return run_dir.own_checkpoints(checkpoint_dir(ctx), ctx.owner.run_id)
 
 
-def save_run(ctx: RunContext, counters: dict, task_state: dict | None = None) -> Path:
+def save_run(ctx: RunContext, loop: LoopState, task_state: dict | None = None) -> Path:
     """Checkpoint named after the RL step; keeps this run's newest `checkpoint.keep_last`. `task_state`: the task's
     position to resume from (default: now; asynchronous RL passes the one before the batch sampled ahead, which the
     checkpoint drops and a resumed run samples again)."""
     root = checkpoint_dir(ctx)
-    path = root / f"step_{counters['rl_step']:06d}_sft_{counters['sft_step']:06d}"
+    path = root / f"step_{loop.rl_step:06d}_sft_{loop.sft_step:06d}"
     if is_complete(path):  # already saved at this point of the run
         if owner_of(path) != ctx.owner.run_id:
             raise RunDirError(f"checkpoint {str(path)!r} was not written by this run ({ctx.owner.run_id}); "
                               "refusing to treat it as this run's")
         return path
     require_finite_weights(ctx.learner, "checkpoint", group=ctx.groups.learner)  # never a checkpoint of NaN weights
-    if ctx.writer is not None:
-        counters = {**counters, "metrics_records": ctx.writer.records}
+    counters = loop.saved(ctx.writer.records if ctx.writer is not None else None)
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -132,8 +132,8 @@ def newest_intact(ctx: RunContext) -> Path | None:
     return None
 
 
-def resume_run(ctx: RunContext) -> dict | None:
-    """Load this run's newest intact checkpoint when the run is resuming and has one; returns its loop counters.
+def resume_run(ctx: RunContext) -> LoopState | None:
+    """Load this run's newest intact checkpoint when the run is resuming and has one; returns its loop state.
     Its saved config is compared with the run's again (`run_dir.check_resume`): the claim compared the newest
     checkpoint's; when that one was damaged and this older one is loaded, a refusal is raised here, on every
     learner rank alike, and otherwise a second resume line names it."""
@@ -147,7 +147,7 @@ def resume_run(ctx: RunContext) -> dict | None:
         run_dir.announce_resume(ctx.owner.run_id, path, compared)
     try:  # the checkpoint's own state is checked (JSON reads) before any weight is loaded
         extra = read_common_state(path)["extra"]
-        counters = _saved_counters(path / COMMON, extra)
+        loop = LoopState.from_saved(path / COMMON, extra)
         try:
             ctx.task.load_state_dict(extra["task"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -159,33 +159,60 @@ def resume_run(ctx: RunContext) -> dict | None:
                           "written so: move that checkpoint out of the directory to resume from the one before it, or "
                           "start over with --set logging.overwrite=true") from None
     log.info("resumed from %s\n  %s", path, "\n  ".join(compared))  # the log file's record of the comparison
-    return counters
+    return loop
 
 
-RUN_COUNTERS = {"rl_step": int, "sft_step": int, "syncs": int, "sft_done": bool, "metrics_records": int,
+@dataclass
+class LoopState:
+    """The run loop's counters, saved in every run checkpoint as `extra.counters` of its common_state.json (the
+    format is unchanged: `saved()` writes the same keys `from_saved()` reads)."""
+
+    rl_step: int = 0
+    sft_step: int = 0
+    syncs: int = 0
+    """Weight syncs done: the every-N probe schedule counts them across restarts."""
+    sft_done: bool = False
+    kv_budget: int | None = None
+    """The budget rollout.kv.budget_schedule had reached (None without a schedule)."""
+    metrics_records: int = 0
+    """Records of metrics.jsonl at the checkpoint (a resumed run keeps that many); set on load only."""
+
+    def saved(self, metrics_records: int | None) -> dict:
+        """The mapping a checkpoint holds; `metrics_records`: the writer's records now (None: no writer)."""
+        out = {"rl_step": self.rl_step, "sft_step": self.sft_step, "syncs": self.syncs, "sft_done": self.sft_done}
+        if metrics_records is not None:
+            out["metrics_records"] = metrics_records
+        if self.kv_budget is not None:
+            out["kv_budget"] = self.kv_budget
+        return out
+
+    @classmethod
+    def from_saved(cls, file: Path, extra: dict) -> LoopState:
+        """`extra["counters"]` checked against SAVED_FIELDS; StateFileError naming `file` and the field otherwise."""
+        counters = extra.get("counters")
+        if not isinstance(counters, dict):
+            raise StateFileError(f"{file}: field 'extra.counters' must be a mapping of the run's loop counters (got "
+                                 f"{counters!r:.200})")
+        for name, kind in SAVED_FIELDS.items():
+            if name in OPTIONAL_FIELDS and name not in counters:
+                continue
+            value, least = counters.get(name), 1 if name == "kv_budget" else 0
+            ok = isinstance(value, bool) if kind is bool else type(value) is int and value >= least
+            if not ok:
+                rule = "true or false" if kind is bool else f"an integer >= {least}"
+                got = f"{value!r:.200}" if name in counters else "nothing"
+                raise StateFileError(f"{file}: field 'extra.counters.{name}' must be {rule} (got {got})")
+        return cls(**{name: counters[name] for name in SAVED_FIELDS if name in counters})
+
+    def where(self) -> str:
+        return f"RL step {self.rl_step}, SFT step {self.sft_step}"
+
+
+SAVED_FIELDS = {"rl_step": int, "sft_step": int, "syncs": int, "sft_done": bool, "metrics_records": int,
                 "kv_budget": int}
-"""The loop counters a run's checkpoint holds (`extra.counters` of its common_state.json) and their types; all but
-metrics_records (the records of metrics.jsonl, absent when the run kept none) and kv_budget (the budget
-rollout.kv.budget_schedule had reached, absent without it; >= 1) are required."""
-OPTIONAL_COUNTERS = ("metrics_records", "kv_budget")
-
-
-def _saved_counters(file: Path, extra: dict) -> dict:
-    """`extra["counters"]`, checked against RUN_COUNTERS; StateFileError naming `file` and the field otherwise."""
-    counters = extra.get("counters")
-    if not isinstance(counters, dict):
-        raise StateFileError(f"{file}: field 'extra.counters' must be a mapping of the run's loop counters (got "
-                             f"{counters!r:.200})")
-    for name, kind in RUN_COUNTERS.items():
-        if name in OPTIONAL_COUNTERS and name not in counters:
-            continue
-        value, least = counters.get(name), 1 if name == "kv_budget" else 0
-        ok = isinstance(value, bool) if kind is bool else type(value) is int and value >= least
-        if not ok:
-            rule = "true or false" if kind is bool else f"an integer >= {least}"
-            got = f"{value!r:.200}" if name in counters else "nothing"
-            raise StateFileError(f"{file}: field 'extra.counters.{name}' must be {rule} (got {got})")
-    return counters
+"""The loop counters a run's checkpoint holds and their types; all but metrics_records (absent when the run kept
+no metrics) and kv_budget (absent without rollout.kv.budget_schedule; >= 1) are required."""
+OPTIONAL_FIELDS = ("metrics_records", "kv_budget")
 
 
 def stop_requested(ctx: RunContext, stops, *, preemption: bool = True) -> str | None:

@@ -1,6 +1,6 @@
-"""The learner side of one RL step: align the rollout with the learner's token layout, take the old logprobs from
-their source (`OLD_LOGPROB_SOURCES`, keyed by algorithm.old_logprobs), compute advantages and off-policy
-corrections, and run the policy-gradient updates.
+"""The learner side of one RL step: the rollout in the learner's token layout (training/learner_batch.py
+`LearnerBatch`), the old logprobs from their source (`OLD_LOGPROB_SOURCES`, keyed by algorithm.old_logprobs),
+advantages and off-policy corrections, and the policy-gradient updates.
 
     prep = prepare(learner, batch, cfg, pad_id=pad, dp_group=dp)   # final: every mask applied, every per-token tensor
     metrics = update(learner, prep, cfg, updates=2, dp_group=dp)
@@ -28,6 +28,7 @@ from megatron_sparse_rl.learner.extras import ForwardExtras
 from megatron_sparse_rl.moe.indexer_storage import IndexerRecord
 from megatron_sparse_rl.learner.routing import RoutingResult
 from megatron_sparse_rl.rollout.batch import RolloutBatch
+from megatron_sparse_rl.training.learner_batch import LearnerBatch
 from megatron_sparse_rl.training.sparse_kv import drop_preempted
 
 
@@ -72,47 +73,24 @@ class PreparedBatch:
     otherwise."""
 
 
-def align_rollout(batch: RolloutBatch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [B, T], response mask [B, T-1], rollout logprobs [B, T-1]) in the learner's shifted layout. The mask
-    marks the model's tokens: every response token, or those of `batch.loss_mask` when the batch has one."""
-    tokens, _, response_positions = batch.sequences(pad_id)
-    mask = response_positions[:, 1:]
-    if batch.loss_mask is not None:  # episodes: the environment's tokens stay in `tokens`, out of the loss
-        mask = _aligned(batch, batch.loss_mask, mask.shape).bool()
-    return tokens, mask, _aligned(batch, batch.rollout_logprobs, mask.shape)
-
-
-def _aligned(batch: RolloutBatch, values: torch.Tensor, shape) -> torch.Tensor:
-    """Per-response-token `values` [B, R] placed in the learner's shifted layout `shape` [B, T-1] (0 elsewhere)."""
-    aligned = torch.zeros(shape, dtype=torch.float32)
-    rows, cols = torch.nonzero(batch.response_mask, as_tuple=True)
-    aligned[rows, batch.prompt_lens[rows] - 1 + cols] = values[rows, cols].float()
-    return aligned
-
-
-def tool_split_metrics(batch: RolloutBatch, old_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, *,
-                       group=None) -> dict[str, float]:
+def tool_split_metrics(view: LearnerBatch, old_lp: torch.Tensor, *, group=None) -> dict[str, float]:
     """Episodes: the mu / pi_old mismatch (k1, k3) of the model's tokens before the first environment token of their
     row (`mismatch/k1_before_tool`) and after it (`mismatch/k1_after_tool`), where a tool's output the model never
-    generated precedes them. All [B, T-1] in the learner's layout; `mask` the model's tokens (`align_rollout`)."""
-    env_tokens = _aligned(batch, (batch.response_mask & ~batch.loss_mask).float(), mask.shape) > 0
-    after = mask & (env_tokens.cumsum(dim=1) > 0)
+    generated precedes them. `old_lp` [B, T-1] in the learner's layout."""
+    mask = view.mask
+    after = mask & (view.env_tokens.cumsum(dim=1) > 0)
     out = {}
     for name, part in (("before_tool", mask & ~after), ("after_tool", after)):
-        m = mismatch_metrics(old_lp, rollout_lp, part, group=group)
+        m = mismatch_metrics(old_lp, view.rollout_logprobs, part, group=group)
         out.update({f"mismatch/k1_{name}": m["mismatch/k1"], f"mismatch/k3_{name}": m["mismatch/k3"]})
     return _scalar_metrics(out)
 
 
 @dataclass(frozen=True)
 class OldPolicyInputs:
-    """What a pi_old source reads: the batch and its learner layout (`align_rollout`)."""
+    """What a pi_old source reads: the batch in the learner's layout."""
 
-    batch: RolloutBatch
-    tokens: torch.Tensor
-    mask: torch.Tensor
-    rollout_logprobs: torch.Tensor
-    lengths: torch.Tensor
+    batch: LearnerBatch
     support: Any
     """The sampling support pi_old is renormalised over (`sampling_keep`), or None."""
     dp_group: Any = None
@@ -128,13 +106,13 @@ def _learner_recompute(learner, x: OldPolicyInputs):
     routing.indexer_replay = R2 records the indexers' top-k, R3 replays the engine's, padded to the call's width
     like the routes' tokens); with routing.attribute_mismatch a second forward routed the other way
     (`_routing_attribution`)."""
-    routing = learner.routing
-    request = routing.old_forward(x.batch.routed_experts) if routing else None
-    engine_indices = None if x.batch.indexer_record is None else x.batch.indexer_record.padded(x.tokens.shape[1] - 1)
+    routing, view, rollout = learner.routing, x.batch, x.batch.rollout
+    request = routing.old_forward(rollout.routed_experts) if routing else None
+    engine_indices = None if rollout.indexer_record is None else rollout.indexer_record.padded(view.tokens.shape[1] - 1)
     indexer = learner.indexer.old_forward(engine_indices) if learner.indexer else None
-    out = learner.forward_logprobs(x.tokens, lengths=x.lengths,
+    out = learner.forward_logprobs(view.tokens, lengths=view.lengths,
                                    extras=ForwardExtras(sampling_support=x.support, routes=request, indexer=indexer))
-    old = routing.after_old_forward(out.get("routing"), x.batch.routed_experts) if routing else None
+    old = routing.after_old_forward(out.get("routing"), rollout.routed_experts) if routing else None
     metrics = {"old_logprobs/learner_forwards": 1.0}
     if indexer is not None:
         replayed, indexer_metrics = learner.indexer.after_old_forward(out["indexer"], engine_indices)
@@ -148,11 +126,11 @@ def _learner_recompute(learner, x: OldPolicyInputs):
 def _routing_attribution(learner, x: OldPolicyInputs, old_lp: torch.Tensor) -> dict[str, float]:
     """routing.attribute_mismatch: pi_old again over the same tokens, routed the other way (off/R2: the engine's
     routes replayed; R3: the learner's own), and the mismatch of mu against both (global over x.dp_group)."""
-    routing = learner.routing
-    extras = ForwardExtras(sampling_support=x.support, routes=routing.counterfactual(x.batch.routed_experts))
-    other = learner.forward_logprobs(x.tokens, lengths=x.lengths, extras=extras)["logprobs"]
+    routing, view = learner.routing, x.batch
+    extras = ForwardExtras(sampling_support=x.support, routes=routing.counterfactual(view.rollout.routed_experts))
+    other = learner.forward_logprobs(view.tokens, lengths=view.lengths, extras=extras)["logprobs"]
     engine, own = (old_lp, other) if routing.old_forward_replays_engine else (other, old_lp)
-    return _scalar_metrics(routing_attribution(engine, own, x.rollout_logprobs, x.mask, group=x.dp_group))
+    return _scalar_metrics(routing_attribution(engine, own, view.rollout_logprobs, view.mask, group=x.dp_group))
 
 
 def _no_learner_forward(learner, x: OldPolicyInputs):
@@ -161,23 +139,21 @@ def _no_learner_forward(learner, x: OldPolicyInputs):
                          "indexers' top-k in the learner's old-policy forward, which this algorithm.old_logprobs "
                          "source skips; use 'learner'")
     routing = learner.routing
-    return routing.without_old_forward(x.batch.routed_experts) if routing else None
+    return routing.without_old_forward(x.batch.rollout.routed_experts) if routing else None
 
 
 def _sampler(learner, x: OldPolicyInputs):
     """The sampler's own logprobs mu (no learner forward)."""
-    return x.rollout_logprobs.clone(), _no_learner_forward(learner, x), {"old_logprobs/learner_forwards": 0.0}
+    return x.batch.rollout_logprobs.clone(), _no_learner_forward(learner, x), {"old_logprobs/learner_forwards": 0.0}
 
 
 def _engine_mean(learner, x: OldPolicyInputs):
     """logsumexp of the engine's n re-scorings minus log n (no learner forward)."""
-    batch, old = x.batch, _no_learner_forward(learner, x)
-    if batch.rescored_logprobs is None:
+    view, old = x.batch, _no_learner_forward(learner, x)
+    if view.rescored_logprobs is None:
         raise ValueError("algorithm.old_logprobs = engine_mean but the rollout batch carries no engine re-scorings "
                          "(RolloutBatch.rescored_logprobs); the rollout step must ask the engine for them")
-    scorings = torch.stack([_aligned(batch, batch.rescored_logprobs[:, j], x.mask.shape)
-                            for j in range(batch.rescored_logprobs.shape[1])])
-    old_lp, spread = engine_mean_logprobs(scorings, x.mask)
+    old_lp, spread = engine_mean_logprobs(view.rescored_logprobs, view.mask)
     return old_lp, old, {"old_logprobs/learner_forwards": 0.0, **_scalar_metrics(spread)}
 
 
@@ -262,18 +238,17 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     preempted compressed samples out of the loss (training/sparse_kv.py `drop_preempted`)."""
     if batch.reward is None:
         raise ValueError("the rollout batch has no rewards; score it before the update")
-    tokens, mask, rollout_lp = align_rollout(batch, pad_id)
-    lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
+    view = LearnerBatch.from_rollout(batch, pad_id)
+    tokens, mask, rollout_lp, lengths = view.tokens, view.mask, view.rollout_logprobs, view.lengths
     support = sampling_keep(batch, cfg)
-    old_lp, old, source_metrics = old_logprob_source(cfg).old_policy(
-        learner, OldPolicyInputs(batch, tokens, mask, rollout_lp, lengths, support, dp_group))
+    old_lp, old, source_metrics = old_logprob_source(cfg).old_policy(learner, OldPolicyInputs(view, support, dp_group))
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
     corr = apply_corrections(_rollout_time(cfg.corrections), old_lp, rollout_lp, mask, advantages=advantages,
                              group=dp_group)
     metrics = _scalar_metrics({**mismatch_metrics(old_lp, rollout_lp, mask, group=dp_group),
                                **tail_metrics(old_lp, rollout_lp, mask, group=dp_group)})
     if batch.loss_mask is not None:
-        metrics.update(tool_split_metrics(batch, old_lp, rollout_lp, mask, group=dp_group))
+        metrics.update(tool_split_metrics(view, old_lp, group=dp_group))
     metrics.update(source_metrics)
     if cfg.corrections.opsm.enabled:
         metrics["opsm/masked_seq_frac_at_pi_old"] = _opsm_frac_at_old(cfg.corrections, rollout_lp, old_lp, mask,
@@ -293,10 +268,10 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     if batch.kv_keep is not None:
         keep, metrics["kv/preempted_dropped_frac"] = drop_preempted(keep, batch.kv_keep)
         counted, _ = drop_preempted(counted, batch.kv_keep)
-    versions = None if batch.token_version is None else _aligned(batch, batch.token_version, mask.shape)
     return PreparedBatch(tokens, keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
-                         response_mask=mask, sampling_support=support, token_version=versions, counted=counted,
+                         response_mask=mask, sampling_support=support, token_version=view.token_version,
+                         counted=counted,
                          learner_routes=old.learner_routes if old else None,
                          indexer_record=old.indexer if old else None)
 

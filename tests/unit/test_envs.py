@@ -30,8 +30,8 @@ from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.rollout.engine import SampledTurn
 from megatron_sparse_rl.rollout.episodes import run_episodes
 from megatron_sparse_rl.tools import cli
+from megatron_sparse_rl.training.learner_batch import LearnerBatch
 from megatron_sparse_rl.training.preflight import tool_problems
-from megatron_sparse_rl.training.update import align_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS_ENV = ["env.kind=tools", "data.template=chat"]
@@ -234,7 +234,8 @@ def test_episode_sequence_and_loss_mask_equal_a_hand_built_one(tok):
         (3, 1, 0, 1, 3)
     assert ep["reprefill_tokens"] == len(sample.ids) + len("calc(12*3)\n")  # no prefix cache: all of it again
     # the learner's mask: model tokens only, in the shifted layout (column t scores token t + 1)
-    _, mask, lp = align_rollout(batch, pad_id=0)
+    view = LearnerBatch.from_rollout(batch, pad_id=0)
+    mask, lp = view.mask, view.rollout_logprobs
     p = len(sample.ids)
     want = torch.zeros_like(mask)
     want[0, p - 1:p - 1 + len(hand)] = torch.tensor(hand)
@@ -310,13 +311,16 @@ def test_k1_before_and_after_the_tool_by_hand():
         prompt_ids=torch.tensor([[1, 2], [1, 2]]), prompt_lens=torch.tensor([2, 2]),
         response_ids=torch.tensor([[10, 11, 20, 21, 12], [13, 0, 0, 0, 0]]),
         response_mask=torch.tensor([[True] * 5, [True] + [False] * 4]),
-        rollout_logprobs=torch.zeros(2, 5), finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]),
+        rollout_logprobs=torch.tensor([[-1.0, -2.0, 0.0, 0.0, -3.0], [-0.5, 0.0, 0.0, 0.0, 0.0]]),
+        finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]),
         loss_mask=torch.tensor([[True, True, False, False, True], [True] + [False] * 4]))
-    tokens, mask, _ = align_rollout(batch, pad_id=0)
-    assert mask.tolist() == [[False, True, True, False, False, True], [False, True, False, False, False, False]]
+    view = LearnerBatch.from_rollout(batch, pad_id=0)
+    assert view.mask.tolist() == [[False, True, True, False, False, True], [False, True, False, False, False, False]]
+    assert view.env_tokens.tolist() == [[False, False, False, True, True, False], [False] * 6]
     mu = torch.tensor([[0.0, -1.0, -2.0, 0.0, 0.0, -3.0], [0.0, -0.5, 0.0, 0.0, 0.0, 0.0]])
+    assert torch.equal(view.rollout_logprobs, mu)
     old = torch.tensor([[0.0, -1.1, -2.3, -9.0, -9.0, -2.0], [0.0, -0.4, 0.0, 0.0, 0.0, 0.0]])
-    m = tool_split_metrics(batch, old, mu, mask)
+    m = tool_split_metrics(view, old)
     # k1 = mean(mu - pi_old): before the tool tokens 10, 11 (row 0) and 13 (row 1); after it token 12 only
     assert m["mismatch/k1_before_tool"] == pytest.approx((0.1 + 0.3 - 0.1) / 3, abs=1e-6)
     assert m["mismatch/k1_after_tool"] == pytest.approx(-1.0, abs=1e-6)

@@ -208,6 +208,7 @@ def test_r2_and_none_requests_unchanged():
 def test_learner_recompute_replays_the_engine_rows_in_the_learner_layout():
     """`_learner_recompute` with a stand-in learner: the old forward gets the batch's engine rows padded to the
     call's width (hand-built), the updates get the engine's record, the metrics the learner-vs-engine comparison."""
+    from megatron_sparse_rl.training.learner_batch import LearnerBatch
     from megatron_sparse_rl.training.update import OldPolicyInputs, _learner_recompute
 
     rows = engine_indexer_rows([SEQ, SEQ[:3]], [SEEN, SEEN], layers=(0, 1), topk=3)
@@ -220,8 +221,9 @@ def test_learner_recompute_replays_the_engine_rows_in_the_learner_layout():
         return {"logprobs": torch.zeros(2, 4), "indexer": IndexerResult(record=_record(1),
                                                                         metrics={"indexer/flip_rate": 0.125})}
     learner = SimpleNamespace(routing=None, indexer=_learner_indexer("R3"), forward_logprobs=forward_logprobs)
-    x = OldPolicyInputs(batch, tokens, torch.ones(2, 4, dtype=torch.bool), torch.zeros(2, 4), torch.tensor([5, 3]),
-                        None)
+    view = LearnerBatch.from_rollout(batch, pad_id=0)
+    assert torch.equal(view.tokens, tokens) and view.lengths.tolist() == [5, 3]
+    x = OldPolicyInputs(view, None)
     _, old, metrics = _learner_recompute(learner, x)
     replay = seen_requests[0].replay
     assert tuple(replay.indices.shape) == (2, 4, 2, 3)

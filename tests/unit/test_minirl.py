@@ -21,7 +21,8 @@ from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.config.algorithm import (
     AlgorithmConfig, CorrectionsConfig, LossConfig, TISConfig,
 )
-from megatron_sparse_rl.training.update import PreparedBatch, align_rollout, make_loss, prepare
+from megatron_sparse_rl.training.learner_batch import LearnerBatch
+from megatron_sparse_rl.training.update import PreparedBatch, make_loss, prepare
 from tests.unit.test_training_update import two_sample_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,7 +184,8 @@ def test_pi_theta_tis_in_apply_corrections_with_and_without_current_logprobs():
 
 def test_prepare_leaves_the_current_policy_tis_to_the_updates():
     batch = two_sample_batch()
-    _, mask, mu = align_rollout(batch, pad_id=0)
+    view = LearnerBatch.from_rollout(batch, pad_id=0)
+    mask, mu = view.mask, view.rollout_logprobs
 
     class Learner:
         routing = None

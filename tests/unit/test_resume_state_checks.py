@@ -18,7 +18,7 @@ import torch
 
 from megatron_sparse_rl.learner import checkpoint as C
 from megatron_sparse_rl.learner.checkpoint import StateFileError
-from megatron_sparse_rl.training.state import _saved_counters
+from megatron_sparse_rl.training.state import LoopState
 from tests.snapshot import snapshot
 
 GOOD = {"step": 2, "scheduler": {"num_steps": 2, "max_lr": 1e-5}, "world_size": 1,
@@ -76,16 +76,20 @@ def test_a_loop_counter_of_the_wrong_type_is_named(tmp_path, change, field, rule
     change(counters)
     file = tmp_path / C.COMMON
     with pytest.raises(StateFileError, match=rf"^{file}: field 'extra.counters.{field}' must be {rule} \(got "):
-        _saved_counters(file, {"counters": counters})
+        LoopState.from_saved(file, {"counters": counters})
 
 
 def test_counters_that_are_not_a_mapping_and_well_formed_ones(tmp_path):
     file = tmp_path / C.COMMON
     with pytest.raises(StateFileError, match=r"field 'extra.counters' must be a mapping of the run's loop counters"):
-        _saved_counters(file, {"counters": [0, 2]})
+        LoopState.from_saved(file, {"counters": [0, 2]})
     counters = {k: v for k, v in GOOD["extra"]["counters"].items() if k != "metrics_records"}  # optional
-    assert _saved_counters(file, {"counters": counters}) == counters
-    assert _saved_counters(file, {"counters": {**counters, "kv_budget": 48}})["kv_budget"] == 48  # optional too
+    loop = LoopState.from_saved(file, {"counters": counters})
+    assert (loop.metrics_records, loop.kv_budget) == (0, None)
+    assert loop.saved(None) == counters  # the same mapping back, as the next checkpoint writes it
+    assert loop.saved(7) == {**counters, "metrics_records": 7}
+    loop = LoopState.from_saved(file, {"counters": {**counters, "kv_budget": 48}})  # optional too
+    assert loop.kv_budget == 48 and loop.saved(None) == {**counters, "kv_budget": 48}
 
 
 # ---- RNG files -------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import torch
 from megatron_sparse_rl.algorithms import loss_normalizer
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig, OPSMConfig
 from megatron_sparse_rl.rollout.batch import RolloutBatch
-from megatron_sparse_rl.training.update import PreparedBatch, align_rollout, make_loss, prepare, reduce_metrics
+from megatron_sparse_rl.training.learner_batch import LearnerBatch
+from megatron_sparse_rl.training.update import PreparedBatch, make_loss, prepare, reduce_metrics
 
 
 def test_rollout_logprobs_land_on_the_learner_positions_that_score_them():
@@ -22,7 +23,8 @@ def test_rollout_logprobs_land_on_the_learner_positions_that_score_them():
         rollout_logprobs=torch.tensor([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]]),
         finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]),
     )
-    tokens, mask, lp = align_rollout(batch, pad_id=0)
+    view = LearnerBatch.from_rollout(batch, pad_id=0)
+    tokens, mask, lp = view.tokens, view.mask, view.rollout_logprobs
     assert tokens.tolist() == [[1, 5, 6, 7, 2], [1, 9, 4, 4, 2]]
     # learner column t scores token t + 1: sample 0's response tokens sit at 3, 4 -> columns 2, 3
     assert mask.tolist() == [[False, False, True, True], [False, True, True, True]]
@@ -104,7 +106,8 @@ def test_prepare_leaves_opsm_to_the_updates():
     # sample 0 (reward 0: A < 0) and sample 1 (reward 1: A > 0); pi_old is 1.0 below mu on every response
     # token, so OPSM at pi_theta = pi_old would drop sample 0. It must not be applied at rollout time.
     batch = two_sample_batch()
-    _, mask, mu = align_rollout(batch, pad_id=0)
+    view = LearnerBatch.from_rollout(batch, pad_id=0)
+    mask, mu = view.mask, view.rollout_logprobs
     old = torch.where(mask, mu - 1.0, torch.zeros(()))
     prep = prepare(_FixedLearner(old), batch, OPSM_ON, pad_id=0, dp_group=None)
     assert torch.equal(prep.mask, mask)  # nothing dropped before the updates
@@ -128,7 +131,8 @@ def test_prepare_is_final_it_drops_preempted_compressed_samples_and_aligns_token
         kv_keep=(KVKeepRecord(lengths=(3,), preempted=True), KVKeepRecord(lengths=())),
         token_version=torch.tensor([[0, 0, 1], [0, 1, 1]]),
     )
-    _, mask, mu = align_rollout(batch, pad_id=0)
+    view = LearnerBatch.from_rollout(batch, pad_id=0)
+    mask, mu = view.mask, view.rollout_logprobs
     prep = prepare(_FixedLearner(mu.clone()), batch, AlgorithmConfig(), pad_id=0, dp_group=None)
     assert mask.tolist() == [[False, True, True, True]] * 2
     assert prep.mask.tolist() == [[False] * 4, [False, True, True, True]]  # row 0 was preempted
