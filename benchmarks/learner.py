@@ -85,7 +85,7 @@ def _batch(learner, args, vocab: int):
 
     from megatron_sparse_rl.rollout.batch import RolloutBatch
     from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
-    from megatron_sparse_rl.training.update import align_rollout
+    from megatron_sparse_rl.training.learner_batch import LearnerBatch
 
     g = torch.Generator().manual_seed(0)
     b, resp = args.batch, args.seq - PROMPT
@@ -96,7 +96,8 @@ def _batch(learner, args, vocab: int):
                          prompt_lens=torch.full((b,), PROMPT), response_ids=torch.where(mask, response, 0),
                          response_mask=mask, rollout_logprobs=torch.zeros(b, resp), finish_reasons=("stop",) * b,
                          group_ids=torch.arange(b) // GROUP, reward=torch.randint(0, 2, (b,), generator=g).float())
-    tokens, cols, _ = align_rollout(batch, 0)
+    view = LearnerBatch.from_rollout(batch, 0)
+    tokens, cols = view.tokens, view.mask
     own = learner.forward_logprobs(tokens)["logprobs"]
     rollout = torch.zeros(b, resp)
     for i in range(b):
@@ -133,12 +134,13 @@ def bench_worker(rank, world_size, model_dir, args):
     import megatron_sparse_rl.training.update as U
 
     from megatron_sparse_rl.models.kernels import resolve
+    from megatron_sparse_rl.training.learner_batch import LearnerBatch
 
     chosen = resolve(args.kernels, "cpu")
     learners = {k: _learner(model_dir, args.mbs, k) for k in ("fast", "local")}
     learner = learners[chosen]
     batch, response_tokens, all_tokens = _batch(learner, args, learner.spec.vocab_size)
-    tokens = U.align_rollout(batch, 0)[0]
+    tokens = LearnerBatch.from_rollout(batch, 0).tokens
     logprobs = {k: lrn.forward_logprobs(tokens)["logprobs"] for k, lrn in learners.items()}
     diff = float((logprobs["fast"] - logprobs["local"]).abs().max())
     configs = _configs()

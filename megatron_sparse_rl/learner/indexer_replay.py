@@ -19,8 +19,9 @@ micro-batch of any width. `ModelIndexer` wraps each `DSAIndexer.forward_with_sco
 DSAttention calls) for as long as it is open; between calls it returns the indexer's own choice unchanged. A
 record carries the crc32 of each row's real tokens (moe/storage.py `token_hash`, as `RouteStore` does): a replay on
 other tokens, or on indices of the wrong shape, is refused before the forward. `indexer/replay_applied_fraction` is
-measured where the attention reads the selection: `unfused_dsa_fn`, the sparse attention DSAttention calls, is
-observed (`_AttendedIndices`) and its `topk_indices` compared with the replayed ones.
+measured where the attention reads the selection: the sparse attention DSAttention calls (models/dsa_attention.py
+`ENTRY`, in place of Megatron's `unfused_dsa_fn`, under either kernel choice) shows its `topk_indices` to the pending
+observer, which compares them with the replayed ones.
 R3 (`old_forward(engine_record)`): the old forward replays the engine's indices (rollout/indexer_capture.py, a
 GPU engine; never run here) and records the learner's own beside them; the updates replay the engine's.
 Pipeline stages (even or not): a record's columns are the model's DSA layers in order; each stage replays and records
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.models import dsa_attention
 from megatron_sparse_rl.moe.indexer_storage import (
     IndexerRecord, IndexerReplayError, _rows, pack_positions, row_hashes, unpack_positions,
 )
@@ -139,32 +141,6 @@ def applied_metrics(applied: torch.Tensor, lengths: torch.Tensor, layers: tuple[
     return _per_layer("indexer/replay_applied_fraction", counts, layers, group)
 
 
-_OBSERVER: dict = {"pending": None}
-"""The attention observer's one slot: the callback of the indexer call whose selection the next `unfused_dsa_fn`
-call attends (DSAttention calls its indexer, then the sparse attention, layer by layer)."""
-
-
-def _observe_attention() -> None:
-    """Wrap Megatron's `unfused_dsa_fn` (once per process) so that the indices it attends reach `_OBSERVER`; with
-    nothing pending the wrapper only forwards the call."""
-    from megatron.core.transformer.experimental_attention_variant import dsa
-
-    fn = getattr(dsa, "unfused_dsa_fn", None)
-    if fn is None:
-        raise ImportError(f"megatron...dsa.unfused_dsa_fn is missing: indexer replay was written for Megatron-Core "
-                          f"{MEGATRON_VERSION}")
-    if getattr(fn, "msrl_observed", False):
-        return
-
-    def unfused_dsa_fn(query, key, value, topk_indices, softmax_scale):
-        seen, _OBSERVER["pending"] = _OBSERVER["pending"], None
-        if seen is not None:
-            seen(topk_indices)
-        return fn(query, key, value, topk_indices, softmax_scale)
-    unfused_dsa_fn.msrl_observed = True
-    dsa.unfused_dsa_fn = unfused_dsa_fn
-
-
 class ModelIndexer:
     """The DSA indexers of one model, wrapped while open: per micro-batch, replay the given indices and/or keep the
     fresh ones (`set_micro_batch`); idle, every indexer returns its own choice. Under replay, `applied[j]` (bool
@@ -176,7 +152,7 @@ class ModelIndexer:
         if not hasattr(DSAIndexer, "forward_with_scores"):
             raise ImportError(f"DSAIndexer.forward_with_scores is missing: indexer replay was written for "
                               f"Megatron-Core {MEGATRON_VERSION}")
-        _observe_attention()
+        self._entry = dsa_attention.install()
         self.indexers = [m for m in model.modules() if isinstance(m, DSAIndexer)]
         self.topk = self.indexers[0].index_topk if self.indexers else 0
         self._targets: list[torch.Tensor] | None = None
@@ -194,7 +170,7 @@ class ModelIndexer:
             if self._targets is None:
                 return scores, indices
             target = self._targets[j].to(indices.device)
-            _OBSERVER["pending"] = lambda attended: self._attended(j, attended, target)
+            self._entry.pending = lambda attended: self._attended(j, attended, target)
             return scores, target
         return forward_with_scores
 
@@ -216,7 +192,7 @@ class ModelIndexer:
         self._targets, self._keep = targets, keep
         self.fresh = [None] * len(self.indexers)
         self.applied = [None] * len(self.indexers)
-        _OBSERVER["pending"] = None
+        self._entry.pending = None
 
     def close(self) -> None:
         """Unwrap the indexers (they select themselves again)."""

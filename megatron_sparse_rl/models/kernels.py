@@ -4,14 +4,15 @@ Megatron-Core layer spec the model adapter builds.
     local   Megatron-Core 0.16.1's local spec: `SequentialMLP` (a Python loop over experts, one host sync on the
             token counts) and `DotProductAttention` (a materialised s x s softmax).
     fast    `GroupedExperts` (models/grouped_experts.py: two `torch._grouped_mm` calls) and `SDPAttention`
-            (models/sdpa_attention.py: `scaled_dot_product_attention`); on CUDA also Megatron's torch.compile'd
+            (models/sdpa_attention.py: `scaled_dot_product_attention`); DSA layers' `DSAttention` becomes
+            `SDPADSAttention` (models/dsa_attention.py: its sparse attention in one SDPA call); on CUDA also Megatron's torch.compile'd
             SwiGLU and bias-dropout-add fusions (`bias_activation_fusion`, `bias_dropout_fusion`; never on CPU,
             where torch.compile would need a compiler and the fusions gain nothing).
     auto    the faster of the two on this machine's device (`AUTO`, from the measurements in docs/performance.md).
 
 Both choices hold the same parameters under the same names and torch_dist keys: checkpoints (optimizer state
 included), HF <-> Megatron conversion, weight sync and resume work across them. Where the spec has no such module
-(a dense model has no experts; DSA layers' core attention is Megatron's `DSAttention`), that module stays as it is.
+(a dense model has no experts), that module stays as it is.
 """
 from __future__ import annotations
 
@@ -64,16 +65,21 @@ def apply(block_spec, kernels: str, config):
     if kernels != "fast":
         raise ValueError(f"kernel choice {kernels!r} is not resolved (local or fast)")
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
     from megatron.core.transformer.moe.experts import SequentialMLP
 
+    from megatron_sparse_rl.models.dsa_attention import SDPADSAttention
     from megatron_sparse_rl.models.grouped_experts import GroupedExperts, check_grouped_config
     from megatron_sparse_rl.models.sdpa_attention import SDPAttention, check_sdpa_config
 
     for layer in block_spec.layer_specs:
         attention = layer.submodules.self_attention.submodules
-        if attention.core_attention is DotProductAttention:
+        core = attention.core_attention
+        if core is DotProductAttention:
             check_sdpa_config(config)
             attention.core_attention = SDPAttention
+        elif getattr(core, "module", None) is DSAttention:  # a ModuleSpec with the indexer (models/dsa_layers.py)
+            core.module = SDPADSAttention
         experts = getattr(getattr(layer.submodules.mlp, "submodules", None), "experts", None)
         if experts is not None and experts.module is SequentialMLP:
             check_grouped_config(config)

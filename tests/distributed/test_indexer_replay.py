@@ -112,11 +112,12 @@ def _rl_step(learner, tokens, lengths):
     from types import SimpleNamespace
 
     from megatron_sparse_rl.config.algorithm import AlgorithmConfig
+    from megatron_sparse_rl.training.learner_batch import LearnerBatch
     from megatron_sparse_rl.training.update import OldPolicyInputs, PreparedBatch, _learner_recompute, update
 
     mask = torch.arange(tokens.shape[1] - 1)[None, :] < (lengths - 1)[:, None]
-    batch = SimpleNamespace(routed_experts=None, indexer_record=None)
-    x = OldPolicyInputs(batch, tokens, mask, torch.zeros(mask.shape), lengths, None)
+    rollout = SimpleNamespace(routed_experts=None, indexer_record=None)
+    x = OldPolicyInputs(LearnerBatch(rollout, tokens, lengths, mask, torch.zeros(mask.shape)), None)
     old_lp, old, _ = _learner_recompute(learner, x)
     own = learner.forward_logprobs(tokens, lengths=lengths)["logprobs"]
     prep = PreparedBatch(tokens, mask, old_lp, old_lp, torch.zeros(tokens.shape[0]), torch.ones(mask.shape), {},

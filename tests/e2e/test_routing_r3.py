@@ -42,6 +42,7 @@ def r3_worker(rank, world_size, model_dir):
     from megatron_sparse_rl.rollout import RolloutEngine
     from megatron_sparse_rl.rollout.routes import EngineRouteCapture
     from megatron_sparse_rl.training import update as U
+    from megatron_sparse_rl.training.learner_batch import LearnerBatch
     from megatron_sparse_rl.moe.replay import find_routers
     from megatron_sparse_rl.moe.stats import agreement
     from tests.distributed.test_routing import _learner
@@ -75,8 +76,9 @@ def r3_worker(rank, world_size, model_dir):
     out["metrics"] = routing.after_old_forward(replayed["routing"], routes).metrics
     out["diff_own"] = _response_diff(lp_own, batch, tokens)
     # the RL step's old forward with routing.attribute_mismatch: k1/k3 with the engine's and the learner's routes
-    _, response, rollout_lp = U.align_rollout(batch, pad_id=0)
-    x = U.OldPolicyInputs(batch, tokens, response, rollout_lp, lengths, None)
+    view = LearnerBatch.from_rollout(batch, pad_id=0)
+    assert torch.equal(view.tokens, tokens) and torch.equal(view.lengths, lengths)
+    x = U.OldPolicyInputs(view, None)
     out["attribution"] = U.old_logprob_source(AlgorithmConfig()).old_policy(learner, x)[2]
     out["diff_replay"] = _response_diff(lp_replay, batch, tokens)
     return out

@@ -51,12 +51,13 @@ def _reference_support(logits: torch.Tensor, margin: float = 1e-4):
 
 def learner_worker(rank, world_size, model_dir, batch, tp):
     from megatron_sparse_rl.learner.extras import ForwardExtras
-    from megatron_sparse_rl.training.update import align_rollout
+    from megatron_sparse_rl.training.learner_batch import LearnerBatch
     from tests.learner_workers import make_learner
 
     learner = make_learner(world_size, model_dir, tp=tp, mbs=4)
     learner.temperature = TEMPERATURE
-    tokens, mask, rollout_lp = align_rollout(batch, pad_id=0)
+    view = LearnerBatch.from_rollout(batch, pad_id=0)
+    tokens, mask, rollout_lp = view.tokens, view.mask, view.rollout_logprobs
     keep = ForwardExtras(sampling_support=batch.sampling_mask)
     with_keep = learner.forward_logprobs(tokens, extras=keep)["logprobs"]
     without = learner.forward_logprobs(tokens)["logprobs"]
