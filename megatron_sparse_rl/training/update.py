@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.algorithms import (
-    apply_corrections, compute_advantages, kl_loss, loss_normalizer, mismatch_metrics, policy_loss,
-    routing_attribution, tail_metrics,
+    apply_corrections, compute_advantages, loss_normalizer, mismatch_metrics, routing_attribution, tail_metrics,
 )
-from megatron_sparse_rl.algorithms.corrections import correction_inputs, opsm_keep, tis_correction
+from megatron_sparse_rl.algorithms.corrections import opsm_keep
+from megatron_sparse_rl.algorithms.objective import ObjectiveInputs, current_tis, rl_objective
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig
 from megatron_sparse_rl.learner.extras import ForwardExtras
@@ -209,16 +209,12 @@ def _support_metrics(keep) -> dict[str, float]:
             "sampling_mask/kept_ids_mean": float(truncated.mean()) if len(truncated) else 0.0}
 
 
-def _current_tis(cfg: CorrectionsConfig) -> bool:
-    return cfg.tis.enabled and cfg.tis.ratio == "pi_theta"
-
-
 def _rollout_time(cfg: CorrectionsConfig) -> CorrectionsConfig:
     """The corrections applied once at rollout time: all enabled ones but OPSM and TIS with ratio pi_theta, whose
     rules use the current pi_theta and so run in every update's loss (`make_loss`)."""
     if cfg.opsm.enabled:
         cfg = replace(cfg, opsm=replace(cfg.opsm, enabled=False))
-    return replace(cfg, tis=replace(cfg.tis, enabled=False)) if _current_tis(cfg) else cfg
+    return replace(cfg, tis=replace(cfg.tis, enabled=False)) if current_tis(cfg) else cfg
 
 
 def _opsm_frac_at_old(cfg: CorrectionsConfig, rollout_lp, old_lp, mask, advantages) -> float:
@@ -334,45 +330,22 @@ def _routing_over_updates(per_update: list[dict[str, float]]) -> dict[str, float
 
 def make_loss(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, norm: torch.Tensor):
     """learner.train_step's loss for the mini-batch rows `chunk`: loss_fn(logprobs [b, T-1], entropy [b, T-1],
-    index [b] rows of the chunk) -> (loss, metrics). With OPSM on, the sequences its rule drops under this
-    micro-batch's current (detached) logprobs leave the policy term (not the KL term, which DeepSeek-V3.2 keeps
-    outside the mask); `norm` (from the whole mini-batch's mask) still counts them, as there. With TIS ratio
-    pi_theta, its factor min(rho_t, C / r_t) (corrections.py `tis_correction`) multiplies the policy term's
-    weights only; the KL term keeps the rollout-time weights (algorithm.kl.correction_weights; off: none).
-    `prep.counted` (algorithm.loss.dropped_tokens_in_denominator) gives both terms' per-sequence token counts."""
-    mask, old = prep.mask[chunk], prep.old_logprobs[chunk]
-    counted = (prep.counted if prep.counted is not None else prep.mask)[chunk]
-    adv, weights = prep.advantages[chunk], prep.weights[chunk]
-    response = (prep.response_mask if prep.response_mask is not None else prep.mask)[chunk]
-    rollout, opsm, tis = prep.rollout_logprobs[chunk], cfg.corrections.opsm, cfg.corrections.tis
+    index [b] rows of the chunk) -> (loss, metrics): the objective (algorithms/objective.py `rl_objective`) of those
+    rows; `norm` comes from the whole mini-batch's mask. Its metrics are means over the micro-batch's tokens,
+    weighted here by their count (`*n`, divided out by `reduce_metrics`); its counts are sums."""
+    rows = {"mask": prep.mask, "counted": prep.counted if prep.counted is not None else prep.mask,
+            "old_logprobs": prep.old_logprobs, "rollout_logprobs": prep.rollout_logprobs,
+            "response_mask": prep.response_mask if prep.response_mask is not None else prep.mask,
+            "advantages": prep.advantages, "weights": prep.weights, "ref_logprobs": prep.ref_logprobs}
+    rows = {k: None if v is None else v[chunk] for k, v in rows.items()}
 
     def loss_fn(logprobs, entropy, index):
         dev = logprobs.device
-        m, counts, c = mask[index].to(dev), {}, counted[index].to(dev)
-        m_kl, w, tis_metrics = m, weights[index].to(dev), {}
-        if opsm.enabled:
-            keep = opsm_keep(opsm, rollout[index].to(dev), logprobs, response[index].to(dev), adv[index].to(dev))
-            seqs = m.any(dim=-1)
-            counts = {"opsm/masked_seqs": (seqs & ~keep.squeeze(-1)).sum().float(), "opsm/seqs": seqs.sum().float()}
-            m = m & keep
-        if _current_tis(cfg.corrections):
-            x, _ = correction_inputs(old[index].to(dev), rollout[index].to(dev), m, logprobs=logprobs)
-            current = tis_correction(tis, x)
-            w, tis_metrics = w * current.weights.to(w.dtype), current.metrics
-        loss, metrics = policy_loss(logprobs, old[index].to(dev), adv[index].to(dev), m, cfg=cfg.loss,
-                                    normalizer=norm, weights=w, entropy=entropy, counted=c)
-        metrics = {**metrics, **tis_metrics}
-        if prep.ref_logprobs is not None:
-            kl_w = weights[index].to(dev) if cfg.kl.correction_weights else None
-            kl, kl_metrics = kl_loss(logprobs, prep.ref_logprobs[chunk][index].to(dev), m_kl, cfg=cfg.kl,
-                                     aggregation=cfg.loss.aggregation, normalizer=norm,
-                                     old_logprobs=old[index].to(dev), weights=kl_w, counted=c)
-            loss = loss + kl
-            metrics = {**metrics, **kl_metrics}
-        n = m.sum().float()
-        # metrics are means over this micro-batch's tokens: weight by its token count, divided out later
+        x = ObjectiveInputs(**{k: None if v is None else v[index].to(dev) for k, v in rows.items()})
+        loss, metrics, counts = rl_objective(logprobs, entropy, x, cfg, norm)
+        n = counts["n"]
         weighted = {f"{k}*n": v.detach().float() * n for k, v in metrics.items()}
-        return loss, {**weighted, **counts, "n": n}
+        return loss, {**weighted, **counts}
 
     return loss_fn
 
