@@ -103,23 +103,22 @@ def lora_resume_worker(rank, world_size, model_dir, tokens, lora, path, steps_af
                 step=learner.step)
 
 
-def lora_sync_worker(rank, world_size, model_dir, lora):
+def lora_sync_worker(rank, world_size, model_dir, lora, tokens):
     """A TP1 LoRA learner with random adapters: what a weight sync sends (iter_hf_tensors: HF name -> tensor), its
-    adapters by lora_key, and what loading a bf16 engine's weights back into it (EngineWeights.held_by) says."""
+    adapters by lora_key, and its logprobs of `tokens` before, inside and after holding a bf16 engine's weights
+    (EngineWeights.held_by, the low-precision probe's reference)."""
     from megatron_sparse_rl.weight_sync import iter_hf_tensors
+    from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
 
     learner = W.make_learner(world_size, model_dir, lora=lora)
     _random_adapters(learner, seed=0)
-    from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
-
     sent = {name: t.detach().clone() for name, t in iter_hf_tensors(learner)}
-    try:
-        with EngineWeights(dtype=torch.bfloat16).held_by(learner):
-            held_by = "entered"
-    except RuntimeError as e:
-        held_by = str(e)
+    before = learner.forward_logprobs(tokens)["logprobs"]
+    with EngineWeights(dtype=torch.bfloat16).held_by(learner):
+        held = learner.forward_logprobs(tokens)["logprobs"]
+    after = learner.forward_logprobs(tokens)["logprobs"]
     return dict(sent=sent, adapters={lora_key(n): p.detach().clone() for n, p in learner.lora_params.items()},
-                held_by=held_by)
+                before=before, held=held, after=after)
 
 
 def lora_engine_sync_worker(rank, world_size, model_dir, lora, probe, tol):

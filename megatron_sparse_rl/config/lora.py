@@ -31,8 +31,9 @@ class LoraConfig:
     target_modules: tuple[str, ...] = ("all-linear",)
     """The linears adapted, by PEFT's module names: q_proj, k_proj, v_proj, o_proj (MLA: q_a_proj, q_b_proj or
     q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj); gate_proj, up_proj, down_proj (the dense MLP and shared experts);
-    experts (every routed expert's three linears); or all-linear for every one the model has. A name the model lacks
-    is refused at validate, listing the ones it has."""
+    experts (every routed expert's three linears; not trained yet, so refused at validate, and so is all-linear on
+    an MoE model); or all-linear for every one the model has. A name the model lacks is refused at validate,
+    listing the ones it has."""
 
     def __post_init__(self):
         _check(isinstance(self.rank, int) and 1 <= self.rank <= MAX_LORA_RANK,

@@ -170,9 +170,10 @@ class ModelConfig:
     learner/dsa_indexer_loss.py): trains the indexer towards the main attention's head-summed distribution, the
     rest of the model untouched; step metric indexer/kl_loss. 0 = off; > 0 needs a DSA model."""
     lora: LoraConfig | None = None
-    """LoRA adapters (rank, alpha, dropout, target modules); null: none, every parameter trains. A run cannot train
-    them yet (no such run is tested end to end; the probe of a bf16/FP8 engine cannot check them): validate refuses
-    a run that sets it (docs/lora.md)."""
+    """LoRA adapters (rank, alpha, dropout, target modules); null: none, every parameter trains. Set, the base is
+    frozen and only the adapters train; engines receive the merged weights. Runs on one learner rank (parallel.tp =
+    pp = cp = 1, no data parallel; colocated or disaggregated) with attention, dense-MLP and shared-expert targets;
+    the rest is refused at validate (docs/lora.md)."""
 
     def __post_init__(self):
         _check(self.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff must be >= 0 (got {self.moe_aux_loss_coeff})")

@@ -13,10 +13,12 @@ adapters only. Init as PEFT's: A Kaiming-uniform (a = sqrt(5)), B zero; adapters
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
-from megatron_sparse_rl.lora.targets import EXPERTS, resolve_targets
+from megatron_sparse_rl.lora.targets import layout_problems, resolve_targets, target_problems
 from megatron_sparse_rl.models.tensor_map import TensorMap, to_mcore
 
 LORA = "lora"
@@ -30,6 +32,7 @@ class LoraParams(torch.nn.Module):
                  generator: torch.Generator):
         super().__init__()
         self.tm, self.scale, self.dropout = tm, scale, dropout
+        self.active = True  # False inside adapters_off: the linear computes with its base weight alone
         self.leaves = tuple(hf.split(".")[-2] for hf in tm.hf)
         self.outs = tuple(shape[0] for shape in tm.shapes)
         in_features = tm.shapes[0][1]
@@ -71,8 +74,24 @@ def adapted_linears(model) -> dict[str, LoraParams]:
             if isinstance(module, LoraParams)}
 
 
+@contextmanager
+def adapters_off(model) -> Iterator[None]:
+    """Within the block every adapted linear of `model` computes with its base weight alone (PEFT's
+    `disable_adapter`): what a base holding the merged weights needs (weight_sync/engine_weights.py `held_by`)."""
+    adapters = [m for m in model.modules() if isinstance(m, LoraParams)]
+    for m in adapters:
+        m.active = False
+    try:
+        yield
+    finally:
+        for m in adapters:
+            m.active = True
+
+
 def _hook(spec):
     def add_delta(module, args, output):
+        if not module.lora.active:
+            return output
         out, bias = output
         return out + module.lora.delta(args[0], spec).to(out.dtype), bias
     return add_delta
@@ -92,15 +111,12 @@ def _adaptable(adapter, spec, targets: frozenset[str]):
 def attach_lora(model, adapter, spec, lora, *, tp: int, pp: int, seed: int) -> dict[str, torch.nn.Parameter]:
     """Freeze `model` (a GPTModel, not yet DDP-wrapped) and attach `lora` (config.LoraConfig) adapters to the linears
     its target_modules select; returns the adapter parameters by name. Refused (ValueError naming the field): tensor
-    and pipeline parallel above 1 and routed-expert targets, which the learner does not adapt yet."""
-    if tp != 1 or pp != 1:
-        raise ValueError(f"model.lora needs parallel.tp = 1 and parallel.pp = 1 for now (got tp {tp}, pp {pp}): the "
-                         "adapters' A/B split over tensor-parallel ranks and per-stage layer names are not in the "
-                         "learner yet")
+    and pipeline parallel above 1 and routed-expert targets, which the learner does not adapt yet (lora/targets.py,
+    the refusals validate reports too)."""
     targets = resolve_targets(lora.target_modules, spec)
-    if EXPERTS in targets:
-        raise ValueError("model.lora.target_modules: adapters on routed experts ('experts', included in 'all-linear') "
-                         "are not in the learner yet; name the attention, dense MLP and shared-expert modules")
+    problems = layout_problems(lora, tp=tp, pp=pp) + target_problems(targets)
+    if problems:
+        raise ValueError("; ".join(problems))
     for p in model.parameters():
         p.requires_grad_(False)
     modules = dict(model.named_modules())

@@ -164,18 +164,47 @@ def layer_params_per_tp_rank(spec, rank: int, targets: frozenset[str], tp: int) 
             for group, linears in lora_linears(spec).items()}
 
 
-def config_problems(lora, spec) -> list[str]:
-    """What validate refuses in `model.lora` (a config.LoraConfig, or None: off): a target the model lacks (checked
-    when the model is known here, `spec` not None), and, until a run trains adapters end to end, the section itself."""
+def layout_problems(lora, *, tp: int, pp: int, cp: int = 1, learners: int = 1) -> list[str]:
+    """What the learner's adapters (lora/layers.py) do not run on, naming the fields: tensor, pipeline and context
+    parallel above 1, and (checked by validate, which knows the world) more than one learner rank. The one home of
+    these refusals: validate reports them, attach_lora raises them."""
+    if lora is None:
+        return []
+    problems = []
+    if tp != 1 or pp != 1:
+        problems.append(f"model.lora needs parallel.tp = 1 and parallel.pp = 1 (got tp {tp}, pp {pp}): the adapters' "
+                        "A/B split over tensor-parallel ranks and per-stage layer names are not in the learner yet")
+    if cp != 1:
+        problems.append(f"model.lora needs parallel.cp = 1 (got {cp}): adapters under context parallel are untested")
+    dp = learners // max(tp * pp * cp, 1)
+    if dp > 1:
+        problems.append(f"model.lora runs without data parallel for now (got data parallel {dp} over {learners} "
+                        "learner ranks): data-parallel adapters (their gradient all-reduce, the adapter checkpoint's "
+                        "optimizer state across ranks) are untested; use one learner rank (colocated: a world of 1; "
+                        "disaggregated: launch.rollout_ranks = world size - 1)")
+    return problems
+
+
+def target_problems(targets: frozenset[str]) -> list[str]:
+    """What the learner cannot adapt among the resolved `targets`: the routed experts."""
+    if EXPERTS in targets:
+        return [f"model.lora.target_modules: adapters on routed experts ({EXPERTS!r}, which {ALL_LINEAR!r} includes "
+                "on an MoE model) are not in the learner yet; name the attention, dense MLP and shared-expert "
+                "modules instead (e.g. [q_proj, k_proj, v_proj, o_proj])"]
+    return []
+
+
+def config_problems(lora, spec, *, tp: int = 1, pp: int = 1, cp: int = 1, learners: int = 1) -> list[str]:
+    """What validate refuses in `model.lora` (a config.LoraConfig, or None: off) on `learners` learner ranks of `tp`,
+    `pp`, `cp`: a
+    target the model lacks or the learner cannot adapt (checked when the model is known here, `spec` not None), and
+    the parallel layouts the adapters do not run on (layout_problems)."""
     if lora is None:
         return []
     problems = []
     if spec is not None:
         try:
-            resolve_targets(lora.target_modules, spec)
+            problems += target_problems(resolve_targets(lora.target_modules, spec))
         except ValueError as e:
             problems.append(str(e))
-    problems.append("model.lora: training with LoRA adapters is not supported yet (no run with adapters has been "
-                    "tested end to end, and the sync probe of a bf16 or FP8 engine cannot check a LoRA learner; "
-                    "docs/lora.md); leave model.lora unset (null) to train every parameter")
-    return problems
+    return problems + layout_problems(lora, tp=tp, pp=pp, cp=cp, learners=learners)

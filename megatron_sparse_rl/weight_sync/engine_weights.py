@@ -72,15 +72,16 @@ class EngineWeights:
     def held_by(self, learner) -> Iterator[None]:
         """Within the block, the learner's parameters are the engine's weights (`held`), converted in HF form and
         loaded back into this rank's shards; on exit the exact previous values are restored. Every learner rank
-        enters it (the full tensors are gathered: collectives). Costs one copy of this rank's parameters."""
-        from megatron_sparse_rl.learner.params import load_full_tensors
-        from megatron_sparse_rl.models.tensor_map import to_hf, to_mcore
-        from megatron_sparse_rl.weight_sync.export import WeightSyncError, iter_full_mcore
+        enters it (the full tensors are gathered: collectives). Costs one copy of this rank's parameters.
 
-        if getattr(learner, "lora_params", None):
-            raise WeightSyncError("model.lora: the engine's low-precision weights cannot be loaded back into a LoRA "
-                                  "learner (its base would hold the merged adapters while they still apply); not "
-                                  "supported yet")
+        A LoRA learner (model.lora): the engine holds each adapted weight merged (W + scale x B A, rounded as
+        `held`), so the base takes those values and its adapters are off within the block (lora/layers.py
+        `adapters_off`); on exit the base and the adapters are as before."""
+        from megatron_sparse_rl.learner.params import load_full_tensors
+        from megatron_sparse_rl.lora.layers import adapters_off
+        from megatron_sparse_rl.models.tensor_map import to_hf, to_mcore
+        from megatron_sparse_rl.weight_sync.export import iter_full_mcore
+
         saved = {name: lp.param.detach().clone() for name, lp in learner.named_full_parameters()}
         spec = learner.spec
 
@@ -92,7 +93,8 @@ class EngineWeights:
         try:
             with torch.no_grad():
                 load_full_tensors(learner.model, learner.groups, engine_held())
-            yield
+            with adapters_off(learner.model):  # a no-op without LoRA
+                yield
         finally:
             with torch.no_grad():
                 for name, lp in learner.named_full_parameters():

@@ -1,6 +1,7 @@
 """`model.lora` (config/lora.py): off by default; its fields refused at load with the field named and what is allowed;
-a target module the model lacks refused at validate, listing the modules the model has; a run that sets it refused
-until a run with adapters is tested end to end (and the probe of low-precision engines can check one).
+a target module the model lacks refused at validate, listing the modules the model has. Validate accepts a run with
+adapters on one learner rank (tp = pp = cp = 1, colocated or disaggregated, any engine precision) and refuses, naming
+the fields, what the learner cannot train: routed-expert targets, tp/pp/cp > 1, data parallel, the DSA indexer loss.
 
     .venv/bin/python -m pytest -q tests/unit/test_config_lora.py
 """
@@ -14,12 +15,13 @@ from megatron_sparse_rl.config import ConfigError, load_config
 from megatron_sparse_rl.validation.validate import validate
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-NOT_YET = "model.lora: training with LoRA adapters is not supported yet"
+ATTENTION = "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+EXPERTS = "model.lora.target_modules: adapters on routed experts ('experts', which 'all-linear' includes"
 
 
-def _problems(config, *overrides: str) -> str:
+def _problems(config, *overrides: str, world: int = 1) -> str:
     with pytest.raises(ConfigError) as e:
-        validate(load_config(config, overrides), 1, cuda=False)
+        validate(load_config(config, overrides), world, cuda=False)
     return str(e.value)
 
 
@@ -63,22 +65,66 @@ def test_a_rank_that_is_not_an_integer_is_refused_naming_the_field():
 def test_a_target_the_model_lacks_is_refused_listing_what_it_has():
     # the tiny Qwen3-MoE: every layer MoE, no shared expert, so no gate_proj; attention q/k/v/o and routed experts
     text = _problems(CONFIGS / "tiny_moe.yaml", "model.lora.target_modules=[q_proj,gate_proj,kv_b_proj]")
-    assert ("model.lora.target_modules: Qwen3MoeForCausalLM has no module 'gate_proj', 'kv_b_proj'; it has q_proj, "
-            "k_proj, v_proj, o_proj, experts (or 'all-linear' for all of them)") in text
-    assert NOT_YET in text
+    assert text == ("model.lora.target_modules: Qwen3MoeForCausalLM has no module 'gate_proj', 'kv_b_proj'; it has "
+                    "q_proj, k_proj, v_proj, o_proj, experts (or 'all-linear' for all of them)")
 
 
 def test_mla_targets_are_the_deepseek_modules():
     # the tiny DeepSeek-V3: MLA projections, a dense first layer and shared experts (gate/up/down_proj)
-    text = _problems(CONFIGS / "tiny_deepseek_v3.yaml",
-                     "model.lora.target_modules=[kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,experts]")
-    assert "target_modules" not in text and NOT_YET in text
+    run = load_config(CONFIGS / "tiny_deepseek_v3.yaml",
+                      ["model.lora.target_modules=[kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,down_proj]"])
+    assert validate(run, 1, cuda=False).architecture == "DeepseekV3ForCausalLM"
     text = _problems(CONFIGS / "tiny_deepseek_v3.yaml", "model.lora.target_modules=[k_proj]")
     assert "DeepseekV3ForCausalLM has no module 'k_proj'; it has " in text and "kv_b_proj" in text
 
 
-def test_a_run_with_lora_is_refused_until_adapter_checkpoints_and_sync_exist():
-    text = _problems(CONFIGS / "tiny_moe.yaml", "model.lora.rank=16")
-    assert text == f"{NOT_YET} (no run with adapters has been tested end to end, and the sync probe of a bf16 or " \
-                   "FP8 engine cannot check a LoRA learner; docs/lora.md); leave model.lora unset (null) to train " \
-                   "every parameter"
+@pytest.mark.parametrize("overrides, world", [
+    ((ATTENTION,), 1),
+    ((ATTENTION, "model.lora.rank=16", "model.lora.alpha=32", "model.lora.dropout=0.1"), 1),
+    ((ATTENTION, "launch.nproc_per_node=2", "launch.rollout_ranks=1"), 2),  # disaggregated: one learner rank
+    ((ATTENTION, "rollout.quantization=fp8"), 1),  # the probe compares against the merged weights, FP8 round trip
+])
+def test_a_run_on_one_learner_rank_validates(overrides, world):
+    run = load_config(CONFIGS / "tiny_moe.yaml", list(overrides))
+    assert validate(run, world, cuda=False).architecture == "Qwen3MoeForCausalLM"
+    assert run.model.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.parametrize("targets", ["[experts]", "[all-linear]", "[q_proj,experts]"])
+def test_routed_expert_targets_are_refused_naming_the_field(targets):
+    # all-linear on an MoE model includes the routed experts (PEFT's default; this section's default too)
+    text = _problems(CONFIGS / "tiny_moe.yaml", f"model.lora.target_modules={targets}")
+    assert text.startswith(EXPERTS) and "name the attention, dense MLP and shared-expert modules instead" in text
+    assert _problems(CONFIGS / "tiny_moe.yaml", "model.lora={}").startswith(EXPERTS)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (("parallel.tp=2", "parallel.sequence_parallel=true"), 2, "model.lora needs parallel.tp = 1 and parallel.pp = 1 (got tp 2, pp 1): the adapters' "
+                            "A/B split over tensor-parallel ranks and per-stage layer names are not in the learner yet"),
+    (("parallel.pp=2",), 2, "model.lora needs parallel.tp = 1 and parallel.pp = 1 (got tp 1, pp 2)"),
+    (("parallel.cp=2",), 2, "model.lora needs parallel.cp = 1 (got 2): adapters under context parallel are untested"),
+    ((), 2, "model.lora runs without data parallel for now (got data parallel 2 over 2 learner ranks): "
+            "data-parallel adapters (their gradient all-reduce, the adapter checkpoint's optimizer state across "
+            "ranks) are untested; use one learner rank (colocated: a world of 1; disaggregated: "
+            "launch.rollout_ranks = world size - 1)"),
+    (("launch.nproc_per_node=3", "launch.rollout_ranks=1"), 3,
+     "model.lora runs without data parallel for now (got data parallel 2 over 2 learner ranks)"),
+    (("parallel.ep=2",), 2, "model.lora runs without data parallel for now (got data parallel 2 over 2"),
+])
+def test_layouts_other_than_one_learner_rank_are_refused_naming_the_fields(overrides, world, message):
+    text = _problems(CONFIGS / "tiny_moe.yaml", ATTENTION, *overrides, world=world)
+    assert text.startswith(message)  # the one problem
+    assert "model.lora.target_modules" not in text  # the targets are fine: only the layout is refused
+
+
+def test_the_dsa_indexer_loss_is_refused_with_lora(tmp_path):
+    from tests.unit.test_config_validate import asset_model
+
+    path = asset_model(tmp_path, "deepseek-v3.2")
+    overrides = [f"model.path={path}", "model.tiny=null", "model.dsa_indexer_loss_coeff=0.1",
+                 "model.lora.target_modules=[q_b_proj,kv_b_proj]"]
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(CONFIGS / "tiny_moe.yaml", overrides), 1, cuda=True)
+    assert str(e.value) == ("model.dsa_indexer_loss_coeff = 0.1 with model.lora: the indexer loss trains the DSA "
+                            "indexer, which LoRA freezes with the rest of the base; set model.dsa_indexer_loss_coeff "
+                            "= 0 or leave model.lora unset")
