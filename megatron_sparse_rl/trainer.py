@@ -152,7 +152,17 @@ def _announce(ctx, loop: state.LoopState) -> None:
              (f" (pipeline {lay.stages(ctx.spec.num_layers).describe()})" if lay.pp > 1 else "")
              + (f" + {lay.rollout_ranks} rollout ranks" if lay.rollout_ranks else "")
              + (f", asynchronous (trainer.max_staleness {ctx.run.trainer.max_staleness}: up to that many batches "
-                "sampled ahead while this one trains)" if ctx.run.trainer.max_staleness else ""), ctx.run_dir / "logs")
+                "sampled ahead while this one trains)" if ctx.run.trainer.max_staleness else "") + _lora_note(ctx),
+             ctx.run_dir / "logs")
+
+
+def _lora_note(ctx) -> str:
+    """'; LoRA rank 4, 5,120 adapter parameters train (the base frozen)' for a LoRA learner (its own count), else ''."""
+    adapters = ctx.learner.lora_params
+    if not adapters:
+        return ""
+    return (f"; LoRA rank {ctx.learner.lora.rank}, {sum(p.numel() for p in adapters.values()):,} adapter parameters "
+            "train (the base frozen)")
 
 
 def sft_stage(ctx, correct, loop: state.LoopState, report, probe, stops: StopSignals) -> str | None:

@@ -26,7 +26,7 @@ def run_summary(run: RunConfig, spec, world_size: int) -> list[str]:
     (the summary says what it resolves to)."""
     rollout = run.launch.rollout_world_size
     layout = ParallelDegrees.from_config(run.parallel, world_size - rollout, rollout_ranks=rollout)
-    lines = model_lines(run, spec)
+    lines = model_lines(run, spec) + lora_lines(run.model.lora, spec)
     who = "world" if not rollout else "learner ranks"
     cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
     lines.append(f"layout: {who} {layout.world_size} = tp {layout.tp} x pp {layout.pp}{cp} x dp {layout.dp}; "
@@ -85,6 +85,23 @@ def model_lines(run: RunConfig, spec) -> list[str]:
         arch += f", {spec.num_experts} experts top-{spec.moe_topk} (ffn {spec.moe_ffn_hidden_size})"
     return [arch, f"  parameters: {spec.parameter_count():,}; learner dtype {m.dtype}, {engine_precision(run.rollout)}"
                   f", max_model_len {describe_max_model_len(run.rollout, spec)}"]
+
+
+def lora_lines(lora, spec) -> list[str]:
+    """With model.lora: the adapters (rank, alpha, scale, dropout, targets) and how many parameters train (the
+    adapters, counted by lora/targets.py) against the frozen base; [] without."""
+    if lora is None:
+        return []
+    from megatron_sparse_rl.lora.targets import adapter_params, resolve_targets
+
+    head = (f"lora: rank {lora.rank}, alpha {lora.alpha:g} (scale {lora.scale:g}), dropout {lora.dropout:g} on "
+            f"{', '.join(lora.target_modules)}")
+    if spec is None:
+        return [head + "; the base frozen (model unknown here: adapter count skipped)"]
+    trainable = adapter_params(spec, lora.rank, resolve_targets(lora.target_modules, spec)).total
+    base = spec.parameter_count()
+    return [head, f"  trainable: {trainable:,} adapter parameters ({100 * trainable / base:.2f}% of the base's "
+                  f"{base:,}, frozen)"]
 
 
 def path_lines(run: RunConfig) -> list[str]:

@@ -111,3 +111,18 @@ def test_megatron_bucket_listing_is_off_unless_verbose(tmp_path, verbose):
         logging.captureWarnings(False)
     assert ("Params for bucket 1" in text) == verbose
     assert "a real warning of the buffer" in text
+
+
+def test_lora_lines_count_the_adapters_by_hand():
+    # per layer rank 4 x (in + out): q 64 -> 128, k and v 64 -> 64, o 128 -> 64; two layers
+    run = run_of("model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
+    lines = run_summary(run, validate(run, 1, cuda=False), 1)
+    adapters = 2 * 4 * ((64 + 128) + 2 * (64 + 64) + (128 + 64))
+    assert lines[2:4] == ["lora: rank 4, alpha 8 (scale 2), dropout 0 on q_proj, k_proj, v_proj, o_proj",
+                          f"  trainable: {adapters:,} adapter parameters ({100 * adapters / TINY_MOE_PARAMS:.2f}% of "
+                          f"the base's {TINY_MOE_PARAMS:,}, frozen)"]
+    assert adapters == 5_120
+    assert not any(line.startswith("lora") for line in run_summary(run_of(), validate(run_of(), 1, cuda=False), 1))
+    unknown = run_of("model.tiny=null", "model.lora.target_modules=[q_proj]")
+    assert run_summary(unknown, None, 1)[2] == ("lora: rank 8, alpha 8 (scale 1), dropout 0 on q_proj; the base frozen "
+                                                "(model unknown here: adapter count skipped)")
