@@ -10,6 +10,7 @@ tests/e2e/test_trainer.py, its run settings): rank-4 adapters on q/k/v/o train t
   checkpoint's adapter/ (float64);
 - the checkpoint's adapter/ loads with transformers + PEFT, and PEFT + base gives hf_final's logprobs (the learner's
   merged weights, which the probe compared with the learner) within 1e-4;
+- configs/demo_lora.yaml, shortened to one SFT and one RL step, trains through `msrl train`;
 - the same run disaggregated (1 learner rank + 1 rollout rank, `msrl launch local`) with FP8 weights on the engine:
   every sync's probe agrees with the learner holding the engine's weights (the merged weights' FP8 round trip).
 
@@ -25,6 +26,7 @@ import torch
 
 from tests.e2e.test_trainer import REPO, _args, _records, model_dir  # noqa: F401 (model_dir: the shared fixture)
 from tests.e2e.test_trainer_disaggregated import TOL, _check_run, _launch
+from tests.msrl import MSRL
 
 pytestmark = pytest.mark.e2e
 peft = pytest.importorskip("peft", reason="Hugging Face PEFT is the reference: pip install -e .[test]")
@@ -175,3 +177,18 @@ def test_disaggregated_run_with_fp8_weights_probes_the_merged_sync(tmp_path, mod
     assert len(probed) >= 5 and all("sync/probe_max_abs_diff" in r for r in rl)
     assert max(r["sync/probe_max_abs_diff"] for r in probed) < TOL
     assert min(r["sync/weight_format_max_abs_diff"] for r in probed) > 1e-4  # FP8 moves the logprobs
+
+
+def test_the_demo_config_trains(tmp_path):
+    """configs/demo_lora.yaml (what docs/lora.md shows) through `msrl train`, one SFT and one RL step at small
+    batches: the adapters the summary counts train, the probe agrees."""
+    cmd = [*MSRL, "train", str(REPO / "configs/demo_lora.yaml"), "--set", f"logging.dir={tmp_path / 'run'}",
+           f"model.path={tmp_path / 'model'}", "trainer.steps=1", "trainer.prompts_per_step=4", "rollout.sampling.n=4",
+           "trainer.eval_prompts=8", "trainer.sft.max_steps=1", "trainer.sft.batch_size=8", "checkpoint.save_every=0",
+           "logging.tensorboard=false"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainable: 57,344 adapter parameters" in proc.stderr  # rank 16 x q/k/v/o of 4 layers, hidden 128
+    records = _records(tmp_path / "run")
+    assert [r["step"] for r in records if r["phase"] == "rl"] == [1] and not any(r.get("nonfinite") for r in records)
+    assert max(r["sync/probe_max_abs_diff"] for r in records if "sync/probe_max_abs_diff" in r) < TOL
