@@ -192,6 +192,12 @@ def check_saved_tensors(mcore: Path, meta, expected: dict, config: Path) -> None
     roots = {k.split(".")[0] for k in expected}
     missing = sorted(k for k in expected if k not in saved)
     extra = sorted(k for k in saved if k not in expected and k.split(".")[0] in roots)
+    adapters = [k for k in extra if ".lora." in k]
+    if adapters and not missing and len(adapters) == len(extra):
+        raise ValueError(f"{mcore}: a LoRA run's checkpoint (model.lora: {len(adapters)} adapter tensors, e.g. "
+                         f"{adapters[0]}); converting it is not supported. Its adapters are in {mcore / 'adapter'} "
+                         "(PEFT's format): `msrl convert merge-lora --base <the run's model.path> --adapter "
+                         f"{mcore / 'adapter'} --out DIR` writes the merged model (the run's hf_final is the same)")
     if missing or extra:
         raise ValueError(f"{mcore}: the torch_dist tensors do not match the model of {config}: missing "
                          f"{missing[:_SHOWN]} ({len(missing)}), not in the model {extra[:_SHOWN]} ({len(extra)})")

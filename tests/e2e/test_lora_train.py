@@ -142,6 +142,19 @@ def test_hf_final_is_the_base_with_the_adapters_merged(lora_run, model_dir):  # 
     assert merged == len(TARGETS) * 2  # q/k/v/o of both layers
 
 
+def test_converting_the_checkpoint_points_to_merge_lora(lora_run, tmp_path):
+    """`msrl convert mcore-to-hf` of a LoRA run's checkpoint is refused (exit 2, no traceback), naming its adapter/
+    and `msrl convert merge-lora`."""
+    ckpt = _last_checkpoint(lora_run[0])
+    proc = subprocess.run([*MSRL, "convert", "mcore-to-hf", "--mcore", str(ckpt), "--out", str(tmp_path / "hf")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"{ckpt}: a LoRA run's checkpoint (model.lora: 16 adapter tensors" in proc.stderr
+    assert f"msrl convert merge-lora --base <the run's model.path> --adapter {ckpt / 'adapter'} --out DIR" \
+           in proc.stderr
+    assert not (tmp_path / "hf").exists()
+
+
 def test_the_adapter_loads_with_peft_and_gives_the_learners_logprobs(lora_run, model_dir):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
