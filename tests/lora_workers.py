@@ -143,3 +143,20 @@ def lora_engine_sync_worker(rank, world_size, model_dir, lora, probe, tol):
     after = verify_logprobs(learner, engine, probe, tol=tol)
     engine.shutdown()
     return dict(before=before, after=after, tensors=stats.tensors)
+
+
+def lora_dp_worker(rank, world_size, model_dir, tokens, lora, ep=1):
+    """A LoRA learner on `world_size` data-parallel ranks (experts split over `ep`) with the same random adapters on
+    every rank: two scheduled SFT steps on `tokens` (the GLOBAL batch, split across data-parallel ranks); returns the
+    adapters by lora_key, before and after."""
+    learner = W.make_learner(world_size, model_dir, ep=ep, lora=lora, lr=1e-2)
+    _random_adapters(learner, seed=0)
+    before = {lora_key(n): p.detach().clone() for n, p in learner.lora_params.items()}
+    dp, dp_rank = learner.layout.dp, learner.groups.dp_rank
+    rows = torch.arange(tokens.shape[0]).chunk(dp)[dp_rank]
+    mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+    from megatron_sparse_rl.learner.sft import make_sft_loss
+
+    for _ in range(2):
+        learner.train_step(tokens[rows], make_sft_loss(mask[rows], mask.sum().item()))
+    return before, {lora_key(n): p.detach().clone() for n, p in learner.lora_params.items()}

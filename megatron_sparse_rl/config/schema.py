@@ -171,8 +171,8 @@ class ModelConfig:
     rest of the model untouched; step metric indexer/kl_loss. 0 = off; > 0 needs a DSA model."""
     lora: LoraConfig | None = None
     """LoRA adapters (rank, alpha, dropout, target modules); null: none, every parameter trains. Set, the base is
-    frozen and only the adapters train; engines receive the merged weights. Runs on one learner rank (parallel.tp =
-    pp = cp = 1, no data parallel; colocated or disaggregated) with attention, dense-MLP and shared-expert targets;
+    frozen and only the adapters train; engines receive the merged weights. Runs at parallel.tp = pp = cp = 1 (any
+    data and expert parallel size; colocated or disaggregated) with attention, dense-MLP and shared-expert targets;
     the rest is refused at validate (docs/lora.md)."""
 
     def __post_init__(self):

@@ -164,10 +164,10 @@ def layer_params_per_tp_rank(spec, rank: int, targets: frozenset[str], tp: int) 
             for group, linears in lora_linears(spec).items()}
 
 
-def layout_problems(lora, *, tp: int, pp: int, cp: int = 1, learners: int = 1) -> list[str]:
+def layout_problems(lora, *, tp: int, pp: int, cp: int = 1) -> list[str]:
     """What the learner's adapters (lora/layers.py) do not run on, naming the fields: tensor, pipeline and context
-    parallel above 1, and (checked by validate, which knows the world) more than one learner rank. The one home of
-    these refusals: validate reports them, attach_lora raises them."""
+    parallel above 1 (data and expert parallel run). The one home of these refusals: validate reports them,
+    attach_lora raises them."""
     if lora is None:
         return []
     problems = []
@@ -176,12 +176,6 @@ def layout_problems(lora, *, tp: int, pp: int, cp: int = 1, learners: int = 1) -
                         "A/B split over tensor-parallel ranks and per-stage layer names are not in the learner yet")
     if cp != 1:
         problems.append(f"model.lora needs parallel.cp = 1 (got {cp}): adapters under context parallel are untested")
-    dp = learners // max(tp * pp * cp, 1)
-    if dp > 1:
-        problems.append(f"model.lora runs without data parallel for now (got data parallel {dp} over {learners} "
-                        "learner ranks): data-parallel adapters (their gradient all-reduce, the adapter checkpoint's "
-                        "optimizer state across ranks) are untested; use one learner rank (colocated: a world of 1; "
-                        "disaggregated: launch.rollout_ranks = world size - 1)")
     return problems
 
 
@@ -194,9 +188,8 @@ def target_problems(targets: frozenset[str]) -> list[str]:
     return []
 
 
-def config_problems(lora, spec, *, tp: int = 1, pp: int = 1, cp: int = 1, learners: int = 1) -> list[str]:
-    """What validate refuses in `model.lora` (a config.LoraConfig, or None: off) on `learners` learner ranks of `tp`,
-    `pp`, `cp`: a
+def config_problems(lora, spec, *, tp: int = 1, pp: int = 1, cp: int = 1) -> list[str]:
+    """What validate refuses in `model.lora` (a config.LoraConfig, or None: off) on a learner of `tp`, `pp`, `cp`: a
     target the model lacks or the learner cannot adapt (checked when the model is known here, `spec` not None), and
     the parallel layouts the adapters do not run on (layout_problems)."""
     if lora is None:
@@ -207,4 +200,4 @@ def config_problems(lora, spec, *, tp: int = 1, pp: int = 1, cp: int = 1, learne
             problems += target_problems(resolve_targets(lora.target_modules, spec))
         except ValueError as e:
             problems.append(str(e))
-    return problems + layout_problems(lora, tp=tp, pp=pp, cp=cp, learners=learners)
+    return problems + layout_problems(lora, tp=tp, pp=pp, cp=cp)

@@ -339,15 +339,14 @@ def _indexer_loss_problems(run: RunConfig, spec) -> list[str]:
     return [problem] if problem else []
 
 
-def _lora_problems(run: RunConfig, world_size: int, spec) -> list[str]:
+def _lora_problems(run: RunConfig, spec) -> list[str]:
     """model.lora: targets the model lacks or the learner cannot adapt (routed experts), layouts the adapters do
-    not run on (lora/targets.py: tp, pp, cp > 1, more than one learner rank), and the DSA indexer loss, which trains
-    the indexer that LoRA freezes with the base."""
+    not run on (lora/targets.py: tp, pp, cp > 1), and the DSA indexer loss, which trains the indexer that LoRA
+    freezes with the base."""
     lora, par = run.model.lora, run.parallel
     if lora is None:
         return []
-    learners = world_size - run.launch.rollout_world_size
-    problems = lora_config_problems(lora, spec, tp=par.tp, pp=par.pp, cp=par.cp, learners=learners)
+    problems = lora_config_problems(lora, spec, tp=par.tp, pp=par.pp, cp=par.cp)
     if run.model.dsa_indexer_loss_coeff > 0:
         problems.append(f"model.dsa_indexer_loss_coeff = {run.model.dsa_indexer_loss_coeff} with model.lora: the "
                         "indexer loss trains the DSA indexer, which LoRA freezes with the rest of the base; set "
@@ -545,7 +544,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _old_logprobs_problems(run)
     problems += _indexer_replay_problems(run, spec, cuda)
     problems += _indexer_loss_problems(run, spec)
-    problems += _lora_problems(run, world_size, spec)
+    problems += _lora_problems(run, spec)
     problems += _async_problems(run)
     problems += _kv_pool_problems(run, spec, cuda)
     problems += _env_problems(run, cuda)

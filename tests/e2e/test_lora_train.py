@@ -11,6 +11,7 @@ tests/e2e/test_trainer.py, its run settings): rank-4 adapters on q/k/v/o train t
 - the checkpoint's adapter/ loads with transformers + PEFT, and PEFT + base gives hf_final's logprobs (the learner's
   merged weights, which the probe compared with the learner) within 1e-4;
 - configs/demo_lora.yaml, shortened to one SFT and one RL step, trains through `msrl train`;
+- the same run on two data-parallel ranks (`msrl launch local`, ep 2): the same checks;
 - the same run disaggregated (1 learner rank + 1 rollout rank, `msrl launch local`) with FP8 weights on the engine:
   every sync's probe agrees with the learner holding the engine's weights (the merged weights' FP8 round trip).
 
@@ -173,6 +174,18 @@ def test_the_adapter_loads_with_peft_and_gives_the_learners_logprobs(lora_run, m
     learner = logprobs(AutoModelForCausalLM.from_pretrained(str(run_dir / "hf_final"), dtype=torch.float32))
     assert (with_adapters - plain).abs().max() > 1e-4  # the adapters change the model
     assert (with_adapters - learner).abs().max() < 1e-4
+
+
+def test_two_data_parallel_ranks_run(tmp_path, model_dir):  # noqa: F811
+    """Colocated on two ranks (`msrl launch local`, data parallel 2, experts split over ep 2): the checks of
+    `_check_run` hold and the checkpoint holds adapter/ (tests/distributed/test_lora_data_parallel.py: the adapters
+    equal one rank's)."""
+    run_dir = tmp_path / "dp2"
+    proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=0, steps=2,
+                   extra=(*LORA, "parallel.ep=2", "checkpoint.save_every=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_run(run_dir, [1, 2])
+    assert sum(t.numel() for t in _adapters(run_dir).values()) == 5_120
 
 
 def test_disaggregated_run_with_fp8_weights_probes_the_merged_sync(tmp_path, model_dir):  # noqa: F811

@@ -1,7 +1,7 @@
 """`model.lora` (config/lora.py): off by default; its fields refused at load with the field named and what is allowed;
 a target module the model lacks refused at validate, listing the modules the model has. Validate accepts a run with
-adapters on one learner rank (tp = pp = cp = 1, colocated or disaggregated, any engine precision) and refuses, naming
-the fields, what the learner cannot train: routed-expert targets, tp/pp/cp > 1, data parallel, the DSA indexer loss.
+adapters at tp = pp = cp = 1 (any data and expert parallel size, colocated or disaggregated, any engine precision) and
+refuses, naming the fields, what the learner cannot train: routed-expert targets, tp/pp/cp > 1, the DSA indexer loss.
 
     .venv/bin/python -m pytest -q tests/unit/test_config_lora.py
 """
@@ -82,9 +82,12 @@ def test_mla_targets_are_the_deepseek_modules():
     ((ATTENTION,), 1),
     ((ATTENTION, "model.lora.rank=16", "model.lora.alpha=32", "model.lora.dropout=0.1"), 1),
     ((ATTENTION, "launch.nproc_per_node=2", "launch.rollout_ranks=1"), 2),  # disaggregated: one learner rank
+    ((ATTENTION,), 2),  # data parallel 2
+    ((ATTENTION, "parallel.ep=2"), 2),  # data parallel 2, the routed experts split over 2
+    ((ATTENTION, "launch.nproc_per_node=3", "launch.rollout_ranks=1"), 3),  # two learner ranks, one rollout rank
     ((ATTENTION, "rollout.quantization=fp8"), 1),  # the probe compares against the merged weights, FP8 round trip
 ])
-def test_a_run_on_one_learner_rank_validates(overrides, world):
+def test_a_run_at_tp1_pp1_validates(overrides, world):
     run = load_config(CONFIGS / "tiny_moe.yaml", list(overrides))
     assert validate(run, world, cuda=False).architecture == "Qwen3MoeForCausalLM"
     assert run.model.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -103,15 +106,8 @@ def test_routed_expert_targets_are_refused_naming_the_field(targets):
                             "A/B split over tensor-parallel ranks and per-stage layer names are not in the learner yet"),
     (("parallel.pp=2",), 2, "model.lora needs parallel.tp = 1 and parallel.pp = 1 (got tp 1, pp 2)"),
     (("parallel.cp=2",), 2, "model.lora needs parallel.cp = 1 (got 2): adapters under context parallel are untested"),
-    ((), 2, "model.lora runs without data parallel for now (got data parallel 2 over 2 learner ranks): "
-            "data-parallel adapters (their gradient all-reduce, the adapter checkpoint's optimizer state across "
-            "ranks) are untested; use one learner rank (colocated: a world of 1; disaggregated: "
-            "launch.rollout_ranks = world size - 1)"),
-    (("launch.nproc_per_node=3", "launch.rollout_ranks=1"), 3,
-     "model.lora runs without data parallel for now (got data parallel 2 over 2 learner ranks)"),
-    (("parallel.ep=2",), 2, "model.lora runs without data parallel for now (got data parallel 2 over 2"),
 ])
-def test_layouts_other_than_one_learner_rank_are_refused_naming_the_fields(overrides, world, message):
+def test_tp_pp_cp_above_one_are_refused_naming_the_fields(overrides, world, message):
     text = _problems(CONFIGS / "tiny_moe.yaml", ATTENTION, *overrides, world=world)
     assert text.startswith(message)  # the one problem
     assert "model.lora.target_modules" not in text  # the targets are fine: only the layout is refused
