@@ -3,8 +3,8 @@ sync sends are the Hugging Face model's with every adapted weight W + (alpha / r
 from the base's safetensors and the learner's adapters (within 1e-5 relative; fp32 rounding), every other tensor
 the base's bit for bit, and no adapter tensor sent. Holding a bf16 engine's weights (the low-precision probe's
 EngineWeights.held_by), the LoRA learner gives the logprobs of transformers on the sent weights rounded to bf16
-(within 1e-4; its base holds them, its adapters are off), and its own logprobs again after. Dense Qwen3 (q/k/v interleaved in
-linear_qkv, gate/up stacked in linear_fc1) and DeepSeek-V3 (MLA, a dense layer and shared experts).
+(within 1e-4; its base holds them, its adapters are off), and its own logprobs again after. Dense Qwen3 (q/k/v
+interleaved in linear_qkv, gate/up stacked in linear_fc1) and DeepSeek-V3 (MLA, a dense layer and shared experts).
 
     .venv/bin/python -m pytest -q tests/distributed/test_lora_sync.py
 """

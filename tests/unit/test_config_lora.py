@@ -102,8 +102,9 @@ def test_routed_expert_targets_are_refused_naming_the_field(targets):
 
 
 @pytest.mark.parametrize("overrides, world, message", [
-    (("parallel.tp=2", "parallel.sequence_parallel=true"), 2, "model.lora needs parallel.tp = 1 and parallel.pp = 1 (got tp 2, pp 1): the adapters' "
-                            "A/B split over tensor-parallel ranks and per-stage layer names are not in the learner yet"),
+    (("parallel.tp=2", "parallel.sequence_parallel=true"), 2,
+     "model.lora needs parallel.tp = 1 and parallel.pp = 1 (got tp 2, pp 1): the adapters' A/B split over "
+     "tensor-parallel ranks and per-stage layer names are not in the learner yet"),
     (("parallel.pp=2",), 2, "model.lora needs parallel.tp = 1 and parallel.pp = 1 (got tp 1, pp 2)"),
     (("parallel.cp=2",), 2, "model.lora needs parallel.cp = 1 (got 2): adapters under context parallel are untested"),
 ])
