@@ -11,11 +11,12 @@ tests/e2e/test_trainer.py, its run settings): rank-4 adapters on q/k/v/o train t
 - the checkpoint's adapter/ loads with transformers + PEFT, and PEFT + base gives hf_final's logprobs (the learner's
   merged weights, which the probe compared with the learner) within 1e-4;
 - configs/demo_lora.yaml, shortened to one SFT and one RL step, trains through `msrl train`;
+- the finished run continued to 3 steps resumes from its LoRA checkpoint;
 - the same run on two data-parallel ranks (`msrl launch local`, ep 2): the same checks;
 - the same run disaggregated (1 learner rank + 1 rollout rank, `msrl launch local`) with FP8 weights on the engine:
   every sync's probe agrees with the learner holding the engine's weights (the merged weights' FP8 round trip).
 
-The last three are runs of their own, marked slow (make test-all); the first run's checks take about 85 s.
+The last four are runs of their own, marked slow (make test-all); the first run's checks take about 85 s.
 
     .venv/bin/python -m pytest -q tests/e2e/test_lora_train.py
 """
@@ -176,6 +177,21 @@ def test_the_adapter_loads_with_peft_and_gives_the_learners_logprobs(lora_run, m
     learner = logprobs(AutoModelForCausalLM.from_pretrained(str(run_dir / "hf_final"), dtype=torch.float32))
     assert (with_adapters - plain).abs().max() > 1e-4  # the adapters change the model
     assert (with_adapters - learner).abs().max() < 1e-4
+
+
+@pytest.mark.slow  # a run of its own (~75 s); test_lora_checkpoint.py checks that load_learner resumes exactly
+def test_the_run_resumes_from_its_lora_checkpoint(lora_run, tmp_path, model_dir):  # noqa: F811
+    """The finished 2-step run continued to 3 steps: it resumes from its step-2 checkpoint (adapters and their Adam
+    state, load_learner) and step 3 logs finite metrics with the probe agreeing."""
+    import shutil
+
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(lora_run[0], run_dir)
+    proc = subprocess.run(_args(run_dir, model_dir, 3, extra=LORA), cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "step_000002" in proc.stderr
+    _check_run(run_dir, [1, 2, 3])
 
 
 @pytest.mark.slow  # a run of its own (~125 s); test_lora_data_parallel.py checks data-parallel adapters
