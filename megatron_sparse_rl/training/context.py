@@ -240,6 +240,8 @@ def _learners(run: RunConfig, adapter, spec, layout, groups, model_dir: Path, to
     learner.load_hf(model_dir)
     reference = None
     if run.algorithm.kl.coef > 0:  # KL to the initial policy needs its logprobs: a frozen copy of the model
+        # (with model.lora a copy with adapters too, never stepped: B = 0 keeps it the base, and its base stays
+        # frozen, so it holds no gradient buffers or optimizer state for the base)
         reference = Learner(adapter, spec, layout, groups, model_cfg=run.model, cfg=run.learner, total_steps=1,
                             temperature=temperature)
         reference.load_hf(model_dir)

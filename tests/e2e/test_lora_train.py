@@ -77,6 +77,8 @@ def test_finite_metrics_and_every_probe_agrees(lora_run):
     probes = [r["sync/probe_max_abs_diff"] for r in _records(run_dir) if "sync/probe_max_abs_diff" in r]
     assert len(probes) >= 5, probes  # the first load, after SFT's eval and its end, after each RL step
     assert "[####################] 2/2" in proc.stdout + proc.stderr
+    # the KL term to the initial policy (the base: B = 0) is live: the SFT steps moved the adapters away from it
+    assert all(r["loss/kl_ref"] > 0 for r in _records(run_dir) if r["phase"] == "rl")
 
 
 def test_the_run_says_lora_is_on_with_the_adapter_count(lora_run):
