@@ -16,7 +16,8 @@ tests/e2e/test_trainer.py, its run settings): rank-4 adapters on q/k/v/o train t
 - the same run disaggregated (1 learner rank + 1 rollout rank, `msrl launch local`) with FP8 weights on the engine:
   every sync's probe agrees with the learner holding the engine's weights (the merged weights' FP8 round trip).
 
-The last four are runs of their own, marked slow (make test-all); the first run's checks take about 85 s.
+The last four are runs of their own, marked slow (make test-all). On the shared 2-core CPU the first run's checks
+took 50-95 s and the whole module 178-458 s, depending on the load.
 
     .venv/bin/python -m pytest -q tests/e2e/test_lora_train.py
 """
@@ -181,7 +182,7 @@ def test_the_adapter_loads_with_peft_and_gives_the_learners_logprobs(lora_run, m
     assert (with_adapters - learner).abs().max() < 1e-4
 
 
-@pytest.mark.slow  # a run of its own (~75 s); test_lora_checkpoint.py checks that load_learner resumes exactly
+@pytest.mark.slow  # a run of its own (25-75 s); test_lora_checkpoint.py checks that load_learner resumes exactly
 def test_the_run_resumes_from_its_lora_checkpoint(lora_run, tmp_path, model_dir):  # noqa: F811
     """The finished 2-step run continued to 3 steps: it resumes from its step-2 checkpoint (adapters and their Adam
     state, load_learner) and step 3 logs finite metrics with the probe agreeing."""
@@ -196,7 +197,7 @@ def test_the_run_resumes_from_its_lora_checkpoint(lora_run, tmp_path, model_dir)
     _check_run(run_dir, [1, 2, 3])
 
 
-@pytest.mark.slow  # a run of its own (~125 s); test_lora_data_parallel.py checks data-parallel adapters
+@pytest.mark.slow  # a run of its own (40-125 s); test_lora_data_parallel.py checks data-parallel adapters
 def test_two_data_parallel_ranks_run(tmp_path, model_dir):  # noqa: F811
     """Colocated on two ranks (`msrl launch local`, data parallel 2, experts split over ep 2): the checks of
     `_check_run` hold and the checkpoint holds adapter/ (tests/distributed/test_lora_data_parallel.py: the adapters
@@ -209,7 +210,7 @@ def test_two_data_parallel_ranks_run(tmp_path, model_dir):  # noqa: F811
     assert sum(t.numel() for t in _adapters(run_dir).values()) == 5_120
 
 
-@pytest.mark.slow  # a run of its own (~155 s); test_lora_sync.py checks held_by on a LoRA learner
+@pytest.mark.slow  # a run of its own (35-155 s); test_lora_sync.py checks held_by on a LoRA learner
 def test_disaggregated_run_with_fp8_weights_probes_the_merged_sync(tmp_path, model_dir):  # noqa: F811
     """FP8 block-quantised weights on an fp32 engine: the probe's reference is the learner holding the engine's
     weights (EngineWeights.held_by: the merged weights' FP8 round trip in its base, its adapters off), which the
@@ -227,7 +228,7 @@ def test_disaggregated_run_with_fp8_weights_probes_the_merged_sync(tmp_path, mod
     assert min(r["sync/weight_format_max_abs_diff"] for r in probed) > 1e-4  # FP8 moves the logprobs
 
 
-@pytest.mark.slow  # a run of its own (~85 s); the module's first run is msrl train with model.lora
+@pytest.mark.slow  # a run of its own (30-85 s); the module's first run is msrl train with model.lora
 def test_the_demo_config_trains(tmp_path):
     """configs/demo_lora.yaml (what docs/lora.md shows) through `msrl train`, one SFT and one RL step at small
     batches: the adapters the summary counts train, the probe agrees."""
