@@ -331,7 +331,7 @@ def serve(rr: RolloutRank) -> dict:
                 break
             except Exception as e:  # report it to the driver, which raises it; keep serving until Stop
                 log.error("rollout rank %d: %s failed:\n%s", rr.rank, type(command).__name__, traceback.format_exc())
-                answer = Failure(f"{type(e).__name__}: {e}", sync=isinstance(e, WeightSyncError))
+                answer = Failure.of(e)
             rr.sync_group.gather_object(answer, dst=SRC)
             served += 1
     finally:

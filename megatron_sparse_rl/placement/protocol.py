@@ -21,7 +21,8 @@ part e of a command that carries parts:
     Probe(rows)                   each engine's prompt logprobs of the rows (float32 [B, S-1])
     Stop()                        the rollout ranks shut their engines down; answer None once down
 
-A command that raises on a rollout rank is answered with a `Failure` instead, which rank `SRC` raises.
+A command that raises on a rollout rank is answered with a `Failure` instead (`Failure.of`), which rank `SRC`
+raises.
 
 While it samples ahead, a rollout rank is inside the engine's step loop and can only poll between engine steps.
 A pickled object cannot be polled for: `broadcast_object` is two blocking broadcasts (size, then bytes). So the
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
+from megatron_sparse_rl.weight_sync import WeightSyncError
 
 SRC = 0
 """The learner rank that drives the rollout ranks and sends the weights."""
@@ -126,6 +128,11 @@ class Failure:
     message: str
     sync: bool = False
     """The error was a WeightSyncError (rank `SRC` raises one too)."""
+
+    @classmethod
+    def of(cls, error: Exception) -> Failure:
+        """The answer that reports `error` to rank `SRC`: its type and message, and whether it is a WeightSyncError."""
+        return cls(f"{type(error).__name__}: {error}", sync=isinstance(error, WeightSyncError))
 
 
 class Word(IntEnum):

@@ -30,7 +30,7 @@ from collections import deque
 
 from megatron_sparse_rl.placement.protocol import (SRC, AheadBatches, Collect, Failure, RunAhead, Stop,
                                                           SyncWeights, Word, empty_word, from_word)
-from megatron_sparse_rl.weight_sync import WeightSyncError, receive_weights
+from megatron_sparse_rl.weight_sync import receive_weights
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class AheadRank:
                     raise
                 except Exception as e:  # noqa: BLE001 - e.g. a weight checksum: reported on the next request
                     log.error("rollout rank %d: %s", self.rr.rank, traceback.format_exc())
-                    self.failure = Failure(f"{type(e).__name__}: {e}", sync=isinstance(e, WeightSyncError))
+                    self.failure = Failure.of(e)
 
     def _sample(self, calls) -> None:
         """One batch, this engine's part of each of its calls; the words that arrive meanwhile are taken between
@@ -84,7 +84,7 @@ class AheadRank:
             raise
         except Exception as e:  # noqa: BLE001 - reported on the next request
             log.error("rollout rank %d: sampling ahead failed:\n%s", self.rr.rank, traceback.format_exc())
-            self.failure = Failure(f"{type(e).__name__}: {e}", sync=isinstance(e, WeightSyncError))
+            self.failure = Failure.of(e)
             return
         finally:
             self.sampling = False
@@ -145,7 +145,7 @@ class AheadRank:
             try:
                 answer = self.handle(self.rr, self.open)
             except Exception as e:  # noqa: BLE001 - reported to rank SRC, which raises it
-                answer = Failure(f"{type(e).__name__}: {e}", sync=isinstance(e, WeightSyncError))
+                answer = Failure.of(e)
         else:
             return
         self.open = None

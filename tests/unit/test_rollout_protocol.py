@@ -17,6 +17,7 @@ from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.placement import disaggregated as D
 from megatron_sparse_rl.placement.protocol import (EnginePart, Failure, Generate, GenerateAhead, Probe, Stop,
                                                           SyncWeights, Word, empty_word, from_word, to_word)
+from megatron_sparse_rl.weight_sync import WeightSyncError
 
 
 class Bridge:
@@ -132,3 +133,12 @@ def test_an_episode_call_carries_each_engines_examples_and_reward_across_a_pickl
     assert all(p.episodes.env == env for p in parts) and [p.sampling.seed for p in parts] == [10, 14]
     assert parts[1].episodes.score(["12", "2"], ["2", "2"]) == [0.25, 1.0]  # partial credit 0.5 * 1/2, exact
     remote.shutdown()
+
+
+def test_a_failure_is_made_of_the_exception_and_raised_on_the_learner_side_by_kind(monkeypatch):
+    assert Failure.of(ValueError("bad row")) == Failure("ValueError: bad row", sync=False)
+    assert Failure.of(WeightSyncError("checksum")).sync
+    monkeypatch.setattr(D.dist, "get_rank", lambda: 0)
+    remote = D.RemoteEngine(Bridge(answers=[[Failure.of(WeightSyncError("checksum"))]]), [2], pad_id=0)
+    with pytest.raises(WeightSyncError, match="rollout rank 2 failed: WeightSyncError: checksum"):
+        remote.probe_logprobs([[1, 2]])
