@@ -8,9 +8,10 @@ the rollout ranks. Learner rank 0 drives the rollout ranks over the weight-sync 
 rollout rank) with the commands of placement/protocol.py (one frozen dataclass each; a rollout rank
 dispatches them by type, `_HANDLERS`):
 
-    Generate          the prompts cut into one `EnginePart` per engine; the parts come back by gather_object
-                      and are joined in prompt order (`RolloutBatch.concat`). With env.kind a part carries its
-                      examples (`Episodes`): the rollout rank runs the episodes, environments and rewards included
+    Generate          the `RolloutRequest` (placement/rollout.py) cut into one part per engine; the parts come
+                      back by gather_object and are joined in prompt order (`RolloutBatch.concat`). With env.kind a
+                      part carries its examples (`Episodes`): the rollout rank runs the episodes, environments and
+                      rewards included
     SyncWeights       every learner rank runs `send_weights`, every rollout rank `receive_weights` (checksummed
                       buckets; with t > 1 and trainer.sync_engine_slices each engine rank receives only its
                       slices, over its engine TP rank's bridge); each rollout rank then reports its status
@@ -29,12 +30,12 @@ dispatches them by type, `_HANDLERS`):
     Stop              the rollout ranks leave `serve`, shut their engines down and confirm
 
 On learner ranks `RemoteEngine` stands where the colocated RolloutEngine stands (`generate`, `pad_id`,
-`shutdown`), so rollout.py runs unchanged on rank 0; the `Disaggregated` placement (placement/placements.py)
-wraps it for the steps. A rollout rank that fails a command sends the error back instead of its result; rank 0
-raises it naming the rank, and its `shutdown` (run on every exit path of `trainer.train`) sends Stop, so no
-rollout rank waits forever; it waits for their confirmation, since rank 0 serves the store their groups were
-made from. The rollout ranks hold no state worth saving: checkpoints, metrics and the HF export are the
-learner's.
+`shutdown`; `run` takes a whole `RolloutRequest`, re-scorings included); the `Disaggregated` placement
+(placement/placements.py) wraps it for the steps. A rollout rank that fails a command sends the error back instead
+of its result (`Failure.of`); rank 0 raises it naming the rank, and its `shutdown` (run on every exit path of
+`trainer.train`) sends Stop, so no rollout rank waits forever; it waits for their confirmation, since rank 0 serves
+the store their groups were made from. The rollout ranks hold no state worth saving: checkpoints, metrics and the
+HF export are the learner's.
 """
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.rollout.batch import RolloutBatch
-from megatron_sparse_rl.placement.protocol import (FOLLOWS, SRC, AheadBatches, Collect, Command, EnginePart,
-                                                          Failure, Generate, GenerateAhead, Probe, RunAhead, Stop,
-                                                          SyncWeights, empty_word, from_word, to_word)
+from megatron_sparse_rl.placement.protocol import (FOLLOWS, SRC, AheadBatches, Collect, Command, Failure, Generate,
+                                                   GenerateAhead, Probe, RunAhead, Stop, SyncWeights, empty_word,
+                                                   from_word, to_word)
+from megatron_sparse_rl.placement.rollout import RolloutRequest
 from megatron_sparse_rl.weight_sync import WeightSyncError, receive_weights, send_weights
 
 log = logging.getLogger(__name__)
@@ -72,15 +74,6 @@ class RolloutRank:
     """Where its weights arrive: its engine TP rank's sliced-sync bridge (None: `sync_group`, whole tensors)."""
 
 
-def split_prompts(n: int, parts: int) -> list[range]:
-    """`n` prompt indices cut into `parts` contiguous slices, sizes differing by at most one."""
-    base, extra = divmod(n, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + base + (i < extra))
-    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
-
-
 class RemoteEngine:
     """The rollout ranks as one engine, on learner ranks. Only global rank `SRC` talks to them; on the other
     learner ranks it is a stand-in with `pad_id` (their steps never generate)."""
@@ -90,6 +83,7 @@ class RemoteEngine:
         if len(rollout_ranks) % engine_tp:
             raise ValueError(f"{len(rollout_ranks)} rollout ranks do not split into engines of {engine_tp} ranks")
         self.group, self.ranks, self.pad_id, self.engine_tp = sync_group, rollout_ranks, pad_id, engine_tp
+        self.engines = len(rollout_ranks) // engine_tp
         self.shards, self.shard_groups = shards, shard_groups
         self.driver = dist.get_rank() == SRC  # learner ranks keep their global ranks in the learner world
         self.stopped = False
@@ -125,45 +119,37 @@ class RemoteEngine:
                     f"rollout rank {rank} failed: {answer.message}")
         return answers[1:]
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
-                 group_ids: list[int] | None = None, *, rescore: int = 0, episodes=None) -> RolloutBatch:
-        """As RolloutEngine.generate, the prompts split across the engines (seeds as one engine's; episodes: as one
-        engine's only with one engine, since an episode's seed counts the episodes of its engine's part); each
-        engine re-scores its own rows (`rescore`) and runs its own `episodes`."""
-        answers = self._command(Generate(self._parts(prompt_token_ids, sampling, group_ids, rescore, episodes)))
+    def run(self, request: RolloutRequest) -> RolloutBatch:
+        """`request` run on the engines, each its part (`RolloutRequest.parts`: seeds as one engine's), re-scorings
+        included; the parts joined in prompt order."""
+        answers = self._command(Generate(request.parts(self.engines)))
         return RolloutBatch.concat([a for a in answers if a is not None], self.pad_id)
 
-    def _parts(self, prompt_token_ids, sampling: SamplingConfig, group_ids, rescore: int, episodes=None
-               ) -> tuple[EnginePart, ...]:
-        """One generate call cut into one part per engine (prompt slices, and their `episodes`; seeds as one
-        engine's)."""
-        gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
-        parts = []
-        for r in split_prompts(len(prompt_token_ids), len(self.ranks) // self.engine_tp):
-            seed = None if sampling.seed is None else sampling.seed + r.start * sampling.n
-            parts.append(EnginePart([prompt_token_ids[i] for i in r], replace(sampling, seed=seed),
-                                    [gids[i] for i in r], rescore, None if episodes is None else episodes.select(r)))
-        return tuple(parts)
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                 group_ids: list[int] | None = None, *, episodes=None) -> RolloutBatch:
+        """As RolloutEngine.generate, the prompts split across the engines (`run`)."""
+        return self.run(RolloutRequest(prompt_token_ids, sampling, group_ids, episodes=episodes))
 
-    def generate_ahead(self, calls: list[tuple], *, recompute: bool) -> None:
-        """Start sampling `calls` ((prompt ids, sampling, group ids, rescore, episodes) each, as `generate` takes them)
-        on the rollout ranks and return at once. The next `sync_weights` reaches the engines between engine steps
-        (partial rollouts, inside a turn of an episode too; `recompute`: the running requests' KV is recomputed under
-        the new weights); `collect_ahead` returns the batches."""
+    def _per_engine(self, requests: list[RolloutRequest]) -> tuple[tuple[RolloutRequest, ...], ...]:
+        """Per engine, its part of each share's request."""
+        per_share = [r.parts(self.engines) for r in requests]
+        return tuple(tuple(parts[e] for parts in per_share) for e in range(self.engines))
+
+    def generate_ahead(self, requests: list[RolloutRequest], *, recompute: bool) -> None:
+        """Start sampling `requests` (one per data-parallel share) on the rollout ranks and return at once. The next
+        `sync_weights` reaches the engines between engine steps (partial rollouts, inside a turn of an episode too;
+        `recompute`: the running requests' KV is recomputed under the new weights); `collect_ahead` returns the
+        batches."""
         if self.ahead:
             raise RuntimeError("the rollout ranks are already sampling ahead: collect_ahead first")
-        per_call = [self._parts(*call) for call in calls]
-        per_engine = tuple(tuple(parts[e] for parts in per_call) for e in range(len(self.ranks) // self.engine_tp))
-        self._send(GenerateAhead(per_engine, recompute))
+        self._send(GenerateAhead(self._per_engine(requests), recompute))
         self.ahead = True
 
-    def run_ahead(self, calls: list[tuple], *, recompute: bool) -> None:
-        """trainer.max_staleness > 1: one more batch (`calls` as `generate_ahead` takes them) for the rollout ranks,
-        which sample the batches handed to them one after another until Stop (placement/run_ahead.py); the weights
-        reach them between engine steps; `collect_ahead` returns the oldest batch."""
-        per_call = [self._parts(*call) for call in calls]
-        per_engine = tuple(tuple(parts[e] for parts in per_call) for e in range(len(self.ranks) // self.engine_tp))
-        self._send(RunAhead(per_engine, recompute))
+    def run_ahead(self, requests: list[RolloutRequest], *, recompute: bool) -> None:
+        """trainer.max_staleness > 1: one more batch (`requests` as `generate_ahead` takes them) for the rollout
+        ranks, which sample the batches handed to them one after another until Stop (placement/run_ahead.py); the
+        weights reach them between engine steps; `collect_ahead` returns the oldest batch."""
+        self._send(RunAhead(self._per_engine(requests), recompute))
         self.running_ahead = True
 
     def collect_ahead(self) -> tuple[list[RolloutBatch], dict[str, float]]:
@@ -210,9 +196,7 @@ class RemoteEngine:
 
 
 def _generate(rr: RolloutRank, command: Generate) -> RolloutBatch | None:
-    part = command.parts[rr.index // rr.engine_tp]
-    batch = (rr.engine.generate(part.prompts, part.sampling, group_ids=part.group_ids, rescore=part.rescore,
-                                episodes=part.episodes) if part.prompts else None)
+    batch = command.parts[rr.index // rr.engine_tp].run(rr.engine)
     return batch if rr.index % rr.engine_tp == 0 else None  # the engine's other ranks hold the same rows
 
 
@@ -242,7 +226,7 @@ def _sample_ahead(rr: RolloutRank, command: GenerateAhead) -> AheadBatches:
     if rr.engine_tp > 1:
         raise RuntimeError("sampling ahead needs rollout.tensor_parallel_size 1 (every rank of an engine would have "
                            "to load the weights at the same engine step)")
-    calls = command.parts[rr.index // rr.engine_tp]
+    requests = command.parts[rr.index // rr.engine_tp]
     word = empty_word()
     arrival = rr.sync_group.broadcast_async(word, src=SRC)
     seconds = {"generate_s": 0.0, "wait_s": 0.0, "load_s": 0.0, "in_flight": 0.0}
@@ -266,8 +250,7 @@ def _sample_ahead(rr: RolloutRank, command: GenerateAhead) -> AheadBatches:
 
     start = time.perf_counter()
     try:
-        batches = [rr.engine.generate(c.prompts, c.sampling, group_ids=c.group_ids, between_steps=between_steps,
-                                      episodes=c.episodes) if c.prompts else None for c in calls]
+        batches = [r.sample(rr.engine, between_steps=between_steps) for r in requests]
     except _Stopped:
         raise
     except Exception:  # keep to the protocol (take the word, drain the weights), then report the error
@@ -280,10 +263,8 @@ def _sample_ahead(rr: RolloutRank, command: GenerateAhead) -> AheadBatches:
         arrival.wait()
         seconds["wait_s"] = time.perf_counter() - waiting
         load(in_flight=False)
-    for batch, call in zip(batches, calls):
-        if batch is not None and call.rescore:  # pi_old estimates at the weights the learner trains this batch with
-            batch.rescored_logprobs = rr.engine.rescore(batch, call.rescore)
-    return AheadBatches(batches, seconds)
+    # pi_old estimates at the weights the learner trains this batch with
+    return AheadBatches([r.rescored(rr.engine, b) for r, b in zip(requests, batches)], seconds)
 
 
 def _drain(rr: RolloutRank, arrival, word: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 training steps call it and never ask which one they have (README.md, "Layout": seams between components).
 
     out = placement.generate(work)              # work(engine, dp_rank) -> this rank's data share's result
-    placement.sample_ahead(calls, finish)       # asynchronous RL: sample while the learner trains; held here
+    out = placement.sample(requests, finish)    # finish(batch of requests[d], d) of this rank's share d
+    placement.sample_ahead(requests, finish)    # asynchronous RL: sample while the learner trains; held here
     stats = placement.sync(learner, bucket_mb=256, version=v)   # weights as version v (while sampling ahead: in
                                                 # flight, then the batch sampled ahead is collected)
     ahead = placement.take_ahead()              # that batch (AheadBatch: finish(batch, dp_rank) of this rank's
@@ -36,11 +37,16 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from megatron_sparse_rl.placement.rollout import RolloutRequest
 from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
 
 T = TypeVar("T")
 Work = Callable[[Any, int], T]
 """(engine, data-parallel rank) -> that share's result (a rollout batch, an accuracy sum, ...)."""
+
+
+Finish = Callable[[Any, int], Any]
+"""finish(batch of share d, d) -> that share's result (on the rank that runs the engines)."""
 
 
 @dataclass
@@ -49,11 +55,9 @@ class AheadBatch:
     `sample_ahead` to `take_ahead`. With k = 1 the `sync` after `sample_ahead` reaches the engines while they sample,
     then collects it; with k > 1 `take_ahead` collects it."""
 
-    finish: Callable[[Any, int], Any]
-    """finish(batch of share d, d) -> that share's result (on the rank that drives the engines)."""
-    calls: list[tuple] | None = None
-    """What was asked per share ((prompt ids, sampling, group ids, rescore, episodes)), to sample it again
-    (trainer.stale_policy recompute)."""
+    finish: Finish
+    requests: list[RolloutRequest]
+    """What was asked per share, to sample it again (trainer.stale_policy recompute)."""
     result: Any = None
     """This rank's share's finish(...), once collected."""
     engine_s: dict[str, float] | None = None
@@ -77,16 +81,21 @@ class Placement:
     def generate(self, work: Work) -> T:
         raise NotImplementedError
 
+    def sample(self, requests: list[RolloutRequest], finish: Finish) -> Any:
+        """Run requests[d] (data-parallel share d) on the engines now, re-scorings included: this rank's share's
+        finish(batch, d)."""
+        return self.generate(lambda engine, d: finish(requests[d].run(engine), d))
+
     def sync(self, learner, *, bucket_mb: float, version: int = 0):
         """Learner weights -> the engines (checksummed), which then hold weight version `version` (the RL steps
         trained; RolloutBatch.token_version); returns weight_sync's `SyncStats`. While the engines sample ahead
         (`sample_ahead`) the weights reach them in flight, and the batch is collected before it returns."""
         raise NotImplementedError
 
-    def sample_ahead(self, calls: list[tuple], finish: Callable[[Any, int], Any]) -> None:
-        """Start sampling calls[d] ((prompt ids, sampling, group ids, rescore, episodes), data-parallel share d) and
-        return at once; the placement holds the batch (`AheadBatch`). The next `sync` reaches the engines while they
-        sample and then collects it; `take_ahead` hands it over. Every learner rank calls it."""
+    def sample_ahead(self, requests: list[RolloutRequest], finish: Finish) -> None:
+        """Start sampling requests[d] (data-parallel share d) and return at once; the placement holds the batch
+        (`AheadBatch`). The next `sync` reaches the engines while they sample and then collects it; `take_ahead`
+        hands it over. Every learner rank calls it."""
         raise NotImplementedError(f"{type(self).__name__} does not sample ahead: asynchronous RL "
                                   "(trainer.max_staleness > 0) needs the disaggregated placement")
 
@@ -189,16 +198,20 @@ class Disaggregated(Placement):
     def generate(self, work: Work) -> T:
         return self._from_driver([work(self.remote, d) for d in range(self.dp)] if self.remote.driver else None)
 
-    def sample_ahead(self, calls: list[tuple], finish: Callable[[Any, int], Any]) -> None:
+    def sample(self, requests: list[RolloutRequest], finish: Finish) -> Any:
+        driver = self.remote.driver
+        return self._from_driver([finish(self.remote.run(r), d) for d, r in enumerate(requests)] if driver else None)
+
+    def sample_ahead(self, requests: list[RolloutRequest], finish: Finish) -> None:
         if len(self._ahead) >= self.depth:
             raise RuntimeError(f"{len(self._ahead)} batches sampled ahead are held already (trainer.max_staleness "
                                f"{self.depth}): take_ahead first")
         if self.remote.driver:
             if self.depth > 1:
-                self.remote.run_ahead(calls, recompute=self.recompute_kv)
+                self.remote.run_ahead(requests, recompute=self.recompute_kv)
             else:
-                self.remote.generate_ahead(calls, recompute=self.recompute_kv)
-        self._ahead.append(AheadBatch(finish, calls))
+                self.remote.generate_ahead(requests, recompute=self.recompute_kv)
+        self._ahead.append(AheadBatch(finish, requests))
 
     def take_ahead(self) -> AheadBatch | None:
         if not self._ahead:

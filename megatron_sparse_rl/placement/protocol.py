@@ -5,9 +5,10 @@ Each command is one `Bridge.broadcast_object` from rank `SRC` to every rollout r
 `gather_object` back to it. Engine e (rollout ranks [e t, (e + 1) t), t = rollout.tensor_parallel_size) serves
 part e of a command that carries parts:
 
-    Generate(parts)               engine e samples parts[e] (an `EnginePart`: a slice of the prompts, and with
-                                  env.kind their examples, run as multi-turn episodes there); its first rank
-                                  answers the `RolloutBatch` (None: an empty part, or another rank of it)
+    Generate(parts)               engine e runs parts[e] (a `RolloutRequest`, placement/rollout.py, cut by
+                                  `RolloutRequest.parts`: a slice of the prompts, and with env.kind their examples,
+                                  run as multi-turn episodes there, re-scored when asked); its first rank answers
+                                  the `RolloutBatch` (None: an empty part, or another rank of it)
     SyncWeights(version)          every learner rank runs `send_weights`, every rollout rank `receive_weights`
                                   (checksummed buckets); answer None once loaded
     GenerateAhead(parts, recompute)
@@ -35,11 +36,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
-
 import torch
 
-from megatron_sparse_rl.config.rollout import SamplingConfig
+from megatron_sparse_rl.placement.rollout import RolloutRequest
 from megatron_sparse_rl.weight_sync import WeightSyncError
 
 SRC = 0
@@ -47,22 +46,8 @@ SRC = 0
 
 
 @dataclass(frozen=True, slots=True)
-class EnginePart:
-    """One engine's part of a generate call: its slice of the prompts, with the seed a single engine would give
-    the slice's first prompt, their group ids, how many engine re-scorings to add (`rescore`) and, for multi-turn
-    episodes (env.kind), the slice's `Episodes` (placement/rollout.py: its examples, the env section, the reward's
-    settings; the rollout rank runs the episodes and their rewards)."""
-
-    prompts: list[list[int]]
-    sampling: SamplingConfig
-    group_ids: list[int]
-    rescore: int
-    episodes: Any = None
-
-
-@dataclass(frozen=True, slots=True)
 class Generate:
-    parts: tuple[EnginePart, ...]
+    parts: tuple[RolloutRequest, ...]
     """One per engine."""
 
 
@@ -74,7 +59,7 @@ class SyncWeights:
 
 @dataclass(frozen=True, slots=True)
 class GenerateAhead:
-    parts: tuple[tuple[EnginePart, ...], ...]
+    parts: tuple[tuple[RolloutRequest, ...], ...]
     """Per engine, its part of each call."""
     recompute: bool
     """Weights loaded while requests run: recompute their KV under the new weights (trainer.in_flight_kv)."""
@@ -84,7 +69,7 @@ class GenerateAhead:
 class RunAhead:
     """One more batch for a rollout rank running ahead (trainer.max_staleness > 1)."""
 
-    parts: tuple[tuple[EnginePart, ...], ...]
+    parts: tuple[tuple[RolloutRequest, ...], ...]
     """Per engine, its part of each call."""
     recompute: bool
     """As GenerateAhead.recompute."""
@@ -117,8 +102,8 @@ class AheadBatches:
     seconds: dict[str, float]
     """generate_s, wait_s (for the weights, after sampling; running ahead: idle before this batch), load_s, and
     in_flight (1.0: loaded while sampling)."""
-    calls: tuple | None = None
-    """The rank's own record of the calls (running ahead, until collected); not sent back."""
+    calls: tuple[RolloutRequest, ...] | None = None
+    """The rank's own record of the requests (running ahead, until collected); not sent back."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
-"""The engine side of one RL step: encode prompts, sample with the rollout engine, score the responses,
-and greedy evaluation on held-out prompts. With an environment (`env.kind`) every sample is a multi-turn episode
-(`collect_episodes`, rollout/episodes.py) rewarded by the environment on its final answer: the engine call carries
-an `Episodes` (examples, env section, reward), which runs where the engine runs (a rollout rank, in a disaggregated
-run), so the rewards come back in the batch; which episodes are correct is judged here."""
+"""The engine side of one RL step: the engine call (`RolloutRequest`, made by `request` / `episode_request`: what
+to sample, and how many engine re-scorings to add), the rewards of what came back (`scored`), and evaluation on
+held-out prompts. With an environment (`env.kind`) every sample is a multi-turn episode (rollout/episodes.py)
+rewarded by the environment on its final answer: the request carries an `Episodes` (examples, env section, reward),
+which runs where the engine runs (a rollout rank, in a disaggregated run), so the rewards come back in the batch;
+which episodes are correct is judged here (`episodes_scored`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,20 +25,65 @@ def decode(tokenizer, rows: list[list[int]]) -> list[str]:
     return [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
 
 
-def collect(engine, tokenizer, examples, sampling: SamplingConfig, *, seed: int, score, correct, rescore: int = 0
-            ) -> tuple[RolloutBatch, torch.Tensor]:
-    """n samples for each example; rewards filled by `score(responses, answers)`. Also returns which samples
-    are correct by `correct(responses, answers)` (the unshaped reward). `rescore` > 0: each sampled sequence is
-    also scored that many times by the engine (algorithm.old_logprobs = engine_mean)."""
-    prompts, sampling, group_ids, rescore, _ = request(examples, sampling, seed=seed, rescore=rescore)
-    batch = engine.generate(prompts, sampling, group_ids, rescore=rescore)
-    return scored(batch, tokenizer, examples, score=score, correct=correct)
+@dataclass(frozen=True, slots=True)
+class RolloutRequest:
+    """One engine call of a rollout, typed from `request` to the rollout ranks' wire: the prompts, their sampling
+    (the seed of the first prompt), their group ids (None: the prompt index), how many engine re-scorings to add
+    (`rescore`, algorithm.old_logprobs = engine_mean) and, for multi-turn episodes (env.kind), the `Episodes` to run.
+    A disaggregated run cuts it into one part per engine (`parts`) and sends those parts as they are."""
+
+    prompts: list[list[int]]
+    sampling: SamplingConfig
+    group_ids: list[int] | None = None
+    rescore: int = 0
+    episodes: Episodes | None = None
+
+    def parts(self, engines: int) -> tuple[RolloutRequest, ...]:
+        """One part per engine: contiguous prompt slices (sizes differing by at most one) with the seeds one engine
+        would give them, their group ids and their episodes (one engine's seeds only with one engine, since an
+        episode's seed counts the episodes of its engine's part)."""
+        gids = list(range(len(self.prompts))) if self.group_ids is None else list(self.group_ids)
+        seed, n = self.sampling.seed, self.sampling.n
+        return tuple(RolloutRequest([self.prompts[i] for i in r],
+                                    dataclasses.replace(self.sampling,
+                                                        seed=None if seed is None else seed + r.start * n),
+                                    [gids[i] for i in r], self.rescore,
+                                    None if self.episodes is None else self.episodes.select(r))
+                     for r in split_prompts(len(self.prompts), engines))
+
+    def sample(self, engine, *, between_steps=None) -> RolloutBatch | None:
+        """The samples (episodes with `episodes`) on the in-process `engine`, not re-scored yet; None without prompts
+        (an engine's empty part). `between_steps()` runs after every engine step (weights loaded in flight)."""
+        if not self.prompts:
+            return None
+        return engine.generate(self.prompts, self.sampling, self.group_ids, between_steps=between_steps,
+                               episodes=self.episodes)
+
+    def rescored(self, engine, batch: RolloutBatch | None) -> RolloutBatch | None:
+        """`batch` (sampled for this request) with its `rescore` engine scorings (RolloutBatch.rescored_logprobs) at
+        the weights `engine` holds now: the one place re-scoring happens (sampled ahead: after the weights the
+        learner trains the batch with were loaded)."""
+        if batch is not None and self.rescore:
+            batch.rescored_logprobs = engine.rescore(batch, self.rescore)
+        return batch
+
+    def run(self, engine) -> RolloutBatch | None:
+        """Sample and re-score at once on the in-process `engine`."""
+        return self.rescored(engine, self.sample(engine))
 
 
-def request(examples, sampling: SamplingConfig, *, seed: int, rescore: int = 0) -> tuple:
-    """The engine call of `collect`: (prompt ids, sampling, group ids (None: the prompt index), rescore, episodes
-    (None: single-turn samples; `episode_request` gives the `Episodes`)), as `engine.generate` takes them."""
-    return [list(e.ids) for e in examples], dataclasses.replace(sampling, seed=seed), None, rescore, None
+def split_prompts(n: int, parts: int) -> list[range]:
+    """`n` prompt indices cut into `parts` contiguous slices, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def request(examples, sampling: SamplingConfig, *, seed: int, rescore: int = 0) -> RolloutRequest:
+    """The engine call that samples `sampling.n` responses to each of `examples` (`scored` rewards them)."""
+    return RolloutRequest([list(e.ids) for e in examples], dataclasses.replace(sampling, seed=seed), None, rescore)
 
 
 def scored(batch: RolloutBatch, tokenizer, examples, *, score, correct) -> tuple[RolloutBatch, torch.Tensor]:
@@ -80,22 +126,21 @@ def _tokenizer(model_dir: str):
 
 
 def collect_episodes(engine, tokenizer, examples, sampling: SamplingConfig, env: EnvConfig, *, seed: int, score,
-                     correct, rescore: int = 0) -> tuple[RolloutBatch, torch.Tensor]:
-    """`collect` for multi-turn episodes: `sampling.n` episodes per example, each rewarded by its environment with
-    `score` of its final answer; correct = `correct` of the final turn of the episodes the environment ended (an
-    episode out of turns or tokens is not). `rescore` > 0 (algorithm.old_logprobs = engine_mean): every finished
-    episode is also scored that many times by the engine, as one sequence (its environment tokens too; the loss
-    mask drops those)."""
-    prompts, sampling, group_ids, rescore, episodes = episode_request(examples, sampling, env, score, seed=seed,
-                                                                      rescore=rescore)
-    batch = engine.generate(prompts, sampling, group_ids, rescore=rescore, episodes=episodes)
+                     correct) -> tuple[RolloutBatch, torch.Tensor]:
+    """`sampling.n` multi-turn episodes per example on `engine` (an in-process engine, or the rollout ranks'), each
+    rewarded by its environment with `score` of its final answer; correct = `correct` of the final turn of the
+    episodes the environment ended (an episode out of turns or tokens is not)."""
+    req = episode_request(examples, sampling, env, score, seed=seed)
+    batch = engine.generate(req.prompts, req.sampling, req.group_ids, episodes=req.episodes)
     return episodes_scored(batch, tokenizer, examples, correct=correct)
 
 
 def episode_request(examples, sampling: SamplingConfig, env: EnvConfig, score, *, seed: int, rescore: int = 0
-                    ) -> tuple:
-    """The engine call of `collect_episodes`: `request`'s, with the `Episodes` to run."""
-    return request(examples, sampling, seed=seed, rescore=rescore)[:4] + (Episodes(tuple(examples), env, score),)
+                    ) -> RolloutRequest:
+    """`request`'s engine call as multi-turn episodes: with the `Episodes` to run (every finished episode re-scored
+    as one sequence, its environment tokens too; the loss mask drops those)."""
+    return dataclasses.replace(request(examples, sampling, seed=seed, rescore=rescore),
+                               episodes=Episodes(tuple(examples), env, score))
 
 
 def episodes_scored(batch: RolloutBatch, tokenizer, examples, *, correct) -> tuple[RolloutBatch, torch.Tensor]:

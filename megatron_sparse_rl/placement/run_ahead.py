@@ -30,6 +30,7 @@ from collections import deque
 
 from megatron_sparse_rl.placement.protocol import (SRC, AheadBatches, Collect, Failure, RunAhead, Stop,
                                                           SyncWeights, Word, empty_word, from_word)
+from megatron_sparse_rl.placement.rollout import RolloutRequest
 from megatron_sparse_rl.weight_sync import receive_weights
 
 log = logging.getLogger(__name__)
@@ -71,15 +72,13 @@ class AheadRank:
                     log.error("rollout rank %d: %s", self.rr.rank, traceback.format_exc())
                     self.failure = Failure.of(e)
 
-    def _sample(self, calls) -> None:
-        """One batch, this engine's part of each of its calls; the words that arrive meanwhile are taken between
-        engine steps."""
+    def _sample(self, calls: tuple[RolloutRequest, ...]) -> None:
+        """One batch, this engine's part of each share's request; the words that arrive meanwhile are taken between
+        engine steps. Re-scored when collected."""
         start, load_before, loads_before = time.perf_counter(), self.load_s, self.loads
         self.sampling = True
         try:
-            batches = [self.rr.engine.generate(c.prompts, c.sampling, group_ids=c.group_ids,
-                                               between_steps=self._between_steps, episodes=c.episodes)
-                       if c.prompts else None for c in calls]
+            batches = [r.sample(self.rr.engine, between_steps=self._between_steps) for r in calls]
         except self.stopped:
             raise
         except Exception as e:  # noqa: BLE001 - reported on the next request
@@ -153,7 +152,4 @@ class AheadRank:
 
     def _rescored(self, ahead: AheadBatches) -> AheadBatches:
         """engine_mean's pi_old estimates, at the weights the learner trains this batch with (loaded by now)."""
-        for batch, call in zip(ahead.batches, ahead.calls):
-            if batch is not None and call.rescore:
-                batch.rescored_logprobs = self.rr.engine.rescore(batch, call.rescore)
-        return AheadBatches(ahead.batches, ahead.seconds)
+        return AheadBatches([r.rescored(self.rr.engine, b) for r, b in zip(ahead.calls, ahead.batches)], ahead.seconds)

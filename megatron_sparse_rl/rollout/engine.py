@@ -171,15 +171,15 @@ class RolloutEngine:
             stop=list(s.stop) or None, seed=seed, logprobs=0, detokenize=bool(s.stop), **extra)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
-                 group_ids: list[int] | None = None, *, rescore: int = 0,
-                 between_steps: Callable[[], None] | None = None, episodes=None) -> RolloutBatch:
+                 group_ids: list[int] | None = None, *, between_steps: Callable[[], None] | None = None,
+                 episodes=None) -> RolloutBatch:
         """Sample `sampling.n` responses per prompt.
 
         Returns a RolloutBatch of len(prompts) * n rows, the n samples of prompt i consecutive and
-        carrying group id `group_ids[i]` (default: i). With `rescore` > 0 every sampled sequence is also
-        scored `rescore` times (`RolloutBatch.rescored_logprobs`, see `rescore`). `between_steps()` runs after
-        every engine step while requests are unfinished (it may call `update_in_flight`); every token's weight
-        version is in `RolloutBatch.token_version`.
+        carrying group id `group_ids[i]` (default: i); engine re-scorings of them are `rescore`'s (asked for by
+        placement/rollout.py `RolloutRequest.rescored`). `between_steps()` runs after every engine step while
+        requests are unfinished (it may call `update_in_flight`); every token's weight version is in
+        `RolloutBatch.token_version`.
 
         `episodes` (placement/rollout.py `Episodes`, env.kind): each sample is a multi-turn episode of the prompt's
         example instead, run turn by turn (`sample_turns`) by `episodes.run(self, ...)`.
@@ -189,10 +189,7 @@ class RolloutEngine:
                              f"{len(prompt_token_ids)} prompts)")
         if episodes is not None:  # run_episodes refuses group ids that do not match its examples
             gids = list(range(len(prompt_token_ids))) if group_ids is None else group_ids
-            batch = episodes.run(self, sampling, gids, between_steps=between_steps)
-            if rescore:
-                batch.rescored_logprobs = self.rescore(batch, rescore)
-            return batch
+            return episodes.run(self, sampling, gids, between_steps=between_steps)
         self._check_prompts(prompt_token_ids, sampling.max_tokens)
         params = [self._sampling_params(sampling, i) for i in range(len(prompt_token_ids))]
         for ext in self.extensions:
@@ -227,8 +224,6 @@ class RolloutEngine:
         if probe is not None:
             batch.kv_usage = {"peak_blocks": float(probe.peak_blocks), "pool_blocks": float(probe.pool_blocks),
                               "mean_running": probe.mean_running, "preemptions": float(probe.preemptions)}
-        if rescore:
-            batch.rescored_logprobs = self.rescore(batch, rescore)
         return batch
 
     def sample_turns(self, prompt_token_ids: list[list[int]], sampling: list[SamplingConfig],

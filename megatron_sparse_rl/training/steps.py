@@ -43,38 +43,40 @@ def _seed(ctx: RunContext, step: int, dp_rank: int) -> int:
     return ctx.run.rollout.seed + 1_000_003 * step + 10_007 * dp_rank
 
 
+def _requests(ctx: RunContext, step: int, examples, score) -> list[R.RolloutRequest]:
+    """Step `step`'s engine call for each data-parallel share d (prompts `examples[d::dp]`, seeds from d); with
+    env.kind multi-turn episodes, whose environments and rewards run where the engines do."""
+    dp, run = ctx.layout.dp, ctx.run
+    if run.env.episodes:
+        return [R.episode_request(examples[d::dp], run.rollout.sampling, run.env, score, seed=_seed(ctx, step, d),
+                                  rescore=_rescore(ctx)) for d in range(dp)]
+    return [R.request(examples[d::dp], run.rollout.sampling, seed=_seed(ctx, step, d), rescore=_rescore(ctx))
+            for d in range(dp)]
+
+
+def _finish(ctx: RunContext, examples, score, correct):
+    """finish(batch, d): share d's batch with its rewards, and which of its samples are correct."""
+    dp = ctx.layout.dp
+    if ctx.run.env.episodes:
+        return lambda batch, d: R.episodes_scored(batch, ctx.tokenizer, examples[d::dp], correct=correct)
+    return lambda batch, d: R.scored(batch, ctx.tokenizer, examples[d::dp], score=score, correct=correct)
+
+
 def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
     """This data-parallel rank's rollout batch with rewards, and rollout metrics (global)."""
     t0 = time.perf_counter()
     examples = ctx.task.next_train(ctx.run.trainer.prompts_per_step)
-
-    def collect(engine, dp_rank: int):
-        share, seed = examples[dp_rank::ctx.layout.dp], _seed(ctx, step, dp_rank)
-        if ctx.run.env.episodes:
-            return R.collect_episodes(engine, ctx.tokenizer, share, ctx.run.rollout.sampling, ctx.run.env, seed=seed,
-                                      score=score, correct=correct, rescore=_rescore(ctx))
-        return R.collect(engine, ctx.tokenizer, share, ctx.run.rollout.sampling, seed=seed, score=score,
-                         correct=correct, rescore=_rescore(ctx))
-
-    batch, is_correct = ctx.placement.generate(collect)
+    batch, is_correct = ctx.placement.sample(_requests(ctx, step, examples, score),
+                                             _finish(ctx, examples, score, correct))
     return batch, _rollout_metrics(ctx, batch, is_correct, time.perf_counter() - t0)
 
 
 def sample_ahead(ctx: RunContext, step: int, score, correct) -> None:
     """Asynchronous RL: start step `step`'s rollout (the same prompts and seeds as `rollout_step`) on the engines and
-    return at once. The placement holds it (up to trainer.max_staleness batches); the weight syncs reach the engines
-    while they sample, and `next_batch` hands it over (k = 1: the next sync collects it; k > 1: `next_batch`)."""
-    examples, dp, run = ctx.task.next_train(ctx.run.trainer.prompts_per_step), ctx.layout.dp, ctx.run
-    if run.env.episodes:  # the environments (and their rewards) run where the engines do
-        calls = [R.episode_request(examples[d::dp], run.rollout.sampling, run.env, score, seed=_seed(ctx, step, d),
-                                   rescore=_rescore(ctx)) for d in range(dp)]
-        ctx.placement.sample_ahead(
-            calls, lambda batch, d: R.episodes_scored(batch, ctx.tokenizer, examples[d::dp], correct=correct))
-        return
-    calls = [R.request(examples[d::dp], run.rollout.sampling, seed=_seed(ctx, step, d), rescore=_rescore(ctx))
-             for d in range(dp)]
-    ctx.placement.sample_ahead(
-        calls, lambda batch, d: R.scored(batch, ctx.tokenizer, examples[d::dp], score=score, correct=correct))
+    return at once. The placement queues it (up to trainer.max_staleness batches); the weight syncs reach the
+    engines while they sample, and `next_batch` collects it."""
+    examples = ctx.task.next_train(ctx.run.trainer.prompts_per_step)
+    ctx.placement.sample_ahead(_requests(ctx, step, examples, score), _finish(ctx, examples, score, correct))
 
 
 def next_batch(ctx: RunContext, step: int, score, correct) -> tuple:
@@ -112,12 +114,7 @@ def _stale_guard(ctx: RunContext, step: int, ahead, batch, is_correct) -> tuple:
     if n_stale:
         log.warning("RL step %d: %d samples more than %d versions stale: sampling the step again", step + 1,
                     n_stale, cfg.max_staleness)
-
-        def again(engine, d: int):
-            prompts, sampling, group_ids, rescore, episodes = ahead.calls[d]
-            return ahead.finish(engine.generate(prompts, sampling, group_ids, rescore=rescore, episodes=episodes), d)
-
-        batch, is_correct = ctx.placement.generate(again)
+        batch, is_correct = ctx.placement.sample(ahead.requests, ahead.finish)
     return batch, is_correct, {"async/dropped_samples": 0.0, "async/resampled": float(n_stale > 0)}
 
 

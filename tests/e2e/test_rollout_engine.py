@@ -91,8 +91,8 @@ def test_rescore_once_equals_the_samplers_logprobs_and_transformers(setup):
     transformers forward; the re-scorings are deterministic on CPU."""
     _, engine, base, _ = setup
     prompts = [SEQS[0][:5], SEQS[1][:3]]
-    batch = engine.generate(prompts, SamplingConfig(n=2, max_tokens=6, seed=3), rescore=2)
-    r = batch.rescored_logprobs
+    batch = engine.generate(prompts, SamplingConfig(n=2, max_tokens=6, seed=3))
+    r = engine.rescore(batch, 2)
     assert r.shape == (len(batch), 2, batch.response_ids.shape[1])
     assert (r[~batch.response_mask.unsqueeze(1).expand_as(r)] == 0).all()
     mask = batch.response_mask
@@ -103,7 +103,7 @@ def test_rescore_once_equals_the_samplers_logprobs_and_transformers(setup):
     for i, seq in enumerate(seqs):
         n = int(mask[i].sum())
         assert max_diff(r[i, 0, :n], hf[i][-n:]) < ATOL
-    assert engine.generate(prompts, SamplingConfig(n=2, max_tokens=6, seed=3)).rescored_logprobs is None
+    assert batch.rescored_logprobs is None  # sampling alone adds none (placement/rollout.py RolloutRequest does)
 
 
 def hf_processed_logprobs(model_dir, seqs, temperature, top_k):

@@ -20,7 +20,7 @@ from megatron_sparse_rl.launch.checks import check_launch
 from megatron_sparse_rl.launch.load import load_run
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.tools import cli
-from megatron_sparse_rl.placement.disaggregated import split_prompts
+from megatron_sparse_rl.placement.rollout import split_prompts
 
 
 def run_of(*overrides: str) -> RunConfig:

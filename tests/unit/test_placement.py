@@ -37,6 +37,10 @@ class StandInRemote:
     def __init__(self, batches):
         self.batches, self.calls = batches, []
 
+    def run(self, request):
+        self.calls.append(("run", request))
+        return f"batch of {request}"
+
     def generate_ahead(self, calls, *, recompute):
         self.calls.append(("generate_ahead", calls, recompute))
 
@@ -124,6 +128,14 @@ def test_disaggregated_runs_every_share_through_the_remote_engines():
     assert placement.sync(learner, bucket_mb=32, version=2) == "stats"
     placement.shutdown()
     assert remote.calls == [("sync_weights", learner, 32, 2, None), ("shutdown",)]
+
+
+def test_disaggregated_samples_every_share_through_the_remote_engines_and_finishes_it():
+    remote = StandInRemote(batches=[])
+    placement = Disaggregated(remote, _groups(dp_rank=1), dp=2, learner_ranks=1)
+    out = placement.sample(["request 0", "request 1"], lambda batch, d: f"{batch} finished by {d}")
+    assert out == "batch of request 1 finished by 1"
+    assert remote.calls == [("run", "request 0"), ("run", "request 1")]
 
 
 def test_disaggregated_samples_ahead_and_finishes_after_the_sync():

@@ -1,6 +1,6 @@
 """The rollout-rank protocol (placement/protocol.py, placement/disaggregated.py) in one process, over a
 stand-in bridge: the commands are frozen dataclasses that survive pickling, a rollout rank dispatches them by type
-(`serve`), the learner side cuts a generate call into one `EnginePart` per engine, and the commands sent while the
+(`serve`), the learner side cuts a `RolloutRequest` into one part per engine, and the commands sent while the
 rollout ranks sample ahead travel as words.
 
     .venv/bin/python -m pytest -q tests/unit/test_rollout_protocol.py
@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import FrozenInstanceError
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.placement import disaggregated as D
-from megatron_sparse_rl.placement.protocol import (EnginePart, Failure, Generate, GenerateAhead, Probe, Stop,
-                                                          SyncWeights, Word, empty_word, from_word, to_word)
+from megatron_sparse_rl.placement.protocol import (Failure, Generate, GenerateAhead, Probe, Stop, SyncWeights, Word,
+                                                   empty_word, from_word, to_word)
+from megatron_sparse_rl.placement.rollout import RolloutRequest
 from megatron_sparse_rl.weight_sync import WeightSyncError
 
 
@@ -50,9 +52,13 @@ class Engine:
     def __init__(self):
         self.calls, self.down = [], False
 
-    def generate(self, prompts, sampling, group_ids=None, rescore=0, episodes=None):
-        self.calls.append(("generate", prompts, sampling.seed, group_ids, rescore))
-        return f"batch of {len(prompts)}"
+    def generate(self, prompts, sampling, group_ids=None, *, between_steps=None, episodes=None):
+        self.calls.append(("generate", prompts, sampling.seed, group_ids))
+        return SimpleNamespace(rows=len(prompts), rescored_logprobs=None)
+
+    def rescore(self, batch, n):
+        self.calls.append(("rescore", batch.rows, n))
+        return f"{n} scorings"
 
     def prompt_logprobs(self, rows):
         self.calls.append(("probe", rows))
@@ -63,7 +69,7 @@ class Engine:
 
 
 def test_commands_are_frozen_and_cross_a_pickle_unchanged():
-    part = EnginePart([[1, 2]], SamplingConfig(seed=3), [0], 1)
+    part = RolloutRequest([[1, 2]], SamplingConfig(seed=3), [0], 1)
     for command in (Generate((part,)), SyncWeights(4), GenerateAhead(((part,),), recompute=True), Probe([[1, 2]]),
                     Stop()):
         assert pickle.loads(pickle.dumps(command)) == command
@@ -82,14 +88,14 @@ def test_the_commands_sent_while_sampling_ahead_round_trip_as_words():
 
 
 def test_a_rollout_rank_serves_commands_by_type_until_stop():
-    part = EnginePart([[5, 6, 7]], SamplingConfig(seed=11), [3], 2)
-    bridge = Bridge([Generate((EnginePart([], SamplingConfig(), [], 0), part)), Probe([[1, 2, 3]]), "generate",
+    part = RolloutRequest([[5, 6, 7]], SamplingConfig(seed=11), [3], 2)
+    bridge = Bridge([Generate((RolloutRequest([], SamplingConfig(), [], 0), part)), Probe([[1, 2, 3]]), "generate",
                      Stop()])
     engine = Engine()
     out = D.serve(D.RolloutRank(engine, bridge, rank=2, index=1))
-    assert engine.calls == [("generate", [[5, 6, 7]], 11, [3], 2), ("probe", [[1, 2, 3]])]
+    assert engine.calls == [("generate", [[5, 6, 7]], 11, [3]), ("rescore", 1, 2), ("probe", [[1, 2, 3]])]
     generated, probed, failed, confirmed = bridge.gathered
-    assert generated == "batch of 1" and torch.equal(probed, torch.full((1, 2), -1.0))
+    assert generated.rescored_logprobs == "2 scorings" and torch.equal(probed, torch.full((1, 2), -1.0))
     assert isinstance(failed, Failure) and "unknown command str" in failed.message and not failed.sync
     assert confirmed is None and engine.down and out == {"rank": 2, "role": "rollout", "commands": 3}
 
@@ -98,7 +104,7 @@ def test_the_learner_side_sends_one_part_per_engine_and_stops_with_a_word_while_
     monkeypatch.setattr(D.dist, "get_rank", lambda: 0)
     bridge = Bridge(answers=[[None, None]])
     remote = D.RemoteEngine(bridge, [2, 3], pad_id=0)
-    remote.generate_ahead([([[1], [2], [3]], SamplingConfig(seed=10, n=2), None, 0)], recompute=False)
+    remote.generate_ahead([RolloutRequest([[1], [2], [3]], SamplingConfig(seed=10, n=2))], recompute=False)
     (command,) = bridge.sent
     assert isinstance(command, GenerateAhead) and command.recompute is False
     assert [[p.prompts for p in parts] for parts in command.parts] == [[[[1], [2]]], [[[3]]]]

@@ -15,8 +15,9 @@ import torch
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.placement import run_ahead
-from megatron_sparse_rl.placement.protocol import (AheadBatches, Collect, EnginePart, Failure, Probe, RunAhead,
-                                                          Stop, SyncWeights, to_word)
+from megatron_sparse_rl.placement.protocol import (AheadBatches, Collect, Failure, Probe, RunAhead, Stop, SyncWeights,
+                                                   to_word)
+from megatron_sparse_rl.placement.rollout import RolloutRequest
 
 
 class _Stopped(Exception):
@@ -33,7 +34,7 @@ class _Engine:
     def __init__(self, fail: bool = False):
         self.steps, self.fail, self.log = 0, fail, []
 
-    def generate(self, prompts, sampling, *, group_ids, between_steps, episodes=None):
+    def generate(self, prompts, sampling, group_ids, *, between_steps, episodes=None):
         self.log.append(("generate", prompts[0][0]))
         for _ in range(3):
             self.steps += 1
@@ -90,8 +91,8 @@ class _Bridge:
         self.waiting = False
 
 
-def _part(first: int, rescore: int = 0) -> EnginePart:
-    return EnginePart([[first, 0]], SamplingConfig(), [0], rescore)
+def _part(first: int, rescore: int = 0) -> RolloutRequest:
+    return RolloutRequest([[first, 0]], SamplingConfig(), [0], rescore)
 
 
 def _run(engine: _Engine, script, *, rescore: int = 0):
