@@ -3,11 +3,11 @@ training steps call it and never ask which one they have (README.md, "Layout": s
 
     out = placement.generate(work)              # work(engine, dp_rank) -> this rank's data share's result
     out = placement.sample(requests, finish)    # finish(batch of requests[d], d) of this rank's share d
-    placement.sample_ahead(requests, finish)    # asynchronous RL: sample while the learner trains; held here
+    placement.sample_ahead(requests, finish)    # asynchronous RL: sample while the learner trains; queued here
     stats = placement.sync(learner, bucket_mb=256, version=v)   # weights as version v (while sampling ahead: in
-                                                # flight, then the batch sampled ahead is collected)
-    ahead = placement.take_ahead()              # that batch (AheadBatch: finish(batch, dp_rank) of this rank's
-                                                # share, the engines' times), once; None when none was sampled
+                                                # flight)
+    ahead = placement.take_ahead()              # the oldest batch queued (AheadBatch: finish(batch, dp_rank) of
+                                                # this rank's share, the engines' times); None when none is
     metrics = placement.verify(learner, probe, tol)  # the probe's sync/... metrics (weight_sync/verify.py)
     placement.shutdown()                         # idempotent; on every way out of the learner loop
 
@@ -23,16 +23,16 @@ which rank runs it, so the three placements give the same results:
   engine in each call), and keeps its own.
 - `Disaggregated`: the engines live on the rollout ranks (placement/disaggregated.py); learner rank 0 runs
   `work` for every share through them and broadcasts the results over the learner ranks. It alone samples ahead
-  (`sample_ahead`, trainer.max_staleness k > 0, docs/async.md): config validation refuses the others. With k = 1
-  the sync collects the one batch held; with k > 1 (`run_ahead`) it holds up to k, the rollout ranks sample them
-  one after another without waiting for the syncs, and `take_ahead` collects the oldest.
+  (`sample_ahead`, trainer.max_staleness k > 0, docs/async.md): config validation refuses the others. It queues up
+  to k batches (k = 1: a queue of depth one), the rollout ranks sample them one after another without waiting for
+  the syncs, and `take_ahead` collects the oldest.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -49,11 +49,10 @@ Finish = Callable[[Any, int], Any]
 """finish(batch of share d, d) -> that share's result (on the rank that runs the engines)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class AheadBatch:
-    """A rollout sampled ahead (asynchronous RL, trainer.max_staleness k > 0), held by the placement from
-    `sample_ahead` to `take_ahead`. With k = 1 the `sync` after `sample_ahead` reaches the engines while they sample,
-    then collects it; with k > 1 `take_ahead` collects it."""
+    """A rollout sampled ahead (asynchronous RL, trainer.max_staleness k > 0), queued by the placement from
+    `sample_ahead` to `take_ahead`, which collects it."""
 
     finish: Finish
     requests: list[RolloutRequest]
@@ -61,14 +60,10 @@ class AheadBatch:
     result: Any = None
     """This rank's share's finish(...), once collected."""
     engine_s: dict[str, float] | None = None
-    """The engines' seconds once collected: generate_s (sampling), wait_s (for the weights after sampling), load_s,
+    """The engines' seconds once collected: generate_s (sampling), wait_s (idle before the batch began), load_s,
     in_flight (1 when the weights arrived between engine steps)."""
     learner_wait_s: float = 0.0
-    """How long the learner waited for the batch after the sync (collecting and finishing it)."""
-
-    @property
-    def collected(self) -> bool:
-        return self.engine_s is not None
+    """How long the learner waited for the batch (collecting and finishing it)."""
 
 
 class Placement:
@@ -89,18 +84,18 @@ class Placement:
     def sync(self, learner, *, bucket_mb: float, version: int = 0):
         """Learner weights -> the engines (checksummed), which then hold weight version `version` (the RL steps
         trained; RolloutBatch.token_version); returns weight_sync's `SyncStats`. While the engines sample ahead
-        (`sample_ahead`) the weights reach them in flight, and the batch is collected before it returns."""
+        (`sample_ahead`) the weights reach them in flight."""
         raise NotImplementedError
 
     def sample_ahead(self, requests: list[RolloutRequest], finish: Finish) -> None:
-        """Start sampling requests[d] (data-parallel share d) and return at once; the placement holds the batch
-        (`AheadBatch`). The next `sync` reaches the engines while they sample and then collects it; `take_ahead`
-        hands it over. Every learner rank calls it."""
+        """Start sampling requests[d] (data-parallel share d) and return at once; the placement queues the batch
+        (`AheadBatch`). The syncs reach the engines while they sample; `take_ahead` collects it. Every learner rank
+        calls it."""
         raise NotImplementedError(f"{type(self).__name__} does not sample ahead: asynchronous RL "
                                   "(trainer.max_staleness > 0) needs the disaggregated placement")
 
     def take_ahead(self) -> AheadBatch | None:
-        """The batch sampled ahead, collected by the last `sync`, handed over once; None when none was sampled."""
+        """The oldest batch sampled ahead, collected (it waits for it), handed over once; None when none is queued."""
         return None
 
     def verify(self, learner, tokens, tol: float) -> dict[str, float]:
@@ -184,7 +179,7 @@ class Disaggregated(Placement):
         self.remote, self.groups, self.dp, self.learner_ranks = remote, groups, dp, learner_ranks
         self.pad_id, self.weights = remote.pad_id, weights
         self.recompute_kv = recompute_kv  # trainer.in_flight_kv = recompute
-        self.depth = depth  # trainer.max_staleness: batches held at most; > 1 runs the rollout ranks ahead
+        self.depth = depth  # trainer.max_staleness: batches queued at most
         self._ahead: deque[AheadBatch] = deque()  # the batches sampled ahead, oldest first
 
     def _from_driver(self, out: list | None) -> Any:
@@ -207,36 +202,21 @@ class Disaggregated(Placement):
             raise RuntimeError(f"{len(self._ahead)} batches sampled ahead are held already (trainer.max_staleness "
                                f"{self.depth}): take_ahead first")
         if self.remote.driver:
-            if self.depth > 1:
-                self.remote.run_ahead(requests, recompute=self.recompute_kv)
-            else:
-                self.remote.generate_ahead(requests, recompute=self.recompute_kv)
+            self.remote.run_ahead(requests, recompute=self.recompute_kv)
         self._ahead.append(AheadBatch(finish, requests))
 
     def take_ahead(self) -> AheadBatch | None:
         if not self._ahead:
             return None
-        ahead = self._ahead.popleft()
-        if not ahead.collected:
-            if self.depth == 1:
-                raise RuntimeError("take_ahead before the sync that collects the batch sampled ahead")
-            self._collect(ahead)
-        return ahead
-
-    def sync(self, learner, *, bucket_mb: float, version: int = 0):
-        stats = self.remote.sync_weights(learner, bucket_mb=bucket_mb, version=version, convert=self.weights.convert)
-        if self.depth == 1 and self._ahead and not self._ahead[0].collected:  # taken while sampling: collect it
-            self._collect(self._ahead[0])
-        return stats
-
-    def _collect(self, ahead: AheadBatch) -> None:
-        """Wait for the batch sampled ahead; after it the rollout ranks answer commands (probes) again."""
-        start, out = time.perf_counter(), None
+        ahead, start, out = self._ahead.popleft(), time.perf_counter(), None
         if self.remote.driver:
             batches, seconds = self.remote.collect_ahead()
             out = [(ahead.finish(batch, d), seconds) for d, batch in enumerate(batches)]
-        ahead.result, ahead.engine_s = self._from_driver(out)
-        ahead.learner_wait_s = time.perf_counter() - start
+        result, engine_s = self._from_driver(out)
+        return replace(ahead, result=result, engine_s=engine_s, learner_wait_s=time.perf_counter() - start)
+
+    def sync(self, learner, *, bucket_mb: float, version: int = 0):
+        return self.remote.sync_weights(learner, bucket_mb=bucket_mb, version=version, convert=self.weights.convert)
 
     def verify(self, learner, tokens, tol: float) -> dict[str, float]:
         from megatron_sparse_rl.weight_sync import probe_metrics

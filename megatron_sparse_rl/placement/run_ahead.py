@@ -1,6 +1,6 @@
-"""A rollout rank running ahead of the learner (trainer.max_staleness k > 1, docs/async.md): it samples the batches
-learner rank `SRC` hands it one after another, up to k of them ahead of the one the learner trains, and never
-waits for the learner between two of them.
+"""A rollout rank sampling ahead of the learner (trainer.max_staleness k >= 1, docs/async.md): it samples the
+batches learner rank `SRC` hands it one after another, up to k of them ahead of the one the learner trains, and
+never waits for the learner between two of them. k = 1 is a queue of depth one.
 
 The first `RunAhead` arrives as an ordinary command (placement/disaggregated.py `serve`); from then on everything
 from rank `SRC` arrives as a word (placement/protocol.py), polled between engine steps while sampling and
@@ -28,22 +28,35 @@ import time
 import traceback
 from collections import deque
 
-from megatron_sparse_rl.placement.protocol import (SRC, AheadBatches, Collect, Failure, RunAhead, Stop,
-                                                          SyncWeights, Word, empty_word, from_word)
+from megatron_sparse_rl.placement.protocol import (SRC, AheadBatches, Collect, Failure, RunAhead, Stop, SyncWeights,
+                                                   Word, empty_word, from_word)
 from megatron_sparse_rl.placement.rollout import RolloutRequest
 from megatron_sparse_rl.weight_sync import receive_weights
 
 log = logging.getLogger(__name__)
 
 
-class AheadRank:
-    """The state of one rollout rank running ahead: the batches queued and sampled, the open request."""
+class Stopped(Exception):
+    """Learner rank `SRC` stopped the run while this rank sampled ahead."""
 
-    def __init__(self, rr, first: RunAhead, *, handle, receive, stopped: type[Exception]):
-        self.rr, self.recompute = rr, first.recompute
-        self.handle, self.receive, self.stopped = handle, receive, stopped  # placement/disaggregated.py's
-        self.queue = deque([first.parts[rr.index]])  # this engine's calls of each batch not sampled yet
-        self.done: deque[AheadBatches] = deque()     # sampled, not collected
+
+def receive(rr, version: int | None) -> None:
+    """The weight stream from rank `SRC` into rollout rank `rr`'s engine (checksummed, `receive_weights`), which then
+    holds `version` (None: the caller records it, as `RolloutEngine.update_in_flight` does)."""
+    receive_weights(rr.engine, rr.weights_group or rr.sync_group, src=SRC)
+    if version is not None:
+        rr.engine.weight_version = version
+
+
+class AheadRank:
+    """The state of one rollout rank sampling ahead: the batches queued and sampled, the open request. `handle` runs
+    a command for the engine (Probe, Generate) as placement/disaggregated.py serves it."""
+
+    def __init__(self, rr, first: RunAhead, *, handle):
+        self.rr, self.recompute, self.handle = rr, first.recompute, handle
+        self.queue: deque[tuple[RolloutRequest, ...]] = deque([first.parts[rr.index]])  # this engine's part of
+        # each share's request, per batch not sampled yet
+        self.done: deque[tuple[tuple[RolloutRequest, ...], AheadBatches]] = deque()  # sampled, not collected
         self.open = None                             # Collect() or a command, until answered
         self.failure: Failure | None = None
         self.sampling = False                        # a batch is being sampled (taken off the queue)
@@ -55,7 +68,7 @@ class AheadRank:
         self.arrival = self.rr.sync_group.broadcast_async(self.word, src=SRC)
 
     def run(self) -> None:
-        """Sample, answer and load until Stop (raises `stopped`)."""
+        """Sample, answer and load until Stop (raises `Stopped`)."""
         while True:
             self._answer(between_batches=True)
             if self.queue and self.failure is None:
@@ -66,20 +79,20 @@ class AheadRank:
                 self.idle_s += time.perf_counter() - start
                 try:
                     self._take(in_flight=False)
-                except self.stopped:
+                except Stopped:
                     raise
                 except Exception as e:  # noqa: BLE001 - e.g. a weight checksum: reported on the next request
                     log.error("rollout rank %d: %s", self.rr.rank, traceback.format_exc())
                     self.failure = Failure.of(e)
 
-    def _sample(self, calls: tuple[RolloutRequest, ...]) -> None:
+    def _sample(self, requests: tuple[RolloutRequest, ...]) -> None:
         """One batch, this engine's part of each share's request; the words that arrive meanwhile are taken between
         engine steps. Re-scored when collected."""
         start, load_before, loads_before = time.perf_counter(), self.load_s, self.loads
         self.sampling = True
         try:
-            batches = [r.sample(self.rr.engine, between_steps=self._between_steps) for r in calls]
-        except self.stopped:
+            batches = [r.sample(self.rr.engine, between_steps=self._between_steps) for r in requests]
+        except Stopped:
             raise
         except Exception as e:  # noqa: BLE001 - reported on the next request
             log.error("rollout rank %d: sampling ahead failed:\n%s", self.rr.rank, traceback.format_exc())
@@ -91,7 +104,7 @@ class AheadRank:
         seconds = {"generate_s": time.perf_counter() - start - load_s, "wait_s": self.idle_s, "load_s": load_s,
                    "in_flight": float(self.loads > loads_before)}
         self.idle_s = 0.0
-        self.done.append(AheadBatches(batches, seconds, calls))
+        self.done.append((requests, AheadBatches(batches, seconds)))
 
     def _between_steps(self) -> None:
         while self.arrival.is_completed():
@@ -102,7 +115,7 @@ class AheadRank:
         """The word that arrived, and what follows it; then listen for the next one."""
         command = from_word(self.word)
         if isinstance(command, Stop):
-            raise self.stopped
+            raise Stopped
         try:
             if command is Word.OBJECT:
                 command = self.rr.sync_group.broadcast_object(None, src=SRC)
@@ -121,9 +134,9 @@ class AheadRank:
             return
         start = time.perf_counter()
         if in_flight:
-            self.rr.engine.update_in_flight(lambda: self.receive(self.rr, None), version, recompute=self.recompute)
+            self.rr.engine.update_in_flight(lambda: receive(self.rr, None), version, recompute=self.recompute)
         else:
-            self.receive(self.rr, version)
+            receive(self.rr, version)
         self.load_s += time.perf_counter() - start
         self.loads += 1
 
@@ -137,9 +150,9 @@ class AheadRank:
         if self.failure is not None:
             answer = self.failure
         elif isinstance(self.open, Collect):
-            if not self.done or (not between_batches and any(c.rescore for c in self.done[0].calls)):
+            if not self.done or (not between_batches and any(r.rescore for r in self.done[0][0])):
                 return
-            answer = self._rescored(self.done.popleft())
+            answer = self._rescored(*self.done.popleft())
         elif between_batches:
             try:
                 answer = self.handle(self.rr, self.open)
@@ -150,6 +163,6 @@ class AheadRank:
         self.open = None
         self.rr.sync_group.gather_object(answer, dst=SRC)
 
-    def _rescored(self, ahead: AheadBatches) -> AheadBatches:
+    def _rescored(self, requests: tuple[RolloutRequest, ...], ahead: AheadBatches) -> AheadBatches:
         """engine_mean's pi_old estimates, at the weights the learner trains this batch with (loaded by now)."""
-        return AheadBatches([r.rescored(self.rr.engine, b) for r, b in zip(ahead.calls, ahead.batches)], ahead.seconds)
+        return AheadBatches([r.rescored(self.rr.engine, b) for r, b in zip(requests, ahead.batches)], ahead.seconds)

@@ -226,8 +226,8 @@ def staleness_metrics(ctx: RunContext, batch, prep, version: int) -> dict[str, f
 
 def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None, version: int = 0) -> dict[str, float]:
     """Learner -> engine weights (weight version `version`), checksummed; logprob parity on a probe after the first
-    sync and every N (`verify_step`). While the engines sample ahead the placement's sync reaches them in flight and
-    then collects that batch, so they answer the probe after it."""
+    sync and every N (`verify_step`). While the engines sample ahead the placement's sync reaches them in flight,
+    and they answer the probe between two batches (after the one they are sampling)."""
     cfg = ctx.run.trainer
     stats = ctx.placement.sync(ctx.learner, bucket_mb=cfg.sync_bucket_mb, version=version)
     metrics = {"time/sync_s": stats.seconds, "sync/bytes_per_s": stats.bytes_per_s}

@@ -1,7 +1,7 @@
 """Asynchronous RL's configuration and bookkeeping: `trainer.max_staleness` / `trainer.in_flight_kv` refused where
 they cannot run (each error names the field and what is allowed), and `VersionLog`, which says which weight version
 sampled each token of a partial rollout, `too_stale` and trainer.stale_policy's guard (checked against hand-built
-expectations); the words of the rollout protocol while running ahead.
+expectations); the words of the rollout protocol while sampling ahead.
 
     .venv/bin/python -m pytest -q tests/unit/test_async_config.py
 """
@@ -86,14 +86,13 @@ def test_too_stale_marks_samples_with_a_token_older_than_the_bound():
 
 @pytest.mark.parametrize("command,word", [(SyncWeights(3), [1, 3]), (Stop(), [2, 0]), (Collect(), [3, 0]),
                                           (Probe([[1, 2]]), [4, 0])])
-def test_running_ahead_words(command, word):
-    """While running ahead Collect is a word and a Probe an OBJECT word (the pickled Probe follows); sampling one
-    batch ahead (max_staleness 1) only SyncWeights and Stop travel as words."""
-    assert to_word(command, running_ahead=True).tolist() == word
+def test_sampling_ahead_words(command, word):
+    """While the rollout ranks sample ahead (any max_staleness), SyncWeights, Stop and Collect are words and a Probe
+    an OBJECT word (the pickled Probe follows); what is not a command has no word."""
+    assert to_word(command).tolist() == word
     assert from_word(torch.tensor(word)) == (Word.OBJECT if word[0] == Word.OBJECT else command)
-    if isinstance(command, (Collect, Probe)):
-        with pytest.raises(TypeError, match="cannot be sent while the rollout ranks sample ahead"):
-            to_word(command)
+    with pytest.raises(TypeError, match="str is not a command"):
+        to_word("generate")
 
 
 def _versioned_batch(versions: list[list[int]]) -> RolloutBatch:

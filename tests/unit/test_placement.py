@@ -41,8 +41,8 @@ class StandInRemote:
         self.calls.append(("run", request))
         return f"batch of {request}"
 
-    def generate_ahead(self, calls, *, recompute):
-        self.calls.append(("generate_ahead", calls, recompute))
+    def run_ahead(self, requests, *, recompute):
+        self.calls.append(("run_ahead", requests, recompute))
 
     def collect_ahead(self):
         self.calls.append(("collect_ahead",))
@@ -138,14 +138,21 @@ def test_disaggregated_samples_every_share_through_the_remote_engines_and_finish
     assert remote.calls == [("run", "request 0"), ("run", "request 1")]
 
 
-def test_disaggregated_samples_ahead_and_finishes_after_the_sync():
+@pytest.mark.parametrize("depth", [1, 2])
+def test_disaggregated_queues_batches_sampled_ahead_and_collects_the_oldest_when_taken(depth):
+    """One queue for every depth (trainer.max_staleness): the sync never collects; take_ahead does, oldest first."""
     remote = StandInRemote(batches=["batch 0", "batch 1"])
-    placement = Disaggregated(remote, _groups(dp_rank=1), dp=2, learner_ranks=1, recompute_kv=True)
-    calls = [("prompts 0",), ("prompts 1",)]
-    placement.sample_ahead(calls, lambda batch, d: f"{batch} finished by {d}")
-    assert remote.calls == [("generate_ahead", calls, True)]  # started at once, nothing collected yet
-    placement.sync(None, bucket_mb=8, version=1)  # the placement holds the batch; the sync collects it
+    placement = Disaggregated(remote, _groups(dp_rank=1), dp=2, learner_ranks=1, recompute_kv=True, depth=depth)
+    requests = [["prompts 0", "prompts 1"], ["later 0", "later 1"]][:depth]
+    for r in requests:
+        placement.sample_ahead(r, lambda batch, d: f"{batch} finished by {d}")
+    assert remote.calls == [("run_ahead", r, True) for r in requests]  # started at once, nothing collected yet
+    with pytest.raises(RuntimeError, match=f"trainer.max_staleness {depth}"):
+        placement.sample_ahead(["one too many"], lambda batch, d: batch)
+    placement.sync(None, bucket_mb=8, version=1)
     ahead = placement.take_ahead()
-    assert (ahead.result, ahead.engine_s) == ("batch 1 finished by 1", {"engine_s": 1.5})
-    assert [c[0] for c in remote.calls] == ["generate_ahead", "sync_weights", "collect_ahead"]
-    assert placement.take_ahead() is None  # handed over once
+    assert (ahead.result, ahead.engine_s, ahead.requests) == ("batch 1 finished by 1", {"engine_s": 1.5}, requests[0])
+    assert [c[0] for c in remote.calls[depth:]] == ["sync_weights", "collect_ahead"]
+    for _ in requests[1:]:
+        placement.take_ahead()
+    assert placement.take_ahead() is None  # each handed over once

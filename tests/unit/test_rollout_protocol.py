@@ -16,8 +16,8 @@ import torch
 
 from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.placement import disaggregated as D
-from megatron_sparse_rl.placement.protocol import (Failure, Generate, GenerateAhead, Probe, Stop, SyncWeights, Word,
-                                                   empty_word, from_word, to_word)
+from megatron_sparse_rl.placement.protocol import (Collect, Failure, Generate, Probe, RunAhead, Stop, SyncWeights,
+                                                   Word, empty_word, from_word, to_word)
 from megatron_sparse_rl.placement.rollout import RolloutRequest
 from megatron_sparse_rl.weight_sync import WeightSyncError
 
@@ -70,8 +70,8 @@ class Engine:
 
 def test_commands_are_frozen_and_cross_a_pickle_unchanged():
     part = RolloutRequest([[1, 2]], SamplingConfig(seed=3), [0], 1)
-    for command in (Generate((part,)), SyncWeights(4), GenerateAhead(((part,),), recompute=True), Probe([[1, 2]]),
-                    Stop()):
+    for command in (Generate((part,)), SyncWeights(4), RunAhead(((part,),), recompute=True), Collect(),
+                    Probe([[1, 2]]), Stop()):
         assert pickle.loads(pickle.dumps(command)) == command
     with pytest.raises(FrozenInstanceError):
         SyncWeights(4).version = 5
@@ -81,8 +81,9 @@ def test_the_commands_sent_while_sampling_ahead_round_trip_as_words():
     assert to_word(SyncWeights(7)).tolist() == [Word.SYNC_WEIGHTS, 7]
     assert from_word(to_word(SyncWeights(7))) == SyncWeights(7) and from_word(to_word(Stop())) == Stop()
     assert from_word(empty_word().copy_(to_word(Stop()))) == Stop()
-    with pytest.raises(TypeError, match="Probe cannot be sent while the rollout ranks sample ahead"):
-        to_word(Probe([[1]]))
+    assert from_word(to_word(Probe([[1]]))) is Word.OBJECT  # the pickled Probe follows
+    with pytest.raises(TypeError, match="str is not a command"):
+        to_word("probe")
     with pytest.raises(ValueError, match="not a command word"):
         from_word(torch.tensor([9, 0]))
 
@@ -104,14 +105,17 @@ def test_the_learner_side_sends_one_part_per_engine_and_stops_with_a_word_while_
     monkeypatch.setattr(D.dist, "get_rank", lambda: 0)
     bridge = Bridge(answers=[[None, None]])
     remote = D.RemoteEngine(bridge, [2, 3], pad_id=0)
-    remote.generate_ahead([RolloutRequest([[1], [2], [3]], SamplingConfig(seed=10, n=2))], recompute=False)
-    (command,) = bridge.sent
-    assert isinstance(command, GenerateAhead) and command.recompute is False
+    remote.run_ahead([RolloutRequest([[1], [2], [3]], SamplingConfig(seed=10, n=2))], recompute=False)
+    (command,) = bridge.sent  # the first batch: an ordinary command
+    assert isinstance(command, RunAhead) and command.recompute is False and not bridge.words
     assert [[p.prompts for p in parts] for parts in command.parts] == [[[[1], [2]]], [[[3]]]]
     assert [parts[0].sampling.seed for parts in command.parts] == [10, 14]  # seed + start * n, as one engine
     assert [parts[0].group_ids for parts in command.parts] == [[0, 1], [2]]
+    second = RolloutRequest([[4]], SamplingConfig(seed=20))
+    remote.run_ahead([second], recompute=False)  # the next ones: an OBJECT word, then the pickled batch
+    assert [from_word(w) for w in bridge.words] == [Word.OBJECT] and bridge.sent[1].parts[0][0].prompts == [[4]]
     remote.shutdown()
-    assert [from_word(w) for w in bridge.words] == [Stop()] and remote.stopped
+    assert [from_word(w) for w in bridge.words] == [Word.OBJECT, Stop()] and remote.stopped
     with pytest.raises(RuntimeError, match="stopped"):
         remote.probe_logprobs([[1, 2]])
 
@@ -131,7 +135,7 @@ def test_an_episode_call_carries_each_engines_examples_and_reward_across_a_pickl
     examples = [Example(prompt=f"q: {i}", answer=str(i), ids=(1, 40 + i)) for i in range(3)]
     env = EnvConfig(kind="tools", max_turns=2)
     call = episode_request(examples, SamplingConfig(n=2), env, make_scorer(RewardConfig(partial_credit=0.5)), seed=10)
-    remote.generate_ahead([call], recompute=True)
+    remote.run_ahead([call], recompute=True)
     (command,) = bridge.sent
     parts = [engine_parts[0] for engine_parts in pickle.loads(pickle.dumps(command)).parts]
     assert [p.prompts for p in parts] == [[[1, 40], [1, 41]], [[1, 42]]]

@@ -1,4 +1,4 @@
-"""A rollout rank running ahead (placement/run_ahead.py `AheadRank`, trainer.max_staleness > 1) against a scripted
+"""A rollout rank sampling ahead (placement/run_ahead.py `AheadRank`, trainer.max_staleness >= 1) against a scripted
 learner rank 0: words arrive after given engine steps, and the answers it gathers back are checked against the
 order the protocol promises (docs/async.md): Collect answered with the oldest batch once sampled, a Probe run
 between two batches, weights loaded in flight, a failed batch answered as a Failure while the weights that follow
@@ -18,10 +18,6 @@ from megatron_sparse_rl.placement import run_ahead
 from megatron_sparse_rl.placement.protocol import (AheadBatches, Collect, Failure, Probe, RunAhead, Stop, SyncWeights,
                                                    to_word)
 from megatron_sparse_rl.placement.rollout import RolloutRequest
-
-
-class _Stopped(Exception):
-    pass
 
 
 class _Batch(list):
@@ -79,7 +75,7 @@ class _Bridge:
 
     def _deliver(self, word):
         _, command = self.script.pop(0)
-        word.copy_(to_word(command, running_ahead=True))
+        word.copy_(to_word(command))
         self.following, self.waiting = command, isinstance(command, (Collect, Probe))
 
     def broadcast_object(self, obj, src):
@@ -95,25 +91,25 @@ def _part(first: int, rescore: int = 0) -> RolloutRequest:
     return RolloutRequest([[first, 0]], SamplingConfig(), [0], rescore)
 
 
-def _run(engine: _Engine, script, *, rescore: int = 0):
+def _run(monkeypatch, engine: _Engine, script, *, rescore: int = 0):
     bridge = _Bridge(engine, script)
     rr = SimpleNamespace(engine=engine, sync_group=bridge, weights_group=None, rank=1, index=0)
     loads = []
-    rank = run_ahead.AheadRank(rr, RunAhead(((_part(100, rescore),),), True), handle=lambda rr, c: ("probed", c.rows),
-                               receive=lambda rr, version: loads.append(version), stopped=_Stopped)
-    with pytest.raises(_Stopped):
+    monkeypatch.setattr(run_ahead, "receive", lambda rr, version: loads.append(version))
+    rank = run_ahead.AheadRank(rr, RunAhead(((_part(100, rescore),),), True), handle=lambda rr, c: ("probed", c.rows))
+    with pytest.raises(run_ahead.Stopped):
         rank.run()
     assert not bridge.script  # every word was taken
     return bridge.answers, loads
 
 
-def test_collect_probe_and_in_flight_weights_in_protocol_order():
+def test_collect_probe_and_in_flight_weights_in_protocol_order(monkeypatch):
     engine = _Engine()
     script = [(1, SyncWeights(1)), (1, RunAhead(((_part(200),),), True)), (2, Collect()), (2, Probe([[7]])),
               (2, Collect()), (2, Stop())]
-    answers, loads = _run(engine, script)
+    answers, loads = _run(monkeypatch, engine, script)
     first, probed, second = answers
-    assert isinstance(first, AheadBatches) and first.batches == [[100]] and first.calls is None
+    assert isinstance(first, AheadBatches) and first.batches == [[100]]
     assert first.seconds["in_flight"] == 1.0 and second.seconds["in_flight"] == 0.0
     assert probed == ("probed", [[7]]) and second.batches == [[200]]
     # version 1 loaded between engine steps of the first batch, by the engine's in-flight update (KV recomputed)
@@ -121,20 +117,20 @@ def test_collect_probe_and_in_flight_weights_in_protocol_order():
                                    ("generate", 200), ("done", 200)]
 
 
-def test_collect_of_the_batch_being_sampled_waits_for_it():
+def test_collect_of_the_batch_being_sampled_waits_for_it(monkeypatch):
     """The last batch handed over, collected while it is sampled (nothing queued behind it): answered once done."""
     engine = _Engine()
-    answers, loads = _run(engine, [(1, Collect()), (3, Stop())])
+    answers, loads = _run(monkeypatch, engine, [(1, Collect()), (3, Stop())])
     assert [a.batches for a in answers] == [[[100]]] and engine.log == [("generate", 100), ("done", 100)]
 
 
-def test_collect_with_rescorings_waits_for_the_weights_and_the_end_of_the_batch():
+def test_collect_with_rescorings_waits_for_the_weights_and_the_end_of_the_batch(monkeypatch):
     """engine_mean: the oldest batch is re-scored after the weights the learner trains it with were loaded, and
     between two batches (the engine runs one generate at a time)."""
     engine = _Engine()
     script = [(1, RunAhead(((_part(200, rescore=2),),), True)), (4, SyncWeights(1)), (4, Collect()), (6, Collect()),
               (6, Stop())]
-    answers, loads = _run(engine, script, rescore=2)
+    answers, loads = _run(monkeypatch, engine, script, rescore=2)
     assert [a.batches for a in answers] == [[[100]], [[200]]]
     # the first Collect came while the second batch was sampled: answered after it, re-scored at version 1
     assert engine.log == [("generate", 100), ("done", 100), ("generate", 200), ("in flight", 1, True),
@@ -145,6 +141,21 @@ def test_collect_with_rescorings_waits_for_the_weights_and_the_end_of_the_batch(
 def test_a_failed_batch_is_answered_as_a_failure_and_the_weights_are_still_drained(monkeypatch):
     drained = []
     monkeypatch.setattr(run_ahead, "receive_weights", lambda engine, group, src: drained.append(engine))
-    answers, loads = _run(_Engine(fail=True), [(0, SyncWeights(1)), (0, Collect()), (0, Stop())])
+    answers, loads = _run(monkeypatch, _Engine(fail=True), [(0, SyncWeights(1)), (0, Collect()), (0, Stop())])
     assert answers == [Failure("RuntimeError: engine step failed")]
     assert drained == [None] and loads == []  # received into nothing, so the bridge stays in step
+
+
+def test_one_batch_ahead_is_a_queue_of_depth_one(monkeypatch):
+    """trainer.max_staleness 1, as rank 0 drives it: each batch is handed over after the previous one was collected;
+    weights that arrive after the batch was sampled load at once (not in flight) and its re-scorings follow them;
+    weights that arrive while the next batch samples load in flight."""
+    engine = _Engine()
+    script = [(4, SyncWeights(1)), (4, Collect()), (4, RunAhead(((_part(200, rescore=1),),), True)),
+              (5, SyncWeights(2)), (6, Collect()), (6, Stop())]
+    answers, loads = _run(monkeypatch, engine, script, rescore=1)
+    assert [a.batches for a in answers] == [[[100]], [[200]]]
+    assert [a.seconds["in_flight"] for a in answers] == [0.0, 1.0]
+    assert loads == [1, None]  # version 1 loaded idle; version 2 by the engine's in-flight update
+    assert engine.log == [("generate", 100), ("done", 100), ("rescore", 100), ("generate", 200),
+                          ("in flight", 2, True), ("done", 200), ("rescore", 200)]
