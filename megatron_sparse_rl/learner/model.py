@@ -31,6 +31,14 @@ def build_gpt_model(adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout
     # uneven stages reach Megatron as its layout string; its get_transformer_layer_offset then numbers each stage's
     # layers (layer_number), which every layer-indexed feature of the learner reads
     stages = layout.stages(spec.num_layers).megatron_kwargs()
+    if layout.vpp > 1:
+        # The interleaved 1F1B steady state sends an activation to the next stage and a gradient to the previous one in
+        # one exchange. Batched (Megatron's default batch_p2p_comm) both go out in one batch_isend_irecv, and at pp 2,
+        # where next and previous are the same rank, the peer receives them in the other order: swapped, silently
+        # (a training step of more than pp micro-batches computed other rows' logprobs on gloo,
+        # tests/distributed/test_interleaved_pipeline.py). Unbatched (`_p2p_ops`), Megatron orders the exchange by
+        # even/odd rank and, at pp 2, sends one direction over another group.
+        stages["batch_p2p_comm"] = False
     if layout.cp > 1:  # the learner splits each sequence (learner/context.py); attention all-gathers K/V
         model_kernels.check_context_parallel(kernels, use_te=has_te() and cuda)
         stages["context_parallel_size"] = layout.cp

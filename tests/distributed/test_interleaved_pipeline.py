@@ -27,14 +27,14 @@ def _chunk_layers(learner):
     return [[int(layer.layer_number) for layer in unwrap(c).decoder.layers] for c in chunks_of(learner.model)]
 
 
-def forward_backward_worker(rank, world, model_dir, tokens, pp, vpp, layout):
+def forward_backward_worker(rank, world, model_dir, tokens, pp, vpp, layout, mbs=2):
     """Logprobs and entropy, each chunk's layer numbers, then the gradient of the mean next-token NLL (one
     forward/backward through the schedule, no optimizer step) on every parameter this rank holds (global names)."""
     from megatron_sparse_rl.learner.extras import ForwardExtras
     from megatron_sparse_rl.learner.params import gather_full, local_params
     from megatron_sparse_rl.learner.sft import make_sft_loss
 
-    learner = W.make_learner(world, model_dir, pp=pp, vpp=vpp, pipeline_layout=layout, mbs=2)
+    learner = W.make_learner(world, model_dir, pp=pp, vpp=vpp, pipeline_layout=layout, mbs=mbs)
     out = learner.forward_logprobs(tokens)
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
     learner.model.train()
@@ -71,7 +71,9 @@ def _check_against_hf(model_dir, tokens, results):
 
 
 def test_interleaved_matches_hf_logprobs_and_gradients(seven, tokens):
-    results = run_distributed(forward_backward_worker, 2, args=(seven, tokens, 2, 2, None))
+    """Micro-batches of 1 row: 4 of them, twice pp, so the schedule's steady state sends an activation forward and a
+    gradient back in one exchange (batched, at pp 2 the peer received them swapped: learner/model.py)."""
+    results = run_distributed(forward_backward_worker, 2, args=(seven, tokens, 2, 2, None, 1))
     assert [r["layers"] for r in results] == [CHUNK_LAYERS[0], CHUNK_LAYERS[1]]
     _check_against_hf(seven, tokens, results)
 
