@@ -31,8 +31,6 @@ def hf_logprobs(hf_dir, tokens: torch.Tensor) -> torch.Tensor:
 
 def check_forward_parity(learner, hf_dir, *, batch: int = 2, length: int = 16, seed: int = 0) -> float:
     """Max |logprob difference| Megatron vs HF on random tokens; raises ValueError above the tolerance."""
-    if learner.layout.vpp > 1:  # the interleaved schedule needs a multiple of pp micro-batches: pp of them
-        batch = learner.layout.pp * learner.cfg.micro_batch_size
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, learner.spec.vocab_size, (batch, length), generator=g)
     ours = learner.forward_logprobs(tokens)["logprobs"].double()

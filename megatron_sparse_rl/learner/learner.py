@@ -17,7 +17,8 @@ inputs, applied for that call only.
 
 Interleaved pipelines (parallel.vpp > 1): `self.model` is a `ModelChunks` (learner/chunks.py) of vpp DDP-wrapped
 chunks, run by Megatron's interleaved 1F1B schedule; the optimizer holds every chunk and the logprobs come from the
-last pipeline rank's last chunk. Each call's micro-batches must be a multiple of pp.
+last pipeline rank's last chunk. A training call's micro-batches must be a multiple of pp (validate checks the
+run's); a forward-only call of any row count is padded to one (`pipeline_split`, e.g. the weight-sync probe's 1 row).
 """
 from __future__ import annotations
 
@@ -50,6 +51,17 @@ from megatron_sparse_rl.parallel.layout import ParallelGroups, ParallelLayout
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+def pipeline_split(rows: int, micro_batch_size: int, pp: int, vpp: int = 1) -> tuple[int, int]:
+    """(micro-batches, rows in each) for a forward-only call of `rows` rows at pp > 1: the fewest equal micro-batches
+    of at most `micro_batch_size` rows, a multiple of pp of them at vpp > 1 (Megatron-Core's interleaved schedule runs
+    them in groups of pp per model chunk). count * size - rows slots are padding: 1 row at pp 2 x vpp 2 -> (2, 1);
+    5 rows of micro-batch 4 at pp 2 -> (2, 3). A batch that already splits so keeps its split."""
+    count = -(-rows // micro_batch_size)
+    if vpp > 1:
+        count = -(-count // pp) * pp
+    return count, -(-rows // count)
 
 
 class Learner:
@@ -145,14 +157,25 @@ class Learner:
         return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
 
     # ---- forward -------------------------------------------------------------------------------
-    def _micro_batches(self, tokens: torch.Tensor, lengths: torch.Tensor | None):
-        """Row indices of each micro-batch: consecutive rows, or with `lengths` and learner.group_by_length the
-        rows sorted longest first, so rows of similar length share a micro-batch (and its trimmed width)."""
+    def _micro_batches(self, tokens: torch.Tensor, lengths: torch.Tensor | None,
+                       forward_only: bool = False) -> list[tuple[torch.Tensor, int]]:
+        """(row indices, real rows) of each micro-batch: consecutive rows, or with `lengths` and learner.group_by_length
+        the rows sorted longest first, so rows of similar length share a micro-batch (and its trimmed width).
+
+        A pipeline (pp > 1) needs equal micro-batches and, interleaved (vpp > 1), a multiple of pp of them. A training
+        batch must come so (validate checks the run's; `_run_schedule` refuses others); a forward-only call at pp > 1
+        is split by `pipeline_split`, its last slots filled with repeats of its last row: padding, which comes after
+        the `real` rows of its micro-batch and whose outputs are dropped (rows do not see each other, so the real
+        rows' logprobs are those of an unpadded run)."""
         mbs, n = self.cfg.micro_batch_size, tokens.shape[0]
         order = torch.arange(n)
         if lengths is not None and self.cfg.group_by_length:
             order = torch.argsort(lengths, descending=True, stable=True)
-        return [order[s:s + mbs] for s in range(0, n, mbs)]
+        if self.layout.pp == 1 or not forward_only:
+            return [(index, len(index)) for index in order.split(mbs)]
+        count, size = pipeline_split(n, mbs, self.layout.pp, self.layout.vpp)
+        slots = torch.cat([order, order[-1:].expand(count * size - n)])
+        return [(slots[i * size:(i + 1) * size], min(size, max(0, n - i * size))) for i in range(count)]
 
     def _width(self, tokens: torch.Tensor, lengths: torch.Tensor | None, index: torch.Tensor) -> int:
         """Tokens a micro-batch runs: its longest row; the whole batch width without `lengths` or when pipeline
@@ -234,9 +257,9 @@ class Learner:
         row (see forward_logprobs)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batches = self._micro_batches(tokens, lengths)
-        mbs = len(batches[0])
-        if self.layout.pp > 1 and any(len(b) != mbs for b in batches):
+        batches = self._micro_batches(tokens, lengths, forward_only)
+        mbs = len(batches[0][0])
+        if self.layout.pp > 1 and any(len(index) != mbs for index, _ in batches):
             # pipeline stages exchange activations of one fixed [seq, micro_batch, hidden] shape
             raise ValueError(f"with parallel.pp={self.layout.pp} the batch ({tokens.shape[0]} rows) must split into "
                              f"equal micro-batches of learner.micro_batch_size={self.cfg.micro_batch_size}")
@@ -246,6 +269,12 @@ class Learner:
             raise ValueError(f"with parallel.vpp={self.layout.vpp} the batch ({tokens.shape[0]} rows) must split into "
                              f"a multiple of parallel.pp={self.layout.pp} micro-batches of learner.micro_batch_size="
                              f"{self.cfg.micro_batch_size} (got {len(batches)})")
+        if (extras.routes is not None or extras.indexer is not None) and any(r < len(i) for i, r in batches):
+            # their records are assembled per micro-batch row; the run's routed calls carry the step's whole batch
+            raise ValueError(f"a routed call (extras.routes / extras.indexer) of {tokens.shape[0]} rows would need "
+                             f"padding rows at parallel.pp={self.layout.pp} x vpp={self.layout.vpp} with "
+                             f"learner.micro_batch_size={self.cfg.micro_batch_size}; give it a batch that splits "
+                             "into equal micro-batches (a multiple of pp of them at vpp > 1)")
         padded = self._padded(tokens)
         device = next(self.model.parameters()).device
         blocked = None  # Megatron's convention: True = masked out
@@ -253,7 +282,7 @@ class Learner:
             blocked = ~pad_causal(extras.attention_mask, padded.shape[1] - 1)
 
         def forward_step(data_iterator, model):
-            number, index = next(data_iterator)  # every chunk forwards micro-batch `number` in turn
+            number, (index, real) = next(data_iterator)  # every chunk forwards micro-batch `number` in turn
             mb_tokens = tokens[index, :self._width(tokens, lengths, index)]
             inputs = self._padded(mb_tokens)[:, :-1].to(device).contiguous()
             positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
@@ -269,7 +298,7 @@ class Learner:
                     mask = split_sequence(mask, self.groups.cp, mask.dim() - 2)
             local = self._this_cp_rank(tokens=inputs, position_ids=positions)
             output = model(local["tokens"], local["position_ids"], mask)
-            return output, partial(self._loss_wrapper, loss_fn, mb_tokens, index, extras.sampling_support,
+            return output, partial(self._loss_wrapper, loss_fn, mb_tokens, index, real, extras.sampling_support,
                                    tokens.shape[1] - 1)
 
         numbered = list(enumerate(batches))
@@ -280,8 +309,9 @@ class Learner:
             forward_only=forward_only,
         )
 
-    def _loss_wrapper(self, loss_fn, tokens, index, support, full, logits):
+    def _loss_wrapper(self, loss_fn, tokens, index, real, support, full, logits):
         logprobs, entropy = self._scores(logits, tokens, index, support)
+        logprobs, entropy, index = logprobs[:real], entropy[:real], index[:real]  # padding rows (forward-only): out
         if logprobs.shape[1] < full:  # a trimmed micro-batch: zeros after its longest row, as the caller's layout
             logprobs = torch.nn.functional.pad(logprobs, (0, full - logprobs.shape[1]))
             entropy = torch.nn.functional.pad(entropy, (0, full - entropy.shape[1]))

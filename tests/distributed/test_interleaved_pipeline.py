@@ -3,7 +3,7 @@ balanced over the 4 virtual stages as 2,2,2,1 (rank 0 holds layers 1-2 and 5-6 a
 3-4 and 7). Logprobs, entropies and every parameter's gradient against HF transformers (fp32); R2 routes recorded
 equal to pp 1's and pp 1's routes replayed under re-drawn routers (applied fraction 1.0, pp 1's logprobs); per-layer
 keep-set masks giving pp 1's logprobs; HF ->
-torch_dist -> HF conversion bit-exact at vpp and across splits; the weight-sync stream equal to the checkpoint; a
+torch_dist -> HF conversion bit-exact at vpp and across splits; forward-only calls of any row count (padded); the weight-sync stream equal to the checkpoint; a
 learner checkpoint saved with chunks reloading at pp 1 and at another split (slow). The refusals of bad settings are
 unit-tested (tests/unit/test_pipeline_stages.py)."""
 import pytest
@@ -84,6 +84,41 @@ def test_interleaved_written_layout_matches_hf(seven, tokens):
     results = run_distributed(forward_backward_worker, 2, args=(seven, tokens, 2, 2, "Et|ttt|tt|tL"))
     assert [r["layers"] for r in results] == [[[1], [5, 6]], [[2, 3, 4], [7]]]
     _check_against_hf(seven, tokens, results)
+
+
+def small_calls_worker(rank, world, model_dir, tokens, lengths, pp, vpp):
+    """Forward-only calls at micro-batches of 2 whose rows make no multiple of pp equal micro-batches: 1 row (a run's
+    weight-sync probe) and 3 rows with `lengths` (grouped longest first); then a routed call of 1 row, which would
+    need padding at vpp > 1: its error, or None where it ran."""
+    from megatron_sparse_rl.config.routing import RoutingConfig
+    from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
+
+    learner = W.make_learner(world, model_dir, pp=pp, vpp=vpp, mbs=2, routing=RoutingConfig(mode="R2"))
+    out = {"one": learner.forward_logprobs(tokens[:1])["logprobs"],
+           "three": learner.forward_logprobs(tokens[:3], lengths=lengths)["logprobs"], "refused": None}
+    try:
+        learner.forward_logprobs(tokens[:1], extras=ForwardExtras(routes=RouteRequest(record=True)))
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_forward_only_calls_of_any_row_count_at_vpp(seven, tokens):
+    """At pp 2 x vpp 2 a forward-only call of 1 row, or of 3 rows of micro-batch 2, is padded to 2 micro-batches with
+    repeats of its last row, whose outputs are dropped: the logprobs equal HF transformers' on the same rows (1e-4)
+    and the unpadded pp 1 learner's (1e-5); a routed call that would need padding is refused."""
+    lengths = torch.tensor([14, 9, 12])
+    hf, _ = hf_reference(seven, tokens[:3])
+    real = torch.arange(tokens.shape[1] - 1)[None] < (lengths - 1)[:, None]  # beyond: 0 (forward_logprobs)
+    ref = run_distributed(small_calls_worker, 1, args=(seven, tokens, lengths, 1, 1))[0]
+    assert ref["refused"] is None
+    for r in [ref, *run_distributed(small_calls_worker, 2, args=(seven, tokens, lengths, 2, 2))]:
+        assert (r["one"].double() - hf[:1]).abs().max() < 1e-4
+        assert (r["three"][real].double() - hf[real]).abs().max() < 1e-4
+        assert not r["three"][~real].any()
+        assert (r["one"] - ref["one"]).abs().max() < 1e-5
+        assert (r["three"] - ref["three"]).abs().max() < 1e-5
+    assert "would need padding rows at parallel.pp=2 x vpp=2" in r["refused"]
 
 
 def routes_worker(rank, world, model_dir, tokens, pp, vpp, routes, allowed):

@@ -183,3 +183,20 @@ def test_vpp_refused_at_config_load_and_validate():
                  "launch.nproc_per_node=2", "learner.micro_batch_size=2")
     with pytest.raises(ConfigError, match=r"parallel.pipeline_layout = 'Ett\|tt\|tttL' has 3 stages"):
         validate(bad, 2, cuda=False)
+
+
+@pytest.mark.parametrize("rows, mbs, pp, vpp, want", [
+    (1, 4, 2, 2, (2, 1)),     # the weight-sync probe's one row: two micro-batches of it, one of them padding
+    (3, 2, 2, 2, (2, 2)),     # one padding row
+    (5, 4, 2, 1, (2, 3)),     # equal micro-batches of at most 4 rows
+    (16, 4, 2, 2, (4, 4)),    # a batch that already splits keeps its split
+    (8, 4, 4, 2, (4, 2)),
+    (2, 4, 2, 1, (1, 2)),
+])
+def test_pipeline_split_of_forward_only_calls(rows, mbs, pp, vpp, want):
+    from megatron_sparse_rl.learner.learner import pipeline_split
+
+    count, size = pipeline_split(rows, mbs, pp, vpp)
+    assert (count, size) == want
+    assert 0 <= count * size - rows < count and size <= mbs and (vpp == 1 or count % pp == 0)  # < 1 pad row each
+
