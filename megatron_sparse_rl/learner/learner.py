@@ -417,7 +417,8 @@ class Learner:
     def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, lengths=None, lr: float | None = None,
                    extras: ForwardExtras = NO_EXTRAS) -> dict[str, float]:
         """One optimizer step over this rank's batch; returns loss, grad norm, lr and the loss_fn metrics summed
-        over micro-batches (rank-local; reduce across ranks in the caller), and with `extras.routes` the
+        over micro-batches (local to the data-parallel rank, the same on its every pipeline stage: the last stage's;
+        reduce across data-parallel ranks in the caller), and with `extras.routes` the
         routing metrics (routing/replay_applied_fraction; with `compare_with`, routing/drift/..., already global
         over the data-parallel ranks). `lengths`, `extras`: as in forward_logprobs (the loss_fn sees [b, S-1]
         logprobs either way; routes are replayed in the forward and in any activation-recompute backward; routes
@@ -452,9 +453,13 @@ class Learner:
             else:  # back to the schedule's rate for the next scheduled step
                 self.scheduler.step(increment=0)
         metrics: dict[str, float] = {}
-        for item in out:
+        for item in out:  # empty on all but the last pipeline stage, which every stage then takes them from
             for k, v in item.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v)
+        if self.layout.pp > 1:
+            held = [metrics]
+            dist.broadcast_object_list(held, src=dist.get_process_group_ranks(self.groups.pp)[-1], group=self.groups.pp)
+            metrics = held[0]
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         for name in ("routing", "indexer"):
