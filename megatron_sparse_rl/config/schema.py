@@ -198,7 +198,8 @@ class ParallelConfig:
     vpp: int = 1
     """Virtual pipeline stages (model chunks) per pipeline rank: Megatron-Core's interleaved 1F1B schedule. Needs
     pp > 1; the layers are balanced over the pp * vpp virtual stages (7 layers at pp 2 x vpp 2: 2,2,2,1) unless
-    `pipeline_layout` writes them, and each step's micro-batches per data-parallel rank must be a multiple of pp."""
+    `pipeline_layout` writes them, and each training step's micro-batches per data-parallel rank must be a multiple
+    of pp (forward-only calls are padded to one)."""
     ep: int = 1
     """Expert parallel degree (divides the expert count)."""
     etp: int = 1

@@ -77,14 +77,11 @@ def _layout_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[
             problems.append(str(e))
     if layout.backend == "nccl" and not cuda:
         problems.append("parallel.backend='nccl' needs CUDA, which is not available; use 'auto' or 'gloo'")
-    return problems + _interleaved_problems(run, layout)
+    return problems + _interleaved_problems(run, layout) + _pipeline_batch_problems(run, layout)
 
 
 def _interleaved_problems(run: RunConfig, layout: ParallelDegrees) -> list[str]:
-    """parallel.vpp > 1: Megatron-Core's interleaved schedule runs the micro-batches in groups of pp per model chunk
-    (microbatch_group_size_per_vp_stage = pp) and refuses a count that is not a multiple of pp; the pipeline also
-    needs equal micro-batches. Checked on each update's rows per data-parallel rank (prompts_per_step * n / dp /
-    updates_per_rollout) and on the SFT warm-start's (sft.batch_size / dp) when it runs."""
+    """parallel.vpp > 1: what the interleaved schedule does not run yet (cp > 1, DSA indexer replay and loss)."""
     if layout.vpp == 1:
         return []
     problems = []
@@ -95,20 +92,39 @@ def _interleaved_problems(run: RunConfig, layout: ParallelDegrees) -> list[str]:
         problems.append(f"routing.indexer_replay = {run.routing.indexer_replay!r} and model.dsa_indexer_loss_coeff = "
                         f"{run.model.dsa_indexer_loss_coeff:g} need parallel.vpp = 1 (got {layout.vpp}): a rank's DSA "
                         "layers are not one run of the record's columns across model chunks; set 'none' and 0")
-    t, n, mbs = run.trainer, run.rollout.sampling.n, run.learner.micro_batch_size
+    return problems
+
+
+def _pipeline_batch_problems(run: RunConfig, layout: ParallelDegrees) -> list[str]:
+    """parallel.pp > 1: the training batches must split as the pipeline runs them. Stages exchange activations of
+    one shape, so the micro-batches must be equal (the rows a multiple of learner.micro_batch_size, or one
+    micro-batch of fewer), and Megatron-Core's interleaved schedule (vpp > 1) runs them in groups of pp per model
+    chunk (microbatch_group_size_per_vp_stage = pp), refusing a count that is not a multiple of pp. Checked on each
+    update's rows per data-parallel rank (prompts_per_step * n / dp / updates_per_rollout) and on the SFT
+    warm-start's (sft.batch_size / dp) when it runs. (Forward-only calls, such as the weight-sync probe's one row,
+    are padded by the learner: learner.pipeline_split.)"""
+    if layout.pp == 1:
+        return []
+    t, n, mbs, pp, vpp = run.trainer, run.rollout.sampling.n, run.learner.micro_batch_size, layout.pp, layout.vpp
     batches = [("each update's rows per data-parallel rank (trainer.prompts_per_step * rollout.sampling.n / dp / "
                 f"trainer.updates_per_rollout = {t.prompts_per_step} * {n} / {layout.dp} / {t.updates_per_rollout})",
                 t.prompts_per_step * n, layout.dp * t.updates_per_rollout)]
     if t.sft.max_steps > 0:
         batches.append(("the SFT warm-start's rows per data-parallel rank (trainer.sft.batch_size / dp = "
                         f"{t.sft.batch_size} / {layout.dp})", t.sft.batch_size, layout.dp))
+    problems = []
     for what, total, parts in batches:
         rows, rest = divmod(total, parts)
-        if rest or rows % mbs or (rows // mbs) % layout.pp:
-            problems.append(f"parallel.vpp={layout.vpp}: {what} must split into micro-batches of "
-                            f"learner.micro_batch_size={mbs} whose count is a multiple of parallel.pp={layout.pp} "
+        if vpp > 1 and (rest or rows % mbs or (rows // mbs) % pp):
+            problems.append(f"parallel.vpp={vpp}: {what} must split into micro-batches of "
+                            f"learner.micro_batch_size={mbs} whose count is a multiple of parallel.pp={pp} "
                             f"(Megatron-Core's interleaved schedule runs them in groups of pp per model chunk); got "
                             f"{total / parts:g} rows")
+        elif vpp == 1 and not rest and rows > mbs and rows % mbs:
+            problems.append(f"parallel.pp={pp}: {what} must split into equal micro-batches of "
+                            f"learner.micro_batch_size={mbs} (pipeline stages exchange activations of one shape): "
+                            f"got {rows} rows; make it a multiple of {mbs}, or set the micro-batch size to a "
+                            "divisor of it")
     return problems
 
 

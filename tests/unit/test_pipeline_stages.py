@@ -200,3 +200,16 @@ def test_pipeline_split_of_forward_only_calls(rows, mbs, pp, vpp, want):
     assert (count, size) == want
     assert 0 <= count * size - rows < count and size <= mbs and (vpp == 1 or count % pp == 0)  # < 1 pad row each
 
+
+def test_pipeline_refuses_unequal_training_micro_batches():
+    """pp > 1 without interleaving still needs equal micro-batches (stages exchange one activation shape): 16 prompts
+    x 4 samples = 64 rows in micro-batches of 3 are refused at validate, naming the fields; one micro-batch of all
+    64 (micro_batch_size 128) runs."""
+    run = run_of("model.tiny.layers=7", "parallel.pp=2", "launch.nproc_per_node=2", "learner.micro_batch_size=3")
+    with pytest.raises(ConfigError, match=r"parallel.pp=2: each update's rows per data-parallel rank \(trainer."
+                                          r"prompts_per_step \* rollout.sampling.n / dp / trainer.updates_per_rollout = "
+                                          r"16 \* 4 / 1 / 1\) must split into equal micro-batches of "
+                                          r"learner.micro_batch_size=3"):
+        validate(run, 2, cuda=False)
+    validate(run_of("model.tiny.layers=7", "parallel.pp=2", "launch.nproc_per_node=2", "learner.micro_batch_size=128"),
+             2, cuda=False)
