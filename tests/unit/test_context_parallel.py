@@ -112,9 +112,10 @@ def test_start_line_names_cp(caplog, tmp_path):
     run = run_of("parallel.cp=2", "launch.nproc_per_node=2")
     spec = validate(run, 2, cuda=False)
     ctx = SimpleNamespace(is_main=True, layout=ParallelDegrees.from_config(run.parallel, 2, cuda=False), run=run,
-                          spec=spec, owner=SimpleNamespace(run_id="0123456789"), run_dir=tmp_path)
+                          spec=spec, owner=SimpleNamespace(run_id="0123456789"), run_dir=tmp_path,
+                          learner=SimpleNamespace(lora_params={}))
     with caplog.at_level(logging.INFO, logger=trainer.__name__):
-        trainer._announce(ctx, {"rl_step": 0, "sft_step": 0})
+        trainer._announce(ctx, trainer.state.LoopState())
     assert "learner TP1 PP1 CP2 EP1 DP1;" in caplog.text
 
 

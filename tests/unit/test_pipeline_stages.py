@@ -100,9 +100,10 @@ def test_start_line_names_the_split(caplog, tmp_path):
     run = run_of("model.tiny.layers=7", "parallel.pp=3", "launch.nproc_per_node=3")
     spec = validate(run, 3, cuda=False)
     ctx = SimpleNamespace(is_main=True, layout=ParallelDegrees.from_config(run.parallel, 3, cuda=False), run=run,
-                          spec=spec, owner=SimpleNamespace(run_id="0123456789"), run_dir=tmp_path)
+                          spec=spec, owner=SimpleNamespace(run_id="0123456789"), run_dir=tmp_path,
+                          learner=SimpleNamespace(lora_params={}))
     with caplog.at_level(logging.INFO, logger=trainer.__name__):
-        trainer._announce(ctx, {"rl_step": 0, "sft_step": 0})
+        trainer._announce(ctx, trainer.state.LoopState())
     assert "learner TP1 PP3 EP1 DP1 (pipeline stages 3,2,2 (balanced, automatic))" in caplog.text
 
 
