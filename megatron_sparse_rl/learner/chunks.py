@@ -11,6 +11,7 @@ what finds layers by walking the modules (routers, indexers, attention hooks) se
 each one's global index from `layer_number`. At vpp 1 the learner keeps its single model as before (no ModelChunks).
 torch_dist keys are global (layer offsets are part of each sharded tensor), so a checkpoint saved with chunks loads
 into one model and the other way round: only the nesting of the Python dict differs.
+`pipeline_split`: how a forward-only call of any row count splits into micro-batches at pp > 1.
 """
 from __future__ import annotations
 
@@ -53,3 +54,14 @@ def load_sharded(model, state: dict) -> None:
         return
     for i, c in enumerate(chunks):
         unwrap(c).load_state_dict(state[f"model{i}"])
+
+
+def pipeline_split(rows: int, micro_batch_size: int, pp: int, vpp: int = 1) -> tuple[int, int]:
+    """(micro-batches, rows in each) for a forward-only call of `rows` rows at pp > 1: the fewest equal micro-batches
+    of at most `micro_batch_size` rows, a multiple of pp of them at vpp > 1 (Megatron-Core's interleaved schedule runs
+    them in groups of pp per model chunk). count * size - rows slots are padding: 1 row at pp 2 x vpp 2 -> (2, 1);
+    5 rows of micro-batch 4 at pp 2 -> (2, 3). A batch that already splits so keeps its split."""
+    count = -(-rows // micro_batch_size)
+    if vpp > 1:
+        count = -(-count // pp) * pp
+    return count, -(-rows // count)

@@ -45,23 +45,14 @@ from megatron_sparse_rl.learner.routing import LearnerRouting
 from megatron_sparse_rl.lora.layers import adapted_linears, attach_lora
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
-from megatron_sparse_rl.parallel.context import GatherSequence, gather_sequence, split_sequence
+from megatron_sparse_rl.learner.chunks import pipeline_split
+from megatron_sparse_rl.learner.logprobs import context_parallel_scores
+from megatron_sparse_rl.parallel.context import split_sequence
 from megatron_sparse_rl.parallel.layout import ParallelGroups, ParallelLayout
 
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
-
-
-def pipeline_split(rows: int, micro_batch_size: int, pp: int, vpp: int = 1) -> tuple[int, int]:
-    """(micro-batches, rows in each) for a forward-only call of `rows` rows at pp > 1: the fewest equal micro-batches
-    of at most `micro_batch_size` rows, a multiple of pp of them at vpp > 1 (Megatron-Core's interleaved schedule runs
-    them in groups of pp per model chunk). count * size - rows slots are padding: 1 row at pp 2 x vpp 2 -> (2, 1);
-    5 rows of micro-batch 4 at pp 2 -> (2, 3). A batch that already splits so keeps its split."""
-    count = -(-rows // micro_batch_size)
-    if vpp > 1:
-        count = -(-count // pp) * pp
-    return count, -(-rows // count)
 
 
 class Learner:
@@ -217,37 +208,18 @@ class Learner:
         call's sampling `support` (ForwardExtras.sampling_support) the logprobs are renormalised over each
         position's kept ids; the entropy is the unrestricted policy's."""
         length = tokens.shape[1] - 1
-        if self.layout.cp > 1:
-            return self._cp_scores(logits, tokens, index, support)
-        logits = logits[:, :length]
-        entropy = vocab_parallel_entropy(logits, self.groups.tp)
-        targets = self._padded(tokens)[:, 1:length + 1].to(logits.device).contiguous()
-        allowed = None
-        if support is not None:
-            start = self.groups.tp_rank * logits.shape[-1]
-            allowed = support.local_mask(index, length, start, start + logits.shape[-1]).to(logits.device)
-        return vocab_parallel_logprobs(logits, targets, self.temperature, allowed), entropy
-
-    def _cp_scores(self, logits: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor, support=None):
-        """`_scores` at cp > 1: `logits` [b, W / cp, V/tp] hold this rank's positions of the padded width W; each
-        rank scores its own positions, then the group's pieces are gathered into sequence order, so every rank
-        of the group holds the whole [b, S-1] logprobs and entropy and computes the same loss from them (every
-        aggregation and per-sequence sum sees whole sequences). The logprobs' gather keeps each rank's own
-        positions of the gradient in the backward; the context-parallel gradient all-reduce sums the ranks."""
-        length, cp = tokens.shape[1] - 1, self.groups.cp
-        targets = self._padded(tokens)[:, 1:].to(logits.device)
-        width = targets.shape[1]
         allowed = None
         if support is not None:
             start = self.groups.tp_rank * logits.shape[-1]
             allowed = support.local_mask(index, length, start, start + logits.shape[-1])
-            allowed = torch.nn.functional.pad(allowed, (0, 0, 0, width - length), value=True)  # padding: any id
-            allowed = split_sequence(allowed, cp, 1).to(logits.device)
-        local = vocab_parallel_logprobs(logits, split_sequence(targets, cp, 1).contiguous(), self.temperature,
-                                        allowed)
-        logprobs = GatherSequence.apply(local, cp, 1, False)[:, :length]
-        entropy = gather_sequence(vocab_parallel_entropy(logits, self.groups.tp), cp, 1)[:, :length]
-        return logprobs, entropy
+        if self.layout.cp > 1:  # logits [b, W / cp, V/tp]: this rank's positions of the padded width W
+            targets = self._padded(tokens)[:, 1:].to(logits.device)
+            return context_parallel_scores(logits, targets, length, self.groups, self.temperature, allowed)
+        logits = logits[:, :length]
+        entropy = vocab_parallel_entropy(logits, self.groups.tp)
+        targets = self._padded(tokens)[:, 1:length + 1].to(logits.device).contiguous()
+        allowed = None if allowed is None else allowed.to(logits.device)
+        return vocab_parallel_logprobs(logits, targets, self.temperature, allowed), entropy
 
     def _run_schedule(self, tokens: torch.Tensor, loss_fn: LossFn | None, forward_only: bool,
                       extras: ForwardExtras, lengths: torch.Tensor | None = None):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.parallel.context import GatherSequence, gather_sequence, split_sequence
+
 
 @torch.no_grad()
 def vocab_parallel_entropy(logits: torch.Tensor, tp_group, chunk: int = 4096) -> torch.Tensor:
@@ -44,3 +46,22 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tempera
         scaled = scaled.masked_fill_(allowed.logical_not_(), float("-inf"))
     # Megatron's kernel works in place on its input, hence the copy above.
     return -vocab_parallel_cross_entropy(scaled, targets)
+
+
+def context_parallel_scores(logits: torch.Tensor, targets: torch.Tensor, length: int, groups, temperature: float,
+                            allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) [b, length] at context parallelism: `logits` [b, W / cp, V/tp] hold this rank's positions
+    (Megatron's load-balanced split) of the padded width W, `targets` [b, W] the next token of every position,
+    `allowed` [b, length, V/tp] the sampling support or None. Each rank scores its own positions, then the group's
+    pieces are gathered into sequence order, so every rank of the group holds the whole logprobs and entropy and
+    computes the same loss from them (every aggregation and per-sequence sum sees whole sequences). The logprobs'
+    gather keeps each rank's own positions of the gradient in the backward; the context-parallel gradient
+    all-reduce sums the ranks."""
+    cp, width = groups.cp, targets.shape[1]
+    if allowed is not None:
+        allowed = torch.nn.functional.pad(allowed, (0, 0, 0, width - length), value=True)  # padding: any id
+        allowed = split_sequence(allowed, cp, 1).to(logits.device)
+    local = vocab_parallel_logprobs(logits, split_sequence(targets, cp, 1).contiguous(), temperature, allowed)
+    logprobs = GatherSequence.apply(local, cp, 1, False)[:, :length]
+    entropy = gather_sequence(vocab_parallel_entropy(logits, groups.tp), cp, 1)[:, :length]
+    return logprobs, entropy

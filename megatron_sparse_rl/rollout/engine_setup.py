@@ -18,7 +18,7 @@ import torch
 
 from megatron_sparse_rl import vllm_access
 from megatron_sparse_rl.config.rollout import RolloutConfig
-from megatron_sparse_rl.validation.validate import mla_rollout_problems
+from megatron_sparse_rl.validation.families import mla_rollout_problems
 from megatron_sparse_rl.patches import vllm_cpu
 from megatron_sparse_rl.rollout.extension import EngineExtension
 
@@ -123,7 +123,7 @@ def keep_default_process_group():
 
 def mla_latent_checked(cfg: RolloutConfig, model_dir: Path, on_gpu: bool) -> int | None:
     """The model's MLA latent width (`latent_kv_rank`, None for per-head attention); an MLA engine the worker could
-    not run (validation/validate.py `mla_rollout_problems`: sparse KV on a multi-rank engine, a CPU block size other
+    not run (validation/families.py `mla_rollout_problems`: sparse KV on a multi-rank engine, a CPU block size other
     than 16) is refused before vLLM starts."""
     latent = latent_kv_rank(model_dir)
     if latent is not None:

@@ -7,6 +7,8 @@ can build, the launch shape against the world size, rollout sampling against the
 episodes (env.kind) against the engine features that follow turns (`_env_problems`: episodes run colocated,
 disaggregated and with asynchronous RL; vLLM's own routed-experts output is refused).
 
+The layout's checks are in validation/layout.py, the model families' against the engine in validation/families.py.
+
     spec = validate(run, world_size=4)   # ModelSpec (or None); ConfigError listing every problem
     run = resolve(run, spec)             # validation/resolve.py: the values left to the model filled in
 
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_sparse_rl.config.degrees import ParallelDegrees
 from megatron_sparse_rl.config.loader import ConfigError
 from megatron_sparse_rl.lora.targets import config_problems as lora_config_problems
+from megatron_sparse_rl.validation.families import mla_problems
+from megatron_sparse_rl.validation.layout import context_parallel_problems, layout_problems
 from megatron_sparse_rl.validation.resolve import max_model_len, max_model_len_origin
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.schema import RunConfig
@@ -57,116 +60,6 @@ def model_spec(run: RunConfig):
         raise ConfigError(f"{where}: cannot read the model architecture: {e}") from None
 
 
-def _layout_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[str]:
-    """Problems of the parallel layout over the LEARNER ranks (all of `world_size` when colocated)."""
-    rollout = run.launch.rollout_world_size
-    learners = world_size - rollout
-    if learners < 1:
-        return [f"a disaggregated run needs at least one learner rank: world size {world_size} - "
-                f"{rollout} rollout ranks (launch.rollout_ranks / launch.rollout_nodes) = {learners}"]
-    try:
-        layout = ParallelDegrees.from_config(run.parallel, learners, rollout_ranks=rollout, cuda=cuda)
-    except ValueError as e:
-        where = f"learner ranks = world size {world_size} - {rollout} rollout ranks = {learners}: " if rollout else ""
-        return [where + str(e)]
-    problems = []
-    if spec is not None:
-        try:
-            layout.check_model(spec)
-        except ValueError as e:
-            problems.append(str(e))
-    if layout.backend == "nccl" and not cuda:
-        problems.append("parallel.backend='nccl' needs CUDA, which is not available; use 'auto' or 'gloo'")
-    return problems + _interleaved_problems(run, layout) + _pipeline_batch_problems(run, layout)
-
-
-def _interleaved_problems(run: RunConfig, layout: ParallelDegrees) -> list[str]:
-    """parallel.vpp > 1: what the interleaved schedule does not run yet (cp > 1, DSA indexer replay and loss)."""
-    if layout.vpp == 1:
-        return []
-    problems = []
-    if layout.cp > 1:
-        problems.append(f"parallel.vpp = {layout.vpp} with parallel.cp = {layout.cp}: the interleaved schedule at cp > 1 "
-                        "is not tested yet; use vpp 1 with context parallelism")
-    if run.routing.indexer_replay != "none" or run.model.dsa_indexer_loss_coeff > 0:
-        problems.append(f"routing.indexer_replay = {run.routing.indexer_replay!r} and model.dsa_indexer_loss_coeff = "
-                        f"{run.model.dsa_indexer_loss_coeff:g} need parallel.vpp = 1 (got {layout.vpp}): a rank's DSA "
-                        "layers are not one run of the record's columns across model chunks; set 'none' and 0")
-    return problems
-
-
-def _pipeline_batch_problems(run: RunConfig, layout: ParallelDegrees) -> list[str]:
-    """parallel.pp > 1: the training batches must split as the pipeline runs them. Stages exchange activations of
-    one shape, so the micro-batches must be equal (the rows a multiple of learner.micro_batch_size, or one
-    micro-batch of fewer), and Megatron-Core's interleaved schedule (vpp > 1) runs them in groups of pp per model
-    chunk (microbatch_group_size_per_vp_stage = pp), refusing a count that is not a multiple of pp. Checked on each
-    update's rows per data-parallel rank (prompts_per_step * n / dp / updates_per_rollout) and on the SFT
-    warm-start's (sft.batch_size / dp) when it runs. (Forward-only calls, such as the weight-sync probe's one row,
-    are padded by the learner: learner.pipeline_split.)"""
-    if layout.pp == 1:
-        return []
-    t, n, mbs, pp, vpp = run.trainer, run.rollout.sampling.n, run.learner.micro_batch_size, layout.pp, layout.vpp
-    batches = [("each update's rows per data-parallel rank (trainer.prompts_per_step * rollout.sampling.n / dp / "
-                f"trainer.updates_per_rollout = {t.prompts_per_step} * {n} / {layout.dp} / {t.updates_per_rollout})",
-                t.prompts_per_step * n, layout.dp * t.updates_per_rollout)]
-    if t.sft.max_steps > 0:
-        batches.append(("the SFT warm-start's rows per data-parallel rank (trainer.sft.batch_size / dp = "
-                        f"{t.sft.batch_size} / {layout.dp})", t.sft.batch_size, layout.dp))
-    problems = []
-    for what, total, parts in batches:
-        rows, rest = divmod(total, parts)
-        if vpp > 1 and (rest or rows % mbs or (rows // mbs) % pp):
-            problems.append(f"parallel.vpp={vpp}: {what} must split into micro-batches of "
-                            f"learner.micro_batch_size={mbs} whose count is a multiple of parallel.pp={pp} "
-                            f"(Megatron-Core's interleaved schedule runs them in groups of pp per model chunk); got "
-                            f"{total / parts:g} rows")
-        elif vpp == 1 and not rest and rows > mbs and rows % mbs:
-            problems.append(f"parallel.pp={pp}: {what} must split into equal micro-batches of "
-                            f"learner.micro_batch_size={mbs} (pipeline stages exchange activations of one shape): "
-                            f"got {rows} rows; make it a multiple of {mbs}, or set the micro-batch size to a "
-                            "divisor of it")
-    return problems
-
-
-def _context_parallel_problems(run: RunConfig, world_size: int, spec, cuda: bool) -> list[str]:
-    """parallel.cp > 1: the kernels that run it and the sequence length limit its split needs. (What the model or
-    the other degrees cannot run at cp > 1 is `ParallelDegrees.check_model`'s.)"""
-    from megatron_sparse_rl._optional import has_te
-    from megatron_sparse_rl.models import kernels as model_kernels
-
-    if run.parallel.cp == 1:
-        return []
-    problems = []
-    try:
-        model_kernels.check_context_parallel(model_kernels.resolve(run.learner.kernels, "cuda" if cuda else "cpu"),
-                                             use_te=cuda and has_te())
-    except ValueError as e:
-        problems.append(f"{e} (parallel.cp = {run.parallel.cp})")
-    limit = max_model_len(run.rollout, spec)
-    if limit is None:
-        return problems
-    rollout = run.launch.rollout_world_size
-    try:
-        degrees = ParallelDegrees.from_config(run.parallel, world_size - rollout, rollout_ranks=rollout, cuda=cuda)
-    except ValueError:
-        return problems  # the layout's own problem is reported by _layout_problems
-    positions, chunks = limit - 1, 2 * degrees.cp
-    where = f"rollout.max_model_len = {limit}" + (f" ({max_model_len_origin(run.rollout, spec)})"
-                                                  if run.rollout.max_model_len is None else "")
-    if positions < chunks:
-        problems.append(f"{where} gives the learner {positions} input positions, fewer than the 2 x parallel.cp = "
-                        f"{chunks} chunks context parallelism splits every sequence into; raise "
-                        f"rollout.max_model_len to at least {chunks + 1} or lower parallel.cp")
-    elif spec is not None and degrees.padded_positions(positions) > spec.max_position_embeddings:
-        padded = degrees.padded_positions(positions)
-        problems.append(f"{where}: the learner pads a sequence's {positions} input positions to a multiple of "
-                        f"{degrees.sequence_multiple} (2 x parallel.cp" + (" x parallel.tp, sequence parallel"
-                                                                             if degrees.sequence_parallel else "")
-                        + f") = {padded}, beyond the model's max_position_embeddings ({spec.max_position_embeddings}); "
-                        f"lower rollout.max_model_len to at most {spec.max_position_embeddings // degrees.sequence_multiple * degrees.sequence_multiple + 1}")
-    return problems
-
-
 def _from_tiny(run: RunConfig) -> bool:
     """Whether the model's shapes come from `model.tiny` (no config.json at `model.path`)."""
     return run.model.tiny is not None and not _has_config(run)
@@ -180,7 +73,7 @@ def _model_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
         return []
     problems = []
     if isinstance(spec, DeepseekSpec):  # MLA: the cache is one latent row per token, not heads x head_dim
-        problems += _mla_problems(run, spec, cuda)
+        problems += mla_problems(run, spec, cuda, from_tiny=_from_tiny(run))
     elif not cuda and spec.head_dim not in CPU_ATTENTION_HEAD_DIMS:
         where = "model.tiny.head_dim" if _from_tiny(run) else "the model's head_dim"
         problems.append(f"{where} = {spec.head_dim} is not supported by vLLM's CPU attention (no CUDA here); "
@@ -208,66 +101,6 @@ def _resolved_len_problems(rollout: RolloutConfig, spec) -> list[str]:
         return [f"rollout.sampling.max_tokens must be < rollout.max_model_len (got {rollout.sampling.max_tokens} >= "
                 f"{resolved}; rollout.max_model_len unset: {origin}): {fix}"]
     return []
-
-
-def _mla_problems(run: RunConfig, spec, cuda: bool) -> list[str]:
-    """Multi-head latent attention (DeepSeek-V3, Kimi-K2) against the rollout engine: vLLM's CPU MLA decode runs
-    one latent width in 16-token blocks, and sparse KV compacts the latent cache of single-rank engines only."""
-    from megatron_sparse_rl.models.tiny_families import MLA_CPU_LATENT
-
-    problems = []
-    if not cuda and (spec.kv_lora_rank, spec.qk_rope_head_dim) != MLA_CPU_LATENT:
-        names = ("model.tiny.kv_lora_rank + model.tiny.qk_rope_head_dim" if _from_tiny(run)
-                 else "the model's kv_lora_rank + qk_rope_head_dim")
-        lora, rope = MLA_CPU_LATENT
-        problems.append(f"{names} = {spec.kv_lora_rank} + {spec.qk_rope_head_dim} = {spec.latent_width} (the MLA "
-                        f"latent) is not supported by vLLM's CPU MLA decode (no CUDA here); allowed: kv_lora_rank "
-                        f"{lora} + qk_rope_head_dim {rope} = {lora + rope}")
-    dsa = dsa_rollout_problems(spec, run.rollout, cuda)
-    return problems + dsa + mla_rollout_problems(run.rollout, spec.architecture, cuda)
-
-
-def dsa_rollout_problems(spec, rollout: RolloutConfig, cuda: bool) -> list[str]:
-    """A DeepSeek Sparse Attention model (models/dsa.py) has no rollout engine without CUDA: vLLM's CPU platform
-    refuses sparse attention (`CpuPlatform.get_attn_backend_cls`: "Sparse Attention is not supported on CPU.").
-    Sparse KV is refused on any device: the engine's compaction would drop latent rows and keep the indexer's keys,
-    and the learner's keep-set masks reach DotProductAttention only, which a DSA layer does not have."""
-    from megatron_sparse_rl.models import ADAPTERS
-    from megatron_sparse_rl.models.dsa import DeepseekV32Adapter, DsaSpec
-
-    if not isinstance(spec, DsaSpec):
-        return []
-    problems = []
-    if rollout.kv.policy != "none":
-        problems.append(f"rollout.kv.policy = {rollout.kv.policy!r}: sparse KV does not run on a DeepSeek Sparse "
-                        f"Attention model ({spec.architecture}: its attention already reads index_topk = "
-                        f"{spec.index_topk} tokens chosen by the indexer); set rollout.kv.policy = 'none'")
-    if cuda:
-        return problems
-    dense = sorted(a for a, cls in ADAPTERS.items() if not issubclass(cls, DeepseekV32Adapter))
-    problems.append(f"the model's architecture {spec.architecture} uses DeepSeek Sparse Attention (an indexer "
-                    f"choosing index_topk = {spec.index_topk} tokens per query), which vLLM cannot serve on CPU (its "
-                    "CPU platform refuses sparse attention) and this run needs a rollout engine (no CUDA here); "
-                    f"allowed without CUDA: {', '.join(dense)}; a DSA model's learner and checkpoint conversion (msrl "
-                    "convert) do run on CPU")
-    return problems
-
-
-def mla_rollout_problems(rollout: RolloutConfig, model: str, cuda: bool) -> list[str]:
-    """The rollout engine of a multi-head latent attention model (`model` names it): sparse KV compacts the latent
-    cache of single-rank engines only; vLLM's CPU MLA backend runs 16-token blocks. The one statement of these
-    rules: `validate` and `RolloutEngine` (before vLLM starts) both ask it."""
-    kv, problems = rollout.kv, []
-    if kv.policy != "none" and rollout.tensor_parallel_size != 1:
-        problems.append(f"rollout.kv.policy = {kv.policy!r} with rollout.tensor_parallel_size = "
-                        f"{rollout.tensor_parallel_size}: sparse KV on the MLA latent cache runs on single-rank "
-                        f"engines ({model} uses multi-head latent attention: every rank holds the shared latent rows "
-                        "and would score them with its own heads only); set rollout.tensor_parallel_size = 1 or "
-                        "rollout.kv.policy = 'none'")
-    if not cuda and kv.block_size not in (None, 16):
-        problems.append(f"rollout.kv.block_size = {kv.block_size}: vLLM's CPU MLA backend runs 16-token blocks only "
-                        "(no CUDA here); leave it null or set 16")
-    return problems
 
 
 def _learner_problems(run: RunConfig, spec) -> list[str]:
@@ -553,8 +386,8 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
         problems.append(f"world size {world_size} != launch.nodes * launch.nproc_per_node = {run.launch.nodes} * "
                         f"{run.launch.nproc_per_node} = {launch_world}; make them equal")
     spec = model_spec(run)
-    problems += _layout_problems(run, world_size, spec, cuda)
-    problems += _context_parallel_problems(run, world_size, spec, cuda)
+    problems += layout_problems(run, world_size, spec, cuda)
+    problems += context_parallel_problems(run, world_size, spec, cuda)
     problems += _model_problems(run, spec, cuda)
     problems += _rollout_algorithm_problems(run, world_size, spec)
     problems += _old_logprobs_problems(run)

@@ -195,7 +195,7 @@ def test_vpp_refused_at_config_load_and_validate():
     (2, 4, 2, 1, (1, 2)),
 ])
 def test_pipeline_split_of_forward_only_calls(rows, mbs, pp, vpp, want):
-    from megatron_sparse_rl.learner.learner import pipeline_split
+    from megatron_sparse_rl.learner.chunks import pipeline_split
 
     count, size = pipeline_split(rows, mbs, pp, vpp)
     assert (count, size) == want
