@@ -160,7 +160,8 @@ def bench_worker(rank, world_size, model_dir, args):
         algo = configs.get(name, configs["plain"])
         if name == "full_width":  # what the learner did before micro-batches were grouped and trimmed
             learner._width = lambda tokens, lengths, index: tokens.shape[1]
-            learner._micro_batches = lambda tokens, lengths: list(torch.arange(len(tokens)).split(args.mbs))
+            learner._micro_batches = lambda tokens, lengths, forward_only=False: [
+                (index, len(index)) for index in torch.arange(len(tokens)).split(args.mbs)]
         start = time.perf_counter()
         try:
             prep = U.prepare(learner, batch, algo, pad_id=0, dp_group=None)
