@@ -40,7 +40,7 @@ from megatron_sparse_rl.moe.indexer_storage import (
     IndexerRecord, IndexerReplayError, _rows, pack_positions, row_hashes, unpack_positions,
 )
 
-MEGATRON_VERSION = "0.16.1"
+MEGATRON_VERSION = dsa_attention.MEGATRON_VERSION  # the release whose DSA modules this wraps
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
