@@ -12,12 +12,40 @@ from megatron_sparse_rl.config.rollout import check_temperature
 
 
 InFlightKV = Literal["keep", "recompute"]
+SFTKVKeys = Literal["dense", "sequential"]
+SFT_KV_POLICIES = ("rkv", "snapkv", "streamingllm")
+"""The rollout.kv policies sparsity-aware SFT replays (kv/simulate.py); H2O's accumulated attention is not."""
 StalePolicy = Literal["drop", "recompute"]
 
 MAX_SYNC_BUCKET_MB = float(1 << 20)
 """The largest trainer.sync_bucket_mb (1 TiB: a bucket is staged whole in memory)."""
 MAX_STALENESS = 8
 """The largest trainer.max_staleness: the rollout rank holds that many batches ahead of the learner (docs/async.md)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SFTKVKeepConfig:
+    """Sparsity-aware SFT (`trainer.sft.kv_keep`, off by default; docs/sparse_kv.md "Sparsity-aware SFT"): each SFT
+    row is trained under the keep sets the run's own sparse engine (rollout.kv: policy, budget, window, interval)
+    would make on that teacher-forced sequence, through the learner's per-layer attention masks, so the warm start
+    learns to answer from a compressed cache."""
+
+    enabled: bool = False
+    """Train the SFT stage under the simulated keep sets. Needs rollout.kv.policy rkv, snapkv or streamingllm and
+    a learner at parallel.tp = cp = pp = 1 (checked at validate)."""
+    fraction: float = 1.0
+    """Share of each SFT batch's rows trained under the keep sets (the first ceil(fraction x rows) of each
+    data-parallel rank's rows); the others train densely (causal), which keeps what the dense engine answers."""
+    keys: SFTKVKeys = "dense"
+    """Where the policy's keys and window queries come from: "dense" = one no-grad causal forward (the engine's keys
+    after its first compaction come from its own sparse history, so later keep sets are approximate); "sequential" =
+    one no-grad forward per compaction, forward c under the masks of compactions 0..c-1 (what an engine fed the same
+    tokens computes, up to numerics; costs up to one forward per compaction)."""
+
+    def __post_init__(self):
+        _check(0.0 < self.fraction <= 1.0, f"trainer.sft.kv_keep.fraction must be in (0, 1] (got {self.fraction})")
+        _check(self.keys in get_args(SFTKVKeys),
+               f"trainer.sft.kv_keep.keys must be one of {list(get_args(SFTKVKeys))} (got {self.keys!r})")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -34,6 +62,8 @@ class SFTConfig:
     """Stop SFT early once held-out accuracy reaches this (0 = run max_steps)."""
     eval_every: int = 20
     """Evaluate every N SFT steps (for the early stop)."""
+    kv_keep: SFTKVKeepConfig = field(default_factory=SFTKVKeepConfig)
+    """Sparsity-aware SFT: train under the keep sets the run's sparse KV cache would make (off by default)."""
 
     def __post_init__(self):
         _check(self.max_steps >= 0, f"trainer.sft.max_steps must be >= 0 (got {self.max_steps})")

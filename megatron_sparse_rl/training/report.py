@@ -58,8 +58,10 @@ class Reporter:
             self.last_eval = metrics["eval/accuracy"]
         self._write(step, metrics, phase)
         if self.ctx.is_main and phase == "sft":
-            log.info("sft step %d: loss %.4f, held-out accuracy %.3f", step, metrics.get("sft/loss", float("nan")),
-                     metrics.get("eval/accuracy", float("nan")))
+            kv = metrics.get("sft/kv_compressed_target_frac")  # sparsity-aware SFT (trainer.sft.kv_keep)
+            log.info("sft step %d: loss %.4f, held-out accuracy %.3f%s", step, metrics.get("sft/loss", float("nan")),
+                     metrics.get("eval/accuracy", float("nan")),
+                     "" if kv is None else f", targets from a compressed cache {kv:.2f}")
 
     def warm_start(self, accuracy: float) -> None:
         self.warm_start_accuracy = self.last_eval = accuracy

@@ -12,12 +12,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.kv.engine_extension import set_sparse_kv_budget
+from megatron_sparse_rl.learner.extras import NO_EXTRAS
 from megatron_sparse_rl.learner.finite import require_finite
 from megatron_sparse_rl.learner.sft import make_sft_loss
 from megatron_sparse_rl.rollout.versions import too_stale
 from megatron_sparse_rl.placement import rollout as R
 from megatron_sparse_rl.training import update as U
 from megatron_sparse_rl.training.context import RunContext
+from megatron_sparse_rl.training.sft_kv import sft_kv_extras, sft_kv_metrics
 from megatron_sparse_rl.training.sparse_kv import kv_metrics, sparse_logprobs
 
 log = logging.getLogger(__name__)
@@ -295,10 +297,14 @@ def sft_step(ctx: RunContext, step: int | None = None) -> dict[str, float]:
         tokens[i, :len(r.input_ids)] = torch.tensor(r.input_ids)
         mask[i, :len(r.loss_mask)] = torch.tensor(r.loss_mask, dtype=torch.float32)
     mask = mask[:, 1:]  # learner column t scores token t + 1
-    n_global = _global_sum(ctx, [float(mask.sum())])[0]
+    lengths = [len(r.input_ids) for r in rows]
+    extras, kv = NO_EXTRAS, []
+    if cfg.kv_keep.enabled:  # sparsity-aware SFT: train under the keep sets the run's sparse cache would make
+        prompt_lens = [r.loss_mask.index(1) if 1 in r.loss_mask else len(r.loss_mask) for r in rows]
+        extras, kv = sft_kv_extras(ctx.learner, tokens, mask, prompt_lens, lengths, ctx.run.rollout.kv, cfg.kv_keep)
+    n_global, n_rows, *kv = _global_sum(ctx, [float(mask.sum()), float(len(rows)), *kv])
     with ctx.learner.scoring_temperature(1.0):  # supervised: the model itself, not the sampling temperature
-        out = ctx.learner.train_step(tokens, make_sft_loss(mask, n_global), lr=cfg.lr,
-                                     lengths=[len(r.input_ids) for r in rows])
+        out = ctx.learner.train_step(tokens, make_sft_loss(mask, n_global), lr=cfg.lr, lengths=lengths, extras=extras)
     loss = _global_sum(ctx, [out["loss"]])[0]
     require_finite({"loss": loss, "grad norm": out["grad_norm"]}, "SFT step" + (f" {step}" if step else ""))
-    return {"sft/loss": loss}
+    return {"sft/loss": loss, **(sft_kv_metrics(kv, n_global, n_rows) if kv else {})}

@@ -27,6 +27,7 @@ from megatron_sparse_rl.validation.layout import context_parallel_problems, layo
 from megatron_sparse_rl.validation.resolve import max_model_len, max_model_len_origin
 from megatron_sparse_rl.config.rollout import RolloutConfig
 from megatron_sparse_rl.config.schema import RunConfig
+from megatron_sparse_rl.config.trainer import SFT_KV_POLICIES
 
 
 def _has_config(run: RunConfig) -> bool:
@@ -338,6 +339,32 @@ def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
     return problems
 
 
+def _sft_kv_problems(run: RunConfig, spec) -> list[str]:
+    """Sparsity-aware SFT (trainer.sft.kv_keep, training/sft_kv.py) simulates the run's own sparse engine on one
+    learner rank that holds every layer and head."""
+    from megatron_sparse_rl.models.deepseek import DeepseekSpec
+
+    if not run.trainer.sft.kv_keep.enabled:
+        return []
+    field, policy, p = "trainer.sft.kv_keep.enabled", run.rollout.kv.policy, run.parallel
+    if policy == "none":
+        return [f"{field} trains under the keep sets of the run's sparse KV cache, but rollout.kv.policy is 'none' "
+                "(nothing to follow): set rollout.kv.policy or turn it off"]
+    problems = []
+    if policy not in SFT_KV_POLICIES:
+        problems.append(f"{field} simulates rollout.kv.policy in {list(SFT_KV_POLICIES)} (got {policy!r}: H2O's "
+                        "attention accumulated over every query is not replayed)")
+    if p.tp > 1 or p.cp > 1 or p.pp > 1:
+        problems.append(f"{field} captures every layer's queries and keys on one learner rank: it needs "
+                        f"parallel.tp = cp = pp = 1 (got tp {p.tp}, cp {p.cp}, pp {p.pp})")
+    if isinstance(spec, DeepseekSpec):
+        problems.append(f"{field} is not implemented for multi-head latent attention (the engine keeps latent rows; "
+                        "kv/latent.py)")
+    if run.env.episodes:
+        problems.append(f"{field} follows single-turn rows; env.kind = {run.env.kind!r} (episodes) is not supported")
+    return problems
+
+
 def cpu_engine_runs_bf16() -> bool:
     """Whether vLLM's CPU platform computes in bfloat16 on this machine (its `supported_dtypes`)."""
     import torch
@@ -398,6 +425,7 @@ def validate(run: RunConfig, world_size: int | None = None, *, cuda: bool | None
     problems += _kv_pool_problems(run, spec, cuda)
     problems += _env_problems(run, cuda)
     problems += _precision_problems(run, spec, cuda)
+    problems += _sft_kv_problems(run, spec)
     if run.routing.engine_routes == "vllm" and not cuda:
         problems.append("routing.engine_routes = 'vllm' needs CUDA (vLLM returns routed experts from its GPU model "
                         "runner only); use 'hook' or 'auto' (the router callback) without CUDA")
