@@ -8,7 +8,7 @@ from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig, Optimiz
 
 def make_learner(world_size, model_dir, tp=1, ep=1, pp=1, sp=None, lr=1e-3, mbs=2, load=True, clip=1.0, eps=1e-8,
                  dtype="float32", routing=None, indexer_replay="none", kernels="auto", pipeline_layout=None,
-                 cp=1, lora=None, vpp=1):
+                 cp=1, lora=None, vpp=1, indexer_loss=0.0):
     from megatron_sparse_rl.learner.learner import Learner
     from megatron_sparse_rl.models import load_spec
     from megatron_sparse_rl.parallel import ParallelLayout
@@ -21,7 +21,8 @@ def make_learner(world_size, model_dir, tp=1, ep=1, pp=1, sp=None, lr=1e-3, mbs=
                                                        pipeline_layout=pipeline_layout, cp=cp, vpp=vpp), world_size)
     layout.check_model(spec)
     groups = layout.initialize()
-    learner = Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir), dtype=dtype, lora=lora),
+    learner = Learner(adapter, spec, layout, groups, model_cfg=ModelConfig(path=str(model_dir), dtype=dtype, lora=lora,
+                                                                  dsa_indexer_loss_coeff=indexer_loss),
                       cfg=LearnerConfig(micro_batch_size=mbs, optimizer=OptimizerConfig(lr=lr, clip_grad=clip, eps=eps),
                                         kernels=kernels),
                       total_steps=10, routing=routing, indexer_replay=indexer_replay)

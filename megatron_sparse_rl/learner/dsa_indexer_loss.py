@@ -25,6 +25,9 @@ No CUDA shim is needed on CPU: `save_loss_to_tracker` allocates the tracker on `
 `patches/megatron_cpu.py` (`patch_current_device`) answers with the CPU. Megatron's `track_indexer_metrics` /
 `reduce_loss_in_tracker` are not called: they reduce over parallel_state's global groups and write to TensorBoard /
 W&B; the tracker's values are read here instead, and emptied at every `begin`.
+Context parallelism (parallel.cp > 1): each rank's DSA attention computes the KL of its own query rows and gathers
+the rows, so every rank of the group tracks the whole KL (models/dsa_context.py); `before_micro_batch` hands the
+attention the micro-batch's width before the learner's padding to 2 x cp chunks, which the mean leaves out.
 Known limits: the KL's mean includes a micro-batch's right-padding positions (Megatron's loss takes no padding mask;
 rows of one micro-batch are padded to its longest row); the tracker and the auto-scaler's scale are class-wide
 (one learner with the loss per process).
@@ -81,14 +84,24 @@ class IndexerLoss:
         self.num_layers = config.num_layers
         self.calls = torch.zeros(self.num_layers, dtype=torch.float64)
         self.device = next(model.parameters()).device  # where the collectives run (gloo: CPU, nccl: the GPU)
-        self._hooks = [m.register_forward_pre_hook(self._count) for m in model.modules()
+        self._positions: int | None = None
+        self._hooks = [m.register_forward_pre_hook(self._count, with_kwargs=True) for m in model.modules()
                        if isinstance(m, self._dsa.DSAttention)]
         if not self._hooks:
             raise ValueError("dsa_indexer_loss_coeff > 0 but the model has no DSAttention layer")
 
-    def _count(self, module, args) -> None:
+    def _count(self, module, args, kwargs):
         if module.training and torch.is_grad_enabled():  # the condition under which DSAttention adds the loss
             self.calls[module.layer_number - 1] += 1
+        if getattr(module, "cp_group", None) is not None and self._positions is not None:
+            return args, {**kwargs, "indexer_loss_positions": self._positions}  # models/dsa_attention.py, cp > 1
+        return None
+
+    def before_micro_batch(self, positions: int) -> None:
+        """Before each micro-batch forward: its input positions before the context-parallel padding (the KL's mean
+        at cp > 1 covers those, as at cp 1). A backward's recompute forward reads the same value: without a
+        pipeline each micro-batch's backward follows its forward, and with one every micro-batch has one width."""
+        self._positions = positions
 
     def begin(self, micro_batches: int) -> None:
         """Before a train_step of `micro_batches` micro-batches on this rank: empty the tracker and the call counts,

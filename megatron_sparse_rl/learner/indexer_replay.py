@@ -24,6 +24,10 @@ measured where the attention reads the selection: the sparse attention DSAttenti
 observer, which compares them with the replayed ones.
 R3 (`old_forward(engine_record)`): the old forward replays the engine's indices (rollout/indexer_capture.py, a
 GPU engine; never run here) and records the learner's own beside them; the updates replay the engine's.
+Context parallelism (parallel.cp > 1): each rank's indexers pick, per query row it holds, over every key position
+(models/dsa_context.py); the replayed indices are cut to this rank's rows (positions the learner pads after the
+record select themselves) and the fresh ones and the applied flags are gathered back into sequence order, so every
+rank of the group returns the whole record and the same metrics.
 Pipeline stages (even or not): a record's columns are the model's DSA layers in order; each stage replays and records
 its own columns (those after the DSA layers of the earlier stages) and the stages join their columns over the pipeline
 group when a call finishes, so every rank returns the whole record and the same metrics.
@@ -39,6 +43,7 @@ from megatron_sparse_rl.models import dsa_attention
 from megatron_sparse_rl.moe.indexer_storage import (
     IndexerRecord, IndexerReplayError, _rows, pack_positions, row_hashes, unpack_positions,
 )
+from megatron_sparse_rl.parallel.context import cp_positions, gather_sequence, split_sequence
 
 MEGATRON_VERSION = dsa_attention.MEGATRON_VERSION  # the release whose DSA modules this wraps
 
@@ -80,10 +85,11 @@ class IndexerResult:
     metrics: dict = field(default_factory=dict)
 
 
-def clamp_causal(indices: torch.Tensor) -> torch.Tensor:
+def clamp_causal(indices: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """[b, S, k] top-k indices with every entry above its query position replaced by the position itself (the
-    causal mask drops those entries, and for such queries every earlier token is selected anyway)."""
-    pos = torch.arange(indices.shape[1], device=indices.device).view(1, -1, 1)
+    causal mask drops those entries, and for such queries every earlier token is selected anyway). `rows` [S]: the
+    queries' positions (a context-parallel rank's); None: 0..S-1."""
+    pos = (torch.arange(indices.shape[1]) if rows is None else rows).to(indices.device).view(1, -1, 1)
     return torch.where(indices > pos, pos, indices)
 
 
@@ -144,15 +150,18 @@ def applied_metrics(applied: torch.Tensor, lengths: torch.Tensor, layers: tuple[
 class ModelIndexer:
     """The DSA indexers of one model, wrapped while open: per micro-batch, replay the given indices and/or keep the
     fresh ones (`set_micro_batch`); idle, every indexer returns its own choice. Under replay, `applied[j]` (bool
-    [b, S]) says per query whether layer j's sparse attention read exactly the replayed set."""
+    [b, S]) says per query whether layer j's sparse attention read exactly the replayed set. With `cp_group`
+    (context parallelism) each rank's indexers see its query rows (parallel/context.py `cp_positions`), replay the
+    targets of those rows, and `fresh` / `applied` are gathered over the group into sequence order."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, cp_group=None):
         from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
         if not hasattr(DSAIndexer, "forward_with_scores"):
             raise ImportError(f"DSAIndexer.forward_with_scores is missing: indexer replay was written for "
                               f"Megatron-Core {MEGATRON_VERSION}")
         self._entry = dsa_attention.install()
+        self.cp_group = cp_group
         self.indexers = [m for m in model.modules() if isinstance(m, DSAIndexer)]
         self.topk = self.indexers[0].index_topk if self.indexers else 0
         self._targets: list[torch.Tensor] | None = None
@@ -166,7 +175,8 @@ class ModelIndexer:
         def forward_with_scores(*args, **kwargs):
             scores, indices = call(*args, **kwargs)
             if self._keep:  # a recompute overwrites with the same values
-                self.fresh[j] = self._padded(clamp_causal(indices.detach()))
+                rows = self._rows(indices.shape[1])
+                self.fresh[j] = self._sequence(self._padded(clamp_causal(indices.detach(), rows), rows))
             if self._targets is None:
                 return scores, indices
             target = self._targets[j].to(indices.device)
@@ -175,15 +185,28 @@ class ModelIndexer:
         return forward_with_scores
 
     def _attended(self, j: int, attended: torch.Tensor, target: torch.Tensor) -> None:
-        self.applied[j] = ~selected_sets_differ(clamp_causal(attended.detach()).cpu(), target.cpu())
+        rows = self._rows(attended.shape[1])
+        same = ~selected_sets_differ(clamp_causal(attended.detach(), rows).cpu(), target.cpu())
+        self.applied[j] = self._sequence(same.to(torch.uint8)).bool()
 
-    def _padded(self, indices: torch.Tensor) -> torch.Tensor:
+    def _rows(self, held: int) -> torch.Tensor | None:
+        """The positions of this rank's `held` query rows: None (0..held-1) without context parallelism."""
+        if self.cp_group is None:
+            return None
+        cp = self.cp_group.size()
+        return cp_positions(held * cp, cp, self.cp_group.rank())
+
+    def _sequence(self, local: torch.Tensor) -> torch.Tensor:
+        """[b, this rank's rows, ...] -> [b, every position, ...] in sequence order (unchanged without CP)."""
+        return local if self.cp_group is None else gather_sequence(local, self.cp_group, 1)
+
+    def _padded(self, indices: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[b, S, k'] -> [b, S, topk]: a micro-batch narrower than topk picks k' = S; the extra entries repeat the
-        query position (already selected)."""
+        query position (already selected; `rows` as in `clamp_causal`)."""
         short = self.topk - indices.shape[-1]
         if short <= 0:
             return indices
-        pos = torch.arange(indices.shape[1], device=indices.device).view(1, -1, 1)
+        pos = (torch.arange(indices.shape[1]) if rows is None else rows).to(indices.device).view(1, -1, 1)
         return torch.cat([indices, pos.expand(indices.shape[0], -1, short)], dim=-1)
 
     def set_micro_batch(self, targets: list[torch.Tensor] | None, keep: bool) -> None:
@@ -210,7 +233,8 @@ class LearnerIndexer:
         if mode not in ("none", "R2", "R3"):
             raise ValueError(f"routing.indexer_replay must be 'none', 'R2' or 'R3' on the learner (got {mode!r})")
         self.layout, self.groups, self.mode = layout, groups, mode
-        self.model = ModelIndexer(model)
+        self.cp_group = groups.cp if getattr(layout, "cp", 1) > 1 else None
+        self.model = ModelIndexer(model, self.cp_group)
         # the record's columns: every DSA layer of the model in order; this stage's j-th indexer is column _first + j
         self._first, total = self._stage_columns()
         self.layers = tuple(range(total))
@@ -299,11 +323,21 @@ class LearnerIndexer:
         self._collect()
         targets = None
         if self._request.replay is not None:
-            width = inputs.shape[1]
-            rows = unpack_positions(self._request.replay.indices[index, :width])  # [b, width, layers, k]
+            rows = self._held(unpack_positions(self._request.replay.indices[index, :inputs.shape[1]]), inputs.shape[1])
             targets = [rows[:, :, self._first + j].contiguous() for j in range(len(self.model.indexers))]
         self._pending = index.clone()
         self.model.set_micro_batch(targets, keep=self._request.record)
+
+    def _held(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """Replayed [b, w, layers, k] of a micro-batch of `width` input positions -> the query rows this rank runs:
+        at context parallelism the positions the learner pads after the record (w < width; each selects itself)
+        and this rank's chunks of them."""
+        if self.cp_group is None:
+            return rows
+        if rows.shape[1] < width:
+            pad = torch.arange(rows.shape[1], width).view(1, -1, 1, 1).expand(rows.shape[0], -1, *rows.shape[2:])
+            rows = torch.cat([rows, pad.to(rows.dtype)], dim=1)
+        return split_sequence(rows, self.cp_group, 1)
 
     def _collect(self) -> None:
         if self._pending is not None:
@@ -337,7 +371,7 @@ class LearnerIndexer:
         out = pos.expand(rows, width, len(self.model.indexers), self.model.topk).clone()
         for index, fresh, _ in self._parts:
             if fresh:
-                mb = torch.stack([f.cpu() for f in fresh], dim=2)  # [b, w, this stage's layers, k]
+                mb = torch.stack([f.cpu() for f in fresh], dim=2)[:, :width]  # [b, w, this stage's layers, k]
                 out[index, :mb.shape[1]] = mb.long()
         out = self._join_stages(out)
         return IndexerRecord(pack_positions(out, width), row_hashes(self._tokens, self._lengths))
@@ -350,7 +384,7 @@ class LearnerIndexer:
         for index, _, applied in self._parts:
             for j, a in enumerate(applied):
                 if a is not None:
-                    out[index, :a.shape[1], j] = a
+                    out[index, :min(a.shape[1], width), j] = a[:, :width]
         return self._join_stages(out)
 
     def stop(self) -> None:

@@ -262,6 +262,8 @@ class Learner:
                 self.routing.before_micro_batch(index, inputs, number)
             if extras.indexer is not None:
                 self.indexer.before_micro_batch(index, inputs)
+            if self.indexer_loss is not None:
+                self.indexer_loss.before_micro_batch(mb_tokens.shape[1] - 1)
             mask = None  # None: Megatron's causal mask; else the per-layer mask its core-attention hooks slice
             if blocked is not None:
                 width = inputs.shape[1]

@@ -40,7 +40,8 @@ def build_gpt_model(adapter: GPTAdapter, spec: ModelSpec, layout: ParallelLayout
         # even/odd rank and, at pp 2, sends one direction over another group.
         stages["batch_p2p_comm"] = False
     if layout.cp > 1:  # the learner splits each sequence (learner/context.py); attention all-gathers K/V
-        model_kernels.check_context_parallel(kernels, use_te=has_te() and cuda)
+        model_kernels.check_context_parallel(kernels, use_te=has_te() and cuda,
+                                             sparse_attention=bool(getattr(spec, "index_topk", 0)))
         stages["context_parallel_size"] = layout.cp
     config = adapter.transformer_config(
         spec, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,

@@ -116,6 +116,16 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
                                       "then MoE layers")
 
     # ---- Megatron side -------------------------------------------------------------------------
+    def transformer_config(self, spec: DsaSpec, **kw: Any):
+        """The parent's config; `context_parallel_size` > 1 is set after it is built: Megatron-Core's
+        `TransformerConfig.__post_init__` asserts cp == 1 for DSA, as its `DSAttention` sees only a rank's own
+        positions. At cp > 1 the layers are `SDPADSAttention` with `ContextParallelIndexer` (models/dsa_context.py),
+        which gather every rank's keys; learner/model.py refuses the local kernels there."""
+        cp = kw.pop("context_parallel_size", 1)
+        config = super().transformer_config(spec, **kw)
+        config.context_parallel_size = cp
+        return config
+
     def config_kwargs(self, spec: DsaSpec, **kw: Any) -> dict[str, Any]:
         kwargs = super().config_kwargs(spec, **kw)
         kwargs.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=spec.index_n_heads,

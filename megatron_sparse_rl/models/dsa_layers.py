@@ -57,19 +57,21 @@ class IndexerKeyNorm(torch.nn.LayerNorm):
 
 def dsa_block_spec(config, vp_stage: int | None = None):
     """The local GPT decoder block spec of `config` (MLA, MoE pattern from moe_layer_freq) with every layer's core
-    attention replaced by DSAttention + DSAIndexer built from `IndexerLinear` and `IndexerKeyNorm`."""
+    attention replaced by DSAttention + DSAIndexer (models/dsa_context.py's `ContextParallelIndexer`: Megatron's at
+    cp 1) built from `IndexerLinear` and `IndexerKeyNorm`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.experimental_attention_variant.dsa import (
-        DSAIndexer,
         DSAIndexerSubmodules,
         DSAttention,
         DSAttentionSubmodules,
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from megatron_sparse_rl.models.dsa_context import ContextParallelIndexer
+
     if config.experimental_attention_variant != "dsa" or not config.multi_latent_attention:
         raise ValueError("dsa_block_spec needs an MLA config with experimental_attention_variant 'dsa'")
-    indexer = ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
+    indexer = ModuleSpec(module=ContextParallelIndexer, submodules=DSAIndexerSubmodules(
         linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=IndexerKeyNorm, linear_weights_proj=IndexerLinear))
     core = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer))
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",

@@ -39,10 +39,17 @@ def resolve(choice: str, device_type: str) -> str:
     return AUTO.get(device_type, "local") if choice == "auto" else choice
 
 
-def check_context_parallel(kernels: str, use_te: bool, field: str = "learner.kernels") -> None:
+def check_context_parallel(kernels: str, use_te: bool, field: str = "learner.kernels",
+                           sparse_attention: bool = False) -> None:
     """ValueError when the resolved `kernels` choice cannot run context parallelism: Megatron-Core's local
     `DotProductAttention` asserts context_parallel_size == 1; `SDPAttention` (fast) all-gathers K/V over the
-    context-parallel group, and Transformer Engine's attention (GPU with TE) runs its own CP."""
+    context-parallel group, and Transformer Engine's attention (GPU with TE) runs its own CP. DeepSeek Sparse
+    Attention layers (`sparse_attention`) run CP in `SDPADSAttention` (fast) only: Megatron's `DSAttention` (local,
+    also with TE: the DSA spec is local) would attend to this rank's positions alone."""
+    if kernels == "local" and sparse_attention:
+        raise ValueError(f"{field} = 'local' runs Megatron-Core's DSAttention, whose indexer and sparse attention see "
+                         "only this rank's positions at context parallelism (parallel.cp > 1); use 'fast' or 'auto' "
+                         "(SDPADSAttention, which gathers the keys of every context-parallel rank)")
     if kernels == "local" and not use_te:
         raise ValueError(f"{field} = 'local' runs Megatron-Core's local DotProductAttention, which refuses context "
                          "parallelism (parallel.cp > 1; Megatron runs it only in Transformer Engine's attention, absent "

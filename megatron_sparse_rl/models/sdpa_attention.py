@@ -35,7 +35,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from megatron_sparse_rl.parallel.context import GatherSequence, cp_positions
+from megatron_sparse_rl.parallel.context import GatherSequence, blocked_keys, cp_positions
 
 
 def _dot_product_attention():
@@ -87,8 +87,7 @@ class SDPAttention(_dot_product_attention()):
         value = GatherSequence.apply(value, self.cp_group, 2, True)
         if mask is None and is_causal:  # this rank's global query positions against every key position
             width = key.shape[2]
-            rows = cp_positions(width, self.cp_group.size(), self.cp_group.rank(), key.device)
-            mask = rows[:, None] < torch.arange(width, device=key.device)[None, :]  # True = masked out
+            mask = blocked_keys(cp_positions(width, self.cp_group.size(), self.cp_group.rank(), key.device), width)
             mask = mask[None, None]
         elif mask is not None and mask.shape[-1] != key.shape[2]:
             raise ValueError(f"at context_parallel_size > 1 an attention mask must cover every key position "

@@ -11,6 +11,7 @@ has the same causal-attention work. Under that split:
                                                            # and keeps this rank's positions (K/V in attention)
     full = GatherSequence.apply(local, group, dim, False)  # backward keeps this rank's positions only: for values
                                                            # every rank then uses identically (the loss's logprobs)
+    blocked = blocked_keys(index, W)                       # bool [W / cp, W]: True where a key is after the query
 
 Pure torch.distributed: no Megatron import (the group comes from `ParallelGroups.cp` or a module's pg_collection).
 """
@@ -28,6 +29,12 @@ def cp_positions(width: int, cp: int, rank: int, device=None) -> torch.Tensor:
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
     return torch.cat([first, second])
+
+
+def blocked_keys(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [len(rows), width], True where key position > query position `rows[i]`: the causal mask of a rank's
+    global query positions against every key position (Megatron's convention, True = masked out)."""
+    return rows[:, None] < torch.arange(width, device=rows.device)[None, :]
 
 
 def _order(width: int, cp: int, device=None) -> torch.Tensor:

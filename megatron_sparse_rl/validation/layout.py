@@ -90,7 +90,8 @@ def context_parallel_problems(run: RunConfig, world_size: int, spec, cuda: bool)
     problems = []
     try:
         model_kernels.check_context_parallel(model_kernels.resolve(run.learner.kernels, "cuda" if cuda else "cpu"),
-                                             use_te=cuda and has_te())
+                                             use_te=cuda and has_te(),
+                                             sparse_attention=bool(getattr(spec, "index_topk", 0)))
     except ValueError as e:
         problems.append(f"{e} (parallel.cp = {run.parallel.cp})")
     limit = max_model_len(run.rollout, spec)

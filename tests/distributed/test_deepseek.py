@@ -77,15 +77,16 @@ def grads_worker(rank, world, model_dir, tokens):
             if getattr(lp.param, "main_grad", None) is not None}
 
 
-def hf_grads(model_dir, tokens, **load) -> dict[str, torch.Tensor]:
-    """transformers' fp32 autograd of the mean next-token NLL: HF checkpoint name -> gradient (fused experts split
-    per expert as the checkpoint names them); parameters without a gradient are left out. `load`: from_pretrained
-    arguments."""
+def hf_grads(model_dir, tokens, mask=None, **load) -> dict[str, torch.Tensor]:
+    """transformers' fp32 autograd of the mean next-token NLL (over the positions `mask` [b, S-1] keeps; None:
+    all): HF checkpoint name -> gradient (fused experts split per expert as the checkpoint names them); parameters
+    without a gradient are left out. `load`: from_pretrained arguments."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load)
     logp = torch.log_softmax(model(tokens).logits[:, :-1].double(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
-    (-logp.mean()).backward()
+    mask = torch.ones_like(logp) if mask is None else mask.double()
+    (-(logp * mask).sum() / mask.sum()).backward()
     hf = {}
     for n, p in model.named_parameters():
         if p.grad is None:

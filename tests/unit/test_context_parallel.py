@@ -77,16 +77,28 @@ def test_validate_refuses(overrides, match):
         validate(run, world, cuda=False)
 
 
-def test_validate_takes_mla_and_refuses_dsa(tmp_path):
-    """Multi-latent attention runs at cp > 1 (tests/distributed/test_context_parallel.py); DSA's indexer does not."""
+def test_validate_takes_mla_and_dsa_at_cp2_and_refuses_the_rest(tmp_path):
+    """Multi-latent attention and DeepSeek Sparse Attention run at cp > 1 (tests/distributed/test_context_parallel.py,
+    tests/distributed/test_dsa_context_parallel.py); DSA at tp or pp > 1 with cp, and through the local kernels, is
+    refused naming the fields. (A DSA model on CPU is also refused for its rollout engine: only the cp problems are
+    looked at here.)"""
     from megatron_sparse_rl.models.tiny_families import build_tiny_dsa
 
     validate(run_of("parallel.cp=2", "model.tiny.arch=deepseek_v3"), 2, cuda=False)
     model = build_tiny_dsa(tmp_path / "dsa", seed=1)
-    with pytest.raises(ConfigError, match=r"parallel.cp=2 is not supported for DeepSeek Sparse Attention models "
-                                          r"\(DeepseekV32ForCausalLM\): the indexer's top-k over the keys of every "
-                                          r"context-parallel rank is not implemented"):
-        validate(run_of(f"model.path={model}", "parallel.cp=2", tiny=False), 2, cuda=False)
+
+    def problems(*overrides, world=2):
+        with pytest.raises(ConfigError) as e:
+            validate(run_of(f"model.path={model}", *overrides, tiny=False), world, cuda=False)
+        return str(e.value)
+
+    assert "parallel.cp" not in problems("parallel.cp=2")
+    assert ("parallel.cp=2 with parallel.tp=2 and parallel.pp=1 is not supported for DeepSeek Sparse Attention "
+            "models (DeepseekV32ForCausalLM)") in problems("parallel.cp=2", "parallel.tp=2",
+                                                          "parallel.sequence_parallel=true", world=4)
+    assert "parallel.cp=2 with parallel.tp=1 and parallel.pp=2" in problems("parallel.cp=2", "parallel.pp=2", world=4)
+    assert ("learner.kernels = 'local' runs Megatron-Core's DSAttention, whose indexer and sparse attention see only "
+            "this rank's positions") in problems("parallel.cp=2", "learner.kernels=local")
 
 
 def test_validate_refuses_padding_beyond_the_positions(tmp_path):
@@ -136,3 +148,6 @@ def test_kernel_choice_at_cp():
     check_context_parallel("local", use_te=True)  # Transformer Engine's attention runs CP itself
     with pytest.raises(ValueError, match=r"learner.kernels = 'local' runs Megatron-Core's local DotProductAttention"):
         check_context_parallel("local", use_te=False)
+    check_context_parallel("fast", use_te=True, sparse_attention=True)
+    with pytest.raises(ValueError, match=r"learner.kernels = 'local' runs Megatron-Core's DSAttention"):
+        check_context_parallel("local", use_te=True, sparse_attention=True)  # the DSA spec is local, also with TE
