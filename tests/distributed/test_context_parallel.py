@@ -6,8 +6,9 @@ SFT loss against HF transformers (1e-4); the RL loss under each aggregation (wit
 per-token terms of the current policy, and GSPO's sequence ratio) equal to cp 1's (1e-6); per-layer keep-set masks
 giving cp 1's logprobs; R2 routes recorded equal to cp 1's, and cp 1's routes replayed under re-drawn routers (R2/R3's
 replay) giving cp 1's logprobs with applied fraction 1.0; multi-latent attention (a tiny DeepSeek-V3, slow) against
-HF and cp 1, its one-head keep sets and losses against cp 1; pp 2 x cp 2 with uneven stages (slow) against HF and pp 1 cp 1, and resuming there from a checkpoint
-saved at pp 1 cp 1. The refusals are unit-tested (tests/unit/test_context_parallel.py)."""
+HF and cp 1, its one-head keep sets and losses against cp 1; pp 2 x cp 2 with uneven stages and pp 2 x vpp 2 x cp 2
+(the interleaved schedule; both slow) against HF and pp 1 cp 1, and resuming at pp 2 x cp 2 from a checkpoint saved at
+pp 1 cp 1. DeepSeek Sparse Attention at cp 2: tests/distributed/test_dsa_context_parallel.py. The refusals are unit-tested (tests/unit/test_context_parallel.py)."""
 import pytest
 import torch
 
@@ -272,15 +273,17 @@ def test_mla_cp2_matches_hf_and_cp1(tmp_path, batch):
             assert (grads[name] - g).abs().max() < 1e-5, name
 
 
-def pipeline_worker(rank, world, model_dir, tokens, lengths, pp, cp):
+def pipeline_worker(rank, world, model_dir, tokens, lengths, pp, cp, vpp=1):
     """Logprobs, entropies and R2's recorded routes, then one SFT step: its loss and every full gradient this rank's
-    stage holds."""
+    stage (its model chunks at vpp > 1) holds."""
     from megatron_sparse_rl.config.routing import RoutingConfig
+    from megatron_sparse_rl.learner.chunks import chunks_of
     from megatron_sparse_rl.learner.extras import ForwardExtras, RouteRequest
     from megatron_sparse_rl.learner.params import gather_full, local_params
     from megatron_sparse_rl.learner.sft import make_sft_loss
 
-    learner = W.make_learner(world, model_dir, pp=pp, cp=cp, clip=0.0, routing=RoutingConfig(mode="R2"))
+    learner = W.make_learner(world, model_dir, pp=pp, cp=cp, vpp=vpp, clip=0.0, routing=RoutingConfig(mode="R2"))
+    assert len(chunks_of(learner.model)) == vpp
     out = learner.forward_logprobs(tokens, lengths=lengths, extras=ForwardExtras(routes=RouteRequest(record=True)))
     mask = _real(lengths, tokens.shape[1] - 1).float()
     loss = learner.train_step(tokens, make_sft_loss(mask, mask.sum().item()), lengths=lengths).get("loss")
@@ -293,17 +296,19 @@ def pipeline_worker(rank, world, model_dir, tokens, lengths, pp, cp):
 
 
 @pytest.mark.slow
-def test_pp2_cp2_matches_hf_and_pp1(tmp_path, batch):
-    """pp 2 x cp 2 (4 ranks) on a 3-layer tiny Qwen3-MoE, stages 2,1: logprobs and entropies against HF transformers,
-    recorded routes, the loss and every gradient against pp 1 cp 1."""
+@pytest.mark.parametrize("layers,vpp", [(3, 1), (5, 2)])
+def test_pp2_cp2_matches_hf_and_pp1(tmp_path, batch, layers, vpp):
+    """pp 2 x cp 2 (4 ranks) on a 3-layer tiny Qwen3-MoE, stages 2,1, and pp 2 x vpp 2 x cp 2 (the interleaved
+    schedule) on a 5-layer one, virtual stages 2,1,1,1: logprobs and entropies against HF transformers, recorded
+    routes, the loss and every gradient against pp 1 cp 1."""
     tokens, lengths = batch
-    model_dir = str(build_tiny_hf_model(tmp_path / "three", layers=3, seed=3))
+    model_dir = str(build_tiny_hf_model(tmp_path / "m", layers=layers, seed=3))
     ref_lp, ref_ent = hf_reference(model_dir, tokens)
     real = _real(lengths, tokens.shape[1] - 1)
     _, _, routes, loss1, base = run_distributed(pipeline_worker, 1, args=(model_dir, tokens, lengths, 1, 1))[0]
     held, losses = {}, []
     for lp, ent, got_routes, loss, grads in run_distributed(pipeline_worker, 4,
-                                                             args=(model_dir, tokens, lengths, 2, 2)):
+                                                             args=(model_dir, tokens, lengths, 2, 2, vpp)):
         assert (lp.double() - ref_lp)[real].abs().max() < 1e-4
         assert (ent.double() - ref_ent)[real].abs().max() < 1e-4
         assert torch.equal(got_routes.indices.sort(-1).values, routes.indices.sort(-1).values)

@@ -178,8 +178,7 @@ def test_vpp_refused_at_config_load_and_validate():
         validate(dsa, 2, cuda=False)
     cp = run_of("model.tiny.layers=7", "parallel.pp=2", "parallel.vpp=2", "parallel.cp=2", "launch.nproc_per_node=4",
                 "learner.micro_batch_size=2")
-    with pytest.raises(ConfigError, match=r"parallel.vpp = 2 with parallel.cp = 2: the interleaved schedule at cp > 1"):
-        validate(cp, 4, cuda=False)
+    validate(cp, 4, cuda=False)  # the interleaved schedule at cp > 1 (tests/distributed/test_context_parallel.py)
     bad = run_of("model.tiny.layers=7", "parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_layout='Ett|tt|tttL'",
                  "launch.nproc_per_node=2", "learner.micro_batch_size=2")
     with pytest.raises(ConfigError, match=r"parallel.pipeline_layout = 'Ett\|tt\|tttL' has 3 stages"):
