@@ -102,11 +102,11 @@ class ParallelDegrees:
         if self.cp == 1:
             return []
         problems = []
-        if getattr(spec, "index_topk", 0) and (self.tp > 1 or self.pp > 1):
-            problems.append(f"parallel.cp={self.cp} with parallel.tp={self.tp} and parallel.pp={self.pp} is not "
-                            f"supported for DeepSeek Sparse Attention models ({spec.architecture}): their context "
-                            "parallelism (models/dsa_context.py) is tested at tp 1 and pp 1 only; use parallel.tp=1 "
-                            "and parallel.pp=1 with parallel.cp > 1, or parallel.cp=1")
+        if getattr(spec, "index_topk", 0) and self.tp > 1:
+            problems.append(f"parallel.cp={self.cp} with parallel.tp={self.tp} is not supported for DeepSeek Sparse "
+                            f"Attention models ({spec.architecture}): their context parallelism (models/dsa_context.py) "
+                            "is tested at tp 1 only (with pp 1 and 2), and their gradients at tp > 1 do not match "
+                            "transformers yet; use parallel.tp=1 with parallel.cp > 1, or parallel.cp=1")
         return problems
 
     def check_model(self, spec) -> None:
