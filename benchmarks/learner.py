@@ -30,6 +30,7 @@ noise shows in the range):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -111,8 +112,7 @@ def _batch(learner, args, vocab: int):
         counts.append(torch.full((n,), SUPPORT, dtype=torch.int32))
         ids.append(kept.sort(dim=1).values.reshape(-1).to(torch.int32))
     support = SamplingSupport(prompt_lens=batch.prompt_lens, counts=tuple(counts), ids=tuple(ids))
-    batch.rollout_logprobs = rollout
-    batch.sampling_mask = support
+    batch = dataclasses.replace(batch, rollout_logprobs=rollout, sampling_mask=support)
     return batch, int(mask.sum()), int(mask.sum()) + b * PROMPT
 
 

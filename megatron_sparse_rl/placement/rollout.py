@@ -64,7 +64,7 @@ class RolloutRequest:
         the weights `engine` holds now: the one place re-scoring happens (sampled ahead: after the weights the
         learner trains the batch with were loaded)."""
         if batch is not None and self.rescore:
-            batch.rescored_logprobs = engine.rescore(batch, self.rescore)
+            batch = dataclasses.replace(batch, rescored_logprobs=engine.rescore(batch, self.rescore))
         return batch
 
     def run(self, engine) -> RolloutBatch | None:
@@ -90,8 +90,8 @@ def scored(batch: RolloutBatch, tokenizer, examples, *, score, correct) -> tuple
     """`collect`'s second half: `batch` (sampled for `examples`) with its rewards, and which samples are correct."""
     answers = [examples[g].answer for g in batch.group_ids.tolist()]
     texts = decode(tokenizer, batch.responses())
-    batch.reward = torch.tensor(score(texts, answers), dtype=torch.float32)
-    return batch, torch.tensor(correct(texts, answers), dtype=torch.float32)
+    rewarded = dataclasses.replace(batch, reward=torch.tensor(score(texts, answers), dtype=torch.float32))
+    return rewarded, torch.tensor(correct(texts, answers), dtype=torch.float32)
 
 
 @dataclass(frozen=True)

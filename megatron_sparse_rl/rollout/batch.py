@@ -45,9 +45,10 @@ def _joined(how: Join, *, default: Any = MISSING, pad_id: bool = False):
     return field(default=default, metadata={"join": how, "pad_id": pad_id})
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, frozen=True, slots=True)
 class RolloutBatch:
-    """B samples of a rollout step (B = prompts x n). Padded on the right.
+    """B samples of a rollout step (B = prompts x n). Padded on the right. Frozen: a later stage (rewards, engine
+    re-scorings, the KV pool's use) returns a new batch with `dataclasses.replace`, never writes into this one.
 
     prompt_ids:       int64 [B, P], pad id after `prompt_lens[i]` tokens.
     prompt_lens:      int64 [B].
@@ -57,7 +58,7 @@ class RolloutBatch:
                       distribution (see RolloutConfig.logprobs_mode); 0 where masked.
     finish_reasons:   per sample "stop" (EOS or stop string), "length" (max_tokens) or "abort".
     group_ids:        int64 [B]: samples of the same prompt share one id.
-    reward:           float32 [B], filled by the reward stage (None until then).
+    reward:           float32 [B], the reward stage's (a batch `replace`d with it; None until then).
     sampling_mask:    the sampler's support (ids kept by top-k/top-p) at every response token, a
                       rollout.sampling_mask.SamplingSupport (keep-sampling-mask), or None.
     routed_experts:   the engine's routes (R3): a moe.RouteStore (uint8/uint16 [tokens, layers, topk] packed

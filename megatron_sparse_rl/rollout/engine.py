@@ -25,6 +25,7 @@ print(e.generate([[1, 5, 6, 14]], SamplingConfig(n=2, max_tokens=8)))"
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -222,8 +223,9 @@ class RolloutEngine:
             **fields,
         )
         if probe is not None:
-            batch.kv_usage = {"peak_blocks": float(probe.peak_blocks), "pool_blocks": float(probe.pool_blocks),
-                              "mean_running": probe.mean_running, "preemptions": float(probe.preemptions)}
+            batch = dataclasses.replace(batch, kv_usage={
+                "peak_blocks": float(probe.peak_blocks), "pool_blocks": float(probe.pool_blocks),
+                "mean_running": probe.mean_running, "preemptions": float(probe.preemptions)})
         return batch
 
     def sample_turns(self, prompt_token_ids: list[list[int]], sampling: list[SamplingConfig],

@@ -15,6 +15,8 @@ recorded at each model token is the top 5 of a transformers forward over the who
 none (count 0), and a learner with algorithm.keep_sampling_mask reproduces the engine's top-k logprobs as pi_old.
 Run: .venv/bin/python -m pytest -q tests/e2e/test_episodes.py
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -136,7 +138,7 @@ def test_r3_routes_across_turns_equal_one_prefill_and_the_learner_replays_them(s
         assert got.shape[0] == len(seq) - 1
         diff = (got.sort(dim=-1).values != want.sort(dim=-1).values).any(dim=-1)  # [positions, layers]
         assert not diff.any(), (i, diff.nonzero().tolist())
-    batch.reward = torch.tensor([1.0, 0.0, 0.0, 1.0])  # advantages of both signs: a step that moves the weights
+    batch = dataclasses.replace(batch, reward=torch.tensor([1.0, 0.0, 0.0, 1.0]))  # advantages of both signs: a step that moves the weights
     old, step, diff, tokens = run_distributed(learner_worker, 1, args=(str(base), batch, "R3", False),
                                               timeout=300)[0]
     print(f"R3 over episodes: {tokens} model tokens, max |learner(replayed) - engine| logprob {diff:.2e}; old forward "
@@ -172,7 +174,7 @@ def test_sampling_support_across_turns_is_the_top_k_and_the_learner_renormalises
         counts = support.counts[i].tolist()
         ids = support.ids[i].split(counts)
         assert [sorted(x.tolist()) for x in ids] == want, i  # environment tokens: count 0 (no sampler ran)
-    batch.reward = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    batch = dataclasses.replace(batch, reward=torch.tensor([1.0, 0.0, 0.0, 1.0]))
     old, step, diff, tokens = run_distributed(learner_worker, 1, args=(str(base), batch, "off", True),
                                               timeout=300)[0]
     print(f"sampling support over episodes: {tokens} model tokens, max |learner pi_old over the support - engine "

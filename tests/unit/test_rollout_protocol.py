@@ -8,8 +8,7 @@ rollout ranks sample ahead travel as words.
 from __future__ import annotations
 
 import pickle
-from dataclasses import FrozenInstanceError
-from types import SimpleNamespace
+from dataclasses import FrozenInstanceError, dataclass
 
 import pytest
 import torch
@@ -46,6 +45,14 @@ class Bridge:
         return [None] + self.answers.pop(0)
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """A stand-in RolloutBatch (frozen: re-scorings come back `dataclasses.replace`d)."""
+
+    rows: int
+    rescored_logprobs: object = None
+
+
 class Engine:
     """A stand-in RolloutEngine: records its calls."""
 
@@ -54,7 +61,7 @@ class Engine:
 
     def generate(self, prompts, sampling, group_ids=None, *, between_steps=None, episodes=None):
         self.calls.append(("generate", prompts, sampling.seed, group_ids))
-        return SimpleNamespace(rows=len(prompts), rescored_logprobs=None)
+        return _Batch(rows=len(prompts))
 
     def rescore(self, batch, n):
         self.calls.append(("rescore", batch.rows, n))

@@ -8,6 +8,7 @@ are still drained, Stop leaving. The engine and the bridge are stand-ins (no vLL
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +21,19 @@ from megatron_sparse_rl.placement.protocol import (AheadBatches, Collect, Failur
 from megatron_sparse_rl.placement.rollout import RolloutRequest
 
 
-class _Batch(list):
-    """A stand-in batch: its prompts' first tokens (and room for rescored_logprobs)."""
+@dataclass(frozen=True, eq=False)
+class _Batch:
+    """A stand-in batch: its prompts' first tokens, and the re-scorings `dataclasses.replace` gives it (as a
+    RolloutBatch, it is frozen); equal to the list of those first tokens."""
+
+    firsts: list
+    rescored_logprobs: torch.Tensor | None = None
+
+    def __eq__(self, other) -> bool:
+        return self.firsts == (other.firsts if isinstance(other, _Batch) else other)
+
+    def __getitem__(self, i):
+        return self.firsts[i]
 
 
 class _Engine:
@@ -38,7 +50,7 @@ class _Engine:
                 raise RuntimeError("engine step failed")
             between_steps()
         self.log.append(("done", prompts[0][0]))
-        return _Batch(p[0] for p in prompts)
+        return _Batch([p[0] for p in prompts])
 
     def update_in_flight(self, load, version, *, recompute):
         load()
