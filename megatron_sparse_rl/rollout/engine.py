@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,29 +45,10 @@ from megatron_sparse_rl.rollout.engine_setup import (check_extensions, check_pat
                                                      keep_default_process_group, keep_torch_threading,
                                                      mla_latent_checked, set_vllm_env)
 from megatron_sparse_rl.rollout.extension import EngineExtension
+from megatron_sparse_rl.rollout.outputs import SampledTurn, sample_rows, sampled_logprobs
 from megatron_sparse_rl.rollout.versions import VersionLog
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SampledTurn:
-    """One sampled turn of an episode (`RolloutEngine.sample_turns`)."""
-
-    token_ids: list[int]
-    """The sampled tokens (a stop string's token included)."""
-    logprobs: list[float]
-    """The sampled tokens' logprobs (RolloutConfig.logprobs_mode)."""
-    finish_reason: str
-    """stop (EOS or a stop string), length (max_tokens) or abort."""
-    cached_tokens: int
-    """Prompt tokens whose KV came from vLLM's prefix cache (not prefilled again)."""
-    records: dict[str, Any] = field(default_factory=dict)
-    """What the engine's extensions keep of the sequence so far (prompt + this turn): "routed_experts" (a
-    one-sequence RouteStore, R3 route capture), "sampling_mask" (a one-row SamplingSupport), "kv_keep" (the
-    episode's KVKeepRecord, sparse KV); empty without them."""
-    token_version: list[int] = field(default_factory=list)
-    """The weight version that sampled each token (weights loaded during the turn: `update_in_flight`)."""
 
 
 class RolloutEngine:
@@ -205,7 +185,7 @@ class RolloutEngine:
         finally:
             versions, self._versions = self._versions, None
         gids = list(range(len(prompt_token_ids))) if group_ids is None else list(group_ids)
-        prompts, responses, logprobs, reasons, groups, samples = _rows(outputs, prompt_token_ids, gids)
+        prompts, responses, logprobs, reasons, groups, samples = sample_rows(outputs, prompt_token_ids, gids)
         response_ids = pad_rows(responses, self.pad_id, torch.long)
         lens = torch.tensor([len(r) for r in responses])
         fields: dict[str, Any] = {}
@@ -262,7 +242,7 @@ class RolloutEngine:
         turns = []
         for out, row, version in zip(outputs, fields, versions):
             c = out.outputs[0]
-            turns.append(SampledTurn(token_ids=list(c.token_ids), logprobs=_sampled_logprobs(c.token_ids, c.logprobs),
+            turns.append(SampledTurn(token_ids=list(c.token_ids), logprobs=sampled_logprobs(c.token_ids, c.logprobs),
                                      finish_reason=c.finish_reason or "abort",
                                      cached_tokens=int(out.num_cached_tokens or 0), records=row,
                                      token_version=version[:len(c.token_ids)].tolist()))
@@ -410,29 +390,6 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _rows(outputs, prompt_token_ids: list[list[int]], gids: list[int]) -> tuple[list, ...]:
-    """Per row of vLLM's `outputs` (the n samples of prompt i consecutive): prompt, response, sampled logprobs,
-    finish reason, group id and (output request id, sample index)."""
-    prompts, responses, logprobs, reasons, groups, samples = [], [], [], [], [], []
-    for out, prompt, gid in zip(outputs, prompt_token_ids, gids):
-        for c in sorted(out.outputs, key=lambda c: c.index):
-            samples.append((out.request_id, c.index))
-            prompts.append(list(prompt))
-            responses.append(list(c.token_ids))
-            logprobs.append(_sampled_logprobs(c.token_ids, c.logprobs))
-            reasons.append(c.finish_reason or "abort")
-            groups.append(gid)
-    return prompts, responses, logprobs, reasons, groups, samples
-
-
-def _sampled_logprobs(token_ids, logprobs) -> list[float]:
-    """The sampled token's logprob at each step from vLLM's logprobs=0 output."""
-    if logprobs is None or len(logprobs) != len(token_ids):
-        raise RuntimeError(f"vLLM returned {0 if logprobs is None else len(logprobs)} logprob entries for "
-                           f"{len(token_ids)} tokens")
-    return [step[tok].logprob for tok, step in zip(token_ids, logprobs)]
 
 
 def _call_on_worker(worker, fn):

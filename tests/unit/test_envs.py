@@ -27,7 +27,7 @@ from megatron_sparse_rl.data.calc_task import calc_records, main as calc_task_ma
 from megatron_sparse_rl.envs.tool_env import environment_factory
 from megatron_sparse_rl.models.char_tokenizer import character_tokenizer
 from megatron_sparse_rl.rollout.batch import RolloutBatch
-from megatron_sparse_rl.rollout.engine import SampledTurn
+from megatron_sparse_rl.rollout.outputs import SampledTurn
 from megatron_sparse_rl.rollout.episodes import run_episodes
 from megatron_sparse_rl.tools import cli
 from megatron_sparse_rl.training.learner_batch import LearnerBatch

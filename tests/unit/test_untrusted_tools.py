@@ -28,7 +28,7 @@ from megatron_sparse_rl.envs import TOOLS, register_tool
 from megatron_sparse_rl.envs.base import Environment, StepResult
 from megatron_sparse_rl.envs.tool_env import environment_factory
 from megatron_sparse_rl.models.char_tokenizer import BOS_ID, EOS_ID, UNK_ID, character_tokenizer
-from megatron_sparse_rl.rollout.engine import SampledTurn
+from megatron_sparse_rl.rollout.outputs import SampledTurn
 from megatron_sparse_rl.rollout.episodes import run_episodes
 
 IM_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
