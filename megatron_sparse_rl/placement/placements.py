@@ -132,9 +132,8 @@ class Colocated(Placement):
     def sync(self, learner, *, bucket_mb: float, version: int = 0):
         from megatron_sparse_rl.weight_sync import sync_to_engine
 
-        stats = sync_to_engine(learner, self.engine, bucket_mb=bucket_mb, convert=self.weights.convert)
-        self.engine.weight_version = version
-        return stats
+        return sync_to_engine(learner, self.engine, bucket_mb=bucket_mb, convert=self.weights.convert,
+                              version=version)
 
     def verify(self, learner, tokens, tol: float) -> dict[str, float]:
         from megatron_sparse_rl.weight_sync import probe_metrics

@@ -40,12 +40,10 @@ class Stopped(Exception):
     """Learner rank `SRC` stopped the run while this rank sampled ahead."""
 
 
-def receive(rr, version: int | None) -> None:
-    """The weight stream from rank `SRC` into rollout rank `rr`'s engine (checksummed, `receive_weights`), which then
-    holds `version` (None: the caller records it, as `RolloutEngine.update_in_flight` does)."""
-    receive_weights(rr.engine, rr.weights_group or rr.sync_group, src=SRC)
-    if version is not None:
-        rr.engine.weight_version = version
+def receive(rr, version: int) -> None:
+    """The weight stream from rank `SRC` into rollout rank `rr`'s engine (checksummed, `receive_weights`), loaded as
+    weight version `version`."""
+    receive_weights(rr.engine, rr.weights_group or rr.sync_group, src=SRC, version=version)
 
 
 class AheadRank:
@@ -134,7 +132,7 @@ class AheadRank:
             return
         start = time.perf_counter()
         if in_flight:
-            self.rr.engine.update_in_flight(lambda: receive(self.rr, None), version, recompute=self.recompute)
+            self.rr.engine.update_in_flight(lambda: receive(self.rr, version), version, recompute=self.recompute)
         else:
             receive(self.rr, version)
         self.load_s += time.perf_counter() - start

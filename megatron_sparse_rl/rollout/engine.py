@@ -98,12 +98,18 @@ class RolloutEngine:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         # the scheduler is reachable (KV pool usage per generate, RolloutBatch.kv_usage) in an in-process engine core
         self.in_process = vllm_access.has_in_process_scheduler(self._llm)
-        # the weights' version (the trainer's count of RL steps trained; set by whoever loads new weights), and the
-        # versions loaded during the running generate (update_in_flight)
-        self.weight_version = 0
+        # the weights' version (the trainer's count of RL steps trained; set by the call that loads them:
+        # load_weights(version=)), and the versions loaded during the running generate (update_in_flight)
+        self._weight_version = 0
         self._versions: VersionLog | None = None
         for ext in self.extensions:
             ext.on_started(self)
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the engine holds (0: those it started with); set by `load_weights(...,
+        version=)`, the call that loads them."""
+        return self._weight_version
 
     def _engine_args(self, backend: str) -> dict[str, Any]:
         """vLLM's `LLM(...)` arguments: the rollout config's, then each extension's."""
@@ -275,16 +281,19 @@ class RolloutEngine:
         return sorted(outputs, key=lambda o: int(o.request_id))
 
     def update_in_flight(self, load: Callable[[], None], version: int, *, recompute: bool = False) -> None:
-        """Inside `between_steps` of a running `generate`: `load()` new weights into this engine (e.g.
-        weight_sync's `receive_weights(self, ...)`) now, without draining the running requests; their later tokens
-        are sampled by `version`. The running requests' cached KV is kept (computed by the old weights), or with
-        `recompute` dropped: vLLM preempts them and recomputes prompt + tokens so far under the new weights."""
+        """Inside `between_steps` of a running `generate`: `load()` new weights into this engine as `version` (it
+        calls `load_weights(..., version=version)`, e.g. through weight_sync's `receive_weights(self, ...,
+        version=version)`) now, without draining the running requests; their later tokens are sampled by `version`.
+        The running requests' cached KV is kept (computed by the old weights), or with `recompute` dropped: vLLM
+        preempts them and recomputes prompt + tokens so far under the new weights."""
         if self._versions is None:
             raise RuntimeError("update_in_flight runs inside generate(between_steps=...), between engine steps")
         counts = vllm_access.output_token_counts(self._llm)
         load()
+        if self._weight_version != version:
+            raise RuntimeError(f"update_in_flight(version={version}): load() left the engine at version "
+                               f"{self._weight_version}; it must call load_weights(..., version={version})")
         self._versions.update(version, counts)
-        self.weight_version = version
         if recompute:
             self.reset_prefix_cache(running=True)
 
@@ -348,8 +357,9 @@ class RolloutEngine:
         """Run `fn(worker)` on the engine's in-process vLLM worker (route capture needs its model runner)."""
         return self._llm.collective_rpc(_call_on_worker, args=(fn,))[0]
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights in place with HF-named tensors (checkpoint format, full model).
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
+        """Replace the engine's weights in place with HF-named tensors (checkpoint format, full model), which then
+        are weight version `version` (`weight_version`: the trainer's count of RL steps trained; None: unchanged).
 
         Uses the worker's `reload_weights` (vLLM's layerwise reload: rebuilds each layer, loads, repacks
         for the CPU kernels, copies back into the original storage); `model.load_weights` alone would
@@ -357,6 +367,8 @@ class RolloutEngine:
         applied (patches/vllm_cpu_moe_reload.py). Callers verify the result (weight_sync does).
         """
         self._llm.collective_rpc(_reload_on_worker, args=(iter(named_tensors),))
+        if version is not None:
+            self._weight_version = version
         # Cached prefixes were computed by the old weights (prefix caching is off, but stay safe); not while
         # requests run (update_in_flight: vLLM would only warn that their blocks are in use).
         if self._versions is None:

@@ -316,8 +316,9 @@ class Feed:
                     self.clock.expert(name, resumed - handed)
         self.pulling += time.perf_counter() - resumed
 
-    def load_into(self, engine, *, watch: AbstractContextManager | None = None) -> None:
-        """The whole stream through ONE `engine.load_weights` call (inside `watch`); engine None: drop it.
+    def load_into(self, engine, *, watch: AbstractContextManager | None = None, version: int | None = None) -> None:
+        """The whole stream through ONE `engine.load_weights` call (inside `watch`), the weights then of version
+        `version` (None: the engine's unchanged); engine None: drop it.
 
         Raises what the engine raised, WeightSyncError on a failed checksum, or WeightSyncError if the engine
         stopped reading before the stream ended."""
@@ -326,7 +327,7 @@ class Feed:
             start, pulled = time.perf_counter(), self.pulling
             try:
                 with watch or nullcontext():
-                    engine.load_weights(stream)
+                    engine.load_weights(stream, version=version)
             except BaseException:
                 self.drain()
                 raise

@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 
 
 def sync_to_engine(learner, engine, *, bucket_mb: float = 256.0, verify: bool = True, convert=None,
-                   _corrupt=None) -> SyncStats:
+                   version: int | None = None, _corrupt=None) -> SyncStats:
     """Move the learner's full weights into `engine` (None: take part in the collectives only), each HF tensor
-    replaced by `convert(name, tensor)` when given (the engine's weight format: weight_sync/engine_weights.py).
+    replaced by `convert(name, tensor)` when given (the engine's weight format: weight_sync/engine_weights.py); the
+    engine then holds weight version `version` (None: its version unchanged; `RolloutEngine.load_weights`).
 
     Raises WeightSyncError if a bucket fails its checksum or the engine stops before the stream ends.
     `_corrupt(bucket)` is a test hook called on each bucket before verification.
@@ -41,7 +42,7 @@ def sync_to_engine(learner, engine, *, bucket_mb: float = 256.0, verify: bool = 
     buckets = pack_buckets(timed(iter_hf_tensors(learner, convert), clock), bucket_mb=bucket_mb, clock=clock)
     # export, pack and digest bucket k+1 (a thread of its own) while the engine loads bucket k
     feed = Feed(prefetched(buckets), verify=verify, corrupt=_corrupt, clock=clock)
-    feed.load_into(engine)
+    feed.load_into(engine, version=version)
     stats = feed.stats(time.perf_counter() - start)
     log.debug("weight sync: %d tensors, %.1f MB in %d buckets, %.3f s (%.1f MB/s)", stats.tensors,
              stats.bytes / 1e6, stats.buckets, stats.seconds, stats.bytes_per_s / 1e6)

@@ -154,8 +154,9 @@ class _SliceReads(TorchFunctionMode):
 
 
 def receive_weights(engine, group, *, src: int, verify: bool = True, keep: Callable[[str], bool] | None = None,
-                    _corrupt=None) -> SyncStats:
-    """Receive the stream `send_weights` broadcasts from global rank `src` into `engine` (None: drop it).
+                    version: int | None = None, _corrupt=None) -> SyncStats:
+    """Receive the stream `send_weights` broadcasts from global rank `src` into `engine` (None: drop it), which
+    then holds weight version `version` (None: its version unchanged; `RolloutEngine.load_weights`).
 
     `keep(name)`: the tensors this engine needs (default: all). Sliced tensors (a sender with `shards`) are
     rebuilt NaN-padded to full shape for the engine's loaders; a loader copying NaN out of one (reading
@@ -168,7 +169,7 @@ def receive_weights(engine, group, *, src: int, verify: bool = True, keep: Calla
     # receive bucket k+1 (a thread of its own) while the engine loads bucket k
     feed = Feed(prefetched(_receive_buckets(group, src, clock)), verify=verify, keep=keep, rebuild=reads.rebuild,
                 corrupt=_corrupt, clock=clock)
-    feed.load_into(engine, watch=reads)
+    feed.load_into(engine, watch=reads, version=version)
     if reads.bad:
         raise WeightSyncError(
             f"the engine's weight loaders read outside the slices sent for {len(reads.bad)} of {reads.sliced} "

@@ -72,12 +72,11 @@ def _episodes(setup, wrapped: Turns, between_steps=None):
     from megatron_sparse_rl.rollout.episodes import run_episodes
 
     engine, tok, _, weights = setup
-    engine.weight_version = 0
+    assert engine.weight_version == 0
     try:
         return run_episodes(wrapped, tok, PROMPTS, SAMPLING, ENV, TwoTurns, between_steps=between_steps)
     finally:  # the engine goes back to the old model for the next test
-        engine.load_weights(weights[0].items())
-        engine.weight_version = 0
+        engine.load_weights(weights[0].items(), version=0)
 
 
 def _check(batch, tok, hf, *, turn2_cut) -> tuple[float, int]:
@@ -112,8 +111,8 @@ def _update_during(wrapped, new_weights, *, turn: int, recompute: bool):
         if wrapped.turn == turn:
             steps[0] += 1
             if steps[0] == UPDATE_AFTER:
-                wrapped.engine.update_in_flight(lambda: wrapped.engine.load_weights(new_weights.items()), 1,
-                                                recompute=recompute)
+                wrapped.engine.update_in_flight(lambda: wrapped.engine.load_weights(new_weights.items(), version=1),
+                                                1, recompute=recompute)
     return between_steps, steps
 
 
@@ -122,8 +121,7 @@ def test_weights_loaded_between_turns_sample_turn_two_with_the_new_model(setup):
 
     def load_after_turn_one(t):
         if t == 1:
-            engine.load_weights(weights[1].items())
-            engine.weight_version = 1
+            engine.load_weights(weights[1].items(), version=1)
 
     batch = _episodes(setup, Turns(engine, load_after_turn_one))
     # the observation is prefilled by turn 2: version 1 from the first environment token on

@@ -47,14 +47,14 @@ def _sample_with_update(engine, old, new, *, recompute: bool):
     def between_steps():
         steps[0] += 1
         if steps[0] == UPDATE_AFTER:
-            engine.update_in_flight(lambda: engine.load_weights(weights.items()), version=1, recompute=recompute)
+            engine.update_in_flight(lambda: engine.load_weights(weights.items(), version=1), version=1,
+                                    recompute=recompute)
 
-    engine.weight_version = 0
+    assert engine.weight_version == 0
     try:
         batch = engine.generate(PROMPTS, SamplingConfig(n=2, max_tokens=20, seed=3), between_steps=between_steps)
     finally:  # the engine goes back to the old model for the next test
-        engine.load_weights(load_file(old / "model.safetensors").items())
-        engine.weight_version = 0
+        engine.load_weights(load_file(old / "model.safetensors").items(), version=0)
     return batch
 
 
@@ -130,7 +130,7 @@ def test_sparse_kv_compacts_and_frees_blocks_across_an_in_flight_update(tmp_path
     def between_steps():
         steps[0] += 1
         if steps[0] == 50:
-            engine.update_in_flight(lambda: engine.load_weights(weights.items()), version=1)
+            engine.update_in_flight(lambda: engine.load_weights(weights.items(), version=1), version=1)
 
     with sparse_engine(old, kv) as engine:
         ref = engine.generate(LONG_PROMPTS, sampling(120))

@@ -17,12 +17,12 @@ from megatron_sparse_rl.placement.placements import Colocated, ColocatedSharedEn
 
 
 class StandInEngine:
-    """The engine surface the colocated placements touch: pad_id, weight_version, shutdown()."""
+    """The engine surface the colocated placements touch: pad_id, shutdown()."""
 
     pad_id = 7
 
     def __init__(self):
-        self.weight_version, self.calls = 0, []
+        self.calls = []
 
     def shutdown(self):
         self.calls.append(("shutdown",))
@@ -80,16 +80,15 @@ def test_colocated_runs_work_once_on_its_engine_for_its_share():
 
 def test_colocated_sync_and_verify_hand_its_engine_to_weight_sync(monkeypatch):
     engine, learner, calls = StandInEngine(), object(), []
-    monkeypatch.setattr(weight_sync, "sync_to_engine", lambda lrn, eng, *, bucket_mb, convert:
-                        calls.append(("sync", lrn, eng, bucket_mb, convert)) or "stats")
+    monkeypatch.setattr(weight_sync, "sync_to_engine", lambda lrn, eng, *, bucket_mb, convert, version:
+                        calls.append(("sync", lrn, eng, bucket_mb, convert, version)) or "stats")
     monkeypatch.setattr(weight_sync, "probe_metrics", lambda lrn, tokens, tol, engine_logprobs, weights:
                         calls.append(("verify", lrn, tokens, tol, weights)) or {"sync/probe_max_abs_diff": 0.25})
     weights = EngineWeights.of(RolloutConfig(quantization="fp8"))
     placement = Colocated(engine, _groups(), model_parallel=1, weights=weights)
     assert placement.sync(learner, bucket_mb=64, version=4) == "stats"
-    assert engine.weight_version == 4  # the engine now holds the weights of 4 RL steps
     assert placement.verify(learner, "probe", 1e-3) == {"sync/probe_max_abs_diff": 0.25}
-    assert calls == [("sync", learner, engine, 64, weights.convert), ("verify", learner, "probe", 1e-3, weights)]
+    assert calls == [("sync", learner, engine, 64, weights.convert, 4), ("verify", learner, "probe", 1e-3, weights)]
     placement.shutdown()
     assert engine.calls == [("shutdown",)]
 

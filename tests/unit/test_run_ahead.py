@@ -125,7 +125,7 @@ def test_collect_probe_and_in_flight_weights_in_protocol_order(monkeypatch):
     assert first.seconds["in_flight"] == 1.0 and second.seconds["in_flight"] == 0.0
     assert probed == ("probed", [[7]]) and second.batches == [[200]]
     # version 1 loaded between engine steps of the first batch, by the engine's in-flight update (KV recomputed)
-    assert loads == [None] and engine.log == [("generate", 100), ("in flight", 1, True), ("done", 100),
+    assert loads == [1] and engine.log == [("generate", 100), ("in flight", 1, True), ("done", 100),
                                    ("generate", 200), ("done", 200)]
 
 
@@ -147,7 +147,7 @@ def test_collect_with_rescorings_waits_for_the_weights_and_the_end_of_the_batch(
     # the first Collect came while the second batch was sampled: answered after it, re-scored at version 1
     assert engine.log == [("generate", 100), ("done", 100), ("generate", 200), ("in flight", 1, True),
                           ("done", 200), ("rescore", 100), ("rescore", 200)]
-    assert loads == [None]
+    assert loads == [1]
 
 
 def test_a_failed_batch_is_answered_as_a_failure_and_the_weights_are_still_drained(monkeypatch):
@@ -168,6 +168,6 @@ def test_one_batch_ahead_is_a_queue_of_depth_one(monkeypatch):
     answers, loads = _run(monkeypatch, engine, script, rescore=1)
     assert [a.batches for a in answers] == [[[100]], [[200]]]
     assert [a.seconds["in_flight"] for a in answers] == [0.0, 1.0]
-    assert loads == [1, None]  # version 1 loaded idle; version 2 by the engine's in-flight update
+    assert loads == [1, 2]  # version 1 loaded idle; version 2 inside the engine's in-flight update
     assert engine.log == [("generate", 100), ("done", 100), ("rescore", 100), ("generate", 200),
                           ("in flight", 2, True), ("done", 200), ("rescore", 200)]

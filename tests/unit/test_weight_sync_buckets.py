@@ -29,7 +29,7 @@ class Engine:
     def __init__(self, stop_after=None, fail_after=None):
         self.got, self.stop_after, self.fail_after = {}, stop_after, fail_after
 
-    def load_weights(self, weights):
+    def load_weights(self, weights, *, version=None):
         for i, (name, tensor) in enumerate(weights):
             if i == self.fail_after:
                 raise RuntimeError("loader failed")
