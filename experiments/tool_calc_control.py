@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             env = dataclasses.replace(run.env, tools=tools)
             batch, right = collect_episodes(engine, tokenizer, examples, sampling, env, seed=run.rollout.seed,
                                             score=correct, correct=correct)
-            ep = batch.episodes
+            ep = batch.episode_stats
             calls, errors = ep["tool_calls"] / ep["episodes"], ep["tool_errors"] / ep["episodes"]
             print(f"{arm}: accuracy {float(right.mean()):.3f} over {len(right)} episodes "
                   f"({len(examples)} held-out prompts x {a.samples}), tool calls/episode {calls:.2f}, "

@@ -19,6 +19,7 @@ from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training import steps as S
 from megatron_sparse_rl.training.context import build_context, open_metrics
 from megatron_sparse_rl.placement.disaggregated import RolloutRank, serve
+from megatron_sparse_rl.placement.rollout import rollouts_for
 from megatron_sparse_rl.training.report import Reporter
 from megatron_sparse_rl.run.stops import StopSignals
 
@@ -66,6 +67,7 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
     marker = run.data.answer_marker  # the final answer follows it in a worked response ('' = the whole line)
     score = make_scorer(run.reward, answer_marker=marker)
     correct = make_scorer(run.reward, shaping=False, answer_marker=marker)
+    rollouts = rollouts_for(run.env, score=score, correct=correct)  # single-turn or episodes, chosen once
     loop = state.resume_run(ctx)
     # The engine's first load in this process is always probed; the every-N schedule counts the run's syncs
     # across restarts (a resume's first sync is extra, so it does not count).
@@ -95,13 +97,13 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
     for step in range(loop.rl_step, cfg.steps):
         if schedule is not None:  # synchronous, colocated (validate): this step's rollouts at the scheduled budget
             S.apply_kv_budget(ctx, schedule.budget)
-        batch, metrics = S.next_batch(ctx, step, score, correct)  # sampled ahead during earlier steps, or now
+        batch, metrics = S.next_batch(ctx, step, rollouts)  # sampled ahead during earlier steps, or now
         queued = max(queued, step)
         # a checkpoint after this step resumes with the next step's prompts: the task's position before them
         task_states.setdefault(step + 1, ctx.task.state_dict())
         while queued < min(step + cfg.max_staleness, cfg.steps - 1):  # asynchronous: the placement holds up to k
             queued += 1
-            S.sample_ahead(ctx, queued, score, correct)
+            S.sample_ahead(ctx, queued, rollouts)
             task_states[queued + 1] = ctx.task.state_dict()
         task_state = task_states.pop(step + 1)
         metrics.update(S.train_step(ctx, batch, version=step, kv_budget=schedule and schedule.budget))

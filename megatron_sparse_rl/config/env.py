@@ -1,7 +1,7 @@
 """Configuration of the environment of multi-turn episodes (section `env`).
 
 `env.kind: none` (the default) keeps rollouts single-turn: one prompt, one sampled response. Any other kind makes
-every rollout an episode (megatron_sparse_rl/envs, rollout/episodes.py): the model's turn is sampled, the
+every rollout an episode (megatron_sparse_rl/envs, rollout/multi_turn.py): the model's turn is sampled, the
 environment answers with an observation, and so on until the environment says done, `max_turns` model turns were
 sampled, or the episode reached `max_total_tokens`. Whether each named tool exists is checked by `validate`
 (validation/validate.py), against the tool registry of megatron_sparse_rl/envs/tools.py. A tool is untrusted code: one
@@ -9,6 +9,7 @@ that raises, returns what is not text or does not answer within `tool_timeout_s`
 observation and counts a tool error (envs/tools.py `call_tool`).
 """
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,6 +61,12 @@ class EnvConfig:
                  self.turn_stop)
 
     @property
-    def episodes(self) -> bool:
+    def multi_turn(self) -> bool:
         """Whether rollouts are multi-turn episodes (an environment is configured)."""
         return self.kind != "none"
+
+    @property
+    def episodes(self) -> bool:
+        """Deprecated alias of `multi_turn` (to be removed after one release)."""
+        warnings.warn("EnvConfig.episodes is deprecated: use EnvConfig.multi_turn", DeprecationWarning, stacklevel=2)
+        return self.multi_turn

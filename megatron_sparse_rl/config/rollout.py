@@ -277,7 +277,7 @@ class RolloutConfig:
     prefix_caching: bool = False
     """vLLM's automatic prefix caching: a request whose leading full KV blocks another request computed reuses them
     instead of prefilling them again. Multi-turn episodes (env.kind) use it to continue an episode without
-    re-prefilling its earlier turns (rollout/episodes.py measures what is re-prefilled); without it every turn
+    re-prefilling its earlier turns (rollout/multi_turn.py measures what is re-prefilled); without it every turn
     prefills the whole history. Off by default: single-turn rollouts share no prefixes worth it, and sparse KV
     (rollout.kv.policy) rewrites blocks in place, so it refuses this (sparse-KV episodes re-prefill every turn).
     vLLM's CPU platform turns it off for multi-head latent attention models."""

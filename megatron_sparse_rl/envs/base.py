@@ -6,7 +6,7 @@ An `Environment` is one episode's counterpart, made fresh for every episode:
     first = env.reset(example)        # the first observation: the prompt (token ids or text)
     result = env.step(turn_text)      # the model's turn (decoded) -> observation, reward, done, tool counts
 
-The limits (`max_turns`, `max_total_tokens`) are enforced by whoever runs the episode (rollout/episodes.py), from
+The limits (`max_turns`, `max_total_tokens`) are enforced by whoever runs the episode (rollout/multi_turn.py), from
 the `env` config section, so that no environment can forget them.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ chat template followed by the generation prompt (data/templates.py `tool_observa
 tokenized as text, so a special-token string in it is characters, and only the template's own tokens are special.
 The episode goes on. Any other turn is the final answer: the episode
 ends with `score(answer text, reference answer)` as its reward. Running out of turns or tokens ends it unrewarded
-(rollout/episodes.py).
+(rollout/multi_turn.py).
 
 With the character tokenizer an episode of the calc task reads:
     <bos>q: 47382*5821=\\na: calc(47382*5821)\\nr: 275810622\\na: 275810622\\n

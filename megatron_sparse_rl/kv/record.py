@@ -8,7 +8,7 @@ kept[c] plus the positions lengths[c]..t. `kept` is None when `rollout.kv.record
 steps are kept). `preempted`: the request was preempted after a compaction and recomputed densely by vLLM, so
 its response mixes two caches; drop or correct such samples.
 
-A multi-turn episode (rollout/episodes.py) is one record merged turn by turn (`next_turn`): each turn is one
+A multi-turn episode (rollout/multi_turn.py) is one record merged turn by turn (`next_turn`): each turn is one
 vLLM request whose prompt is the whole episode so far, prefilled densely, compacted during its decode. Its
 compactions are at true positions of the whole sequence already. `turn_ends[k]` is the sequence length after
 model turn k: the queries from position turn_ends[k] - 1 on (turn k's last sampled token, the environment's

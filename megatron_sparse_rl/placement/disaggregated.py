@@ -10,8 +10,8 @@ dispatches them by type, `_HANDLERS`):
 
     Generate          the `RolloutRequest` (placement/rollout.py) cut into one part per engine; the parts come back
                       by gather_object and are joined in prompt order (`RolloutBatch.concat`). With env.kind a part
-                      carries its examples (`Episodes`): the rollout rank runs the episodes, environments and
-                      rewards included
+                      is an `EpisodeRequest` carrying its examples: the rollout rank runs the episodes, environments
+                      and rewards included
     SyncWeights       every learner rank runs `send_weights`, every rollout rank `receive_weights` (checksummed
                       buckets; with t > 1 and trainer.sync_engine_slices each engine rank receives only its
                       slices, over its engine TP rank's bridge); each rollout rank then reports its status
@@ -26,8 +26,8 @@ dispatches them by type, `_HANDLERS`):
                       own forward (weight_sync/verify.py `compare_engines`)
     Stop              the rollout ranks leave `serve`, shut their engines down and confirm
 
-On learner ranks `RemoteEngine` stands where the colocated RolloutEngine stands (`generate`, `pad_id`,
-`shutdown`; `run` takes a whole `RolloutRequest`, re-scorings included); the `Disaggregated` placement
+On learner ranks `RemoteEngine` stands where the colocated RolloutEngine stands (`pad_id`, `shutdown`; `run`
+takes a whole `RolloutRequest`, re-scorings included); the `Disaggregated` placement
 (placement/placements.py) wraps it for the steps. A rollout rank that fails a command sends the error back instead
 of its result (`Failure.of`); rank 0 raises it naming the rank, and its `shutdown` (run on every exit path of
 `trainer.train`) sends Stop, so no rollout rank waits forever; it waits for their confirmation, since rank 0 serves
@@ -45,7 +45,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.placement.protocol import (FOLLOWS, SRC, AheadBatches, Collect, Command, Failure, Generate,
                                                    Probe, RunAhead, Stop, SyncWeights, to_word)
 from megatron_sparse_rl.placement.rollout import RolloutRequest
@@ -111,16 +110,13 @@ class RemoteEngine:
                     f"rollout rank {rank} failed: {answer.message}")
         return answers[1:]
 
-    def run(self, request: RolloutRequest) -> RolloutBatch:
+    def run(self, request: RolloutRequest) -> RolloutBatch | None:
         """`request` run on the engines, each its part (`RolloutRequest.parts`: seeds as one engine's), re-scorings
-        included; the parts joined in prompt order."""
+        included; the parts joined in prompt order (None: a request without prompts, sent to no engine)."""
+        if not request.prompts:
+            return None
         answers = self._command(Generate(request.parts(self.engines)))
         return RolloutBatch.concat([a for a in answers if a is not None], self.pad_id)
-
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
-                 group_ids: list[int] | None = None, *, episodes=None) -> RolloutBatch:
-        """As RolloutEngine.generate, the prompts split across the engines (`run`)."""
-        return self.run(RolloutRequest(prompt_token_ids, sampling, group_ids, episodes=episodes))
 
     def run_ahead(self, requests: list[RolloutRequest], *, recompute: bool) -> None:
         """One more batch (a request per data-parallel share) for the rollout ranks, which sample the batches handed

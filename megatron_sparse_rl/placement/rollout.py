@@ -1,9 +1,18 @@
-"""The engine side of one RL step: the engine call (`RolloutRequest`, made by `request` / `episode_request`: what
-to sample, and how many engine re-scorings to add), the rewards of what came back (`scored`), and evaluation on
-held-out prompts. With an environment (`env.kind`) every sample is a multi-turn episode (rollout/episodes.py)
-rewarded by the environment on its final answer: the request carries an `Episodes` (examples, env section, reward),
-which runs where the engine runs (a rollout rank, in a disaggregated run), so the rewards come back in the batch;
-which episodes are correct is judged here (`episodes_scored`)."""
+"""The engine side of one RL step: what to sample and how (a request), the rewards of what came back, and evaluation
+on held-out prompts.
+
+    rollouts = rollouts_for(run.env, score=score, correct=correct)   # at set-up: SingleTurn or MultiTurn
+    req = rollouts.request(examples, sampling, seed=s, rescore=k)    # RolloutRequest or EpisodeRequest
+    batch = req.run(engine)                                          # the request runs the engine, re-scorings too
+    batch, correct = rollouts.judged(batch, tokenizer, examples)     # rewarded, and which samples are correct
+
+The request runs the engine; the engine only samples (`RolloutEngine.generate` for one response per sample,
+`sample_turns` for one turn of each running episode). A `RolloutRequest` asks for single-turn samples; an
+`EpisodeRequest` (env.kind) runs every sample as a multi-turn episode (rollout/multi_turn.py): it owns the turn loop,
+the tokenizer of the engine's model and the turn stop strings, and it runs where the engine runs (a rollout rank, in
+a disaggregated run), the environments and their rewards included, so the batch comes back rewarded; which episodes
+are correct is judged here (`MultiTurn.judged`). The steps and the placement call `request`, `run`/`sample` and
+`judged` and never ask which kind they have."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +27,7 @@ from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.data.datasets import load_tokenizer
 from megatron_sparse_rl.envs.tool_env import environment_factory
 from megatron_sparse_rl.rollout.batch import RolloutBatch
-from megatron_sparse_rl.rollout.episodes import final_turns, run_episodes
+from megatron_sparse_rl.rollout.multi_turn import final_turns, run_episodes
 
 
 def decode(tokenizer, rows: list[list[int]]) -> list[str]:
@@ -27,37 +36,37 @@ def decode(tokenizer, rows: list[list[int]]) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class RolloutRequest:
-    """One engine call of a rollout, typed from `request` to the rollout ranks' wire: the prompts, their sampling
-    (the seed of the first prompt), their group ids (None: the prompt index), how many engine re-scorings to add
-    (`rescore`, algorithm.old_logprobs = engine_mean) and, for multi-turn episodes (env.kind), the `Episodes` to run.
-    A disaggregated run cuts it into one part per engine (`parts`) and sends those parts as they are."""
+    """One engine call of single-turn samples, typed from `request` to the rollout ranks' wire: the prompts, their
+    sampling (the seed of the first prompt), their group ids (None: the prompt index) and how many engine re-scorings
+    to add (`rescore`, algorithm.old_logprobs = engine_mean). A disaggregated run cuts it into one part per engine
+    (`parts`) and sends those parts as they are."""
 
     prompts: list[list[int]]
     sampling: SamplingConfig
     group_ids: list[int] | None = None
     rescore: int = 0
-    episodes: Episodes | None = None
 
     def parts(self, engines: int) -> tuple[RolloutRequest, ...]:
         """One part per engine: contiguous prompt slices (sizes differing by at most one) with the seeds one engine
-        would give them, their group ids and their episodes (one engine's seeds only with one engine, since an
-        episode's seed counts the episodes of its engine's part)."""
+        would give them and their group ids (and an episode request's examples: `_rows`)."""
         gids = list(range(len(self.prompts))) if self.group_ids is None else list(self.group_ids)
         seed, n = self.sampling.seed, self.sampling.n
-        return tuple(RolloutRequest([self.prompts[i] for i in r],
-                                    dataclasses.replace(self.sampling,
-                                                        seed=None if seed is None else seed + r.start * n),
-                                    [gids[i] for i in r], self.rescore,
-                                    None if self.episodes is None else self.episodes.select(r))
+        return tuple(dataclasses.replace(self._rows(r), prompts=[self.prompts[i] for i in r],
+                                         sampling=dataclasses.replace(self.sampling,
+                                                                      seed=None if seed is None else seed + r.start * n),
+                                         group_ids=[gids[i] for i in r])
                      for r in split_prompts(len(self.prompts), engines))
 
+    def _rows(self, rows: range) -> RolloutRequest:
+        """This request with what else it holds per prompt cut to `rows` (nothing else, single-turn)."""
+        return self
+
     def sample(self, engine, *, between_steps=None) -> RolloutBatch | None:
-        """The samples (episodes with `episodes`) on the in-process `engine`, not re-scored yet; None without prompts
-        (an engine's empty part). `between_steps()` runs after every engine step (weights loaded in flight)."""
+        """The samples on the in-process `engine` (`RolloutEngine.generate`), not re-scored yet; None without
+        prompts (an engine's empty part). `between_steps()` runs after every engine step (weights loaded in flight)."""
         if not self.prompts:
             return None
-        return engine.generate(self.prompts, self.sampling, self.group_ids, between_steps=between_steps,
-                               episodes=self.episodes)
+        return engine.generate(self.prompts, self.sampling, self.group_ids, between_steps=between_steps)
 
     def rescored(self, engine, batch: RolloutBatch | None) -> RolloutBatch | None:
         """`batch` (sampled for this request) with its `rescore` engine scorings (RolloutBatch.rescored_logprobs) at
@@ -72,6 +81,38 @@ class RolloutRequest:
         return self.rescored(engine, self.sample(engine))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpisodeRequest(RolloutRequest):
+    """An engine call whose samples are multi-turn episodes (env.kind): besides the prompts, the examples
+    (`env.reset`'s samples, one per prompt), the `env` section and the reward `score(responses, answers)` the
+    environment gives the final answer. Picklable when `score` is (rewards/registry.py's scorer is): a disaggregated
+    run sends it to the rollout ranks, which run the episodes and their rewards there. Every finished episode is
+    re-scored as one sequence, its environment tokens too (the loss mask drops those)."""
+
+    examples: tuple
+    env: EnvConfig
+    score: Callable
+
+    def _rows(self, rows: range) -> EpisodeRequest:
+        return dataclasses.replace(self, examples=tuple(self.examples[i] for i in rows))
+
+    def sample(self, engine, *, between_steps=None, tokenizer=None) -> RolloutBatch | None:
+        """`sampling.n` episodes per example on the in-process `engine` (rollout/multi_turn.py `run_episodes`, one
+        `RolloutEngine.sample_turns` call per turn), with `tokenizer` (None: the one in the engine's model directory,
+        loaded once per process); None without prompts."""
+        if not self.prompts:
+            return None
+        tokenizer = _tokenizer(str(engine.model_dir)) if tokenizer is None else tokenizer
+        make = environment_factory(self.env, tokenizer, lambda text, answer: float(self.score([text], [answer])[0]))
+        return run_episodes(engine, tokenizer, self.examples, self.sampling, self.env, make, self.group_ids,
+                            between_steps=between_steps)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str):
+    return load_tokenizer(model_dir)
+
+
 def split_prompts(n: int, parts: int) -> list[range]:
     """`n` prompt indices cut into `parts` contiguous slices, sizes differing by at most one."""
     base, extra = divmod(n, parts)
@@ -81,88 +122,88 @@ def split_prompts(n: int, parts: int) -> list[range]:
     return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
-def request(examples, sampling: SamplingConfig, *, seed: int, rescore: int = 0) -> RolloutRequest:
-    """The engine call that samples `sampling.n` responses to each of `examples` (`scored` rewards them)."""
-    return RolloutRequest([list(e.ids) for e in examples], dataclasses.replace(sampling, seed=seed), None, rescore)
+@dataclass(frozen=True)
+class Rollouts:
+    """The kind of rollout a run makes (`rollouts_for`, chosen at set-up): it makes each step's requests and judges
+    what came back. `score(responses, answers)` gives the rewards, `correct` judges correctness."""
 
+    score: Callable
+    correct: Callable
 
-def scored(batch: RolloutBatch, tokenizer, examples, *, score, correct) -> tuple[RolloutBatch, torch.Tensor]:
-    """`collect`'s second half: `batch` (sampled for `examples`) with its rewards, and which samples are correct."""
-    answers = [examples[g].answer for g in batch.group_ids.tolist()]
-    texts = decode(tokenizer, batch.responses())
-    rewarded = dataclasses.replace(batch, reward=torch.tensor(score(texts, answers), dtype=torch.float32))
-    return rewarded, torch.tensor(correct(texts, answers), dtype=torch.float32)
+    def request(self, examples, sampling: SamplingConfig, *, seed: int, rescore: int = 0) -> RolloutRequest:
+        """The engine call that samples `sampling.n` samples of each of `examples`, seeded from `seed`."""
+        raise NotImplementedError
+
+    def judged(self, batch: RolloutBatch, tokenizer, examples) -> tuple[RolloutBatch, torch.Tensor]:
+        """`batch` (sampled for `examples`) with its rewards, and which samples are correct (float32 [B])."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class Episodes:
-    """What an engine needs to run a generate call's samples as multi-turn episodes (env.kind): the examples
-    (`env.reset`'s samples, one per prompt), the `env` section and the reward `score(responses, answers)` the
-    environment gives the final answer. Picklable when `score` is (rewards/registry.py's scorer is): a
-    disaggregated run sends it to the rollout ranks, which run the episodes and their rewards there. Handed to
-    `engine.generate(..., episodes=...)`, which calls `run`."""
+class SingleTurn(Rollouts):
+    """Single-turn rollouts (env.kind none): one response per sample, rewarded here."""
 
-    examples: tuple
+    def request(self, examples, sampling: SamplingConfig, *, seed: int, rescore: int = 0) -> RolloutRequest:
+        return RolloutRequest([list(e.ids) for e in examples], dataclasses.replace(sampling, seed=seed), None, rescore)
+
+    def judged(self, batch: RolloutBatch, tokenizer, examples) -> tuple[RolloutBatch, torch.Tensor]:
+        answers = [examples[g].answer for g in batch.group_ids.tolist()]
+        texts = decode(tokenizer, batch.responses())
+        rewarded = dataclasses.replace(batch, reward=torch.tensor(self.score(texts, answers), dtype=torch.float32))
+        return rewarded, torch.tensor(self.correct(texts, answers), dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class MultiTurn(Rollouts):
+    """Multi-turn episodes (env.kind): each sample an episode of `env`, rewarded by its environment with `score` of
+    its final answer where the engine runs; `correct` judges the final turn of the episodes the environment ended."""
+
     env: EnvConfig
-    score: Callable
 
-    def run(self, engine, sampling: SamplingConfig, group_ids=None, *, between_steps=None, tokenizer=None
-            ) -> RolloutBatch:
-        """`sampling.n` episodes per example on the in-process `engine` (rollout/episodes.py `run_episodes`), with
-        `tokenizer` (None: the one in the engine's model directory, loaded once per process)."""
-        tokenizer = _tokenizer(str(engine.model_dir)) if tokenizer is None else tokenizer
-        make = environment_factory(self.env, tokenizer, lambda text, answer: float(self.score([text], [answer])[0]))
-        return run_episodes(engine, tokenizer, self.examples, sampling, self.env, make, group_ids,
-                            between_steps=between_steps)
+    def request(self, examples, sampling: SamplingConfig, *, seed: int, rescore: int = 0) -> EpisodeRequest:
+        return EpisodeRequest([list(e.ids) for e in examples], dataclasses.replace(sampling, seed=seed), None, rescore,
+                              examples=tuple(examples), env=self.env, score=self.score)
 
-    def select(self, rows: range) -> "Episodes":
-        """The episodes of examples `rows` (one engine's part of a call)."""
-        return dataclasses.replace(self, examples=tuple(self.examples[i] for i in rows))
+    def judged(self, batch: RolloutBatch, tokenizer, examples) -> tuple[RolloutBatch, torch.Tensor]:
+        """`batch` (rewarded by the environments already) and which episodes are correct: `correct` of the final
+        turn of the episodes the environment ended (an episode out of turns or tokens is not)."""
+        answers = [examples[g].answer for g in batch.group_ids.tolist()]
+        right = self.correct(decode(tokenizer, final_turns(batch)), answers)
+        ended = [float(r == "stop") for r in batch.finish_reasons]
+        return batch, torch.tensor(right, dtype=torch.float32) * torch.tensor(ended)
 
 
-@functools.lru_cache(maxsize=4)
-def _tokenizer(model_dir: str):
-    return load_tokenizer(model_dir)
+def rollouts_for(env: EnvConfig | None, *, score: Callable, correct: Callable) -> Rollouts:
+    """The kind of rollout the run makes, chosen once at set-up: `MultiTurn` episodes with an environment
+    (env.kind), else `SingleTurn`."""
+    if env is not None and env.multi_turn:
+        return MultiTurn(score, correct, env)
+    return SingleTurn(score, correct)
 
 
 def collect_episodes(engine, tokenizer, examples, sampling: SamplingConfig, env: EnvConfig, *, seed: int, score,
                      correct) -> tuple[RolloutBatch, torch.Tensor]:
-    """`sampling.n` multi-turn episodes per example on `engine` (an in-process engine, or the rollout ranks'), each
-    rewarded by its environment with `score` of its final answer; correct = `correct` of the final turn of the
-    episodes the environment ended (an episode out of turns or tokens is not)."""
-    req = episode_request(examples, sampling, env, score, seed=seed)
-    batch = engine.generate(req.prompts, req.sampling, req.group_ids, episodes=req.episodes)
-    return episodes_scored(batch, tokenizer, examples, correct=correct)
+    """`sampling.n` multi-turn episodes per example on the in-process `engine`, each rewarded by its environment with
+    `score` of its final answer, and which are correct (`MultiTurn.judged`)."""
+    multi_turn = MultiTurn(score, correct, env)
+    batch = multi_turn.request(examples, sampling, seed=seed).sample(engine, tokenizer=tokenizer)
+    return multi_turn.judged(batch, tokenizer, examples)
 
 
-def episode_request(examples, sampling: SamplingConfig, env: EnvConfig, score, *, seed: int, rescore: int = 0
-                    ) -> RolloutRequest:
-    """`request`'s engine call as multi-turn episodes: with the `Episodes` to run (every finished episode re-scored
-    as one sequence, its environment tokens too; the loss mask drops those)."""
-    return dataclasses.replace(request(examples, sampling, seed=seed, rescore=rescore),
-                               episodes=Episodes(tuple(examples), env, score))
-
-
-def episodes_scored(batch: RolloutBatch, tokenizer, examples, *, correct) -> tuple[RolloutBatch, torch.Tensor]:
-    """`collect_episodes`' second half: `batch` (rewarded by the environments) and which episodes are correct."""
-    answers = [examples[g].answer for g in batch.group_ids.tolist()]
-    right = correct(decode(tokenizer, final_turns(batch)), answers)
-    ended = [float(r == "stop") for r in batch.finish_reasons]
-    return batch, torch.tensor(right, dtype=torch.float32) * torch.tensor(ended)
+def eval_sampling(*, max_tokens: int, temperature: float, samples: int, seed: int = 0) -> SamplingConfig:
+    """Evaluation's sampling: `samples` samples per prompt at `temperature` (one greedy answer when it is 0)."""
+    return SamplingConfig(n=1 if temperature == 0 else samples, temperature=temperature, max_tokens=max_tokens,
+                          seed=seed)
 
 
 def accuracy(engine, tokenizer, examples, *, max_tokens: int, score, temperature: float, samples: int,
              seed: int = 0, env: EnvConfig | None = None) -> tuple[float, int]:
-    """(sum of correctness, count) on `examples`: `samples` samples per prompt at `temperature` (one
-    greedy answer when temperature is 0); with an environment `env`, episodes judged on their final answer."""
+    """(sum of correctness, count) on `examples` on the in-process `engine`: `samples` samples per prompt at
+    `temperature` (one greedy answer when temperature is 0), judged by `score`; with an environment `env`, episodes
+    judged on their final answer."""
     if not examples:
         return 0.0, 0
-    n = 1 if temperature == 0 else samples
-    params = SamplingConfig(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
-    if env is not None and env.episodes:
-        _, right = collect_episodes(engine, tokenizer, examples, params, env, seed=seed, score=score, correct=score)
-        return float(right.sum()), len(right)
-    batch = engine.generate([list(e.ids) for e in examples], params)
-    answers = [examples[g].answer for g in batch.group_ids.tolist()]
-    rewards = score(decode(tokenizer, batch.responses()), answers)
-    return float(sum(rewards)), len(rewards)
+    rollouts = rollouts_for(env, score=score, correct=score)
+    params = eval_sampling(max_tokens=max_tokens, temperature=temperature, samples=samples, seed=seed)
+    _, right = rollouts.judged(rollouts.request(examples, params, seed=seed).run(engine), tokenizer, examples)
+    return float(right.sum()), len(right)

@@ -72,11 +72,11 @@ class RolloutBatch:
                       masked; or None.
     token_version:    int64 [B, R], the weight version that sampled each response token (RolloutEngine.weight_version;
                       two versions in one row when the weights changed while it ran, asynchronous RL); or None.
-    loss_mask:        bool [B, R] or None. Multi-turn episodes (rollout/episodes.py): true on the model's own tokens,
+    loss_mask:        bool [B, R] or None. Multi-turn episodes (rollout/multi_turn.py): true on the model's own tokens,
                       false on the environment's tokens (tool results, chat markup) that sit in the response between
                       turns; the loss, the corrections and the mismatch metrics read only the tokens it marks
                       (training/learner_batch.py `LearnerBatch`). None: every response token is the model's.
-    episodes:         sums over the batch's episodes (counts and token totals, per turn too; rollout/episodes.py
+    episode_stats:    sums over the batch's episodes (counts and token totals, per turn too; rollout/multi_turn.py
                       `EPISODE_KEYS`), not per row; None for single-turn rollouts.
     kv_usage:         vLLM's KV block pool while this batch was sampled (not per row): peak_blocks (most blocks
                       in use after any step), pool_blocks (usable blocks), mean_running (requests running per
@@ -100,7 +100,7 @@ class RolloutBatch:
     token_version: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
     kv_usage: dict[str, float] | None = _joined(Join.SUMMED, default=None)
     loss_mask: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
-    episodes: dict[str, float] | None = _joined(Join.SUMMED, default=None)
+    episode_stats: dict[str, float] | None = _joined(Join.SUMMED, default=None)
 
     def __post_init__(self) -> None:
         b = self.prompt_ids.shape[0]

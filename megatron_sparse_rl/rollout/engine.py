@@ -158,25 +158,20 @@ class RolloutEngine:
             stop=list(s.stop) or None, seed=seed, logprobs=0, detokenize=bool(s.stop), **extra)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
-                 group_ids: list[int] | None = None, *, between_steps: Callable[[], None] | None = None,
-                 episodes=None) -> RolloutBatch:
+                 group_ids: list[int] | None = None, *, between_steps: Callable[[], None] | None = None
+                 ) -> RolloutBatch:
         """Sample `sampling.n` responses per prompt.
 
         Returns a RolloutBatch of len(prompts) * n rows, the n samples of prompt i consecutive and
         carrying group id `group_ids[i]` (default: i); engine re-scorings of them are `rescore`'s (asked for by
         placement/rollout.py `RolloutRequest.rescored`). `between_steps()` runs after every engine step while
         requests are unfinished (it may call `update_in_flight`); every token's weight version is in
-        `RolloutBatch.token_version`.
-
-        `episodes` (placement/rollout.py `Episodes`, env.kind): each sample is a multi-turn episode of the prompt's
-        example instead, run turn by turn (`sample_turns`) by `episodes.run(self, ...)`.
+        `RolloutBatch.token_version`. Multi-turn episodes are sampled a turn at a time (`sample_turns`) by their
+        request (placement/rollout.py `EpisodeRequest`).
         """
         if group_ids is not None and len(group_ids) != len(prompt_token_ids):
             raise ValueError(f"group_ids must have one id per prompt (got {len(group_ids)} for "
                              f"{len(prompt_token_ids)} prompts)")
-        if episodes is not None:  # run_episodes refuses group ids that do not match its examples
-            gids = list(range(len(prompt_token_ids))) if group_ids is None else group_ids
-            return episodes.run(self, sampling, gids, between_steps=between_steps)
         self._check_prompts(prompt_token_ids, sampling.max_tokens)
         params = [self._sampling_params(sampling, i) for i in range(len(prompt_token_ids))]
         for ext in self.extensions:
@@ -218,7 +213,7 @@ class RolloutEngine:
                      records: list[dict[str, Any]] | None = None, *,
                      between_steps: Callable[[], None] | None = None) -> list[SampledTurn]:
         """One sample (n = 1) per prompt, each with its own sampling: one turn of each running episode
-        (rollout/episodes.py), the whole episode so far as the prompt. With rollout.prefix_caching the prompt's
+        (rollout/multi_turn.py), the whole episode so far as the prompt. With rollout.prefix_caching the prompt's
         leading blocks that an earlier turn computed are reused (`SampledTurn.cached_tokens`). Extensions that
         follow turns (R3 route capture, the sampler's support, sparse KV's keep record) continue each row's `records`
         (its `SampledTurn.records` of the previous turn; None: the first turn); any other extension (vLLM's own

@@ -18,7 +18,7 @@ sequence and position. Routes are packed into a `moe.RouteStore` (uint8 when exp
     engine = RolloutEngine(model_dir, cfg, extensions=[EngineRouteCapture()])
     batch = engine.generate(prompts, sampling)    # batch.routed_experts: RouteStore, one sequence per row
 
-Across the turns of an episode (`turn_fields`, rollout/episodes.py) each row's record is a one-sequence RouteStore
+Across the turns of an episode (`turn_fields`, rollout/multi_turn.py) each row's record is a one-sequence RouteStore
 of the whole sequence so far: the positions an earlier turn routed are kept from that turn's record (the turn that
 first saw them: its prefill or decode steps), the rest come from this turn (the prefill of the observation and
 of the previous turn's last sampled token, then the decode steps). With prefix caching the cached prefix is not

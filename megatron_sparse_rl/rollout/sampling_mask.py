@@ -14,7 +14,7 @@ mismatch raises naming the sequence and position.
     batch = engine.generate(prompts, sampling)     # batch.sampling_mask: SamplingSupport
     learner.forward_logprobs(tokens, extras=ForwardExtras(sampling_support=batch.sampling_mask))
 
-Across the turns of an episode (`turn_fields`, rollout/episodes.py) each row's record is a one-row SamplingSupport
+Across the turns of an episode (`turn_fields`, rollout/multi_turn.py) each row's record is a one-row SamplingSupport
 over the episode's first prompt: the earlier turns' record, then count 0 (no sampler: the full vocabulary) for the
 environment's tokens since, then this turn's sampled tokens. The sampler only runs on new tokens, so prefix caching
 changes nothing here.

@@ -123,7 +123,7 @@ def fp8_rollout_problems(rollout, spec) -> list[str]:
 
 def tool_problems(env) -> list[str]:
     """env.tools names that are not registered tools (none when no environment is configured)."""
-    if not env.episodes:
+    if not env.multi_turn:
         return []
     return [f"env.tools: {name!r} is not a registered tool; registered: {', '.join(map(repr, sorted(TOOLS)))}"
             for name in env.tools if name not in TOOLS]
@@ -149,11 +149,11 @@ def template_problems(run, tokenizer) -> list[str]:
 
     if run.data.template != "chat" or not getattr(tokenizer, "chat_template", None):
         return []  # plain prompts, or the built-in CHAR_CHAT_TEMPLATE (data/templates.py)
-    roles = ("user", "assistant", "tool") if run.env.episodes else ("user", "assistant")
+    roles = ("user", "assistant", "tool") if run.env.multi_turn else ("user", "assistant")
     problem = chat_template_problem(tokenizer, template_file(run.model.path), roles)
     if problem is None:
         return []
-    needs = (f"env.kind = {run.env.kind!r} renders user, assistant and tool messages" if run.env.episodes
+    needs = (f"env.kind = {run.env.kind!r} renders user, assistant and tool messages" if run.env.multi_turn
              else "data.template: chat renders user and assistant messages")
     return [f"model.path {run.model.path!r}: {problem}; {needs}"]
 
@@ -193,7 +193,7 @@ def check_files(run, spec, *, cuda: bool | None = None) -> list[str]:
                                  Path(run.logging.dir) / "checkpoints")
     lines = []
     try:
-        turn_stop = run.env.turn_stop if run.env.episodes else ()
+        turn_stop = run.env.turn_stop if run.env.multi_turn else ()
         lines = summary_lines(check_data(run.data, tokenizer, run.rollout.max_model_len, turn_stop=turn_stop),
                               run.data)
     except DatasetError as e:

@@ -45,50 +45,45 @@ def _seed(ctx: RunContext, step: int, dp_rank: int) -> int:
     return ctx.run.rollout.seed + 1_000_003 * step + 10_007 * dp_rank
 
 
-def _requests(ctx: RunContext, step: int, examples, score) -> list[R.RolloutRequest]:
-    """Step `step`'s engine call for each data-parallel share d (prompts `examples[d::dp]`, seeds from d); with
-    env.kind multi-turn episodes, whose environments and rewards run where the engines do."""
+def _requests(ctx: RunContext, step: int, examples, rollouts: R.Rollouts) -> list[R.RolloutRequest]:
+    """Step `step`'s engine call for each data-parallel share d (prompts `examples[d::dp]`, seeds from d), of the
+    run's kind (`rollouts`: single-turn, or multi-turn episodes whose environments and rewards run where the engines
+    do)."""
     dp, run = ctx.layout.dp, ctx.run
-    if run.env.episodes:
-        return [R.episode_request(examples[d::dp], run.rollout.sampling, run.env, score, seed=_seed(ctx, step, d),
-                                  rescore=_rescore(ctx)) for d in range(dp)]
-    return [R.request(examples[d::dp], run.rollout.sampling, seed=_seed(ctx, step, d), rescore=_rescore(ctx))
+    return [rollouts.request(examples[d::dp], run.rollout.sampling, seed=_seed(ctx, step, d), rescore=_rescore(ctx))
             for d in range(dp)]
 
 
-def _finish(ctx: RunContext, examples, score, correct):
+def _finish(ctx: RunContext, examples, rollouts: R.Rollouts):
     """finish(batch, d): share d's batch with its rewards, and which of its samples are correct."""
-    dp = ctx.layout.dp
-    if ctx.run.env.episodes:
-        return lambda batch, d: R.episodes_scored(batch, ctx.tokenizer, examples[d::dp], correct=correct)
-    return lambda batch, d: R.scored(batch, ctx.tokenizer, examples[d::dp], score=score, correct=correct)
+    return lambda batch, d: rollouts.judged(batch, ctx.tokenizer, examples[d::ctx.layout.dp])
 
 
-def rollout_step(ctx: RunContext, step: int, score, correct) -> tuple:
+def rollout_step(ctx: RunContext, step: int, rollouts: R.Rollouts) -> tuple:
     """This data-parallel rank's rollout batch with rewards, and rollout metrics (global)."""
     t0 = time.perf_counter()
     examples = ctx.task.next_train(ctx.run.trainer.prompts_per_step)
-    batch, is_correct = ctx.placement.sample(_requests(ctx, step, examples, score),
-                                             _finish(ctx, examples, score, correct))
+    batch, is_correct = ctx.placement.sample(_requests(ctx, step, examples, rollouts),
+                                             _finish(ctx, examples, rollouts))
     return batch, _rollout_metrics(ctx, batch, is_correct, time.perf_counter() - t0)
 
 
-def sample_ahead(ctx: RunContext, step: int, score, correct) -> None:
+def sample_ahead(ctx: RunContext, step: int, rollouts: R.Rollouts) -> None:
     """Asynchronous RL: start step `step`'s rollout (the same prompts and seeds as `rollout_step`) on the engines and
     return at once. The placement queues it (up to trainer.max_staleness batches); the weight syncs reach the
     engines while they sample, and `next_batch` collects it."""
     examples = ctx.task.next_train(ctx.run.trainer.prompts_per_step)
-    ctx.placement.sample_ahead(_requests(ctx, step, examples, score), _finish(ctx, examples, score, correct))
+    ctx.placement.sample_ahead(_requests(ctx, step, examples, rollouts), _finish(ctx, examples, rollouts))
 
 
-def next_batch(ctx: RunContext, step: int, score, correct) -> tuple:
+def next_batch(ctx: RunContext, step: int, rollouts: R.Rollouts) -> tuple:
     """Step `step`'s batch with rewards and rollout metrics (global): the oldest one sampled ahead during earlier
     steps when the placement holds one (checked against trainer.stale_policy), else sampled now (`rollout_step`).
     For a batch sampled ahead time/rollout_s is the engines' sampling time and async/* add the learner's wait for
     the batch and the engines' wait and load times."""
     ahead = ctx.placement.take_ahead()
     if ahead is None:
-        return rollout_step(ctx, step, score, correct)
+        return rollout_step(ctx, step, rollouts)
     (batch, is_correct), engine = ahead.result, ahead.engine_s
     batch, is_correct, guard = _stale_guard(ctx, step, ahead, batch, is_correct)
     metrics = _rollout_metrics(ctx, batch, is_correct, engine["generate_s"])
@@ -130,15 +125,15 @@ def _rollout_metrics(ctx: RunContext, batch, is_correct, seconds: float) -> dict
                "rollout/tokens_per_s": length / max(seconds, 1e-9),
                "rollout/truncated_frac": sum(r == "length" for r in batch.finish_reasons) / len(batch)}
     metrics.update(_kv_usage_metrics(ctx, batch.kv_usage))
-    if batch.episodes is not None:
-        metrics.update(_episode_metrics(ctx, batch.episodes))
+    if batch.episode_stats is not None:
+        metrics.update(_episode_metrics(ctx, batch.episode_stats))
     return metrics
 
 
 def _episode_metrics(ctx: RunContext, sums: dict[str, float]) -> dict[str, float]:
     """Multi-turn episodes (global): per episode `episode/turns`, `episode/tool_calls`, `episode/tool_errors`,
     `episode/tool_timeouts` (of the errors, tool calls past env.tool_timeout_s), `episode/env_tokens`,
-    `episode/reprefill_tokens` (history the engine prefilled again: rollout/episodes.py),
+    `episode/reprefill_tokens` (history the engine prefilled again: rollout/multi_turn.py),
     `episode/prefix_cached_tokens`; per turn k over the episodes that reached it `turn{k}/tokens` (model tokens),
     `turn{k}/tool_calls`, `turn{k}/tool_errors`, and `turn{k}/episodes` (how many reached it)."""
     keys = sorted(sums)
@@ -267,18 +262,23 @@ def sync_tolerance(configured: float | None, learner, engine_dtype: torch.dtype 
 
 
 def evaluate(ctx: RunContext, correct, n: int) -> float:
-    """Held-out accuracy (global over data-parallel ranks): mean correctness of `trainer.eval_samples`
-    samples per prompt at `trainer.eval_temperature` (greedy when 0), with a fixed seed."""
-    cfg = ctx.run.trainer
+    """Held-out accuracy (global over data-parallel ranks): mean correctness (`correct`, the reward too) of
+    `trainer.eval_samples` samples per prompt at `trainer.eval_temperature` (greedy when 0), with a fixed seed; with
+    an environment, episodes judged on their final answer."""
+    cfg, dp = ctx.run.trainer, ctx.layout.dp
     examples = ctx.task.eval_examples(n)
+    rollouts = R.rollouts_for(ctx.run.env, score=correct, correct=correct)
+    sampling = R.eval_sampling(max_tokens=ctx.run.rollout.sampling.max_tokens, temperature=cfg.eval_temperature,
+                               samples=cfg.eval_samples)
+    requests = [rollouts.request(examples[d::dp], sampling, seed=ctx.run.rollout.seed + 7919 * d) for d in range(dp)]
 
-    def score(engine, dp_rank: int) -> tuple[float, int]:
-        return R.accuracy(engine, ctx.tokenizer, examples[dp_rank::ctx.layout.dp],
-                          max_tokens=ctx.run.rollout.sampling.max_tokens, score=correct,
-                          temperature=cfg.eval_temperature, samples=cfg.eval_samples,
-                          seed=ctx.run.rollout.seed + 7919 * dp_rank, env=ctx.run.env)
+    def judged(batch, d: int) -> tuple[float, int]:
+        if batch is None:  # a share without prompts
+            return 0.0, 0
+        right = rollouts.judged(batch, ctx.tokenizer, examples[d::dp])[1]
+        return float(right.sum()), len(right)
 
-    total, count = ctx.placement.generate(score)
+    total, count = ctx.placement.sample(requests, judged)
     total, count = _global_sum(ctx, [total, count])
     return total / max(count, 1.0)
 

@@ -42,7 +42,7 @@ def run_summary(run: RunConfig, spec, world_size: int) -> list[str]:
     s, kv, a = run.rollout.sampling, run.rollout.kv, run.algorithm
     lines.append(f"rollout: n {s.n}, temperature {s.temperature}, max_tokens {s.max_tokens}, kv policy {kv.policy}"
                  + (f" (budget {kv.budget}, window {kv.window})" if kv.policy != "none" else ""))
-    if run.env.episodes:
+    if run.env.multi_turn:
         e = run.env
         lines.append(f"episodes: env {e.kind}, tools {', '.join(e.tools)}, at most {e.max_turns} turns and "
                      f"{e.max_total_tokens} tokens after the prompt; prefix caching "

@@ -319,7 +319,7 @@ def _env_problems(run: RunConfig, cuda: bool) -> list[str]:
     asynchronous RL (trainer.max_staleness k >= 1, checked by `_async_problems`) loads weights between the engine
     steps of a turn, every token keeping the version that sampled it (docs/async.md, "Multi-turn episodes")."""
     env = run.env
-    if not env.episodes:
+    if not env.multi_turn:
         return []
     problems = []  # tool names against the registry: training/preflight.py tool_problems
     if run.data.template != "chat":

@@ -65,7 +65,7 @@ def setup(tmp_path_factory):
 
 
 def test_two_turn_episode_logprobs_and_loss_mask_match_transformers(setup):
-    from megatron_sparse_rl.rollout.episodes import run_episodes
+    from megatron_sparse_rl.rollout.multi_turn import run_episodes
 
     engine, base, tok = setup
     batch = run_episodes(engine, tok, PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=11), ENV, TwoTurns)
@@ -91,7 +91,7 @@ def test_two_turn_episode_logprobs_and_loss_mask_match_transformers(setup):
         model = batch.loss_mask[i][:len(response)]
         for j in range(2):
             assert max_diff([rescored[i, j, :len(response)][model]], [reference[i][-len(response):][model]]) < ATOL
-    ep = batch.episodes
+    ep = batch.episode_stats
     print(f"max |engine - HF| over model tokens = {worst:.2e}; episode sums {ep}")
     assert ep["turns"] == 8 and ep["tool_calls"] == 4 and ep["turn2/episodes"] == 4
     assert ep["env_tokens"] == 4 * len(obs) and ep["model_tokens"] == float(batch.loss_mask.sum())
@@ -116,7 +116,7 @@ def learner_worker(rank, world_size, model_dir, batch, mode, keep_mask):
 
 
 def test_r3_routes_across_turns_equal_one_prefill_and_the_learner_replays_them(setup):
-    from megatron_sparse_rl.rollout.episodes import run_episodes
+    from megatron_sparse_rl.rollout.multi_turn import run_episodes
     from megatron_sparse_rl.rollout.routes import EngineRouteCapture
 
     engine, base, tok = setup
@@ -130,7 +130,7 @@ def test_r3_routes_across_turns_equal_one_prefill_and_the_learner_replays_them(s
         ref = engine.generate(seqs, SamplingConfig(n=1, max_tokens=1, temperature=0.0)).routed_experts
     finally:
         engine.remove_extension(capture)
-    assert batch.episodes["cached_tokens"] >= 4 * BLOCK, batch.episodes  # turn 2 took turn 1's blocks from the cache
+    assert batch.episode_stats["cached_tokens"] >= 4 * BLOCK, batch.episode_stats  # turn 2 took turn 1's blocks from the cache
     routes = batch.routed_experts
     assert len(routes) == 4 and routes.layers == ref.layers and routes.layers
     for i, seq in enumerate(seqs):
@@ -152,7 +152,7 @@ def test_r3_routes_across_turns_equal_one_prefill_and_the_learner_replays_them(s
 def test_sampling_support_across_turns_is_the_top_k_and_the_learner_renormalises_over_it(setup):
     from transformers import AutoModelForCausalLM
 
-    from megatron_sparse_rl.rollout.episodes import run_episodes
+    from megatron_sparse_rl.rollout.multi_turn import run_episodes
     from megatron_sparse_rl.rollout.sampling_mask import SamplingMaskCapture
 
     engine, base, tok = setup

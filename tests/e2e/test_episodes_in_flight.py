@@ -69,7 +69,7 @@ class Turns:
 
 
 def _episodes(setup, wrapped: Turns, between_steps=None):
-    from megatron_sparse_rl.rollout.episodes import run_episodes
+    from megatron_sparse_rl.rollout.multi_turn import run_episodes
 
     engine, tok, _, weights = setup
     assert engine.weight_version == 0

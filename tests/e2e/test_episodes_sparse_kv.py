@@ -33,7 +33,7 @@ ENV = EnvConfig(kind="tools", max_turns=2, max_total_tokens=100, turn_stop=())
 @pytest.fixture(scope="module")
 def episodes(tmp_path_factory):
     from megatron_sparse_rl.data.datasets import load_tokenizer
-    from megatron_sparse_rl.rollout.episodes import run_episodes
+    from megatron_sparse_rl.rollout.multi_turn import run_episodes
 
     model_dir = build_tiny_hf_model(tmp_path_factory.mktemp("episodes_kv") / "moe", arch="qwen3_moe", seed=0)
     tok = load_tokenizer(model_dir)
@@ -78,7 +78,7 @@ def replay_mask(total: int, record, spans) -> torch.Tensor:
 def test_two_turn_sparse_episode_logprobs_match_a_masked_transformers_forward(episodes):
     model_dir, tok, batch = episodes
     obs = tok(OBSERVATION, add_special_tokens=False)["input_ids"]
-    assert len(batch) == 4 and batch.reward.tolist() == [1.0] * 4 and batch.episodes["turn2/episodes"] == 4
+    assert len(batch) == 4 and batch.reward.tolist() == [1.0] * 4 and batch.episode_stats["turn2/episodes"] == 4
     hand = [True] * TURN + [False] * len(obs) + [True] * TURN
     worst = worst_one = worst_dense = 0.0
     for i, (prompt, response, record) in enumerate(zip(batch.prompts(), batch.responses(), batch.kv_keep)):
@@ -103,7 +103,7 @@ def test_two_turn_sparse_episode_logprobs_match_a_masked_transformers_forward(ep
         worst_dense = max(worst_dense, (engine_lp - dense)[model].abs().max().item())
         assert (engine_lp[~model] == 0).all()
         print(f"episode {i}: compactions {record.lengths}, turn ends {record.turn_ends}")
-    ep = batch.episodes
+    ep = batch.episode_stats
     print(f"max |engine - HF| over model tokens: one forward per turn {worst:.2e}, one forward with both turns' "
           f"compactions {worst_one:.2e}, dense {worst_dense:.2e}; reprefill_tokens {ep['reprefill_tokens']}")
     assert worst < ATOL and worst_one > 100 * ATOL and worst_dense > 100 * ATOL

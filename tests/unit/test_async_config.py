@@ -112,8 +112,8 @@ class _Engine:
     def __init__(self):
         self.calls = []
 
-    def generate(self, prompts, sampling, group_ids, *, between_steps=None, episodes=None):
-        self.calls.append((prompts, sampling, group_ids, episodes))
+    def generate(self, prompts, sampling, group_ids, *, between_steps=None):
+        self.calls.append((prompts, sampling, group_ids))
         return _versioned_batch([[5, 5, 5]] * len(prompts))
 
 
@@ -122,7 +122,7 @@ def _guard(policy: str, versions: list[list[int]]):
     placement = SimpleNamespace(sample=lambda requests, finish: finish(requests[0].run(engine), 0))
     ctx = SimpleNamespace(run=SimpleNamespace(trainer=SimpleNamespace(max_staleness=2, stale_policy=policy)),
                           layout=SimpleNamespace(dp=1), dp_group=None, placement=placement)
-    ahead = SimpleNamespace(requests=[RolloutRequest([[1, 1]] * len(versions), "sampling", None, 0, "episodes")],
+    ahead = SimpleNamespace(requests=[RolloutRequest([[1, 1]] * len(versions), "sampling", None, 0)],
                             finish=lambda batch, d: (batch, torch.ones(len(batch))))
     batch = _versioned_batch(versions)
     got, correct, metrics = _stale_guard(ctx, 5, ahead, batch, torch.arange(len(versions), dtype=torch.float32))
@@ -140,6 +140,6 @@ def test_stale_guard_drops_or_resamples_samples_older_than_max_staleness():
     assert metrics == {"async/dropped_samples": 1.0, "async/resampled": 0.0} and not calls
     for policy, versions in (("recompute", [[3, 4, 5], [2, 3, 4]]), ("drop", [[1, 1, 1], [2, 5, 5]])):
         got, correct, metrics, calls = _guard(policy, versions)  # recompute, or drop with nothing left
-        assert calls == [([[1, 1], [1, 1]], "sampling", None, "episodes")], policy  # the step's own request again
+        assert calls == [([[1, 1], [1, 1]], "sampling", None)], policy  # the step's own request again
         assert got.token_version.tolist() == [[5, 5, 5]] * 2 and correct.tolist() == [1.0, 1.0]
         assert metrics == {"async/dropped_samples": 0.0, "async/resampled": 1.0}

@@ -28,7 +28,7 @@ from megatron_sparse_rl.envs.tool_env import environment_factory
 from megatron_sparse_rl.models.char_tokenizer import character_tokenizer
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.rollout.outputs import SampledTurn
-from megatron_sparse_rl.rollout.episodes import run_episodes
+from megatron_sparse_rl.rollout.multi_turn import run_episodes
 from megatron_sparse_rl.tools import cli
 from megatron_sparse_rl.training.learner_batch import LearnerBatch
 from megatron_sparse_rl.training.preflight import tool_problems
@@ -200,9 +200,6 @@ class ScriptedEngine:
     def __init__(self, tok, turns: list[list[str]]):
         self.tok, self.turns, self.calls = tok, turns, []
 
-    def generate(self, prompts, sampling, group_ids=None, *, rescore=0, episodes=None):
-        return episodes.run(self, sampling, group_ids, tokenizer=self.tok)  # episodes only (what these tests run)
-
     def sample_turns(self, prompts, sampling):
         self.calls.append((prompts, sampling))
         texts = self.turns[len(self.calls) - 1]
@@ -229,7 +226,7 @@ def test_episode_sequence_and_loss_mask_equal_a_hand_built_one(tok):
     second_prompt = engine.calls[1][0][0]
     assert tok.decode(second_prompt) == "<bos>q: 12*3=\na: calc(12*3)\nr: 36\na: "
     assert [s.seed for s in engine.calls[0][1]] == [5, 6] and engine.calls[1][1][0].seed == 5 + 2
-    ep = batch.episodes
+    ep = batch.episode_stats
     assert (ep["turns"], ep["tool_calls"], ep["tool_errors"], ep["turn1/tool_calls"], ep["turn2/tokens"]) == \
         (3, 1, 0, 1, 3)
     assert ep["reprefill_tokens"] == len(sample.ids) + len("calc(12*3)\n")  # no prefix cache: all of it again
@@ -300,7 +297,7 @@ def test_collect_episodes_rewards_and_judges_the_final_answer(tok):
     batch, right = collect_episodes(engine, tok, [sample], SamplingConfig(n=3, max_tokens=16), env, seed=1,
                                     score=exact, correct=exact)
     assert batch.reward.tolist() == [1.0, 1.0, 0.0] and right.tolist() == [1.0, 1.0, 0.0]
-    assert batch.finish_reasons == ("stop", "stop", "stop") and batch.episodes["turn2/episodes"] == 2
+    assert batch.finish_reasons == ("stop", "stop", "stop") and batch.episode_stats["turn2/episodes"] == 2
 
 
 def test_k1_before_and_after_the_tool_by_hand():

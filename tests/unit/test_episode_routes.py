@@ -1,5 +1,5 @@
 """Which R3 route captures and sampling-support records multi-turn episodes accept (validation/validate.py
-`_env_problems`), that an episode batch refuses records that do not cover its rows (rollout/episodes.py), and how
+`_env_problems`), that an episode batch refuses records that do not cover its rows (rollout/multi_turn.py), and how
 the route capture fills positions vLLM served from its prefix cache (rollout/routes.py `_rows_routes`, on hand-built
 step records). Both across turns on the real engine, and the learner using them: tests/e2e/test_episodes.py.
 Run: .venv/bin/python -m pytest -q tests/unit/test_episode_routes.py
@@ -10,7 +10,7 @@ import torch
 from megatron_sparse_rl.config import ConfigError
 from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.moe.storage import RouteStore, RoutingError
-from megatron_sparse_rl.rollout.episodes import _Episode, _record_fields
+from megatron_sparse_rl.rollout.multi_turn import _Episode, _record_fields
 from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
 from tests.unit.test_envs import TOOLS_ENV, run_of
 

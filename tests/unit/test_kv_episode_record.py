@@ -1,7 +1,7 @@
 """The keep record of a multi-turn episode under sparse KV (kv/record.py `KVKeepRecord.next_turn`): two turns'
 records merged, replayed as one attention mask per compacted turn written out here by hand (and which forward
 scores which query), and the bad merges refused by name; the episode batch refuses a record that does not cover
-its row (rollout/episodes.py). On the real engine:
+its row (rollout/multi_turn.py). On the real engine:
 tests/e2e/test_episodes_sparse_kv.py.
 Run: .venv/bin/python -m pytest -q tests/unit/test_kv_episode_record.py
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_sparse_rl.kv.record import KVKeepRecord, batch_replays
-from megatron_sparse_rl.rollout.episodes import _Episode, _record_fields
+from megatron_sparse_rl.rollout.multi_turn import _Episode, _record_fields
 
 # A toy episode of 18 tokens: prompt 0..3, turn 1 samples 4..9, the environment answers 10..11, turn 2 (its prompt
 # the 12 tokens so far) samples 12..17. Turn 1 compacts at 7, turn 2 (after its dense prefill) at 14.

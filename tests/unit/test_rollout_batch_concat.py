@@ -51,7 +51,7 @@ def _first() -> RolloutBatch:
         indexer_record=_indexer([3], [101]), kv_keep=("a",),
         rescored_logprobs=torch.tensor([[[-0.15, 0.0], [-0.25, 0.0]]]),
         token_version=torch.tensor([[3, 0]]), kv_usage=_usage(2.0, 10.0, 1.0, 0.0),
-        loss_mask=torch.tensor([[T, F]]), episodes={"turns": 1.0, "tool_calls": 0.0})
+        loss_mask=torch.tensor([[T, F]]), episode_stats={"turns": 1.0, "tool_calls": 0.0})
 
 
 def _second() -> RolloutBatch:
@@ -66,7 +66,7 @@ def _second() -> RolloutBatch:
         rescored_logprobs=torch.tensor([[[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]],
                                        [[-7.0, -8.0, 0.0], [-9.0, -10.0, 0.0]]]),
         token_version=torch.tensor([[3, 4, 4], [4, 4, 0]]), kv_usage=_usage(5.0, 10.0, 2.0, 1.0),
-        loss_mask=torch.tensor([[T, F, T], [T, T, F]]), episodes={"turns": 3.0, "tool_calls": 2.0})
+        loss_mask=torch.tensor([[T, F, T], [T, T, F]]), episode_stats={"turns": 3.0, "tool_calls": 2.0})
 
 
 def _expected() -> dict:
@@ -96,7 +96,7 @@ def _expected() -> dict:
         "token_version": torch.tensor([[3, 0, 0], [3, 4, 4], [4, 4, 0]]),
         "kv_usage": _usage(7.0, 20.0, 3.0, 1.0),
         "loss_mask": torch.tensor([[T, F, F], [T, F, T], [T, T, F]]),
-        "episodes": {"turns": 4.0, "tool_calls": 2.0},
+        "episode_stats": {"turns": 4.0, "tool_calls": 2.0},
     }
 
 

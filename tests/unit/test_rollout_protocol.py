@@ -59,7 +59,7 @@ class Engine:
     def __init__(self):
         self.calls, self.down = [], False
 
-    def generate(self, prompts, sampling, group_ids=None, *, between_steps=None, episodes=None):
+    def generate(self, prompts, sampling, group_ids=None, *, between_steps=None):
         self.calls.append(("generate", prompts, sampling.seed, group_ids))
         return _Batch(rows=len(prompts))
 
@@ -134,21 +134,22 @@ def test_an_episode_call_carries_each_engines_examples_and_reward_across_a_pickl
     from megatron_sparse_rl.config.env import EnvConfig
     from megatron_sparse_rl.data.types import Example
     from megatron_sparse_rl.rewards import make_scorer
-    from megatron_sparse_rl.placement.rollout import episode_request
+    from megatron_sparse_rl.placement.rollout import MultiTurn
 
     monkeypatch.setattr(D.dist, "get_rank", lambda: 0)
     bridge = Bridge(answers=[[None, None]])
     remote = D.RemoteEngine(bridge, [2, 3], pad_id=0)
     examples = [Example(prompt=f"q: {i}", answer=str(i), ids=(1, 40 + i)) for i in range(3)]
     env = EnvConfig(kind="tools", max_turns=2)
-    call = episode_request(examples, SamplingConfig(n=2), env, make_scorer(RewardConfig(partial_credit=0.5)), seed=10)
+    score = make_scorer(RewardConfig(partial_credit=0.5))
+    call = MultiTurn(score, score, env).request(examples, SamplingConfig(n=2), seed=10)
     remote.run_ahead([call], recompute=True)
     (command,) = bridge.sent
     parts = [engine_parts[0] for engine_parts in pickle.loads(pickle.dumps(command)).parts]
     assert [p.prompts for p in parts] == [[[1, 40], [1, 41]], [[1, 42]]]
-    assert [[e.answer for e in p.episodes.examples] for p in parts] == [["0", "1"], ["2"]]
-    assert all(p.episodes.env == env for p in parts) and [p.sampling.seed for p in parts] == [10, 14]
-    assert parts[1].episodes.score(["12", "2"], ["2", "2"]) == [0.25, 1.0]  # partial credit 0.5 * 1/2, exact
+    assert [[e.answer for e in p.examples] for p in parts] == [["0", "1"], ["2"]]
+    assert all(p.env == env for p in parts) and [p.sampling.seed for p in parts] == [10, 14]
+    assert parts[1].score(["12", "2"], ["2", "2"]) == [0.25, 1.0]  # partial credit 0.5 * 1/2, exact
     remote.shutdown()
 
 

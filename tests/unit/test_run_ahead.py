@@ -42,7 +42,7 @@ class _Engine:
     def __init__(self, fail: bool = False):
         self.steps, self.fail, self.log = 0, fail, []
 
-    def generate(self, prompts, sampling, group_ids, *, between_steps, episodes=None):
+    def generate(self, prompts, sampling, group_ids, *, between_steps):
         self.log.append(("generate", prompts[0][0]))
         for _ in range(3):
             self.steps += 1

@@ -29,7 +29,7 @@ from megatron_sparse_rl.envs.base import Environment, StepResult
 from megatron_sparse_rl.envs.tool_env import environment_factory
 from megatron_sparse_rl.models.char_tokenizer import BOS_ID, EOS_ID, UNK_ID, character_tokenizer
 from megatron_sparse_rl.rollout.outputs import SampledTurn
-from megatron_sparse_rl.rollout.episodes import run_episodes
+from megatron_sparse_rl.rollout.multi_turn import run_episodes
 
 IM_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -108,7 +108,7 @@ def test_a_tool_that_raises_answers_an_error_and_the_episode_goes_on(tok, tool):
     assert response(batch) == chars(tok, "boom(1)\nr: error: tool boom raised RuntimeError: disk on fire\na: "
                                          "leave(1)\nr: error: tool leave raised SystemExit: 3\na: 36\n")
     assert batch.reward.tolist() == [1.0] and batch.finish_reasons == ("stop",)
-    assert (batch.episodes["tool_calls"], batch.episodes["tool_errors"], batch.episodes["tool_timeouts"]) == (2, 2, 0)
+    assert (batch.episode_stats["tool_calls"], batch.episode_stats["tool_errors"], batch.episode_stats["tool_timeouts"]) == (2, 2, 0)
 
 
 def test_a_tool_that_never_returns_is_abandoned_after_its_timeout(tok, tool):
@@ -126,8 +126,8 @@ def test_a_tool_that_never_returns_is_abandoned_after_its_timeout(tok, tool):
     assert 0.5 <= took < 2.0, took
     assert response(batch) == chars(tok, "hang(1)\nr: error: tool hang did not answer within 0.5 s\na: 36\n")
     assert batch.reward.tolist() == [1.0]
-    assert (batch.episodes["tool_errors"], batch.episodes["tool_timeouts"]) == (1, 1)
-    assert batch.episodes["turn1/tool_errors"] == 1
+    assert (batch.episode_stats["tool_errors"], batch.episode_stats["tool_timeouts"]) == (1, 1)
+    assert batch.episode_stats["turn1/tool_errors"] == 1
 
 
 @pytest.mark.parametrize("value, kind", [(None, "NoneType"), (36, "int"), (b"36", "bytes"), (["36"], "list")])
@@ -136,7 +136,7 @@ def test_a_tool_that_returns_what_is_not_text_answers_an_error(tok, tool, value,
     env = EnvConfig(kind="tools", tools=("odd",), max_total_tokens=200)
     batch = episode(tok, ["odd(1)\n", "36\n"], env)
     assert response(batch) == chars(tok, f"odd(1)\nr: error: tool odd returned {kind}, not text\na: 36\n")
-    assert (batch.episodes["tool_errors"], batch.episodes["tool_timeouts"]) == (1, 0)
+    assert (batch.episode_stats["tool_errors"], batch.episode_stats["tool_timeouts"]) == (1, 0)
 
 
 def test_special_token_strings_a_tool_returns_stay_text(tok, im_tok, tool):

@@ -14,7 +14,7 @@ turns and environment tokens in order; `response_mask` all of them; `loss_mask` 
 rewards; `finish_reasons` "stop" when the environment ended the episode, "length" when `env.max_turns` or
 `env.max_total_tokens` did; `token_version` the weight version that sampled each model token (weights loaded during
 a turn: `between_steps`) and, for an observation's tokens (out of the loss), the version of the turn that prefilled
-them (the next one). `episodes` holds the sums of `EPISODE_KEYS` and, per turn k (1-based),
+them (the next one). `episode_stats` holds the sums of `EPISODE_KEYS` and, per turn k (1-based),
 `turn{k}/episodes`, `turn{k}/tokens` (model tokens), `turn{k}/tool_calls`, `turn{k}/tool_errors`. A text observation
 is encoded as text (`split_special_tokens`): a special-token string an environment or a tool wrote ("<eos>",
 "<|im_end|>") stays characters, so it can neither end the episode nor fake a turn of the chat template.
@@ -43,7 +43,7 @@ from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
 
 EPISODE_KEYS = ("episodes", "turns", "model_tokens", "env_tokens", "tool_calls", "tool_errors", "tool_timeouts",
                 "prefill_tokens", "reprefill_tokens", "cached_tokens")
-"""The batch-wide sums in `RolloutBatch.episodes` (besides the per-turn ones)."""
+"""The batch-wide sums in `RolloutBatch.episode_stats` (besides the per-turn ones)."""
 TURN_KEYS = ("episodes", "tokens", "tool_calls", "tool_errors")
 """The sums kept per turn k as `turn{k}/<key>` (k = 1 .. env.max_turns)."""
 
@@ -191,7 +191,7 @@ def _batch(episodes: list[_Episode], pad_id: int, stats: dict[str, float]) -> Ro
                                torch.long),
         loss_mask=pad_rows([[float(m) for m in e.model] for e in episodes], 0.0, torch.float32).bool()
         & response_mask,
-        episodes=stats,
+        episode_stats=stats,
         **_record_fields(episodes),
     )
 
