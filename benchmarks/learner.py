@@ -98,7 +98,7 @@ def _batch(learner, args, vocab: int):
                          response_mask=mask, rollout_logprobs=torch.zeros(b, resp), finish_reasons=("stop",) * b,
                          group_ids=torch.arange(b) // GROUP, reward=torch.randint(0, 2, (b,), generator=g).float())
     view = LearnerBatch.from_rollout(batch, 0)
-    tokens, cols = view.tokens, view.mask
+    tokens, cols = view.tokens, view.loss_mask
     own = learner.forward_logprobs(tokens)["logprobs"]
     rollout = torch.zeros(b, resp)
     for i in range(b):

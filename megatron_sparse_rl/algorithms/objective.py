@@ -1,7 +1,7 @@
 """The RL objective of one micro-batch, composed over tensors: the policy loss with its corrections' weights, the
 corrections that read the current policy (OPSM, TIS with ratio pi_theta), and the KL term.
 
-    x = ObjectiveInputs(mask, counted, old, rollout, response, advantages, weights, ref_logprobs=ref)
+    x = ObjectiveInputs(mask, counted, old, rollout, loss_mask, advantages, weights, ref_logprobs=ref)
     loss, metrics, counts = rl_objective(logprobs, entropy, x, cfg, normalizer)
 
 Every tensor is one micro-batch's rows in the learner's layout ([b, T-1]; `advantages` [b]) on the device of
@@ -29,8 +29,8 @@ class ObjectiveInputs:
     """bool: the tokens the loss's denominators count (algorithm.loss.dropped_tokens_in_denominator)."""
     old_logprobs: torch.Tensor
     rollout_logprobs: torch.Tensor
-    response_mask: torch.Tensor
-    """bool: every response token, before corrections (OPSM's per-sequence mean reads it)."""
+    loss_mask: torch.Tensor
+    """bool: the model's tokens, before corrections (OPSM's per-sequence mean reads it)."""
     advantages: torch.Tensor
     weights: torch.Tensor
     """The rollout-time correction weights."""
@@ -53,7 +53,7 @@ def rl_objective(logprobs: torch.Tensor, entropy: torch.Tensor, x: ObjectiveInpu
     opsm, mask, counts = cfg.corrections.opsm, x.mask, {}
     weights, extra = x.weights, {}
     if opsm.enabled:
-        keep = opsm_keep(opsm, x.rollout_logprobs, logprobs, x.response_mask, x.advantages)
+        keep = opsm_keep(opsm, x.rollout_logprobs, logprobs, x.loss_mask, x.advantages)
         seqs = mask.any(dim=-1)
         counts = {"opsm/masked_seqs": (seqs & ~keep.squeeze(-1)).sum().float(), "opsm/seqs": seqs.sum().float()}
         mask = mask & keep

@@ -56,7 +56,7 @@ class _Episode:
     group: int
     prompt: list[int]
     response: list[int] = field(default_factory=list)
-    model: list[bool] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)  # per response token: the model's (True) or the environment's
     logprobs: list[float] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
@@ -68,7 +68,7 @@ class _Episode:
         """Model tokens (`logprobs` and the `versions` that sampled them) or, `logprobs` None, an observation (its
         version is set by the turn that prefills it: `prefilled_by`)."""
         self.response += list(ids)
-        self.model += [logprobs is not None] * len(ids)
+        self.loss_mask += [logprobs is not None] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         self.versions += list(versions) if logprobs is not None else [-1] * len(ids)
 
@@ -168,7 +168,7 @@ def run_episodes(engine, tokenizer, examples: Sequence, sampling: SamplingConfig
 def _trailing_observation(e: _Episode) -> int:
     """Length of the observation that ends `e`'s response (the environment tokens after its last model token)."""
     n = 0
-    while n < len(e.model) and not e.model[-1 - n]:
+    while n < len(e.loss_mask) and not e.loss_mask[-1 - n]:
         n += 1
     return n
 
@@ -189,7 +189,7 @@ def _batch(episodes: list[_Episode], pad_id: int, stats: dict[str, float]) -> Ro
         reward=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
         token_version=pad_rows([e.versions for e in episodes], max(max(e.versions, default=0) for e in episodes),
                                torch.long),
-        loss_mask=pad_rows([[float(m) for m in e.model] for e in episodes], 0.0, torch.float32).bool()
+        loss_mask=pad_rows([[float(m) for m in e.loss_mask] for e in episodes], 0.0, torch.float32).bool()
         & response_mask,
         episode_stats=stats,
         **_record_fields(episodes),

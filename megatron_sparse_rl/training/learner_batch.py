@@ -25,7 +25,7 @@ class LearnerBatch:
     """int64 [B, T]: prompt + response, right-padded with the pad id."""
     lengths: torch.Tensor
     """int64 [B]: real tokens per row (prompt + response)."""
-    mask: torch.Tensor
+    loss_mask: torch.Tensor
     """bool [B, T-1]: the model's tokens, which the loss, the corrections and the mismatch metrics read: every
     response token, or those `RolloutBatch.loss_mask` marks (episodes)."""
     rollout_logprobs: torch.Tensor

@@ -181,7 +181,7 @@ def train_step(ctx: RunContext, batch, version: int = 0, kv_budget: int | None =
     if ctx.run.rollout.kv.policy != "none":
         kv = ctx.run.rollout.kv
         sparse = sparse_logprobs(ctx.learner, batch, prep.tokens, prep.sampling_support) if kv.record_keep else None
-        metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.response_mask,
+        metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.loss_mask,
                                   kv.budget if kv_budget is None else kv_budget, sparse=sparse))
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
         log.warning("skipping the update: the batch's k1 mismatch is over algorithm.corrections.batch_skip.max_k1")
@@ -204,7 +204,7 @@ def staleness_metrics(ctx: RunContext, batch, prep, version: int) -> dict[str, f
     log mu - log pi_old = numerics + compression + staleness, taking the fresh tokens' k1 as the rest's."""
     if prep.token_version is None:
         raise ValueError("trainer.max_staleness > 0 needs RolloutBatch.token_version from the engines")
-    mask = prep.response_mask.bool()
+    mask = prep.loss_mask.bool()
     lag = (version - prep.token_version.double())[mask]
     k1 = (prep.rollout_logprobs - prep.old_logprobs).double()[mask]
     stale = lag > 0

@@ -54,8 +54,9 @@ class PreparedBatch:
     """moe.RouteStore the updates replay (R2: recorded in the old-logprob forward; R3: the engine's)."""
     ref_logprobs: torch.Tensor | None = None
     """[B, T-1] logprobs of the reference (initial) model, for the KL term."""
-    response_mask: torch.Tensor | None = None
-    """bool [B, T-1]: every response token, before corrections."""
+    loss_mask: torch.Tensor | None = None
+    """bool [B, T-1]: the model's tokens (`LearnerBatch.loss_mask`: every response token of a single-turn sample),
+    before corrections."""
     sampling_support: Any = None
     """rollout.sampling_mask.SamplingSupport the learner renormalises over (algorithm.keep_sampling_mask)."""
     token_version: torch.Tensor | None = None
@@ -77,7 +78,7 @@ def tool_split_metrics(view: LearnerBatch, old_lp: torch.Tensor, *, group=None) 
     """Episodes: the mu / pi_old mismatch (k1, k3) of the model's tokens before the first environment token of their
     row (`mismatch/k1_before_tool`) and after it (`mismatch/k1_after_tool`), where a tool's output the model never
     generated precedes them. `old_lp` [B, T-1] in the learner's layout."""
-    mask = view.mask
+    mask = view.loss_mask
     after = mask & (view.env_tokens.cumsum(dim=1) > 0)
     out = {}
     for name, part in (("before_tool", mask & ~after), ("after_tool", after)):
@@ -130,7 +131,7 @@ def _routing_attribution(learner, x: OldPolicyInputs, old_lp: torch.Tensor) -> d
     extras = ForwardExtras(sampling_support=x.support, routes=routing.counterfactual(view.rollout.routed_experts))
     other = learner.forward_logprobs(view.tokens, lengths=view.lengths, extras=extras)["logprobs"]
     engine, own = (old_lp, other) if routing.old_forward_replays_engine else (other, old_lp)
-    return _scalar_metrics(routing_attribution(engine, own, view.rollout_logprobs, view.mask, group=x.dp_group))
+    return _scalar_metrics(routing_attribution(engine, own, view.rollout_logprobs, view.loss_mask, group=x.dp_group))
 
 
 def _no_learner_forward(learner, x: OldPolicyInputs):
@@ -153,7 +154,7 @@ def _engine_mean(learner, x: OldPolicyInputs):
     if view.rescored_logprobs is None:
         raise ValueError("algorithm.old_logprobs = engine_mean but the rollout batch carries no engine re-scorings "
                          "(RolloutBatch.rescored_logprobs); the rollout step must ask the engine for them")
-    old_lp, spread = engine_mean_logprobs(view.rescored_logprobs, view.mask)
+    old_lp, spread = engine_mean_logprobs(view.rescored_logprobs, view.loss_mask)
     return old_lp, old, {"old_logprobs/learner_forwards": 0.0, **_scalar_metrics(spread)}
 
 
@@ -235,7 +236,7 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
     if batch.reward is None:
         raise ValueError("the rollout batch has no rewards; score it before the update")
     view = LearnerBatch.from_rollout(batch, pad_id)
-    tokens, mask, rollout_lp, lengths = view.tokens, view.mask, view.rollout_logprobs, view.lengths
+    tokens, mask, rollout_lp, lengths = view.tokens, view.loss_mask, view.rollout_logprobs, view.lengths
     support = sampling_keep(batch, cfg)
     old_lp, old, source_metrics = old_logprob_source(cfg).old_policy(learner, OldPolicyInputs(view, support, dp_group))
     advantages = compute_advantages(batch.reward.float(), batch.group_ids, cfg=cfg.advantage)
@@ -266,7 +267,7 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
         counted, _ = drop_preempted(counted, batch.kv_keep)
     return PreparedBatch(tokens, keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
-                         response_mask=mask, sampling_support=support, token_version=view.token_version,
+                         loss_mask=mask, sampling_support=support, token_version=view.token_version,
                          counted=counted,
                          learner_routes=old.learner_routes if old else None,
                          indexer_record=old.indexer if old else None)
@@ -335,7 +336,7 @@ def make_loss(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, no
     weighted here by their count (`*n`, divided out by `reduce_metrics`); its counts are sums."""
     rows = {"mask": prep.mask, "counted": prep.counted if prep.counted is not None else prep.mask,
             "old_logprobs": prep.old_logprobs, "rollout_logprobs": prep.rollout_logprobs,
-            "response_mask": prep.response_mask if prep.response_mask is not None else prep.mask,
+            "loss_mask": prep.loss_mask if prep.loss_mask is not None else prep.mask,
             "advantages": prep.advantages, "weights": prep.weights, "ref_logprobs": prep.ref_logprobs}
     rows = {k: None if v is None else v[chunk] for k, v in rows.items()}
 

@@ -57,7 +57,7 @@ def learner_worker(rank, world_size, model_dir, batch, tp):
     learner = make_learner(world_size, model_dir, tp=tp, mbs=4)
     learner.temperature = TEMPERATURE
     view = LearnerBatch.from_rollout(batch, pad_id=0)
-    tokens, mask, rollout_lp = view.tokens, view.mask, view.rollout_logprobs
+    tokens, mask, rollout_lp = view.tokens, view.loss_mask, view.rollout_logprobs
     keep = ForwardExtras(sampling_support=batch.sampling_mask)
     with_keep = learner.forward_logprobs(tokens, extras=keep)["logprobs"]
     without = learner.forward_logprobs(tokens)["logprobs"]

@@ -232,7 +232,7 @@ def test_episode_sequence_and_loss_mask_equal_a_hand_built_one(tok):
     assert ep["reprefill_tokens"] == len(sample.ids) + len("calc(12*3)\n")  # no prefix cache: all of it again
     # the learner's mask: model tokens only, in the shifted layout (column t scores token t + 1)
     view = LearnerBatch.from_rollout(batch, pad_id=0)
-    mask, lp = view.mask, view.rollout_logprobs
+    mask, lp = view.loss_mask, view.rollout_logprobs
     p = len(sample.ids)
     want = torch.zeros_like(mask)
     want[0, p - 1:p - 1 + len(hand)] = torch.tensor(hand)
@@ -312,7 +312,7 @@ def test_k1_before_and_after_the_tool_by_hand():
         finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]),
         loss_mask=torch.tensor([[True, True, False, False, True], [True] + [False] * 4]))
     view = LearnerBatch.from_rollout(batch, pad_id=0)
-    assert view.mask.tolist() == [[False, True, True, False, False, True], [False, True, False, False, False, False]]
+    assert view.loss_mask.tolist() == [[False, True, True, False, False, True], [False, True, False, False, False, False]]
     assert view.env_tokens.tolist() == [[False, False, False, True, True, False], [False] * 6]
     mu = torch.tensor([[0.0, -1.0, -2.0, 0.0, 0.0, -3.0], [0.0, -0.5, 0.0, 0.0, 0.0, 0.0]])
     assert torch.equal(view.rollout_logprobs, mu)

@@ -64,7 +64,7 @@ def _batch():
     t = torch.tensor
     prep = PreparedBatch(tokens=torch.zeros(rows, cols + 1, dtype=torch.long), mask=t(mask), old_logprobs=t(old),
                          rollout_logprobs=t(mu), advantages=t(adv), weights=torch.ones(rows, cols, dtype=torch.float64),
-                         metrics={}, response_mask=t(mask))
+                         metrics={}, loss_mask=t(mask))
     return prep, lp, r, rho, mask, adv
 
 
@@ -185,7 +185,7 @@ def test_pi_theta_tis_in_apply_corrections_with_and_without_current_logprobs():
 def test_prepare_leaves_the_current_policy_tis_to_the_updates():
     batch = two_sample_batch()
     view = LearnerBatch.from_rollout(batch, pad_id=0)
-    mask, mu = view.mask, view.rollout_logprobs
+    mask, mu = view.loss_mask, view.rollout_logprobs
 
     class Learner:
         routing = None

@@ -197,7 +197,7 @@ def test_prepare_logs_the_share_with_each_pi_old_on_its_side(cfg, calls):
     learner = RoutedLearner(cfg, engine_lp, own_lp, own_routes)
     prep = U.prepare(learner, batch, AlgorithmConfig(), pad_id=0, dp_group=None)
     assert learner.calls == calls  # the old forward first, then the one routed the other way
-    mu, mask = prep.rollout_logprobs, prep.response_mask
+    mu, mask = prep.rollout_logprobs, prep.loss_mask
     for k, v in _hand_attribution(engine_lp, own_lp, mu, mask).items():
         assert prep.metrics[k] == pytest.approx(v, rel=1e-6), k
     old_is_engine = cfg.mode == "R3"

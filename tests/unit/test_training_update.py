@@ -24,7 +24,7 @@ def test_rollout_logprobs_land_on_the_learner_positions_that_score_them():
         finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]),
     )
     view = LearnerBatch.from_rollout(batch, pad_id=0)
-    tokens, mask, lp = view.tokens, view.mask, view.rollout_logprobs
+    tokens, mask, lp = view.tokens, view.loss_mask, view.rollout_logprobs
     assert tokens.tolist() == [[1, 5, 6, 7, 2], [1, 9, 4, 4, 2]]
     # learner column t scores token t + 1: sample 0's response tokens sit at 3, 4 -> columns 2, 3
     assert mask.tolist() == [[False, False, True, True], [False, True, True, True]]
@@ -49,7 +49,7 @@ def _opsm_batch():
     t = torch.tensor
     prep = PreparedBatch(tokens=torch.zeros(3, 5, dtype=torch.long), mask=t(mask), old_logprobs=t(old),
                          rollout_logprobs=t(mu), advantages=t(adv), weights=torch.ones(3, 4, dtype=torch.float64),
-                         metrics={}, response_mask=t(mask))
+                         metrics={}, loss_mask=t(mask))
     return prep, old + shift, old, mu, mask, adv
 
 
@@ -107,7 +107,7 @@ def test_prepare_leaves_opsm_to_the_updates():
     # token, so OPSM at pi_theta = pi_old would drop sample 0. It must not be applied at rollout time.
     batch = two_sample_batch()
     view = LearnerBatch.from_rollout(batch, pad_id=0)
-    mask, mu = view.mask, view.rollout_logprobs
+    mask, mu = view.loss_mask, view.rollout_logprobs
     old = torch.where(mask, mu - 1.0, torch.zeros(()))
     prep = prepare(_FixedLearner(old), batch, OPSM_ON, pad_id=0, dp_group=None)
     assert torch.equal(prep.mask, mask)  # nothing dropped before the updates
@@ -132,11 +132,11 @@ def test_prepare_is_final_it_drops_preempted_compressed_samples_and_aligns_token
         token_version=torch.tensor([[0, 0, 1], [0, 1, 1]]),
     )
     view = LearnerBatch.from_rollout(batch, pad_id=0)
-    mask, mu = view.mask, view.rollout_logprobs
+    mask, mu = view.loss_mask, view.rollout_logprobs
     prep = prepare(_FixedLearner(mu.clone()), batch, AlgorithmConfig(), pad_id=0, dp_group=None)
     assert mask.tolist() == [[False, True, True, True]] * 2
     assert prep.mask.tolist() == [[False] * 4, [False, True, True, True]]  # row 0 was preempted
-    assert torch.equal(prep.response_mask, mask)  # every response token, for the metrics
+    assert torch.equal(prep.loss_mask, mask)  # every model token, before the preempted drop, for the metrics
     assert prep.metrics["kv/preempted_dropped_frac"] == pytest.approx(0.5)
     assert prep.token_version.tolist() == [[0, 0, 0, 1], [0, 0, 1, 1]]
     with pytest.raises(FrozenInstanceError):

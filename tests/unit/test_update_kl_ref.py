@@ -56,7 +56,7 @@ def _prepared(ref, old, mask, weights) -> PreparedBatch:
     tokens[:, 0] = torch.arange(B)
     m = torch.tensor(mask)
     return PreparedBatch(tokens, m, f32(old), f32(old), torch.zeros(B), f32(weights), {},
-                         lengths=torch.full((B,), T1 + 1), ref_logprobs=f32(ref), response_mask=m)
+                         lengths=torch.full((B,), T1 + 1), ref_logprobs=f32(ref), loss_mask=m)
 
 
 @pytest.mark.parametrize("estimator,unbiased", [("k3", False), ("k2", False), ("k1", False), ("k3", True)])
