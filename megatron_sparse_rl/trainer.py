@@ -92,19 +92,17 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
             state.save_run(ctx, loop)
     if loop.rl_step == 0:
         report.warm_start(S.evaluate(ctx, correct, cfg.eval_prompts))
-    queued, task_states = loop.rl_step - 1, {}  # the last step handed to the engines; task positions
+    task_states = {}  # the task's position before each step handed to the engines
     schedule = BudgetSchedule.start(run.rollout.kv, loop.kv_budget)  # None: rollout.kv.budget throughout
     for step in range(loop.rl_step, cfg.steps):
         if schedule is not None:  # synchronous, colocated (validate): this step's rollouts at the scheduled budget
             S.apply_kv_budget(ctx, schedule.budget)
         batch, metrics = S.next_batch(ctx, step, rollouts)  # sampled ahead during earlier steps, or now
-        queued = max(queued, step)
         # a checkpoint after this step resumes with the next step's prompts: the task's position before them
         task_states.setdefault(step + 1, ctx.task.state_dict())
-        while queued < min(step + cfg.max_staleness, cfg.steps - 1):  # asynchronous: the placement holds up to k
-            queued += 1
-            S.sample_ahead(ctx, queued, rollouts)
-            task_states[queued + 1] = ctx.task.state_dict()
+        for ahead in ctx.placement.steps_ahead(step, cfg.steps - 1):  # asynchronous: the placement's window (k)
+            S.sample_ahead(ctx, ahead, rollouts)
+            task_states[ahead + 1] = ctx.task.state_dict()
         task_state = task_states.pop(step + 1)
         metrics.update(S.train_step(ctx, batch, version=step, kv_budget=schedule and schedule.budget))
         if schedule is not None:  # the next step's budget from this step's tail (kv/budget_schedule.py)

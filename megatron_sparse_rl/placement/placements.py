@@ -3,7 +3,8 @@ training steps call it and never ask which one they have (README.md, "Layout": s
 
     out = placement.generate(work)              # work(engine, dp_rank) -> this rank's data share's result
     out = placement.sample(requests, finish)    # finish(batch of requests[d], d) of this rank's share d
-    placement.sample_ahead(requests, finish)    # asynchronous RL: sample while the learner trains; queued here
+    for s in placement.steps_ahead(step, last):  # asynchronous RL: the steps to hand over (up to `depth` ahead)
+        placement.sample_ahead(requests, finish)  # sample step s while the learner trains; queued here
     stats = placement.sync(learner, bucket_mb=256, version=v)   # weights as version v (while sampling ahead: in
                                                 # flight)
     ahead = placement.take_ahead()              # the oldest batch queued (AheadBatch: finish(batch, dp_rank) of
@@ -72,9 +73,22 @@ class Placement:
 
     pad_id: int
     weights: EngineWeights = EngineWeights()
+    depth: int = 0
+    """The asynchronous window: how many batches it samples ahead of the one being trained (trainer.max_staleness;
+    0: none, the synchronous loop)."""
+    _handed: int = -1
+    """The last step handed over (sampled now or ahead)."""
 
     def generate(self, work: Work) -> T:
         raise NotImplementedError
+
+    def steps_ahead(self, step: int, last: int) -> range:
+        """The steps to hand over with `sample_ahead` now that step `step` is trained (its batch collected or sampled
+        now): each step once, up to `depth` past `step`, none past `last`. Empty when the placement does not sample
+        ahead (depth 0)."""
+        start, stop = max(self._handed, step) + 1, min(step + self.depth, last) + 1
+        self._handed = max(self._handed, step, stop - 1)
+        return range(start, stop)
 
     def sample(self, requests: list[RolloutRequest], finish: Finish) -> Any:
         """Run requests[d] (data-parallel share d) on the engines now, re-scorings included: this rank's share's
@@ -174,11 +188,11 @@ class Disaggregated(Placement):
     from learner rank 0. `learner_group`: every learner rank, over which rank 0 hands out the shares."""
 
     def __init__(self, remote, groups, dp: int, learner_ranks: int, *, recompute_kv: bool = False,
-                 weights: EngineWeights = EngineWeights(), depth: int = 1):
+                 weights: EngineWeights = EngineWeights(), depth: int = 0):
         self.remote, self.groups, self.dp, self.learner_ranks = remote, groups, dp, learner_ranks
         self.pad_id, self.weights = remote.pad_id, weights
         self.recompute_kv = recompute_kv  # trainer.in_flight_kv = recompute
-        self.depth = depth  # trainer.max_staleness: batches queued at most
+        self.depth = depth  # trainer.max_staleness: batches queued at most (0: a synchronous run)
         self._ahead: deque[AheadBatch] = deque()  # the batches sampled ahead, oldest first
 
     def _from_driver(self, out: list | None) -> Any:

@@ -160,7 +160,7 @@ def build_context(run: RunConfig, total_steps: int):
     learner, reference = _learners(run, adapter, spec, layout, groups, model_dir, total_steps)
     placement = (P.Disaggregated(remote, groups, layout.dp, layout.world_size, weights=EngineWeights.of(run.rollout),
                                  recompute_kv=run.trainer.in_flight_kv == "recompute",
-                                 depth=max(run.trainer.max_staleness, 1)) if n_rollout
+                                 depth=run.trainer.max_staleness) if n_rollout
                  else _colocated(run, run_dir, model_dir, spec, layout, groups))
     return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, placement, tokenizer, task,
                       writer=None, spec=spec, owner=owner, reference=reference)

@@ -155,3 +155,20 @@ def test_disaggregated_queues_batches_sampled_ahead_and_collects_the_oldest_when
     for _ in requests[1:]:
         placement.take_ahead()
     assert placement.take_ahead() is None  # each handed over once
+
+
+@pytest.mark.parametrize("depth, first, want", [
+    (0, 0, [[], [], [], [], [], []]),                     # synchronous: nothing sampled ahead
+    (1, 0, [[1], [2], [3], [4], [5], []]),                # k = 1: the next step, until the last
+    (2, 0, [[1, 2], [3], [4], [5], [], []]),              # k = 2: a launch's first step hands over two
+    (2, 3, [[4, 5], [], []]),                             # resumed at step 3 (a fresh placement): 4 and 5
+    (8, 0, [[1, 2, 3, 4, 5], [], [], [], [], []]),        # a window wider than the run stops at the last step
+])
+def test_the_placement_owns_the_window_of_steps_sampled_ahead(depth, first, want):
+    """The asynchronous window (trainer.max_staleness k = depth) over a 6-step run (steps 0-5): after step s's batch,
+    the steps to hand over, each once, up to k past s; hand-computed."""
+    remote = StandInRemote(batches=[])
+    placement = Disaggregated(remote, _groups(), dp=1, learner_ranks=1, depth=depth)
+    assert [list(placement.steps_ahead(step, 5)) for step in range(first, 6)] == want
+    colocated = Colocated(StandInEngine(), _groups(), model_parallel=1)
+    assert [list(colocated.steps_ahead(step, 5)) for step in range(6)] == [[]] * 6
