@@ -360,7 +360,7 @@ def _sft_kv_problems(run: RunConfig, spec) -> list[str]:
     if isinstance(spec, DeepseekSpec):
         problems.append(f"{field} is not implemented for multi-head latent attention (the engine keeps latent rows; "
                         "kv/latent.py)")
-    if run.env.episodes:
+    if run.env.multi_turn:
         problems.append(f"{field} follows single-turn rows; env.kind = {run.env.kind!r} (episodes) is not supported")
     return problems
 
