@@ -37,6 +37,7 @@ from megatron_sparse_rl.learner.attention_mask import LayerAttentionMasks, pad_c
 from megatron_sparse_rl.learner.chunks import ModelChunks, chunks_of
 from megatron_sparse_rl.learner.dsa_indexer_loss import IndexerLoss, indexer_loss_config
 from megatron_sparse_rl.learner.extras import NO_EXTRAS, ForwardExtras
+from megatron_sparse_rl.learner.host_metrics import summed_on_host
 from megatron_sparse_rl.learner.indexer_replay import LearnerIndexer
 from megatron_sparse_rl.learner.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_sparse_rl.learner.model import build_gpt_model
@@ -391,7 +392,8 @@ class Learner:
     def train_step(self, tokens: torch.Tensor, loss_fn: LossFn, *, lengths=None, lr: float | None = None,
                    extras: ForwardExtras = NO_EXTRAS) -> dict[str, float]:
         """One optimizer step over this rank's batch; returns loss, grad norm, lr and the loss_fn metrics summed
-        over micro-batches (local to the data-parallel rank, the same on its every pipeline stage: the last stage's;
+        over micro-batches (numbers or tensors as host floats; a dataclass of them, such as algorithms/objective.py
+        `ObjectiveSums`, field by field on the host and added with its own `+`) (local to the data-parallel rank, the same on its every pipeline stage: the last stage's;
         reduce across data-parallel ranks in the caller), and with `extras.routes` the
         routing metrics (routing/replay_applied_fraction; with `compare_with`, routing/drift/..., already global
         over the data-parallel ranks). `lengths`, `extras`: as in forward_logprobs (the loss_fn sees [b, S-1]
@@ -426,10 +428,7 @@ class Learner:
                 self.step += 1
             else:  # back to the schedule's rate for the next scheduled step
                 self.scheduler.step(increment=0)
-        metrics: dict[str, float] = {}
-        for item in out:  # empty on all but the last pipeline stage, which every stage then takes them from
-            for k, v in item.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v)
+        metrics = summed_on_host(out)  # empty on all but the last pipeline stage; every stage takes its metrics
         if self.layout.pp > 1:
             held = [metrics]
             dist.broadcast_object_list(held, src=dist.get_process_group_ranks(self.groups.pp)[-1], group=self.groups.pp)
@@ -445,3 +444,4 @@ class Learner:
     def named_full_parameters(self):
         """(full name, LocalParam) for every local parameter (see learner/params.py)."""
         return local_params(self.model, self.groups).items()
+

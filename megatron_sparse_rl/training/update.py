@@ -21,7 +21,7 @@ from megatron_sparse_rl.algorithms import (
     apply_corrections, compute_advantages, loss_normalizer, mismatch_metrics, routing_attribution, tail_metrics,
 )
 from megatron_sparse_rl.algorithms.corrections import opsm_keep
-from megatron_sparse_rl.algorithms.objective import ObjectiveInputs, current_tis, rl_objective
+from megatron_sparse_rl.algorithms.objective import ObjectiveInputs, ObjectiveSums, current_tis, rl_objective
 from megatron_sparse_rl.algorithms.old_policy import engine_mean_logprobs
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig
 from megatron_sparse_rl.learner.extras import ForwardExtras
@@ -280,8 +280,7 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
     routing.record_stats each update's own routes of its rows are compared with `prep.learner_routes` of the same
     rows (`_routing_over_updates`). OPSM (algorithm.corrections.opsm) is applied here, in every micro-batch's loss
     with the current policy (`make_loss`), and reported as `opsm/masked_seq_frac`."""
-    totals: dict[str, float] = {}
-    routed: list[dict[str, float]] = []
+    sums, totals, routed = None, dict.fromkeys(_LEARNER_SUMS, 0.0), []
     rows = torch.arange(prep.tokens.shape[0])
     counted = prep.counted if prep.counted is not None else prep.mask
     for chunk in rows.chunk(updates):
@@ -296,11 +295,10 @@ def update(learner, prep: PreparedBatch, cfg: AlgorithmConfig, *, updates: int, 
         support = _rows_of(prep.sampling_support, chunk)
         out = learner.train_step(prep.tokens[chunk], loss_fn, lengths=prep.lengths[chunk],
                                  extras=ForwardExtras(sampling_support=support, routes=request, indexer=indexer))
+        sums = out[OBJECTIVE] if sums is None else sums + out[OBJECTIVE]
+        totals = {k: v + out[k] for k, v in totals.items()}
         routed.append({k: float(v) for k, v in out.items() if k.startswith(("routing/", "indexer/"))})
-        for k, v in out.items():
-            if not k.startswith(("routing/", "indexer/")):
-                totals[k] = totals.get(k, 0.0) + v
-    return {**reduce_metrics(totals, updates, dp_group), **_routing_over_updates(routed)}
+    return {**reduce_metrics(sums, totals, updates, dp_group), **_routing_over_updates(routed)}
 
 
 def _rows_of(per_row, chunk: torch.Tensor):
@@ -329,11 +327,17 @@ def _routing_over_updates(per_update: list[dict[str, float]]) -> dict[str, float
     return out
 
 
+OBJECTIVE = "objective"
+"""The key of the objective's `ObjectiveSums` among a train step's metrics."""
+_LEARNER_SUMS = ("loss", "grad_norm", "lr")
+"""What the learner's train_step adds to every step's metrics (summed over the updates)."""
+
+
 def make_loss(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, norm: torch.Tensor):
     """learner.train_step's loss for the mini-batch rows `chunk`: loss_fn(logprobs [b, T-1], entropy [b, T-1],
-    index [b] rows of the chunk) -> (loss, metrics): the objective (algorithms/objective.py `rl_objective`) of those
-    rows; `norm` comes from the whole mini-batch's mask. Its metrics are means over the micro-batch's tokens,
-    weighted here by their count (`*n`, divided out by `reduce_metrics`); its counts are sums."""
+    index [b] rows of the chunk) -> (loss, {OBJECTIVE: sums}): the objective (algorithms/objective.py `rl_objective`)
+    of those rows, its metrics as `ObjectiveSums` (the learner adds them over micro-batches); `norm` comes from the
+    whole mini-batch's mask."""
     rows = {"mask": prep.mask, "counted": prep.counted if prep.counted is not None else prep.mask,
             "old_logprobs": prep.old_logprobs, "rollout_logprobs": prep.rollout_logprobs,
             "loss_mask": prep.loss_mask if prep.loss_mask is not None else prep.mask,
@@ -343,30 +347,21 @@ def make_loss(prep: PreparedBatch, chunk: torch.Tensor, cfg: AlgorithmConfig, no
     def loss_fn(logprobs, entropy, index):
         dev = logprobs.device
         x = ObjectiveInputs(**{k: None if v is None else v[index].to(dev) for k, v in rows.items()})
-        loss, metrics, counts = rl_objective(logprobs, entropy, x, cfg, norm)
-        n = counts["n"]
-        weighted = {f"{k}*n": v.detach().float() * n for k, v in metrics.items()}
-        return loss, {**weighted, **counts}
+        loss, sums = rl_objective(logprobs, entropy, x, cfg, norm)
+        return loss, {OBJECTIVE: sums}
 
     return loss_fn
 
 
-def reduce_metrics(totals: dict[str, float], updates: int, dp_group) -> dict[str, float]:
-    keys = sorted(totals)
-    values = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+def reduce_metrics(sums: ObjectiveSums, totals: dict[str, float], updates: int, dp_group) -> dict[str, float]:
+    """The step's loss metrics over `updates` updates and the data-parallel ranks: the objective's token means
+    (`ObjectiveSums.means`), loss/value (the updates' mean of the loss, each rank's a share of the global one, so
+    summed over the ranks), and the mean grad norm and learning rate."""
+    values = torch.tensor([totals[k] for k in _LEARNER_SUMS], dtype=torch.float64)
+    dp = 1
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(values, group=dp_group)
-    summed = dict(zip(keys, values.tolist()))
-    n = max(summed.get("n", 0.0), 1.0)
-    out = {}
-    for k, v in summed.items():
-        if k.endswith("*n"):
-            out["loss/" + k[:-2]] = v / n
-    out["loss/value"] = summed.get("loss", 0.0) / updates
-    dp = dist.get_world_size(dp_group) if dp_group is not None else 1
-    out["train/grad_norm"] = summed.get("grad_norm", 0.0) / (updates * dp)
-    out["train/lr"] = summed.get("lr", 0.0) / (updates * dp)
-    out["train/tokens"] = summed.get("n", 0.0)
-    if "opsm/seqs" in summed:  # sequences the updates' OPSM dropped, over all updates and ranks
-        out["opsm/masked_seq_frac"] = summed["opsm/masked_seqs"] / max(summed["opsm/seqs"], 1.0)
-    return out
+        dp = dist.get_world_size(dp_group)
+    loss, grad_norm, lr = values.tolist()
+    return {**sums.all_reduce(dp_group).means(), "loss/value": loss / updates,
+            "train/grad_norm": grad_norm / (updates * dp), "train/lr": lr / (updates * dp)}

@@ -15,6 +15,7 @@ from megatron_sparse_rl.algorithms import kl_loss, loss_normalizer, policy_loss
 from megatron_sparse_rl.config.algorithm import (
     AlgorithmConfig, CorrectionsConfig, IcePopConfig, KLConfig, LossConfig, MISConfig,
 )
+from megatron_sparse_rl.learner.host_metrics import summed_on_host
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.training.update import prepare, update
 
@@ -101,7 +102,7 @@ class _Learner:
     def train_step(self, tokens, loss_fn, *, lengths=None, extras=None):
         index = torch.arange(tokens.shape[0])
         loss, metrics = loss_fn(self.current.clone(), torch.zeros_like(self.current), index)
-        return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}, "grad_norm": 0.0, "lr": 0.0}
+        return {"loss": float(loss), **summed_on_host([metrics]), "grad_norm": 0.0, "lr": 0.0}
 
 
 def _layout(a):

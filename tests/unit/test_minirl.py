@@ -22,7 +22,7 @@ from megatron_sparse_rl.config.algorithm import (
     AlgorithmConfig, CorrectionsConfig, LossConfig, TISConfig,
 )
 from megatron_sparse_rl.training.learner_batch import LearnerBatch
-from megatron_sparse_rl.training.update import PreparedBatch, make_loss, prepare
+from megatron_sparse_rl.training.update import OBJECTIVE, PreparedBatch, make_loss, prepare
 from tests.unit.test_training_update import two_sample_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +120,8 @@ def test_update_loss_and_gradient_are_minirl():
     assert (mask & ~keep).sum() == 4 and (grad[mask & ~keep] == 0).all()
     assert grad[0, 3] != 0 and grad[1, 2] != 0  # r 0.7 with A > 0 and r 1.4 with A < 0 keep their gradient
     np.testing.assert_allclose(grad[0, 4:6], [-CAP * 0.5 / B] * 2, rtol=1e-12)
-    assert float(metrics["tis/truncated_frac*n"]) == pytest.approx(2.0)  # means come back times the token count
+    sums = metrics[OBJECTIVE]  # means come back times the token count
+    assert float(sums.weighted["tis/truncated_frac"]) == pytest.approx(2.0)
 
 
 def test_pi_old_tis_differs_only_where_the_cap_binds():

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_sparse_rl.algorithms.objective import ObjectiveSums
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig
 from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.learner.extras import RouteRequest
@@ -136,7 +137,7 @@ class DriftingLearner:
         own = _store(self.new[len(self.rows_run)], rows)
         self.rows_run.append(rows)
         request = extras.routes
-        metrics = {"loss": 0.0, "grad_norm": 1.0, "lr": 1e-6, "n": 1.0}
+        metrics = {"loss": 0.0, "grad_norm": 1.0, "lr": 1e-6, U.OBJECTIVE: ObjectiveSums({}, {"n": 1.0})}
         if request is not None and request.replay is not None:
             assert torch.equal(request.replay.token_hash, own.token_hash)  # the rows' routes are replayed
             metrics["routing/replay_applied_fraction"] = 1.0

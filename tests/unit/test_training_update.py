@@ -11,7 +11,7 @@ from megatron_sparse_rl.algorithms import loss_normalizer
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig, OPSMConfig
 from megatron_sparse_rl.rollout.batch import RolloutBatch
 from megatron_sparse_rl.training.learner_batch import LearnerBatch
-from megatron_sparse_rl.training.update import PreparedBatch, make_loss, prepare, reduce_metrics
+from megatron_sparse_rl.training.update import OBJECTIVE, PreparedBatch, make_loss, prepare, reduce_metrics
 
 
 def test_rollout_logprobs_land_on_the_learner_positions_that_score_them():
@@ -74,9 +74,15 @@ def test_opsm_masks_in_the_update_with_the_current_policy_and_keeps_the_normalis
     assert loss.item() == pytest.approx(want_loss, rel=1e-12)
     np.testing.assert_allclose(x.grad.numpy(), want_grad, rtol=1e-12, atol=1e-15)
     assert (x.grad[0] == 0).all() and (x.grad[1] != 0).any()  # row 0: no loss, no gradient; row 1 (A > 0) kept
-    assert float(metrics["opsm/masked_seqs"]) == 1.0 and float(metrics["opsm/seqs"]) == 3.0
-    totals = {k: float(v) for k, v in metrics.items()} | {"loss": loss.item(), "grad_norm": 0.0, "lr": 0.0}
-    assert reduce_metrics(totals, 1, None)["opsm/masked_seq_frac"] == pytest.approx(1 / 3)
+    sums = metrics[OBJECTIVE]
+    assert float(sums.counts["opsm/masked_seqs"]) == 1.0 and float(sums.counts["opsm/seqs"]) == 3.0
+    # two updates of this micro-batch: the sums add, the fraction and the token means stay; loss/value averages them
+    totals = {"loss": 2 * loss.item(), "grad_norm": 3.0, "lr": 0.5}
+    reduced = reduce_metrics(sums + sums, totals, 2, None)
+    assert reduced["opsm/masked_seq_frac"] == pytest.approx(1 / 3)
+    assert reduced["train/tokens"] == 2 * float(m.sum())  # n = the tokens trained: the kept rows' tokens, twice
+    assert reduced["loss/value"] == pytest.approx(loss.item()) and reduced["train/grad_norm"] == 1.5
+    assert reduced["loss/ratio_mean"] == pytest.approx(r[m].mean(), rel=1e-6)  # a token mean over the kept tokens
 
 
 class _FixedLearner:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, KLConfig
+from megatron_sparse_rl.learner.host_metrics import summed_on_host
 from megatron_sparse_rl.training.update import PreparedBatch, update
 
 B, T1, COEF = 6, 7, 0.05  # rows, scored positions (T - 1), algorithm.kl.coef
@@ -31,14 +32,13 @@ class StandInLearner:
 
     def train_step(self, tokens, loss_fn, *, lengths=None, extras=None):
         self.calls.append(tokens[:, 0].tolist())
-        out: dict[str, float] = {}
+        items = []
         for index in torch.arange(tokens.shape[0]).split(self.micro):
             logprobs = self.policy[tokens[index, 0]].clone().requires_grad_(True)
             loss, metrics = loss_fn(logprobs, torch.zeros_like(logprobs), index)
             loss.backward()  # the loss is differentiable in the policy's logprobs, as the learner needs
-            for k, v in {"loss": loss.detach(), **metrics}.items():
-                out[k] = out.get(k, 0.0) + float(v)
-        return {**out, "grad_norm": 0.0, "lr": 0.0}
+            items.append({"loss": loss.detach(), **metrics})
+        return {**summed_on_host(items), "grad_norm": 0.0, "lr": 0.0}
 
 
 def _batch(seed: int):
