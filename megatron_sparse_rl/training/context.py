@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.config.schema import RunConfig
+from megatron_sparse_rl.training.feature_metrics import FeatureHook, feature_hooks
 from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
 
 if TYPE_CHECKING:  # the set-up below imports these where it builds them
@@ -54,6 +55,8 @@ class RunContext:
     """The run directory and this run's identity (run/run_dir.py `RunDir`)."""
     reference: Learner | None = None
     """A frozen copy of the initial model (a Learner never stepped) when algorithm.kl.coef > 0."""
+    features: tuple[FeatureHook, ...] = ()
+    """The step metrics of the features this run has on (training/feature_metrics.py `feature_hooks`)."""
 
     @property
     def dp_group(self):
@@ -163,7 +166,7 @@ def build_context(run: RunConfig, total_steps: int):
                                  depth=run.trainer.max_staleness) if n_rollout
                  else _colocated(run, run_dir, model_dir, spec, layout, groups))
     return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, placement, tokenizer, task,
-                      writer=None, spec=spec, owner=owner, reference=reference)
+                      writer=None, spec=spec, owner=owner, reference=reference, features=feature_hooks(run))
 
 
 def _checked(run: RunConfig):

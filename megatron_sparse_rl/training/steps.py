@@ -19,8 +19,8 @@ from megatron_sparse_rl.rollout.versions import too_stale
 from megatron_sparse_rl.placement import rollout as R
 from megatron_sparse_rl.training import update as U
 from megatron_sparse_rl.training.context import RunContext
+from megatron_sparse_rl.training.feature_metrics import StepView, feature_metrics
 from megatron_sparse_rl.training.sft_kv import sft_kv_extras, sft_kv_metrics
-from megatron_sparse_rl.training.sparse_kv import kv_metrics, sparse_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -168,57 +168,29 @@ def apply_kv_budget(ctx: RunContext, budget: int) -> None:
 
 
 def train_step(ctx: RunContext, batch, version: int = 0, kv_budget: int | None = None) -> dict[str, float]:
-    """Dense old-logprob recompute, advantages, corrections and the policy updates, by the learner at weight
-    version `version` (RL steps trained so far). `kv_budget`: the budget the batch was sampled at (None:
-    rollout.kv.budget)."""
+    """Dense old-logprob recompute, advantages, corrections, the features' metrics and the policy updates, by the
+    learner at weight version `version` (RL steps trained so far). `kv_budget`: the budget the batch was sampled at
+    (None: rollout.kv.budget)."""
     t0 = time.perf_counter()
-    algo = ctx.run.algorithm
-    prep = U.prepare(ctx.learner, batch, algo, pad_id=ctx.placement.pad_id, dp_group=ctx.dp_group,
+    prep = U.prepare(ctx.learner, batch, ctx.run.algorithm, pad_id=ctx.placement.pad_id, dp_group=ctx.dp_group,
                      reference=ctx.reference)
-    metrics = dict(prep.metrics)
-    if ctx.run.trainer.max_staleness:
-        metrics.update(staleness_metrics(ctx, batch, prep, version))
-    if ctx.run.rollout.kv.policy != "none":
-        kv = ctx.run.rollout.kv
-        sparse = sparse_logprobs(ctx.learner, batch, prep.tokens, prep.sampling_support) if kv.record_keep else None
-        metrics.update(kv_metrics(batch, prep.old_logprobs, prep.rollout_logprobs, prep.loss_mask,
-                                  kv.budget if kv_budget is None else kv_budget, sparse=sparse))
+    view = StepView(batch, prep, version=version, kv_budget=kv_budget, dp_group=ctx.dp_group)
+    metrics = {**prep.metrics, **feature_metrics(ctx.features, ctx.learner, view), **_updated(ctx, prep, version)}
+    seconds = time.perf_counter() - t0
+    return {**metrics, "time/train_s": seconds,
+            "train/tokens_per_s": metrics.get("train/tokens", 0.0) / max(seconds, 1e-9)}
+
+
+def _updated(ctx: RunContext, prep: U.PreparedBatch, version: int) -> dict[str, float]:
+    """The policy updates' metrics, or none when algorithm.corrections.batch_skip skips the batch."""
     if prep.metrics.get("batch_skip/skipped", 0.0) > 0:
         log.warning("skipping the update: the batch's k1 mismatch is over algorithm.corrections.batch_skip.max_k1")
-    else:
-        metrics.update(U.update(ctx.learner, prep, algo, updates=ctx.run.trainer.updates_per_rollout,
-                                dp_group=ctx.dp_group))
-        # host floats already (no extra sync); raised before this step's weights are synced, saved or exported
-        require_finite({"loss": metrics["loss/value"], "grad norm": metrics["train/grad_norm"]},
-                       f"RL step {version + 1}")
-    seconds = time.perf_counter() - t0
-    metrics["time/train_s"] = seconds
-    metrics["train/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(seconds, 1e-9)
+        return {}
+    metrics = U.update(ctx.learner, prep, ctx.run.algorithm, updates=ctx.run.trainer.updates_per_rollout,
+                       dp_group=ctx.dp_group)
+    # host floats already (no extra sync); raised before this step's weights are synced, saved or exported
+    require_finite({"loss": metrics["loss/value"], "grad norm": metrics["train/grad_norm"]}, f"RL step {version + 1}")
     return metrics
-
-
-def staleness_metrics(ctx: RunContext, batch, prep, version: int) -> dict[str, float]:
-    """Global over data-parallel ranks: how many weight versions behind `version` the batch's tokens were sampled
-    (mean, max, share of stale tokens) and the k1 mismatch (log mu - log pi_old) of fresh and of stale tokens.
-    `mismatch/k1_staleness` = stale share x (k1 stale - k1 fresh) estimates the staleness term of the split
-    log mu - log pi_old = numerics + compression + staleness, taking the fresh tokens' k1 as the rest's."""
-    if prep.token_version is None:
-        raise ValueError("trainer.max_staleness > 0 needs RolloutBatch.token_version from the engines")
-    mask = prep.loss_mask.bool()
-    lag = (version - prep.token_version.double())[mask]
-    k1 = (prep.rollout_logprobs - prep.old_logprobs).double()[mask]
-    stale = lag > 0
-    n, lag_sum, n_stale, k1_fresh, k1_stale = _global_sum(ctx, [float(mask.sum()), float(lag.sum()),
-                                                                float(stale.sum()), float(k1[~stale].sum()),
-                                                                float(k1[stale].sum())])
-    lag_max = torch.tensor([float(lag.max()) if lag.numel() else 0.0], dtype=torch.float64)
-    if ctx.layout.dp > 1:
-        dist.all_reduce(lag_max, op=dist.ReduceOp.MAX, group=ctx.dp_group)
-    fresh_mean = k1_fresh / max(n - n_stale, 1.0)
-    stale_mean = k1_stale / n_stale if n_stale else fresh_mean
-    return {"async/staleness_mean": lag_sum / max(n, 1.0), "async/staleness_max": float(lag_max),
-            "async/stale_frac": n_stale / max(n, 1.0), "mismatch/k1_fresh": fresh_mean,
-            "mismatch/k1_stale": stale_mean, "mismatch/k1_staleness": n_stale / max(n, 1.0) * (stale_mean - fresh_mean)}
 
 
 def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None, version: int = 0) -> dict[str, float]:
