@@ -84,6 +84,7 @@ def _leave_world() -> None:
     if dist is not None and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+    gc.freeze()  # what survives (the imports) is not scanned again: the next task's collection walks its own objects
 
 
 def _pool_rank_main(rank: int, world_size: int, tasks, results, backend: str, threads: int | None) -> None:

@@ -86,6 +86,10 @@ class RolloutEngine:
         vllm_access.check(features=features)  # before the model loads: vLLM's classes and signatures
         check_patches(self.on_gpu)  # before vLLM builds the model: the rotary op binds its CPU forward at construction
         self.vllm_args = self._engine_args(backend)  # what vLLM was started with
+        # vLLM's engine core freezes the garbage collector's heap when its start-up ends (vllm/utils/gc_utils.py
+        # `freeze_gc_heap`); freezing what exists already, first, spares the full collections its model loader runs
+        # (two, 1-2 s each in a process that holds torch, Megatron-Core and vLLM)
+        gc.freeze()
         with keep_torch_threading():
             self._llm = LLM(**self.vllm_args)
         vllm_access.check(self._llm, features=features)  # the live engine core, scheduler and model runner
