@@ -62,12 +62,7 @@ def _close_failed(ctx) -> None:
 
 def rl_loop(ctx, stops: StopSignals) -> dict:
     cfg, run = ctx.run.trainer, ctx.run
-    from megatron_sparse_rl.rewards import make_scorer
-
-    marker = run.data.answer_marker  # the final answer follows it in a worked response ('' = the whole line)
-    score = make_scorer(run.reward, answer_marker=marker)
-    correct = make_scorer(run.reward, shaping=False, answer_marker=marker)
-    rollouts = rollouts_for(run.env, score=score, correct=correct)  # single-turn or episodes, chosen once
+    rollouts, correct = _rollouts(run)
     loop = state.resume_run(ctx)
     # The engine's first load in this process is always probed; the every-N schedule counts the run's syncs
     # across restarts (a resume's first sync is extra, so it does not count).
@@ -123,6 +118,17 @@ def rl_loop(ctx, stops: StopSignals) -> dict:
                 log.warning("%s: checkpointing after RL step %d and exiting", why, step + 1)
             return _stopped(ctx, why, loop, state.save_run(ctx, loop, task_state))
     return report.finish(loop)
+
+
+def _rollouts(run):
+    """The run's kind of rollout (single-turn or episodes, chosen once, with the shaped reward) and the unshaped
+    correctness scorer that accuracy counts with."""
+    from megatron_sparse_rl.rewards import make_scorer
+
+    marker = run.data.answer_marker  # the final answer follows it in a worked response ('' = the whole line)
+    score = make_scorer(run.reward, answer_marker=marker)
+    correct = make_scorer(run.reward, shaping=False, answer_marker=marker)
+    return rollouts_for(run.env, score=score, correct=correct), correct
 
 
 def _stopped(ctx, why: str, loop: state.LoopState, checkpoint) -> dict:

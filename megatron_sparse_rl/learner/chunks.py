@@ -11,7 +11,8 @@ what finds layers by walking the modules (routers, indexers, attention hooks) se
 each one's global index from `layer_number`. At vpp 1 the learner keeps its single model as before (no ModelChunks).
 torch_dist keys are global (layer offsets are part of each sharded tensor), so a checkpoint saved with chunks loads
 into one model and the other way round: only the nesting of the Python dict differs.
-`pipeline_split`: how a forward-only call of any row count splits into micro-batches at pp > 1.
+`pipeline_split`: how a forward-only call of any row count splits into micro-batches at pp > 1;
+`check_micro_batches`: whether the schedule can run a call's micro-batches.
 """
 from __future__ import annotations
 
@@ -65,3 +66,26 @@ def pipeline_split(rows: int, micro_batch_size: int, pp: int, vpp: int = 1) -> t
     if vpp > 1:
         count = -(-count // pp) * pp
     return count, -(-rows // count)
+
+
+def check_micro_batches(batches, *, rows: int, layout, micro_batch_size: int, recorded: bool) -> int:
+    """The rows per micro-batch of `batches` ((row index, real rows) each), after checking that the pipeline schedule
+    runs them: equal micro-batches at pp > 1, a multiple of pp of them at vpp > 1, and no padding rows in a call
+    that carries per-row records (`recorded`: routes or DSA indexer choices). Raises ValueError naming the fields."""
+    mbs = len(batches[0][0])
+    if layout.pp > 1 and any(len(index) != mbs for index, _ in batches):
+        # pipeline stages exchange activations of one fixed [seq, micro_batch, hidden] shape
+        raise ValueError(f"with parallel.pp={layout.pp} the batch ({rows} rows) must split into "
+                         f"equal micro-batches of learner.micro_batch_size={micro_batch_size}")
+    if layout.vpp > 1 and len(batches) % layout.pp:
+        # the interleaved schedule runs micro-batches in groups of pp per chunk (microbatch_group_size_per_vp_stage)
+        raise ValueError(f"with parallel.vpp={layout.vpp} the batch ({rows} rows) must split into a multiple of "
+                         f"parallel.pp={layout.pp} micro-batches of learner.micro_batch_size={micro_batch_size} "
+                         f"(got {len(batches)})")
+    if recorded and any(real < len(index) for index, real in batches):
+        # their records are assembled per micro-batch row; the run's routed calls carry the step's whole batch
+        raise ValueError(f"a routed call (extras.routes / extras.indexer) of {rows} rows would need padding rows "
+                         f"at parallel.pp={layout.pp} x vpp={layout.vpp} with learner.micro_batch_size="
+                         f"{micro_batch_size}; give it a batch that splits into equal micro-batches (a multiple of pp "
+                         "of them at vpp > 1)")
+    return mbs

@@ -34,7 +34,7 @@ from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.config.schema import LearnerConfig, ModelConfig
 from megatron_sparse_rl.formats.hf_io import iter_mcore_tensors
 from megatron_sparse_rl.learner.attention_mask import LayerAttentionMasks, pad_causal
-from megatron_sparse_rl.learner.chunks import ModelChunks, chunks_of
+from megatron_sparse_rl.learner.chunks import ModelChunks, check_micro_batches, chunks_of
 from megatron_sparse_rl.learner.dsa_indexer_loss import IndexerLoss, indexer_loss_config
 from megatron_sparse_rl.learner.extras import NO_EXTRAS, ForwardExtras
 from megatron_sparse_rl.learner.host_metrics import summed_on_host
@@ -231,23 +231,10 @@ class Learner:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batches = self._micro_batches(tokens, lengths, forward_only)
-        mbs = len(batches[0][0])
-        if self.layout.pp > 1 and any(len(index) != mbs for index, _ in batches):
-            # pipeline stages exchange activations of one fixed [seq, micro_batch, hidden] shape
-            raise ValueError(f"with parallel.pp={self.layout.pp} the batch ({tokens.shape[0]} rows) must split into "
-                             f"equal micro-batches of learner.micro_batch_size={self.cfg.micro_batch_size}")
+        mbs = check_micro_batches(batches, rows=tokens.shape[0], layout=self.layout,
+                                  micro_batch_size=self.cfg.micro_batch_size, recorded=extras.routes is not None
+                                  or extras.indexer is not None)
         chunks = chunks_of(self.model)
-        if len(chunks) > 1 and len(batches) % self.layout.pp:
-            # the interleaved schedule runs micro-batches in groups of pp per chunk (microbatch_group_size_per_vp_stage)
-            raise ValueError(f"with parallel.vpp={self.layout.vpp} the batch ({tokens.shape[0]} rows) must split into "
-                             f"a multiple of parallel.pp={self.layout.pp} micro-batches of learner.micro_batch_size="
-                             f"{self.cfg.micro_batch_size} (got {len(batches)})")
-        if (extras.routes is not None or extras.indexer is not None) and any(r < len(i) for i, r in batches):
-            # their records are assembled per micro-batch row; the run's routed calls carry the step's whole batch
-            raise ValueError(f"a routed call (extras.routes / extras.indexer) of {tokens.shape[0]} rows would need "
-                             f"padding rows at parallel.pp={self.layout.pp} x vpp={self.layout.vpp} with "
-                             f"learner.micro_batch_size={self.cfg.micro_batch_size}; give it a batch that splits "
-                             "into equal micro-batches (a multiple of pp of them at vpp > 1)")
         padded = self._padded(tokens)
         device = next(self.model.parameters()).device
         blocked = None  # Megatron's convention: True = masked out

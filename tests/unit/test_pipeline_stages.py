@@ -201,6 +201,38 @@ def test_pipeline_split_of_forward_only_calls(rows, mbs, pp, vpp, want):
     assert 0 <= count * size - rows < count and size <= mbs and (vpp == 1 or count % pp == 0)  # < 1 pad row each
 
 
+def _split(*sizes, pad=0):
+    """Micro-batches of the given row counts, the last one with `pad` padding rows: (row index, real rows) each."""
+    out, start = [], 0
+    for i, size in enumerate(sizes):
+        out.append((list(range(start, start + size)), size - (pad if i == len(sizes) - 1 else 0)))
+        start += size
+    return out
+
+
+@pytest.mark.parametrize("batches, pp, vpp, recorded, refused", [
+    (_split(2, 2), 2, 1, False, None),
+    (_split(2, 1), 2, 1, False, "equal micro-batches"),             # stages exchange one activation shape
+    (_split(2, 1), 1, 1, False, None),                               # one stage: any split
+    (_split(2, 2, 2), 2, 2, False, "a multiple of parallel.pp=2"),   # interleaved: groups of pp
+    (_split(2, 2, 2, 2), 2, 2, False, None),
+    (_split(2, 2, pad=1), 2, 1, True, "would need padding rows"),    # routes are recorded per real row
+    (_split(2, 2, pad=1), 2, 1, False, None),
+])
+def test_micro_batches_the_schedule_runs(batches, pp, vpp, recorded, refused):
+    from types import SimpleNamespace
+
+    from megatron_sparse_rl.learner.chunks import check_micro_batches
+
+    layout = SimpleNamespace(pp=pp, vpp=vpp)
+    rows = sum(real for _, real in batches)
+    if refused is None:
+        assert check_micro_batches(batches, rows=rows, layout=layout, micro_batch_size=2, recorded=recorded) == 2
+    else:
+        with pytest.raises(ValueError, match=refused):
+            check_micro_batches(batches, rows=rows, layout=layout, micro_batch_size=2, recorded=recorded)
+
+
 def test_pipeline_refuses_unequal_training_micro_batches():
     """pp > 1 without interleaving still needs equal micro-batches (stages exchange one activation shape): 16 prompts
     x 4 samples = 64 rows in micro-batches of 3 are refused at validate, naming the fields; one micro-batch of all
