@@ -49,6 +49,10 @@ def add_run_args(p: argparse.ArgumentParser, full: dict, quick: dict) -> None:
     p.add_argument("--sft-target", type=float, help="stop a seed's SFT warm start once its held-out accuracy (checked "
                    "every trainer.sft.eval_every steps) reaches this, so that seeds start RL from comparable models "
                    f"({default('sft_target', 'trainer.sft.target_accuracy')}; 0: run all the SFT steps)")
+    p.add_argument("--sft-kv-keep", action="store_true", help="sparsity-aware warm start: the SFT trains under the "
+                   "keep sets the config's own rollout.kv engine would make (trainer.sft.kv_keep.enabled, "
+                   "docs/sparse_kv.md), so the warm start runs with that engine, not a dense one, and --sft-target "
+                   "reads its held-out accuracy under it")
     p.add_argument("--prompts-per-step", type=int, help="override trainer.prompts_per_step")
     p.add_argument("--eval-prompts", type=int, help="override trainer.eval_prompts")
     p.add_argument("--reuse-warm-start", action="store_true", help="reuse OUT/seed<s>/warm_start (or model) if present")
@@ -79,7 +83,12 @@ def common_sets(args, quick_sets: tuple[str, ...] = ()) -> list[str]:
 
 def plan(args, base, arms: list[tuple[str, tuple[str, ...]]], common: list[str],
          warm_sets: tuple[str, ...] = ()) -> dict[int, list[Job]]:
-    """Per seed: [warm start (unless it has no SFT step), then every (arm, overrides) of `arms` from it]."""
+    """Per seed: [warm start (unless it has no SFT step), then every (arm, overrides) of `arms` from it]. With
+    --sft-kv-keep the warm start keeps the config's rollout.kv (`warm_sets`' rollout.kv.policy dropped) and trains
+    under its keep sets."""
+    if getattr(args, "sft_kv_keep", False):
+        warm_sets = (*(s for s in warm_sets if not s.startswith("rollout.kv.policy=")),
+                     "trainer.sft.kv_keep.enabled=true")
     tiny = base.model.tiny is not None
     sft_steps = base.trainer.sft.max_steps if args.sft_steps is None else args.sft_steps
     sft = [f"trainer.sft.max_steps={args.sft_steps}"] * (args.sft_steps is not None)

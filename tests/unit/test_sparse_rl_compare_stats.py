@@ -155,6 +155,12 @@ def test_plan_seeds_and_arm_overrides(tmp_path):
     args = C.parse_args(["--seeds", "2", "--sft-steps", "5", "--sft-target", "0.6", "--out", str(tmp_path)])
     warm = load_config(C.CONFIG, C.plan(args, load_config(C.CONFIG))[0][0].sets)
     assert (warm.trainer.sft.max_steps, warm.trainer.sft.target_accuracy) == (5, 0.6)
+    # --sft-kv-keep: the warm start keeps the config's sparse engine and trains under its keep sets; the arms as before
+    args = C.parse_args(["--seeds", "1", "--sft-steps", "5", "--sft-kv-keep", "--out", str(tmp_path)])
+    kv_jobs = C.plan(args, load_config(C.CONFIG))[0]
+    warm = load_config(C.CONFIG, kv_jobs[0].sets)
+    assert warm.trainer.sft.kv_keep.enabled and warm.rollout.kv.policy == load_config(C.CONFIG).rollout.kv.policy != "none"
+    assert [load_config(C.CONFIG, j.sets).rollout.kv.policy for j in kv_jobs[1:2]] == ["none"]  # dense stays dense
     for arm in ("dense", "naive_sparse", "sparse_rl"):
         assert runs[arm].model.path == str(tmp_path / "seed1" / "warm_start" / "hf_final")
         assert runs[arm].trainer.sft.max_steps == 0 and runs[arm].trainer.steps == 100
