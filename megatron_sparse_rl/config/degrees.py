@@ -105,8 +105,8 @@ class ParallelDegrees:
         if getattr(spec, "index_topk", 0) and self.tp > 1:
             problems.append(f"parallel.cp={self.cp} with parallel.tp={self.tp} is not supported for DeepSeek Sparse "
                             f"Attention models ({spec.architecture}): their context parallelism (models/dsa_context.py) "
-                            "is tested at tp 1 only (with pp 1 and 2), and their gradients at tp > 1 do not match "
-                            "transformers yet; use parallel.tp=1 with parallel.cp > 1, or parallel.cp=1")
+                            "is tested at tp 1 only (with pp 1 and 2; their gradients at tp > 1 are tested at cp 1); "
+                            "use parallel.tp=1 with parallel.cp > 1, or parallel.cp=1")
         return problems
 
     def check_model(self, spec) -> None:

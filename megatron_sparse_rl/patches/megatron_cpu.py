@@ -2,8 +2,9 @@
 on a machine without CUDA (tests, the demo, development laptops).
 
 Each shim covers one place where Megatron-Core assumes CUDA. `apply()` installs all of them; it checks the
-upstream version it was written for, is idempotent, and is a no-op when CUDA is available. Entry points
-call it explicitly (never at import).
+upstream version it was written for, is idempotent, and is a no-op when CUDA is available (except
+`megatron_mla_tp`, an upstream bug fix installed on every machine). Entry points call it explicitly (never at
+import).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import logging
 
 import torch
 
-from megatron_sparse_rl.patches import megatron_dsa_hadamard
+from megatron_sparse_rl.patches import megatron_dsa_hadamard, megatron_mla_tp
 
 log = logging.getLogger(__name__)
 
@@ -367,6 +368,7 @@ def apply() -> None:
             f"megatron_sparse_rl's CPU shims were written for megatron-core {MEGATRON_VERSION}, "
             f"found {version}; install megatron-core=={MEGATRON_VERSION}"
         )
+    megatron_mla_tp.apply()  # MLA's shared RoPE key gradient at tp > 1 on the local spec, TE or not
     if not has_te():
         from megatron_sparse_rl.patches import megatron_mla
 

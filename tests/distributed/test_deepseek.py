@@ -61,20 +61,24 @@ def test_learner_tp2_ep2_matches_transformers(ds_dir, reference):
         assert _close(got, reference) < 1e-4
 
 
-def grads_worker(rank, world, model_dir, tokens):
-    """Gradients of the mean next-token NLL on every parameter of a TP1 learner (Megatron's main_grad)."""
+def grads_worker(rank, world, model_dir, tokens, tp=1, sp=None):
+    """Gradients of the mean next-token NLL on every parameter (Megatron's main_grad after the schedule's
+    finalize_model_grads), each gathered whole over its tensor-parallel group; with them the logprobs."""
     from megatron_sparse_rl.learner.extras import ForwardExtras
-    from megatron_sparse_rl.learner.params import local_params
+    from megatron_sparse_rl.learner.params import gather_full, local_params
     from megatron_sparse_rl.learner.sft import make_sft_loss
 
-    learner = W.make_learner(world, model_dir)
+    learner = W.make_learner(world, model_dir, tp=tp, sp=sp)
+    logprobs = learner.forward_logprobs(tokens)["logprobs"]
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
     learner.model.train()
     learner.model.zero_grad_buffer()
     learner._run_schedule(tokens, make_sft_loss(mask, mask.sum().item()), forward_only=False, extras=ForwardExtras(),
                           lengths=learner._check_lengths(tokens, None))
-    return {n: lp.param.main_grad.clone() for n, lp in local_params(learner.model, learner.groups).items()
-            if getattr(lp.param, "main_grad", None) is not None}
+    grads = {n: gather_full(type(lp)(lp.full_name, lp.param.main_grad, lp.tp_dim, lp.glu, lp.expert), learner.groups)
+             for n, lp in local_params(learner.model, learner.groups).items()
+             if getattr(lp.param, "main_grad", None) is not None}
+    return logprobs, grads
 
 
 def hf_grads(model_dir, tokens, mask=None, **load) -> dict[str, torch.Tensor]:
@@ -104,15 +108,14 @@ def hf_grads(model_dir, tokens, mask=None, **load) -> dict[str, torch.Tensor]:
     return hf
 
 
-def test_learner_gradients_match_transformers(ds_dir):
-    """Every parameter's gradient (MLA projections and latent norms, YaRN RoPE path, grouped sigmoid router,
-    experts, shared experts) within 1e-4 relative of transformers' autograd on the same loss."""
+def assert_grads_match_transformers(model_dir, ours, tokens=TOKENS):
+    """`ours` (full Megatron name -> gradient) holds every parameter's gradient, each within 1e-4 relative of
+    transformers' autograd on the same loss."""
     from megatron_sparse_rl.models import load_spec
     from megatron_sparse_rl.models.tensor_map import to_mcore
 
-    ours = run_distributed(grads_worker, 1, args=(ds_dir, TOKENS))[0]
-    hf = hf_grads(ds_dir, TOKENS)
-    adapter, spec = load_spec(ds_dir)
+    hf = hf_grads(model_dir, tokens)
+    adapter, spec = load_spec(model_dir)
     compared = 0
     for tm in adapter.tensor_maps(spec):
         if tm.mcore.endswith("router.expert_bias"):
@@ -123,6 +126,43 @@ def test_learner_gradients_match_transformers(ds_dir):
         assert rel < 1e-4, (tm.mcore, rel)
         compared += 1
     assert compared == len(ours)
+
+
+def test_learner_gradients_match_transformers(ds_dir):
+    """Every parameter's gradient (MLA projections and latent norms, YaRN RoPE path, grouped sigmoid router,
+    experts, shared experts) within 1e-4 relative of transformers' autograd on the same loss."""
+    assert_grads_match_transformers(ds_dir, run_distributed(grads_worker, 1, args=(ds_dir, TOKENS))[0][1])
+
+
+@pytest.fixture(scope="module")
+def ds2_dir(tmp_path_factory):
+    """2 layers (1 dense + 1 MoE): the tp 2 gradient test's model, small enough for `make test`."""
+    from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
+
+    return str(build_tiny_deepseek(tmp_path_factory.mktemp("ds2") / "hf", seed=5, layers=2))
+
+
+def test_learner_tp2_gradients_match_transformers(ds2_dir):
+    """MLA at tensor parallel 2 (sequence parallel on, as MoE requires): logprobs and every parameter's gradient,
+    gathered whole, against transformers. The decoupled RoPE key k_pos_emb is shared by all heads; Megatron-Core
+    0.16.1's local path summed its gradient over this rank's heads only (patches/megatron_mla.py item 3), which put
+    every gradient upstream of linear_kv_down_proj 10-36% off."""
+    ref = hf_reference(ds2_dir, TOKENS)[0]
+    for logprobs, grads in run_distributed(grads_worker, 2, args=(ds2_dir, TOKENS, 2)):
+        assert float((logprobs.double() - ref).abs().max()) < 1e-4
+        assert_grads_match_transformers(ds2_dir, grads)
+
+
+@pytest.mark.slow
+def test_learner_tp2_dense_no_sequence_parallel_gradients_match_transformers(tmp_path):
+    """The same with sequence parallelism off (a dense MLA model: MoE needs it on), the other branch of the fix."""
+    from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
+
+    model_dir = str(build_tiny_deepseek(tmp_path / "hf", seed=5, layers=2, first_k_dense=2))
+    ref = hf_reference(model_dir, TOKENS)[0]
+    for logprobs, grads in run_distributed(grads_worker, 2, args=(model_dir, TOKENS, 2, False)):
+        assert float((logprobs.double() - ref).abs().max()) < 1e-4
+        assert_grads_match_transformers(model_dir, grads)
 
 
 # ---- conversion -------------------------------------------------------------------------------------------------
