@@ -97,18 +97,6 @@ class ParallelDegrees:
         the layout does not fit)."""
         return pipeline_stages(self.pp, num_layers, self.pipeline_layout, self.vpp)
 
-    def _context_problems(self, spec) -> list[str]:
-        """What context parallelism (cp > 1) does not run yet, each with its reason."""
-        if self.cp == 1:
-            return []
-        problems = []
-        if getattr(spec, "index_topk", 0) and self.tp > 1:
-            problems.append(f"parallel.cp={self.cp} with parallel.tp={self.tp} is not supported for DeepSeek Sparse "
-                            f"Attention models ({spec.architecture}): their context parallelism (models/dsa_context.py) "
-                            "is tested at tp 1 only (with pp 1 and 2; their gradients at tp > 1 are tested at cp 1); "
-                            "use parallel.tp=1 with parallel.cp > 1, or parallel.cp=1")
-        return problems
-
     def check_model(self, spec) -> None:
         """Raise ValueError if these degrees cannot shard `spec` (models/spec.py `ModelSpec`)."""
         problems = []
@@ -132,7 +120,6 @@ class ParallelDegrees:
                                 "(Megatron-Core refuses to train MoE under TP without it)")
         elif self.ep > 1:
             problems.append(f"parallel.ep={self.ep} needs an MoE model ({spec.architecture} has no routed experts)")
-        problems += self._context_problems(spec)
         has_dense_mlp = not all(spec.moe_layers) if spec.moe_layers else True
         if has_dense_mlp and spec.ffn_hidden_size % self.tp:
             problems.append(f"parallel.tp={self.tp} must divide the FFN size ({spec.ffn_hidden_size})")

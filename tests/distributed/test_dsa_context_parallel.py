@@ -12,7 +12,7 @@ over more keys (12) than it holds queries (6). One run at cp 1 (1 rank) is the r
 - indexer replay: with every indexer's weights_proj moved (its own top-k changes), replaying cp 1's record (as an R3
   engine record would be replayed: per row, cut to each rank's query rows) gives applied fraction 1.0 and cp 1's
   logprobs of the same replay (1e-5), and the fresh choice moved (flip rate > 0, equal to cp 1's).
-The same at pp 2 x cp 2 (4 ranks, slow) against transformers and pp 2 x cp 1.
+The same at pp 2 x cp 2 (4 ranks, slow) against transformers and pp 2 x cp 1, and at tp 2 x cp 2 (4 ranks, slow).
 Run: .venv/bin/python -m pytest -q tests/distributed/test_dsa_context_parallel.py
 """
 import pytest
@@ -136,4 +136,12 @@ def test_dsa_pp2_cp2_matches_pp2_cp1_and_transformers(model_dir):
     ref = run_distributed(cp_worker, 2, args=(model_dir, TOKENS, LENGTHS, 1, None, 1, 2), timeout=600)
     ref = {**ref[-1], "grads": {**ref[0]["grads"], **ref[1]["grads"]}}
     _check(model_dir, ref, run_distributed(cp_worker, 4, args=(model_dir, TOKENS, LENGTHS, 2, ref["record"], 1, 2),
+                                           timeout=600))
+
+
+@pytest.mark.slow
+def test_dsa_tp2_cp2_matches_cp1_and_transformers(model_dir, cp1):
+    """tp 2 x cp 2 (4 ranks, sequence parallel): the same checks against cp 1 and transformers. Its gradients need
+    patches/megatron_mla_tp.py (MLA's shared RoPE key at tp > 1)."""
+    _check(model_dir, cp1, run_distributed(cp_worker, 4, args=(model_dir, TOKENS, LENGTHS, 2, cp1["record"], 2),
                                            timeout=600))
