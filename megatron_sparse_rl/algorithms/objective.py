@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from megatron_sparse_rl.algorithms.aggregation import global_sum
 from megatron_sparse_rl.algorithms.corrections import correction_inputs, opsm_keep, tis_correction
 from megatron_sparse_rl.algorithms.kl import kl_loss
 from megatron_sparse_rl.algorithms.losses import policy_loss
@@ -59,16 +59,12 @@ class ObjectiveSums:
                              {k: v + other.counts[k] for k, v in self.counts.items()})
 
     def all_reduce(self, group) -> "ObjectiveSums":
-        """Summed over the ranks of `group` (None or one rank: as they are), as host floats."""
-        keys = [("w", k) for k in sorted(self.weighted)] + [("c", k) for k in sorted(self.counts)]
-        values = torch.tensor([float((self.weighted if w == "w" else self.counts)[k]) for w, k in keys],
+        """Summed over the ranks of `group` (None: as they are), as host floats."""
+        weighted, counts = sorted(self.weighted), sorted(self.counts)
+        values = torch.tensor([float(self.weighted[k]) for k in weighted] + [float(self.counts[k]) for k in counts],
                               dtype=torch.float64)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(values, group=group)
-        out: dict[str, dict[str, float]] = {"w": {}, "c": {}}
-        for (w, k), v in zip(keys, values.tolist()):
-            out[w][k] = v
-        return ObjectiveSums(out["w"], out["c"])
+        values = global_sum(values, group).tolist()
+        return ObjectiveSums(dict(zip(weighted, values)), dict(zip(counts, values[len(weighted):])))
 
     def means(self) -> dict[str, float]:
         """The step's metrics: loss/<k> = the token mean of each metric, train/tokens = n, and with OPSM

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_sparse_rl.algorithms.aggregation import global_sum
 from megatron_sparse_rl.config.rollout import KVConfig
 from megatron_sparse_rl.config.schema import RunConfig
 from megatron_sparse_rl.rollout.batch import RolloutBatch
@@ -58,11 +59,10 @@ class StalenessMetrics:
         stale = lag > 0
         sums = torch.tensor([float(mask.sum()), float(lag.sum()), float(stale.sum()), float(k1[~stale].sum()),
                              float(k1[stale].sum())], dtype=torch.float64)
+        n, lag_sum, n_stale, k1_fresh, k1_stale = global_sum(sums, step.dp_group).tolist()
         lag_max = torch.tensor([float(lag.max()) if lag.numel() else 0.0], dtype=torch.float64)
-        if step.dp_group is not None and dist.get_world_size(step.dp_group) > 1:
-            dist.all_reduce(sums, group=step.dp_group)
+        if step.dp_group is not None:
             dist.all_reduce(lag_max, op=dist.ReduceOp.MAX, group=step.dp_group)
-        n, lag_sum, n_stale, k1_fresh, k1_stale = sums.tolist()
         fresh_mean = k1_fresh / max(n - n_stale, 1.0)
         stale_mean = k1_stale / n_stale if n_stale else fresh_mean
         return {"async/staleness_mean": lag_sum / max(n, 1.0), "async/staleness_max": float(lag_max),
