@@ -85,7 +85,7 @@ class RolloutEngine:
             + tuple(f for ext in self.extensions for f in ext.vllm_features(latent is not None))
         vllm_access.check(features=features)  # before the model loads: vLLM's classes and signatures
         check_patches(self.on_gpu)  # before vLLM builds the model: the rotary op binds its CPU forward at construction
-        self.vllm_args = self._engine_args(backend)  # what vLLM was started with
+        self.vllm_args = self._engine_args(backend, mla=latent is not None)  # what vLLM was started with
         # vLLM's engine core freezes the garbage collector's heap when its start-up ends (vllm/utils/gc_utils.py
         # `freeze_gc_heap`); freezing what exists already, first, spares the full collections its model loader runs
         # (two, 1-2 s each in a process that holds torch, Megatron-Core and vLLM)
@@ -115,7 +115,7 @@ class RolloutEngine:
         version=)`, the call that loads them."""
         return self._weight_version
 
-    def _engine_args(self, backend: str) -> dict[str, Any]:
+    def _engine_args(self, backend: str, *, mla: bool) -> dict[str, Any]:
         """vLLM's `LLM(...)` arguments: the rollout config's, then each extension's."""
         cfg = self.cfg
         kwargs: dict[str, Any] = dict(
@@ -129,6 +129,11 @@ class RolloutEngine:
             load_format="safetensors",  # never a pickled *.bin from the model directory (it could run code)
         )
         kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+        if mla and not self.on_gpu:
+            # vLLM's CPU platform prefers its AMX MLA kernels where the CPU has AMX; they take bf16 weights only,
+            # and the sparse-KV and latent paths here are built on the portable CPU_MLA backend, the one a CPU
+            # without AMX gets: the same backend, and the same numbers, on every CPU
+            kwargs["attention_backend"] = "CPU_MLA"
         if self.on_gpu and cfg.kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_gb * 2**30
         if cfg.kv.block_size is not None:
