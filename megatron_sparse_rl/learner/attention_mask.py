@@ -27,20 +27,28 @@ import torch
 _PER_LAYER = 5  # [b, layers, kv_heads, s, s]; Megatron's own masks have 4 dimensions
 
 
+def hook_core_attention(model: torch.nn.Module, hook, *, what: str) -> list:
+    """Register `hook` as a forward pre-hook (with kwargs) on every local core-attention module of `model`
+    (Megatron's DotProductAttention and its subclasses); returns the handles. `what` names the caller's feature in
+    the errors: TransformerEngine attention is refused, and so is a model without a local core attention."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    handles = []
+    for module in model.modules():
+        if type(module).__name__ == "TEDotProductAttention":
+            raise NotImplementedError(f"{what} needs Megatron's local DotProductAttention (TransformerEngine "
+                                      f"attention takes no per-head mask and exposes no queries and keys)")
+        if isinstance(module, DotProductAttention):
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    if not handles:
+        raise ValueError(f"{what}: no DotProductAttention module found in the model")
+    return handles
+
+
 class LayerAttentionMasks:
     def __init__(self, model: torch.nn.Module, tp_rank: int):
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
         self._tp_rank = tp_rank
-        self._handles = []
-        for module in model.modules():
-            if type(module).__name__ == "TEDotProductAttention":
-                raise NotImplementedError("per-layer attention masks need Megatron's local DotProductAttention "
-                                          "(TransformerEngine attention takes no per-head mask)")
-            if isinstance(module, DotProductAttention):
-                self._handles.append(module.register_forward_pre_hook(self._hook, with_kwargs=True))
-        if not self._handles:
-            raise ValueError("no DotProductAttention module found in the model")
+        self._handles = hook_core_attention(model, self._hook, what="per-layer attention masks")
 
     def _hook(self, module, args, kwargs):
         positional = len(args) > 3

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_sparse_rl.learner.attention_mask import hook_core_attention
+
 
 class QueryKeyCapture:
     def __init__(self, model: torch.nn.Module):
@@ -25,13 +27,7 @@ class QueryKeyCapture:
         self._calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def __enter__(self) -> "QueryKeyCapture":
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-        for module in self._model.modules():
-            if isinstance(module, DotProductAttention):
-                self._handles.append(module.register_forward_pre_hook(self._hook, with_kwargs=True))
-        if not self._handles:
-            raise ValueError("no DotProductAttention module found in the model")
+        self._handles = hook_core_attention(self._model, self._hook, what="QueryKeyCapture")
         return self
 
     def __exit__(self, *exc) -> None:
