@@ -163,12 +163,13 @@ def _announce(ctx, loop: state.LoopState) -> None:
 
 
 def _lora_note(ctx) -> str:
-    """'; LoRA rank 4, 5,120 adapter parameters train (the base frozen)' for a LoRA learner (its own count), else ''."""
+    """'; LoRA rank 4, 5,120 adapter parameters train (the base frozen), syncs after ...' for a LoRA learner (its own
+    count), else ''."""
     adapters = ctx.learner.lora_params
     if not adapters:
         return ""
     return (f"; LoRA rank {ctx.learner.lora.rank}, {sum(p.numel() for p in adapters.values()):,} adapter parameters "
-            "train (the base frozen)")
+            "train (the base frozen), syncs after the first send the adapted tensors alone")
 
 
 def sft_stage(ctx, correct, loop: state.LoopState, report, probe, stops: StopSignals) -> str | None:

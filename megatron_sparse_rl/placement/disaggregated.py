@@ -136,15 +136,16 @@ class RemoteEngine:
                    for d in range(len(answers[0].batches))]
         return batches, {k: max(a.seconds[k] for a in answers) for k in answers[0].seconds}
 
-    def sync_weights(self, learner, *, bucket_mb: float, version: int = 0, convert=None):
+    def sync_weights(self, learner, *, bucket_mb: float, version: int = 0, convert=None,
+                     only: frozenset[str] | None = None):
         """Every learner rank calls it: learner -> every engine, checksummed, as weight version `version` (each HF
-        tensor replaced by `convert(name, tensor)` when given); rank `SRC` checks the receipts (while sampling
-        ahead: a failed load answers the next request)."""
+        tensor replaced by `convert(name, tensor)` when given; `only`: those HF tensors alone, weight_sync/scope.py);
+        rank `SRC` checks the receipts (while sampling ahead: a failed load answers the next request)."""
         start = time.perf_counter()
         if self.driver:
             self._send(SyncWeights(version))
         stats = send_weights(learner, self.group, src=SRC, bucket_mb=bucket_mb, shards=self.shards,
-                             shard_groups=self.shard_groups, convert=convert)
+                             shard_groups=self.shard_groups, convert=convert, only=only)
         if self.driver and not self.ahead:
             self._gather()  # every engine verified its buckets and loaded them
         return replace(stats, seconds=time.perf_counter() - start)

@@ -6,7 +6,8 @@ training steps call it and never ask which one they have (README.md, "Layout": s
     for s in placement.steps_ahead(step, last):  # asynchronous RL: the steps to hand over (up to `depth` ahead)
         placement.sample_ahead(requests, finish)  # sample step s while the learner trains; queued here
     stats = placement.sync(learner, bucket_mb=256, version=v)   # weights as version v (while sampling ahead: in
-                                                # flight)
+                                                # flight); a LoRA learner's adapted tensors alone once the engines
+                                                # hold a full set (weight_sync/scope.py)
     ahead = placement.take_ahead()              # the oldest batch queued (AheadBatch: finish(batch, dp_rank) of
                                                 # this rank's share, the engines' times); None when none is
     metrics = placement.verify(learner, probe, tol)  # the probe's sync/... metrics (weight_sync/verify.py)
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_sparse_rl.placement.rollout import RolloutRequest
 from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
+from megatron_sparse_rl.weight_sync.scope import EngineWeightState
 
 T = TypeVar("T")
 Work = Callable[[Any, int], T]
@@ -78,6 +80,8 @@ class Placement:
     0: none, the synchronous loop)."""
     _handed: int = -1
     """The last step handed over (sampled now or ahead)."""
+    engine_state: EngineWeightState
+    """Whether the engines hold a full set of the learner's weights: what `sync` sends (weight_sync/scope.py)."""
 
     def generate(self, work: Work) -> T:
         raise NotImplementedError
@@ -97,8 +101,15 @@ class Placement:
 
     def sync(self, learner, *, bucket_mb: float, version: int = 0):
         """Learner weights -> the engines (checksummed), which then hold weight version `version` (the RL steps
-        trained; RolloutBatch.token_version); returns weight_sync's `SyncStats`. While the engines sample ahead
-        (`sample_ahead`) the weights reach them in flight."""
+        trained; RolloutBatch.token_version); returns weight_sync's `SyncStats` (`full_bytes`: what a full sync
+        moves). While the engines sample ahead (`sample_ahead`) the weights reach them in flight. What is sent is
+        decided by `engine_state` (weight_sync/scope.py): everything until the engines hold a full set, then a LoRA
+        learner's adapted tensors alone."""
+        return self.engine_state.sync(learner, lambda only: self._send(learner, bucket_mb=bucket_mb, version=version,
+                                                                       only=only))
+
+    def _send(self, learner, *, bucket_mb: float, version: int, only: frozenset[str] | None):
+        """Send the learner's weights (`only`: those HF tensors alone) to the engines as weight version `version`."""
         raise NotImplementedError
 
     def sample_ahead(self, requests: list[RolloutRequest], finish: Finish) -> None:
@@ -129,6 +140,7 @@ class Colocated(Placement):
     def __init__(self, engine, groups, model_parallel: int, *, weights: EngineWeights = EngineWeights()):
         self.engine, self.groups, self.model_parallel = engine, groups, model_parallel
         self.pad_id, self.weights = engine.pad_id, weights
+        self.engine_state = EngineWeightState()  # the engine was just started: it holds none of the learner's weights
 
     def _from_leader(self, obj):
         """The model-parallel group's first rank's `obj` on every rank of the group."""
@@ -143,11 +155,11 @@ class Colocated(Placement):
         leader = self.groups.tp_rank == 0 and self.groups.pp_rank == 0 and self.groups.cp_rank == 0
         return self._from_leader(work(self.engine, self.groups.dp_rank) if leader else None)
 
-    def sync(self, learner, *, bucket_mb: float, version: int = 0):
+    def _send(self, learner, *, bucket_mb: float, version: int, only: frozenset[str] | None):
         from megatron_sparse_rl.weight_sync import sync_to_engine
 
         return sync_to_engine(learner, self.engine, bucket_mb=bucket_mb, convert=self.weights.convert,
-                              version=version)
+                              version=version, only=only)
 
     def verify(self, learner, tokens, tol: float) -> dict[str, float]:
         from megatron_sparse_rl.weight_sync import probe_metrics
@@ -194,6 +206,7 @@ class Disaggregated(Placement):
         self.recompute_kv = recompute_kv  # trainer.in_flight_kv = recompute
         self.depth = depth  # trainer.max_staleness: batches queued at most (0: a synchronous run)
         self._ahead: deque[AheadBatch] = deque()  # the batches sampled ahead, oldest first
+        self.engine_state = EngineWeightState()  # the rollout ranks' engines hold none of the learner's weights yet
 
     def _from_driver(self, out: list | None) -> Any:
         """Learner rank 0's per-share results `out`; this rank's share."""
@@ -228,8 +241,9 @@ class Disaggregated(Placement):
         result, engine_s = self._from_driver(out)
         return replace(ahead, result=result, engine_s=engine_s, learner_wait_s=time.perf_counter() - start)
 
-    def sync(self, learner, *, bucket_mb: float, version: int = 0):
-        return self.remote.sync_weights(learner, bucket_mb=bucket_mb, version=version, convert=self.weights.convert)
+    def _send(self, learner, *, bucket_mb: float, version: int, only: frozenset[str] | None):
+        return self.remote.sync_weights(learner, bucket_mb=bucket_mb, version=version, convert=self.weights.convert,
+                                        only=only)
 
     def verify(self, learner, tokens, tol: float) -> dict[str, float]:
         from megatron_sparse_rl.weight_sync import probe_metrics

@@ -199,7 +199,9 @@ def sync_step(ctx: RunContext, n_syncs: int, probe: torch.Tensor | None, version
     and they answer the probe between two batches (after the one they are sampling)."""
     cfg = ctx.run.trainer
     stats = ctx.placement.sync(ctx.learner, bucket_mb=cfg.sync_bucket_mb, version=version)
-    metrics = {"time/sync_s": stats.seconds, "sync/bytes_per_s": stats.bytes_per_s}
+    # a LoRA learner's syncs after the engines hold a full set move the adapted tensors alone (weight_sync/scope.py)
+    metrics = {"time/sync_s": stats.seconds, "sync/bytes_per_s": stats.bytes_per_s, "sync/bytes": stats.bytes,
+               "sync/full_bytes": stats.full_bytes}
     metrics.update(verify_step(ctx, n_syncs, probe))
     return metrics
 

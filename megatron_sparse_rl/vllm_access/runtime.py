@@ -4,6 +4,7 @@ version checks of the CPU patches. Part of `vllm_access` (re-exported there; its
 rely on)."""
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,8 +80,30 @@ def uses_mla(llm) -> bool:
     return bool(llm.llm_engine.model_config.use_mla)
 
 
+_RELOAD_LOGGERS = tuple(f"vllm.model_executor.model_loader.reload.{m}" for m in ("layerwise", "inplace"))
+_PARTIAL_RELOAD = ("Failed to load weights", "Following weights were not loaded from checkpoint")
+
+
+def _partial_reload_to_debug(record: logging.LogRecord) -> bool:
+    """vLLM's reload warns for every layer a load leaves out (and lists every tensor it left out): what a sync of a
+    subset does on purpose (a LoRA learner's adapted tensors, weight_sync/scope.py), so those are DEBUG here. The
+    syncs' checksums and the probe check what the engine holds; the layers left out keep their weights."""
+    if record.levelno == logging.WARNING and any(m in str(record.msg) for m in _PARTIAL_RELOAD):
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+    return True
+
+
 def reload_weights(worker, weights) -> None:
-    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    """Load HF-named `weights` (the whole model or a subset) in place through vLLM's layerwise reload."""
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(_partial_reload_to_debug)
+    try:
+        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_partial_reload_to_debug)
 
 
 def runner_state(runner, default=None):

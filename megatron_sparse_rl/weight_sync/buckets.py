@@ -114,6 +114,8 @@ class SyncStats:
     """Seconds per phase (`PHASES`) on this rank; what they leave of `seconds` is untimed glue."""
     expert_seconds: float = 0.0
     """Export and engine-load seconds of the routed experts' tensors (their pack/digest/verify are per byte)."""
+    full_bytes: int = 0
+    """What a full sync moves (a placement's: its last full sync's bytes, weight_sync/scope.py); 0: not known."""
 
     @property
     def bytes_per_s(self) -> float:

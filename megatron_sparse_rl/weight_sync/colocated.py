@@ -29,17 +29,18 @@ log = logging.getLogger(__name__)
 
 
 def sync_to_engine(learner, engine, *, bucket_mb: float = 256.0, verify: bool = True, convert=None,
-                   version: int | None = None, _corrupt=None) -> SyncStats:
-    """Move the learner's full weights into `engine` (None: take part in the collectives only), each HF tensor
-    replaced by `convert(name, tensor)` when given (the engine's weight format: weight_sync/engine_weights.py); the
-    engine then holds weight version `version` (None: its version unchanged; `RolloutEngine.load_weights`).
+                   version: int | None = None, only: frozenset[str] | None = None, _corrupt=None) -> SyncStats:
+    """Move the learner's full weights (with `only`: those HF tensors alone, weight_sync/scope.py) into `engine`
+    (None: take part in the collectives only), each HF tensor replaced by `convert(name, tensor)` when given (the
+    engine's weight format: weight_sync/engine_weights.py); the engine then holds weight version `version` (None: its
+    version unchanged; `RolloutEngine.load_weights`).
 
     Raises WeightSyncError if a bucket fails its checksum or the engine stops before the stream ends.
     `_corrupt(bucket)` is a test hook called on each bucket before verification.
     """
     start = time.perf_counter()
     clock = PhaseTimes()
-    buckets = pack_buckets(timed(iter_hf_tensors(learner, convert), clock), bucket_mb=bucket_mb, clock=clock)
+    buckets = pack_buckets(timed(iter_hf_tensors(learner, convert, only), clock), bucket_mb=bucket_mb, clock=clock)
     # export, pack and digest bucket k+1 (a thread of its own) while the engine loads bucket k
     feed = Feed(prefetched(buckets), verify=verify, corrupt=_corrupt, clock=clock)
     feed.load_into(engine, version=version)

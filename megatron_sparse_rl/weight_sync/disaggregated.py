@@ -50,10 +50,11 @@ log = logging.getLogger(__name__)
 
 
 def _outgoing(learner, bucket_mb: float, shards: EngineShards | None, groups: list, clock: PhaseTimes,
-              convert=None) -> Iterator[tuple[object, Bucket]]:
+              convert=None, only: frozenset[str] | None = None) -> Iterator[tuple[object, Bucket]]:
     """(group, bucket) in sending order: per chunk of the stream (at most `bucket_mb`, grouped as `pack_buckets`
     groups it) one bucket per group, holding whole tensors, or with `shards` the slices group r's engine rank keeps."""
-    for index, chunk in enumerate(group_tensors(timed(iter_hf_tensors(learner, convert), clock), bucket_mb=bucket_mb)):
+    stream = timed(iter_hf_tensors(learner, convert, only), clock)
+    for index, chunk in enumerate(group_tensors(stream, bucket_mb=bucket_mb)):
         for rank, group in enumerate(groups):
             bucket = seal(index, chunk, clock=clock) if shards is None else _sliced(index, chunk, shards, rank, clock)
             yield group, bucket
@@ -71,13 +72,13 @@ def _sliced(index: int, chunk: list[tuple[str, torch.Tensor]], shards: EngineSha
 
 
 def send_weights(learner, group=None, *, src: int, bucket_mb: float = 256.0, shards: EngineShards | None = None,
-                 shard_groups: list | None = None, convert=None) -> SyncStats:
+                 shard_groups: list | None = None, convert=None, only: frozenset[str] | None = None) -> SyncStats:
     """Every learner rank calls it; global rank `src` broadcasts the buckets, the others drop them.
 
     Whole tensors go to `group` (a `Bridge`; None on the other learner ranks); with `shards` (engine TP t > 1)
     and `shard_groups` (t bridges, bridge r = `src` + the rollout ranks of engine TP rank r) each bridge gets the
     slices its ranks keep; `convert(name, tensor)` replaces each HF tensor when given (the engine's weight format,
-    weight_sync/engine_weights.py). Stats on `src`: the
+    weight_sync/engine_weights.py); `only`: those HF tensors alone (weight_sync/scope.py). Stats on `src`: the
     bytes sent (every group's buckets); on the other ranks: the whole stream's bytes, 0 buckets."""
     start = time.perf_counter()
     if (shards is None) != (shard_groups is None):
@@ -87,12 +88,12 @@ def send_weights(learner, group=None, *, src: int, bucket_mb: float = 256.0, sha
     nbytes = count = tensors = 0
     clock = PhaseTimes()
     if dist.get_rank() != src:  # take part in the gathers, pack nothing
-        for _, tensor in timed(iter_hf_tensors(learner, convert), clock):
+        for _, tensor in timed(iter_hf_tensors(learner, convert, only), clock):
             nbytes, tensors = nbytes + tensor.numel() * tensor.element_size(), tensors + 1
         return SyncStats(nbytes, time.perf_counter() - start, 0, tensors, dict(clock.seconds), clock.expert_seconds)
     targets = list(shard_groups) if shards is not None else [group]
     # pack bucket k+1 (export, copy, digest: a thread of its own) while bucket k is on the wire
-    for target, bucket in prefetched(_outgoing(learner, bucket_mb, shards, targets, clock, convert)):
+    for target, bucket in prefetched(_outgoing(learner, bucket_mb, shards, targets, clock, convert, only)):
         count, nbytes, tensors = count + 1, nbytes + bucket.payload, tensors + len(bucket.metas)
         sending = time.perf_counter()
         target.broadcast_object((bucket.index, bucket.metas, bucket.cuts), src=src)

@@ -14,6 +14,8 @@ single naming truth, shared with checkpoint conversion. For each map:
   produces it as above, then broadcasts it over the pipeline group, so every stage receives every layer.
 - LoRA (model.lora): the adapters themselves are not sent; each adapted linear is sent merged,
   W + scale x B A in every adapted part (lora/layers.py LoraParams.merged), so any engine serves the adapted model.
+- `only` (a set of HF names; weight_sync/scope.py): the tensor maps holding none of them are skipped, on every rank
+  alike (no gathers for them), and only those names are yielded: a LoRA sync to engines holding a full set.
 Every rank walks the same maps in the same order, so collectives line up. Every rank receives the full
 stream (each colocated rank may own an engine); a rank without an engine must still drain it.
 Yielded tensors may share storage with the learner's parameters: do not modify them in place.
@@ -98,8 +100,9 @@ def _stage_tensor(tm, params: dict[str, LocalParam], groups, ep: int, n_local: i
 
 
 @torch.no_grad()
-def iter_full_mcore(learner) -> Iterator[tuple[object, torch.Tensor]]:
-    """(TensorMap, full Megatron tensor) for every adapter tensor map, on every rank (collective)."""
+def iter_full_mcore(learner, only: frozenset[str] | None = None) -> Iterator[tuple[object, torch.Tensor]]:
+    """(TensorMap, full Megatron tensor) for every adapter tensor map (with `only`: those holding one of its HF
+    names), on every rank (collective)."""
     groups, pp = learner.groups, learner.layout.pp
     adapted = getattr(learner, "lora_linears", {})
     params = {n: lp for n, lp in learner.named_full_parameters() if n not in getattr(learner, "lora_params", {})}
@@ -113,6 +116,8 @@ def iter_full_mcore(learner) -> Iterator[tuple[object, torch.Tensor]]:
     owners = _stage_owners(params, groups, pp)
     pp_ranks = dist.get_process_group_ranks(groups.pp) if pp > 1 else None
     for tm in maps:
+        if only is not None and only.isdisjoint(tm.hf):  # every rank skips the same maps: collectives line up
+            continue
         key = _stage_key(tm.mcore)
         if key not in owners:
             raise WeightSyncError(f"{tm.mcore}: held by no pipeline stage (the learner lacks a mapped parameter)")
@@ -129,9 +134,11 @@ def iter_full_mcore(learner) -> Iterator[tuple[object, torch.Tensor]]:
         yield tm, full
 
 
-def iter_hf_tensors(learner, convert=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for the whole model, in the adapter's HF order, on every rank (collective).
-    `convert(name, tensor)` (weight_sync/engine_weights.py: the FP8 round trip) replaces each tensor when given."""
-    for tm, full in iter_full_mcore(learner):
+def iter_hf_tensors(learner, convert=None, only: frozenset[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for the whole model (with `only`: those names alone), in the adapter's HF order, on
+    every rank (collective). `convert(name, tensor)` (weight_sync/engine_weights.py: the FP8 round trip) replaces
+    each tensor when given."""
+    for tm, full in iter_full_mcore(learner, only):
         for name, tensor in zip(tm.hf, to_hf(tm, full, learner.spec)):
-            yield name, (tensor if convert is None else convert(name, tensor))
+            if only is None or name in only:
+                yield name, (tensor if convert is None else convert(name, tensor))

@@ -4,6 +4,8 @@ tests/e2e/test_trainer.py, its run settings): rank-4 adapters on q/k/v/o train t
 
 - the run logs finite metrics and every sync's probe (engine vs learner logprobs after the merged sync) is within
   1e-4 (the checks of tests/e2e/test_trainer_disaggregated.py `_check_run`);
+- the first sync moves the whole model and every later one q/k/v/o alone (weight_sync/scope.py), their bytes
+  computed from the starting safetensors and config.json;
 - the run summary and the start line say LoRA is on, with the adapter count; it equals the tensors of adapter/;
 - only the adapters changed: every base tensor of the run checkpoint (torch_dist) equals the starting HF model's,
   and hf_final (the merged export) equals the start except the adapted weights, which are W + (alpha/r) B A of the
@@ -14,7 +16,8 @@ tests/e2e/test_trainer.py, its run settings): rank-4 adapters on q/k/v/o train t
 - the finished run continued to 3 steps resumes from its LoRA checkpoint;
 - the same run on two data-parallel ranks (`msrl launch local`, ep 2): the same checks;
 - the same run disaggregated (1 learner rank + 1 rollout rank, `msrl launch local`) with FP8 weights on the engine:
-  every sync's probe agrees with the learner holding the engine's weights (the merged weights' FP8 round trip).
+  every sync's probe agrees with the learner holding the engine's weights (the merged weights' FP8 round trip), and
+  the syncs after the first move q/k/v/o alone.
 
 The last four are runs of their own, marked slow (make test-all). On the shared 2-core CPU the first run's checks
 took 50-95 s and the whole module 178-458 s, depending on the load.
@@ -82,6 +85,36 @@ def test_finite_metrics_and_every_probe_agrees(lora_run):
     assert all(r["loss/kl_ref"] > 0 for r in _records(run_dir) if r["phase"] == "rl")
 
 
+def _sync_records(run_dir: Path) -> list[dict]:
+    return [r for r in _records(run_dir) if "sync/bytes" in r]
+
+
+def _attention_bytes(model_dir: Path) -> int:
+    """The q/k/v/o weights' bytes of every layer, from config.json alone (fp32 engine: 4 bytes an entry)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim  # q and o; k and v
+    return 4 * per_layer * cfg["num_hidden_layers"]
+
+
+def test_syncs_after_the_first_move_the_adapted_tensors_alone(lora_run, model_dir):  # noqa: F811
+    """The first sync moves the whole model (every tensor of the starting safetensors, fp32); every later one moves
+    q/k/v/o merged alone, their bytes computed from config.json; every sync's probe still agrees (the learner holding
+    the full merged model against the engine: the tensors not sent must be the ones it already had)."""
+    run_dir, proc = lora_run
+    records = _sync_records(run_dir)
+    full = sum(4 * t.numel() for t in _load(model_dir).values())
+    assert records[0]["sync/bytes"] == records[0]["sync/full_bytes"] == full
+    later = [r["sync/bytes"] for r in records[1:]]
+    assert len(later) >= 4 and set(later) == {_attention_bytes(model_dir)}, later
+    assert all(r["sync/full_bytes"] == full for r in records)
+    assert all(r["sync/probe_max_abs_diff"] < TOL for r in records)  # trainer.verify_sync_every=1: every sync
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "syncs now send the 8 adapted tensors alone" in log  # q/k/v/o of 2 layers
+    assert "Failed to load weights" not in log and "not loaded from checkpoint" not in log  # DEBUG, not WARNING
+
+
 def test_the_run_says_lora_is_on_with_the_adapter_count(lora_run):
     run_dir, proc = lora_run
     count = sum(t.numel() for t in _adapters(run_dir).values())
@@ -89,7 +122,8 @@ def test_the_run_says_lora_is_on_with_the_adapter_count(lora_run):
            in proc.stderr
     assert re.search(rf"trainable: {count:,} adapter parameters \(\d+\.\d\d% of the base's [\d,]+, frozen\)",
                      proc.stderr), proc.stderr[:3000]
-    assert f"LoRA rank {RANK}, {count:,} adapter parameters train (the base frozen)" in proc.stderr
+    assert (f"LoRA rank {RANK}, {count:,} adapter parameters train (the base frozen), syncs after the first send the "
+            "adapted tensors alone") in proc.stderr
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load in this process, no_dist
@@ -226,6 +260,9 @@ def test_disaggregated_run_with_fp8_weights_probes_the_merged_sync(tmp_path, mod
     assert len(probed) >= 5 and all("sync/probe_max_abs_diff" in r for r in rl)
     assert max(r["sync/probe_max_abs_diff"] for r in probed) < TOL
     assert min(r["sync/weight_format_max_abs_diff"] for r in probed) > 1e-4  # FP8 moves the logprobs
+    synced = _sync_records(run_dir)  # the first sync whole, then q/k/v/o alone (FP8 round trips sent as fp32)
+    assert synced[0]["sync/bytes"] == sum(4 * t.numel() for t in _load(model_dir).values())
+    assert {r["sync/bytes"] for r in synced[1:]} == {_attention_bytes(model_dir)}
 
 
 @pytest.mark.slow  # a run of its own (30-85 s); the module's first run is msrl train with model.lora
