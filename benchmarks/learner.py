@@ -112,7 +112,7 @@ def _batch(learner, args, vocab: int):
         counts.append(torch.full((n,), SUPPORT, dtype=torch.int32))
         ids.append(kept.sort(dim=1).values.reshape(-1).to(torch.int32))
     support = SamplingSupport(prompt_lens=batch.prompt_lens, counts=tuple(counts), ids=tuple(ids))
-    batch = dataclasses.replace(batch, rollout_logprobs=rollout, sampling_mask=support)
+    batch = dataclasses.replace(batch, rollout_logprobs=rollout).with_features(sampling_mask=support)
     return batch, int(mask.sum()), int(mask.sum()) + b * PROMPT
 
 

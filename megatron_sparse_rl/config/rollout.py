@@ -171,7 +171,7 @@ class KVConfig:
     rkv_threshold: float = 0.5
     """rkv: cosine similarity above which two keys count as redundant."""
     record_keep: bool = False
-    """Return the kept positions of every layer/KV head at every compaction (`RolloutBatch.kv_keep`);
+    """Return the kept positions of every layer/KV head at every compaction (`RolloutBatch.features.kv_keep`);
     false records only the compaction steps (the memory of a full record grows with layers x heads x
     budget per compaction). The trainer then also recomputes pi_sparse on the learner (one more forward
     per step, masks of layers x kv_heads x T^2 per sample) for the metrics kv/k1_sparse_numerics and
@@ -283,7 +283,7 @@ class RolloutConfig:
     vLLM's CPU platform turns it off for multi-head latent attention models."""
     record_sampling_mask: bool = False
     """Record, at every sampled token, the ids the sampler could draw (what top-k/top-p kept) in
-    RolloutBatch.sampling_mask, for algorithm.keep_sampling_mask. Needs logprobs_mode = processed."""
+    RolloutBatch.features.sampling_mask, for algorithm.keep_sampling_mask. Needs logprobs_mode = processed."""
     logprobs_mode: LogprobsMode = "processed"
     """What `rollout_logprobs` measure. processed: the logprob under the distribution actually sampled
     from (temperature, top-k/top-p applied and renormalised; the behaviour policy of the off-policy

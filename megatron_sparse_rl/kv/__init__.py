@@ -3,7 +3,7 @@
 - `policies`: R-KV, SnapKV, H2O, StreamingLLM as pure torch functions (scores, per-KV-head keep sets).
 - `latent`: the same policies on the MLA latent cache (one shared row per token): absorbed-query scores,
   one keep set per layer.
-- `record`: the `KVKeepRecord` returned per sample in `RolloutBatch.kv_keep` and the attention mask
+- `record`: the `KVKeepRecord` returned per sample in `RolloutBatch.features.kv_keep` and the attention mask
   that replays it.
 - `engine_extension`: `SparseKV`, the extension a `RolloutEngine` is built with for sparse KV (its vLLM arguments,
   the keep records per generate, the scheduler's counters and the worker's timing).

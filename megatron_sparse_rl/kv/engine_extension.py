@@ -3,7 +3,7 @@
 Built where the run is set up when `rollout.kv.policy` is not "none", and handed to the engine:
 
     engine = RolloutEngine(model_dir, cfg, extensions=sparse_kv_extensions(cfg.kv))   # [SparseKV()] unless dense
-    batch = engine.generate(prompts, sampling)     # batch.kv_keep: one KVKeepRecord per row
+    batch = engine.generate(prompts, sampling)     # batch.features.kv_keep: one KVKeepRecord per row
     sparse_kv_stats(engine), sparse_kv_timing(engine)
     set_sparse_kv_budget(engine, 48)               # later generates compact to 48 (rollout.kv.budget_schedule)
 

@@ -1,6 +1,6 @@
 """`KVKeepRecord`: what the sparse KV cache kept for one sample, and the attention mask that replays it.
 
-One record per sample (`RolloutBatch.kv_keep` is a tuple of them, one per row). At compaction c the
+One record per sample (`RolloutBatch.features.kv_keep` is a tuple of them, one per row). At compaction c the
 engine had stored the KV of true positions 0..lengths[c]-1 (prompt + response so far) minus what earlier
 compactions dropped, and kept `kept[c][layer, kv_head]` (ascending TRUE token positions, original RoPE
 positions). The query of position t >= lengths[c] (and before the next compaction or turn end) attends to

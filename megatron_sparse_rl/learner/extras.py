@@ -1,7 +1,7 @@
 """`ForwardExtras`: what one Learner call takes besides its tokens, as one frozen argument.
 
-    extras = ForwardExtras(sampling_support=batch.sampling_mask,              # keep-sampling-mask
-                           attention_mask=batch_attention_mask(batch.kv_keep, T - 1),  # sparse-KV pi_sparse
+    extras = ForwardExtras(sampling_support=batch.features.sampling_mask,       # keep-sampling-mask
+                           attention_mask=batch_attention_mask(batch.features.kv_keep, T - 1),  # sparse-KV pi_sparse
                            routes=RouteRequest(replay=routes),                # MoE routing replay (R2/R3)
                            indexer=IndexerRequest(replay=record))             # DSA indexer replay (R2)
     out = learner.forward_logprobs(tokens, lengths=lengths, extras=extras)

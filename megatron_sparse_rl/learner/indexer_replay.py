@@ -270,7 +270,7 @@ class LearnerIndexer:
         if self.mode == "R3":
             if engine is None:
                 raise IndexerReplayError("routing.indexer_replay=R3 but the rollout batch has no engine indices "
-                                         "(RolloutBatch.indexer_record missing: is the engine's capture on?)")
+                                         "(RolloutBatch.features.indexer_record missing: is the engine's capture on?)")
             return IndexerRequest(replay=engine, record=True, compare_with=engine)
         return IndexerRequest(record=True) if self.mode == "R2" else None
 

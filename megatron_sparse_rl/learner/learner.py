@@ -4,7 +4,7 @@
                       routing=run.routing)            # MoE: owns its routing replay state (learner/routing.py)
     learner.load_hf(model_dir)                        # HF safetensors -> local shards
     out = learner.forward_logprobs(tokens)            # {"logprobs": [B, S-1], "entropy": [B, S-1]}
-    out = learner.forward_logprobs(tokens, extras=ForwardExtras(sampling_support=batch.sampling_mask,
+    out = learner.forward_logprobs(tokens, extras=ForwardExtras(sampling_support=batch.features.sampling_mask,
                                                                 attention_mask=allowed, routes=request))
     metrics = learner.train_step(tokens, loss_fn)     # micro-batched forward/backward + optimizer step
 

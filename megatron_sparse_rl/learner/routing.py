@@ -12,15 +12,15 @@ the reverse (all-gather over TP under SP, over CP into sequence order, over PP f
 
 What the RL step's forwards ask for follows `routing.mode` (`old_forward`, `after_old_forward`, `update`):
 
-    routing = learner.routing                                    # None without routing replay
-    request = routing.old_forward(batch.routed_experts)          # R2: record; R3: replay the engine's routes
+    routing, routes = learner.routing, batch.features.routed_experts  # None without routing replay / route capture
+    request = routing.old_forward(routes)                        # R2: record; R3: replay the engine's routes
     out = learner.forward_logprobs(tokens, lengths=lengths, extras=ForwardExtras(routes=request))
-    old = routing.after_old_forward(out.get("routing"), batch.routed_experts)   # old.routes: what updates replay
+    old = routing.after_old_forward(out.get("routing"), routes)  # old.routes: what updates replay
     metrics = learner.train_step(tokens, loss_fn, lengths=lengths,       # a mini-batch: .select(rows) of both
                                  extras=ForwardExtras(routes=routing.update(old.routes, old.learner_routes)))
     # metrics["routing/replay_applied_fraction"] == 1, "routing/drift_mean" (pi_old -> pi_theta); old.metrics:
     # flip rates, flipped tokens, entropy...
-    other = routing.counterfactual(batch.routed_experts)         # routing.attribute_mismatch: the other routes
+    other = routing.counterfactual(routes)                       # routing.attribute_mismatch: the other routes
 
 A sequence of n tokens has routes for its n - 1 input positions.
 """

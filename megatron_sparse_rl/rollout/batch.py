@@ -7,11 +7,16 @@ sampler's `rollout_logprobs` [B, R] (0 where masked). Reward, learner and correc
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # the records' own modules, named here for their types only
+    from megatron_sparse_rl.moe.storage import RouteStore
+    from megatron_sparse_rl.rollout.indexer_capture import EngineIndexerRows
+    from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
 
 
 def pad_rows(rows: list[list[int]] | list[list[float]], pad: float, dtype: torch.dtype) -> torch.Tensor:
@@ -25,8 +30,9 @@ def pad_rows(rows: list[list[int]] | list[list[float]], pad: float, dtype: torch
 
 
 class Join(Enum):
-    """How `RolloutBatch.concat` joins one field of several batches. Every field names its kind (`_joined`), so a
-    new field cannot be left out of the concat. An optional field is None in all parts or set in all."""
+    """How `RolloutBatch.concat` (and `FeatureRecords.concat`) joins one field of several batches. Every field names
+    its kind (`_joined`), so a new field cannot be left out of the concat. An optional field is None in all parts or
+    set in all."""
 
     ROWS = "rows"
     """[B, ...] tensors concatenated along the rows; a tuple of B entries (or other sequence) concatenated."""
@@ -35,20 +41,50 @@ class Join(Enum):
     RESPONSE = "response"
     """[B, ..., R] right-padded after the response lengths (last axis): re-padded to the longest response."""
     OWN = "own"
-    """An object with its own `concat(parts)` (RouteStore, SamplingSupport: packed per sequence)."""
+    """An object with its own `concat(parts)` and `select(index)` (RouteStore, SamplingSupport: packed per sequence;
+    FeatureRecords)."""
     SUMMED = "summed"
     """A dict describing the sampling call, not rows: summed key by key; None if any part lacks it."""
 
 
-def _joined(how: Join, *, default: Any = MISSING, pad_id: bool = False):
-    """A `RolloutBatch` field joined as `how`; `pad_id`: re-padded with the pad token (else zero or False)."""
-    return field(default=default, metadata={"join": how, "pad_id": pad_id})
+def _joined(how: Join, *, default: Any = MISSING, default_factory: Any = MISSING, pad_id: bool = False):
+    """A `RolloutBatch` (or `FeatureRecords`) field joined as `how`; `pad_id`: re-padded with the pad token (else zero
+    or False)."""
+    return field(default=default, default_factory=default_factory, metadata={"join": how, "pad_id": pad_id})
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class FeatureRecords:
+    """What the engine's extensions (rollout/extension.py) record of each row, for the features that ride on it; each
+    record None when its feature is off. `RolloutBatch.features` holds one; the keys an extension's `batch_fields`
+    and `turn_fields` return are these field names."""
+
+    sampling_mask: SamplingSupport | None = _joined(Join.OWN, default=None)
+    """The sampler's support (ids kept by top-k/top-p) at every response token (keep-sampling-mask)."""
+    routed_experts: RouteStore | None = _joined(Join.OWN, default=None)
+    """The engine's routes (R3): uint8/uint16 [tokens, layers, topk] packed per sequence."""
+    indexer_record: EngineIndexerRows | None = _joined(Join.OWN, default=None)
+    """The engine's DSA indexer choices (routing.indexer_replay = R3): per row [n - 1, DSA layers, index_topk]
+    positions."""
+    kv_keep: tuple[Any, ...] | None = _joined(Join.ROWS, default=None)
+    """The sparse-KV keep decisions: one kv/record.py `KVKeepRecord` per row (typed Any: kv/ sits above rollout/, so
+    this module does not import it, not even for type checking)."""
+
+    def select(self, index: torch.Tensor) -> "FeatureRecords":
+        """The records of the rows in `index` (int64)."""
+        return FeatureRecords(**{f.name: _selected(self, f, index) for f in fields(self)})
+
+    @classmethod
+    def concat(cls, parts: list["FeatureRecords"]) -> "FeatureRecords":
+        """The records of `parts`' rows in order, each joined as its `Join` says."""
+        return cls(**_joined_fields(cls, parts, {}, pad_id=0))
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RolloutBatch:
     """B samples of a rollout step (B = prompts x n). Padded on the right. Frozen: a later stage (rewards, engine
-    re-scorings, the KV pool's use) returns a new batch with `dataclasses.replace`, never writes into this one.
+    re-scorings, the KV pool's use) returns a new batch with `dataclasses.replace` (`with_features` for a feature
+    record), never writes into this one.
 
     prompt_ids:       int64 [B, P], pad id after `prompt_lens[i]` tokens.
     prompt_lens:      int64 [B].
@@ -59,14 +95,8 @@ class RolloutBatch:
     finish_reasons:   per sample "stop" (EOS or stop string), "length" (max_tokens) or "abort".
     group_ids:        int64 [B]: samples of the same prompt share one id.
     reward:           float32 [B], the reward stage's (a batch `replace`d with it; None until then).
-    sampling_mask:    the sampler's support (ids kept by top-k/top-p) at every response token, a
-                      rollout.sampling_mask.SamplingSupport (keep-sampling-mask), or None.
-    routed_experts:   the engine's routes (R3): a moe.RouteStore (uint8/uint16 [tokens, layers, topk] packed
-                      per sequence), or None.
-    indexer_record:   the engine's DSA indexer choices (routing.indexer_replay = R3): a
-                      rollout.indexer_capture.EngineIndexerRows (per row [n - 1, DSA layers, index_topk] positions),
-                      or None.
-    kv_keep:          record of the sparse-KV keep decisions (megatron_sparse_rl.kv), or None.
+    features:         the engine extensions' records (`FeatureRecords`: sampling_mask, routed_experts, indexer_record,
+                      kv_keep), each None when its feature is off.
     rescored_logprobs: float32 [B, n, R], n engine re-scorings of each sampled sequence (prompt logprobs of
                       prompt + response, dense attention; for algorithm.old_logprobs = engine_mean), 0 where
                       masked; or None.
@@ -92,10 +122,7 @@ class RolloutBatch:
     finish_reasons: tuple[str, ...] = _joined(Join.ROWS)
     group_ids: torch.Tensor = _joined(Join.ROWS)
     reward: torch.Tensor | None = _joined(Join.ROWS, default=None)
-    sampling_mask: Any | None = _joined(Join.OWN, default=None)
-    routed_experts: Any | None = _joined(Join.OWN, default=None)
-    indexer_record: Any | None = _joined(Join.OWN, default=None)
-    kv_keep: Any | None = _joined(Join.ROWS, default=None)
+    features: FeatureRecords = _joined(Join.OWN, default_factory=FeatureRecords)
     rescored_logprobs: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
     token_version: torch.Tensor | None = _joined(Join.RESPONSE, default=None)
     kv_usage: dict[str, float] | None = _joined(Join.SUMMED, default=None)
@@ -165,20 +192,11 @@ class RolloutBatch:
     def select(self, index: torch.Tensor | list[int]) -> "RolloutBatch":
         """A new batch with the rows in `index` (tensors indexed, tuples/lists picked)."""
         idx = torch.as_tensor(index, dtype=torch.long)
-        values = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("routed_experts", "indexer_record", "sampling_mask") and v is not None:
-                values[f.name] = v.select(idx)  # RouteStore / EngineIndexerRows / SamplingSupport: per sequence
-            elif isinstance(v, torch.Tensor):
-                values[f.name] = v[idx]
-            elif isinstance(v, tuple):
-                values[f.name] = tuple(v[i] for i in idx.tolist())
-            elif v is None or f.metadata["join"] is Join.SUMMED:  # describes the sampling call, not rows
-                values[f.name] = v
-            else:
-                raise NotImplementedError(f"RolloutBatch.select cannot subset field {f.name!r} yet")
-        return RolloutBatch(**values)
+        return RolloutBatch(**{f.name: _selected(self, f, idx) for f in fields(self)})
+
+    def with_features(self, **records: Any) -> "RolloutBatch":
+        """A new batch whose `features` has `records` (FeatureRecords field names) in place of its own."""
+        return replace(self, features=replace(self.features, **records))
 
     @classmethod
     def concat(cls, parts: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
@@ -187,24 +205,44 @@ class RolloutBatch:
         if len(parts) == 1:
             return parts[0]
         lens = {Join.PROMPT: [p.prompt_lens for p in parts], Join.RESPONSE: [p.response_lens for p in parts]}
-        values = {}
-        for f in fields(cls):
-            how, got = f.metadata.get("join"), [getattr(p, f.name) for p in parts]
-            if how is None:
-                raise NotImplementedError(f"RolloutBatch.{f.name} names no Join: say how concat joins it")
-            if how is Join.SUMMED:
-                values[f.name] = None if any(v is None for v in got) else {k: sum(v[k] for v in got) for k in got[0]}
-            elif all(v is None for v in got):
-                values[f.name] = None
-            elif any(v is None for v in got):
-                raise ValueError(f"RolloutBatch.concat: some parts carry {f.name} and some do not")
-            elif how is Join.OWN:
-                values[f.name] = type(got[0]).concat(got)
-            elif how is Join.ROWS:
-                values[f.name] = torch.cat(got) if isinstance(got[0], torch.Tensor) else sum((tuple(v) for v in got), ())
-            else:
-                values[f.name] = _repad(got, lens[how], pad_id if f.metadata["pad_id"] else 0)
-        return cls(**values)
+        return cls(**_joined_fields(cls, parts, lens, pad_id))
+
+
+def _selected(record: Any, f: Field, idx: torch.Tensor) -> Any:
+    """Field `f` of `record` (a RolloutBatch or FeatureRecords) at the rows `idx`."""
+    v = getattr(record, f.name)
+    if v is None or f.metadata["join"] is Join.SUMMED:  # SUMMED describes the sampling call, not rows
+        return v
+    if f.metadata["join"] is Join.OWN:
+        return v.select(idx)  # RouteStore / EngineIndexerRows / SamplingSupport / FeatureRecords: per sequence
+    if isinstance(v, torch.Tensor):
+        return v[idx]
+    if isinstance(v, tuple):
+        return tuple(v[i] for i in idx.tolist())
+    raise NotImplementedError(f"{type(record).__name__}.select cannot subset field {f.name!r} yet")
+
+
+def _joined_fields(cls: type, parts: list, lens: dict[Join, list[torch.Tensor]], pad_id: int) -> dict[str, Any]:
+    """Each field of `cls` (a RolloutBatch or FeatureRecords) over `parts`, joined as its `Join` says; `lens`: the
+    rows' lengths per ragged kind (PROMPT, RESPONSE)."""
+    values = {}
+    for f in fields(cls):
+        how, got = f.metadata.get("join"), [getattr(p, f.name) for p in parts]
+        if how is None:
+            raise NotImplementedError(f"{cls.__name__}.{f.name} names no Join: say how concat joins it")
+        if how is Join.SUMMED:
+            values[f.name] = None if any(v is None for v in got) else {k: sum(v[k] for v in got) for k in got[0]}
+        elif all(v is None for v in got):
+            values[f.name] = None
+        elif any(v is None for v in got):
+            raise ValueError(f"{cls.__name__}.concat: some parts carry {f.name} and some do not")
+        elif how is Join.OWN:
+            values[f.name] = type(got[0]).concat(got)
+        elif how is Join.ROWS:
+            values[f.name] = torch.cat(got) if isinstance(got[0], torch.Tensor) else sum((tuple(v) for v in got), ())
+        else:
+            values[f.name] = _repad(got, lens[how], pad_id if f.metadata["pad_id"] else 0)
+    return values
 
 
 def _repad(parts: list[torch.Tensor], lens: list[torch.Tensor], pad: int) -> torch.Tensor:

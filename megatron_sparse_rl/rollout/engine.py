@@ -39,7 +39,7 @@ from megatron_sparse_rl._optional import require
 from megatron_sparse_rl.config.rollout import RolloutConfig, SamplingConfig
 from megatron_sparse_rl.validation.resolve import resolve_rollout
 from megatron_sparse_rl.models import engine_config_defaults
-from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
+from megatron_sparse_rl.rollout.batch import FeatureRecords, RolloutBatch, pad_rows
 from megatron_sparse_rl.rollout.block_usage import BlockUsageProbe
 from megatron_sparse_rl.rollout.engine_setup import (check_extensions, check_patches, executor_backend,
                                                      keep_default_process_group, keep_torch_threading,
@@ -198,9 +198,9 @@ class RolloutEngine:
         prompts, responses, logprobs, reasons, groups, samples = sample_rows(outputs, prompt_token_ids, gids)
         response_ids = pad_rows(responses, self.pad_id, torch.long)
         lens = torch.tensor([len(r) for r in responses])
-        fields: dict[str, Any] = {}
+        records: dict[str, Any] = {}
         for ext in self.extensions:  # routes, the sampler's support, the KV keep records
-            fields.update(ext.batch_fields(outputs, prompt_token_ids, samples))
+            records.update(ext.batch_fields(outputs, prompt_token_ids, samples))
         batch = RolloutBatch(
             prompt_ids=pad_rows(prompts, self.pad_id, torch.long),
             prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
@@ -210,7 +210,7 @@ class RolloutEngine:
             finish_reasons=tuple(reasons),
             group_ids=torch.tensor(groups, dtype=torch.long),
             token_version=versions.token_versions(samples, response_ids.shape[1]),
-            **fields,
+            features=FeatureRecords(**records),
         )
         if probe is not None:
             batch = dataclasses.replace(batch, kv_usage={

@@ -39,8 +39,8 @@ class EngineExtension:
         """A `generate` is about to run its requests."""
 
     def batch_fields(self, outputs, prompts: list[list[int]], samples: list[tuple[str, int]]) -> dict[str, Any]:
-        """RolloutBatch fields for the rows of vLLM's `outputs` (in batch order; `samples` holds each row's (output
-        request id, sample index))."""
+        """`FeatureRecords` fields (rollout/batch.py: the batch's `features`) for the rows of vLLM's `outputs` (in
+        batch order; `samples` holds each row's (output request id, sample index))."""
         return {}
 
     follows_turns = False

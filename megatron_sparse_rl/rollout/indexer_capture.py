@@ -18,11 +18,11 @@ input positions (`engine_indexer_rows`, a pure function): -1 entries and entries
 the query position (the learner's convention: learner/indexer_replay.py `clamp_causal`), packed with
 `pack_positions`, with the crc32 of the row's n tokens (what the learner's `row_hashes` covers for a row of length
 n); a position the indexers never ran, a token that differs, or a value below -1 raises naming sequence and
-position. The batch carries them as `EngineIndexerRows` (`RolloutBatch.indexer_record`); training/update.py pads
-them to the learner's [B, T-1] layout (`padded`) for the old forward.
+position. The batch carries them as `EngineIndexerRows` (`RolloutBatch.features.indexer_record`); training/update.py
+pads them to the learner's [B, T-1] layout (`padded`) for the old forward.
 
     engine = RolloutEngine(model_dir, cfg, extensions=[EngineIndexerCapture()])   # a CUDA engine, enforce_eager
-    batch = engine.generate(prompts, sampling)        # batch.indexer_record: EngineIndexerRows, one row per sample
+    batch = engine.generate(prompts, sampling)        # batch.features.indexer_record: EngineIndexerRows, one per row
 
 Limits: eager engines only (vLLM's enforce_eager turns torch.compile and CUDA graphs off; a graph replay runs
 no Python hook); no prefix caching (a cached prefix is not run again, so its indices would be missing); no

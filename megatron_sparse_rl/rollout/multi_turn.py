@@ -18,13 +18,13 @@ them (the next one). `episode_stats` holds the sums of `EPISODE_KEYS` and, per t
 `turn{k}/episodes`, `turn{k}/tokens` (model tokens), `turn{k}/tool_calls`, `turn{k}/tool_errors`. A text observation
 is encoded as text (`split_special_tokens`): a special-token string an environment or a tool wrote ("<eos>",
 "<|im_end|>") stays characters, so it can neither end the episode nor fake a turn of the chat template.
-With R3 route capture on the engine (rollout/routes.py `turn_fields`) `routed_experts` holds the routes of every
-input position of each row (prompt + response, less its last token): each position routed by the turn that first
-computed it. With the sampling-mask record (rollout/sampling_mask.py) `sampling_mask` holds the sampler's support
-at every response token (count 0, the full vocabulary, on the environment's). With sparse KV (kv/engine_extension.py)
-`kv_keep` holds one KVKeepRecord per row, every turn's compactions merged (kv/record.py `next_turn`); a turn's
-request prefills the whole history densely, so the history's tokens and the environment's attend causally. An
-episode always ends with a model turn, so its last records cover the whole row.
+With R3 route capture on the engine (rollout/routes.py `turn_fields`) `features.routed_experts` holds the routes of
+every input position of each row (prompt + response, less its last token): each position routed by the turn that first
+computed it. With the sampling-mask record (rollout/sampling_mask.py) `features.sampling_mask` holds the sampler's
+support at every response token (count 0, the full vocabulary, on the environment's). With sparse KV
+(kv/engine_extension.py) `features.kv_keep` holds one KVKeepRecord per row, every turn's compactions merged
+(kv/record.py `next_turn`); a turn's request prefills the whole history densely, so the history's tokens and the
+environment's attend causally. An episode always ends with a model turn, so its last records cover the whole row.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from megatron_sparse_rl.config.env import EnvConfig
 from megatron_sparse_rl.config.rollout import SamplingConfig
 from megatron_sparse_rl.envs.base import Environment, Observation
 from megatron_sparse_rl.moe.storage import RouteStore, RoutingError, token_hash
-from megatron_sparse_rl.rollout.batch import RolloutBatch, pad_rows
+from megatron_sparse_rl.rollout.batch import FeatureRecords, RolloutBatch, pad_rows
 from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
 
 EPISODE_KEYS = ("episodes", "turns", "model_tokens", "env_tokens", "tool_calls", "tool_errors", "tool_timeouts",
@@ -192,20 +192,20 @@ def _batch(episodes: list[_Episode], pad_id: int, stats: dict[str, float]) -> Ro
         loss_mask=pad_rows([[float(m) for m in e.loss_mask] for e in episodes], 0.0, torch.float32).bool()
         & response_mask,
         episode_stats=stats,
-        **_record_fields(episodes),
+        features=_features(episodes),
     )
 
 
 _RECORD_KEYS = ("routed_experts", "sampling_mask", "kv_keep")
 
 
-def _record_fields(episodes: list[_Episode]) -> dict:
-    """RolloutBatch fields from the episodes' last records: `routed_experts` (one route sequence per row),
+def _features(episodes: list[_Episode]) -> FeatureRecords:
+    """The batch's feature records from the episodes' last records: `routed_experts` (one route sequence per row),
     `sampling_mask` (the sampler's support at every response token; 0 = the full vocabulary on environment tokens)
     and `kv_keep` (one KVKeepRecord per row, every turn merged: kv/record.py)."""
     keys = {k for e in episodes for k in e.records}
     if keys - set(_RECORD_KEYS):
-        raise ValueError(f"episode records {sorted(keys - set(_RECORD_KEYS))} have no RolloutBatch field")
+        raise ValueError(f"episode records {sorted(keys - set(_RECORD_KEYS))} have no FeatureRecords field")
     fields = {}
     if "kv_keep" in keys:
         fields["kv_keep"] = tuple(_kv_keep(i, e) for i, e in enumerate(episodes))
@@ -221,8 +221,8 @@ def _record_fields(episodes: list[_Episode]) -> dict:
                                         or len(support.counts[0]) != len(e.response)):
             raise ValueError(f"episode {i}: its sampling support does not cover its {len(e.response)} response "
                              "tokens")
-    return fields | {k: (RouteStore.concat if k == "routed_experts" else SamplingSupport.concat)(
-        [e.records[k] for e in episodes]) for k in sorted(keys)}
+    return FeatureRecords(**fields, **{k: (RouteStore.concat if k == "routed_experts" else SamplingSupport.concat)(
+        [e.records[k] for e in episodes]) for k in sorted(keys)})
 
 
 def _kv_keep(i: int, e: _Episode):

@@ -16,7 +16,7 @@ checked against the tokens the engine fed at each position; a gap or a mismatch 
 sequence and position. Routes are packed into a `moe.RouteStore` (uint8 when experts <= 256).
 
     engine = RolloutEngine(model_dir, cfg, extensions=[EngineRouteCapture()])
-    batch = engine.generate(prompts, sampling)    # batch.routed_experts: RouteStore, one sequence per row
+    batch = engine.generate(prompts, sampling)    # batch.features.routed_experts: RouteStore, one sequence per row
 
 Across the turns of an episode (`turn_fields`, rollout/multi_turn.py) each row's record is a one-sequence RouteStore
 of the whole sequence so far: the positions an earlier turn routed are kept from that turn's record (the turn that

@@ -8,13 +8,13 @@ Model Runner V2 and Triton, so it exists on GPU only; on CPU `rollout/routes.py`
 router) records the same thing.
 
 `VLLMRouteOutput` is an engine extension like `EngineRouteCapture` (rollout/extension.py; it also asks vLLM for
-`enable_return_routed_experts`), so `RolloutEngine.generate` fills `RolloutBatch.routed_experts` with either. A sequence of n tokens (prompt +
+`enable_return_routed_experts`), so `RolloutEngine.generate` fills `RolloutBatch.features.routed_experts` with either. A sequence of n tokens (prompt +
 response) must come with at least its n - 1 input positions (the last sampled token is never fed back);
 fewer rows, a missing array, or an id outside [0, num_experts) raise a RoutingError naming the sequence.
 The MoE layers (columns kept) and the expert count are read from the engine's model.
 
     engine = RolloutEngine(model_dir, cfg, extensions=[VLLMRouteOutput()])  # enable_return_routed_experts=True
-    batch = engine.generate(prompts, sampling)                  # batch.routed_experts: moe.RouteStore
+    batch = engine.generate(prompts, sampling)                  # batch.features.routed_experts: moe.RouteStore
 """
 from __future__ import annotations
 

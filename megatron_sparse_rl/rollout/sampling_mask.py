@@ -2,7 +2,7 @@
 sampler could have drawn (what survived top-k / top-p and any -inf logit processor), so the learner can
 renormalise pi_theta and pi_old over the same support as the sampler's mu.
 
-`SamplingSupport` is the record one RolloutBatch carries (`batch.sampling_mask`); `SamplingMaskCapture`
+`SamplingSupport` is the record one RolloutBatch carries (`batch.features.sampling_mask`); `SamplingMaskCapture`
 records it inside a RolloutEngine's in-process vLLM worker: a forward pre-hook on the model notes, per
 engine step, which request owns which rows and at which position each row's next token will be sampled,
 and a wrapper around the runner's `Sampler.sample` reads the support of every row from vLLM's processed
@@ -11,8 +11,8 @@ gets the support recorded at its position, checked against the token the engine 
 mismatch raises naming the sequence and position.
 
     engine = RolloutEngine(model_dir, cfg, extensions=[SamplingMaskCapture()])  # rollout.record_sampling_mask
-    batch = engine.generate(prompts, sampling)     # batch.sampling_mask: SamplingSupport
-    learner.forward_logprobs(tokens, extras=ForwardExtras(sampling_support=batch.sampling_mask))
+    batch = engine.generate(prompts, sampling)     # batch.features.sampling_mask: SamplingSupport
+    learner.forward_logprobs(tokens, extras=ForwardExtras(sampling_support=batch.features.sampling_mask))
 
 Across the turns of an episode (`turn_fields`, rollout/multi_turn.py) each row's record is a one-row SamplingSupport
 over the episode's first prompt: the earlier turns' record, then count 0 (no sampler: the full vocabulary) for the

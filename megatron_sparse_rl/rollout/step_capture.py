@@ -21,7 +21,7 @@ class StepCapture(EngineExtension):
     """See the module docstring. Subclasses set `provides`, `field`, `features`, `error` and implement
     `_install_hooks`, `_remove_hooks`, `_on_step` and `collect`."""
 
-    field = ""  # the RolloutBatch field `collect` fills
+    field = ""  # the FeatureRecords field (rollout/batch.py) `collect` fills
     features: tuple[str, ...] = ("step",)  # what of vLLM's internals the capture relies on (vllm_access.FEATURES)
     error: type[Exception] = RuntimeError
 

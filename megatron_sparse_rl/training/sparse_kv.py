@@ -29,7 +29,7 @@ def sparse_logprobs(learner, batch: RolloutBatch, tokens: torch.Tensor,
     sample was compacted), renormalised over `sampling_support` when given, like pi_old. One forward for
     single-turn rollouts; an episode batch takes one per compacted turn (+ a causal one), each scoring the columns
     it replays exactly (kv/record.py `batch_replays`). Needs the full records (`rollout.kv.record_keep`)."""
-    replays = batch_replays(batch.kv_keep, tokens.shape[1] - 1)
+    replays = batch_replays(batch.features.kv_keep, tokens.shape[1] - 1)
     if not replays:
         return None
     lengths = batch.prompt_lens + batch.response_mask.sum(dim=1)
@@ -48,7 +48,7 @@ def kv_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, rollout_logprobs
     `kv/retention`: mean over samples of the share of the final sequence's KV the cache holds at its end (budget + the
     tokens after the last compaction, over the length; 1 for a sample never compacted); `kv/saved_frac` = 1 - that,
     the KV saved; `kv/budget`: the budget the batch was sampled at (`budget`)."""
-    records = batch.kv_keep
+    records = batch.features.kv_keep
     if records is None:
         raise ValueError("rollout.kv.policy is set but the rollout batch carries no kv_keep records")
     lengths = (batch.prompt_lens + batch.response_mask.sum(dim=1)).tolist()

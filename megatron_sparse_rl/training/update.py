@@ -108,13 +108,13 @@ def _learner_recompute(learner, x: OldPolicyInputs):
     routing.indexer_replay = R2 records the indexers' top-k, R3 replays the engine's, padded to the call's width
     like the routes' tokens); with routing.attribute_mismatch a second forward routed the other way
     (`_routing_attribution`)."""
-    routing, view, rollout = learner.routing, x.batch, x.batch.rollout
-    request = routing.old_forward(rollout.routed_experts) if routing else None
-    engine_indices = None if rollout.indexer_record is None else rollout.indexer_record.padded(view.tokens.shape[1] - 1)
+    routing, view, records = learner.routing, x.batch, x.batch.rollout.features
+    request = routing.old_forward(records.routed_experts) if routing else None
+    engine_indices = None if records.indexer_record is None else records.indexer_record.padded(view.tokens.shape[1] - 1)
     indexer = learner.indexer.old_forward(engine_indices) if learner.indexer else None
     out = learner.forward_logprobs(view.tokens, lengths=view.lengths,
                                    extras=ForwardExtras(sampling_support=x.support, routes=request, indexer=indexer))
-    old = routing.after_old_forward(out.get("routing"), rollout.routed_experts) if routing else None
+    old = routing.after_old_forward(out.get("routing"), records.routed_experts) if routing else None
     metrics = {"old_logprobs/learner_forwards": 1.0}
     if indexer is not None:
         replayed, indexer_metrics = learner.indexer.after_old_forward(out["indexer"], engine_indices)
@@ -129,7 +129,8 @@ def _routing_attribution(learner, x: OldPolicyInputs, old_lp: torch.Tensor) -> d
     """routing.attribute_mismatch: pi_old again over the same tokens, routed the other way (off/R2: the engine's
     routes replayed; R3: the learner's own), and the mismatch of mu against both (global over x.dp_group)."""
     routing, view = learner.routing, x.batch
-    extras = ForwardExtras(sampling_support=x.support, routes=routing.counterfactual(view.rollout.routed_experts))
+    other_routes = routing.counterfactual(view.rollout.features.routed_experts)
+    extras = ForwardExtras(sampling_support=x.support, routes=other_routes)
     other = learner.forward_logprobs(view.tokens, lengths=view.lengths, extras=extras)["logprobs"]
     engine, own = (old_lp, other) if routing.old_forward_replays_engine else (other, old_lp)
     return _scalar_metrics(routing_attribution(engine, own, view.rollout_logprobs, view.loss_mask, group=x.dp_group))
@@ -141,7 +142,7 @@ def _no_learner_forward(learner, x: OldPolicyInputs):
                          "indexers' top-k in the learner's old-policy forward, which this algorithm.old_logprobs "
                          "source skips; use 'learner'")
     routing = learner.routing
-    return routing.without_old_forward(x.batch.rollout.routed_experts) if routing else None
+    return routing.without_old_forward(x.batch.rollout.features.routed_experts) if routing else None
 
 
 def _sampler(learner, x: OldPolicyInputs):
@@ -198,10 +199,10 @@ def sampling_keep(batch: RolloutBatch, cfg: AlgorithmConfig):
     """The sampling support the learner renormalises over, or None when algorithm.keep_sampling_mask is off."""
     if not cfg.keep_sampling_mask:
         return None
-    if batch.sampling_mask is None:
+    if batch.features.sampling_mask is None:
         raise ValueError("algorithm.keep_sampling_mask = true but the rollout batch carries no sampling mask "
                          "(set rollout.record_sampling_mask = true)")
-    return batch.sampling_mask
+    return batch.features.sampling_mask
 
 
 def _support_metrics(keep) -> dict[str, float]:
@@ -263,9 +264,9 @@ def prepare(learner, batch: RolloutBatch, cfg: AlgorithmConfig, *, pad_id: int, 
         ref_lp = reference.forward_logprobs(tokens, lengths=lengths)["logprobs"]
     keep = mask & corr.keep
     counted = mask & corr.valid if cfg.loss.dropped_tokens_in_denominator else keep
-    if batch.kv_keep is not None:
-        keep, metrics["kv/preempted_dropped_frac"] = drop_preempted(keep, batch.kv_keep)
-        counted, _ = drop_preempted(counted, batch.kv_keep)
+    if batch.features.kv_keep is not None:
+        keep, metrics["kv/preempted_dropped_frac"] = drop_preempted(keep, batch.features.kv_keep)
+        counted, _ = drop_preempted(counted, batch.features.kv_keep)
     return PreparedBatch(tokens, keep, old_lp, rollout_lp, advantages, corr.weights, metrics,
                          lengths=lengths, routes=old.routes if old else None, ref_logprobs=ref_lp,
                          loss_mask=mask, sampling_support=support, token_version=view.token_version,

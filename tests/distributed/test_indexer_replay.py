@@ -112,11 +112,12 @@ def _rl_step(learner, tokens, lengths):
     from types import SimpleNamespace
 
     from megatron_sparse_rl.config.algorithm import AlgorithmConfig
+    from megatron_sparse_rl.rollout.batch import FeatureRecords
     from megatron_sparse_rl.training.learner_batch import LearnerBatch
     from megatron_sparse_rl.training.update import OldPolicyInputs, PreparedBatch, _learner_recompute, update
 
     mask = torch.arange(tokens.shape[1] - 1)[None, :] < (lengths - 1)[:, None]
-    rollout = SimpleNamespace(routed_experts=None, indexer_record=None)
+    rollout = SimpleNamespace(features=FeatureRecords())
     x = OldPolicyInputs(LearnerBatch(rollout, tokens, lengths, mask, torch.zeros(mask.shape)), None)
     old_lp, old, _ = _learner_recompute(learner, x)
     own = learner.forward_logprobs(tokens, lengths=lengths)["logprobs"]

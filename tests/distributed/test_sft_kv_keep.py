@@ -63,7 +63,7 @@ def simulated(tmp_path_factory):
 
 def test_sequential_keep_sets_equal_the_engines(simulated):
     _, batch, rows, _, (_, sequential, _, _) = simulated
-    for i, (engine_rec, rec) in enumerate(zip(batch.kv_keep, sequential)):
+    for i, (engine_rec, rec) in enumerate(zip(batch.features.kv_keep, sequential)):
         assert engine_rec.num_compactions >= 3, engine_rec.lengths
         assert rec.lengths == engine_rec.lengths, i
         for c, (want, got) in enumerate(zip(engine_rec.kept, rec.kept)):

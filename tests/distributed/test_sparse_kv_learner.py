@@ -36,7 +36,7 @@ def assert_masked_equals_engine(batch, masked, dense, label: str) -> None:
     """The masked learner's logprobs of every sampled token equal the engine's sparse ones; the dense learner's
     differ once a query saw the compressed cache."""
     worst_masked = worst_dense = 0.0
-    for i, rec in enumerate(batch.kv_keep):
+    for i, rec in enumerate(batch.features.kv_keep):
         p, n = int(batch.prompt_lens[i]), int(batch.response_lens[i])
         engine_lp = batch.rollout_logprobs[i, :n]
         after = torch.arange(n) + p - 1 >= rec.lengths[0]  # columns whose query saw the compressed cache
@@ -60,7 +60,7 @@ def rollout(tmp_path_factory):
     width = max(map(len, rows))
     tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     # one row the engine never compacted: it must be scored causally beside the compacted ones
-    records = list(batch.kv_keep) + [KVKeepRecord(lengths=())]
+    records = list(batch.features.kv_keep) + [KVKeepRecord(lengths=())]
     tokens = torch.cat([tokens, tokens[:1]])
     return model_dir, batch, tokens, records
 
@@ -68,7 +68,7 @@ def rollout(tmp_path_factory):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_masked_recompute_matches_engine_sparse_logprobs(rollout, tp):
     model_dir, batch, tokens, records = rollout
-    assert all(r.num_compactions >= 2 for r in batch.kv_keep), [r.lengths for r in batch.kv_keep]
+    assert all(r.num_compactions >= 2 for r in batch.features.kv_keep), [r.lengths for r in batch.features.kv_keep]
     allowed = batch_attention_mask(records, tokens.shape[1] - 1)
     masked, dense = run_distributed(masked_logprobs_worker, tp, (model_dir, tokens, allowed, tp), timeout=240)[0]
     assert_masked_equals_engine(batch, masked, dense, f"tp={tp}")
@@ -108,7 +108,7 @@ def test_mla_masked_recompute_matches_engine_sparse_logprobs(mla_rollout, tp):
     """The record is [layers, 1, kept] (one latent row set per layer); the learner applies it to every head of
     Megatron's MLA core attention, on each TP rank's heads."""
     model_dir, batch, tokens = mla_rollout
-    assert all(r.num_compactions >= 2 and r.kept[0].shape[1] == 1 for r in batch.kv_keep)
-    allowed = batch_attention_mask(batch.kv_keep, tokens.shape[1] - 1)
+    assert all(r.num_compactions >= 2 and r.kept[0].shape[1] == 1 for r in batch.features.kv_keep)
+    allowed = batch_attention_mask(batch.features.kv_keep, tokens.shape[1] - 1)
     masked, dense = run_distributed(masked_logprobs_worker, tp, (model_dir, tokens, allowed, tp), timeout=240)[0]
     assert_masked_equals_engine(batch, masked, dense, f"MLA tp={tp}")

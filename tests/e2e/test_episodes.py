@@ -127,11 +127,11 @@ def test_r3_routes_across_turns_equal_one_prefill_and_the_learner_replays_them(s
         batch = run_episodes(engine, tok, PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=5), ENV, TwoTurns)
         seqs = [p + r for p, r in zip(batch.prompts(), batch.responses())]
         engine.reset_prefix_cache()  # the reference computes every position of the whole sequence in one prefill
-        ref = engine.generate(seqs, SamplingConfig(n=1, max_tokens=1, temperature=0.0)).routed_experts
+        ref = engine.generate(seqs, SamplingConfig(n=1, max_tokens=1, temperature=0.0)).features.routed_experts
     finally:
         engine.remove_extension(capture)
     assert batch.episode_stats["cached_tokens"] >= 4 * BLOCK, batch.episode_stats  # turn 2 took turn 1's blocks from the cache
-    routes = batch.routed_experts
+    routes = batch.features.routed_experts
     assert len(routes) == 4 and routes.layers == ref.layers and routes.layers
     for i, seq in enumerate(seqs):
         got, want = routes.sequence(i), ref.sequence(i)[:len(seq) - 1]
@@ -163,7 +163,7 @@ def test_sampling_support_across_turns_is_the_top_k_and_the_learner_renormalises
                              TwoTurns)
     finally:
         engine.remove_extension(capture)
-    support = batch.sampling_mask
+    support = batch.features.sampling_mask
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     for i, (prompt, response) in enumerate(zip(batch.prompts(), batch.responses())):
         assert int(support.prompt_lens[i]) == len(prompt) and len(support.counts[i]) == len(response)

@@ -3,7 +3,7 @@ budget of 24 and an interval of 8, so both turns compact) against transformers a
 
 Two-turn episodes (an environment that answers turn 1 with a fixed observation and ends after turn 2; turns run to
 their token limit). Each turn's request prefills the whole episode so far densely and compacts during its decode;
-the episode's record (`RolloutBatch.kv_keep`) merges them. Checks: every turn compacted at least once; the engine's
+the episode's record (`RolloutBatch.features.kv_keep`) merges them. Checks: every turn compacted at least once; the engine's
 logprobs of turn k's tokens equal a transformers forward over the whole sequence with an attention mask built here
 from turn k's compactions (its decode queries attend what it kept, every other query causally) within 1e-4, while
 one forward with both turns' compactions misses turn 2 (turn 1's positions were recomputed densely by turn 2's
@@ -81,7 +81,7 @@ def test_two_turn_sparse_episode_logprobs_match_a_masked_transformers_forward(ep
     assert len(batch) == 4 and batch.reward.tolist() == [1.0] * 4 and batch.episode_stats["turn2/episodes"] == 4
     hand = [True] * TURN + [False] * len(obs) + [True] * TURN
     worst = worst_one = worst_dense = 0.0
-    for i, (prompt, response, record) in enumerate(zip(batch.prompts(), batch.responses(), batch.kv_keep)):
+    for i, (prompt, response, record) in enumerate(zip(batch.prompts(), batch.responses(), batch.features.kv_keep)):
         assert batch.loss_mask[i][:len(response)].tolist() == hand  # the environment's tokens out of the loss
         assert response[TURN:TURN + len(obs)] == obs
         spans = turn_spans(hand, len(prompt))

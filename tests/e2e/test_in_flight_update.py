@@ -139,7 +139,7 @@ def test_sparse_kv_compacts_and_frees_blocks_across_an_in_flight_update(tmp_path
     per_request = -(-(kv.budget + kv.interval) // kv.block_size)
     assert probe.peak_blocks <= len(LONG_PROMPTS) * per_request
     after_update = 0
-    for i, record in enumerate(got.kv_keep):
+    for i, record in enumerate(got.features.kv_keep):
         p, r = int(got.prompt_lens[i]), int(got.response_lens[i])
         cut = int((got.token_version[i, :r] == 0).sum())
         assert 0 < cut < r == 120

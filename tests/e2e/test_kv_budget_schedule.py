@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
 
 
 def _check_rule(batch, budget: int, interval: int, sinks: int) -> None:
-    for i, rec in enumerate(batch.kv_keep):
+    for i, rec in enumerate(batch.features.kv_keep):
         p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
         assert list(rec.lengths) == base.rule_compactions(p, r, budget, interval), (budget, i)
         assert rec.num_compactions >= 2 and not rec.preempted
@@ -44,7 +44,7 @@ def test_a_changed_budget_reaches_the_keep_sets(model_dir):
             batch = e.generate(base.PROMPTS[:2], base.sampling(120, seed=5))
             assert (batch.response_lens == 120).all()
             _check_rule(batch, budget, kv.interval, kv.sinks)
-            assert sparse_kv_stats(e)["compactions"] - before == sum(r.num_compactions for r in batch.kv_keep)
+            assert sparse_kv_stats(e)["compactions"] - before == sum(r.num_compactions for r in batch.features.kv_keep)
         with pytest.raises(ValueError, match="rollout.kv.budget must be >= sinks \\+ window"):
             set_sparse_kv_budget(e, 8)  # KVConfig's own rules hold for a budget set later
 

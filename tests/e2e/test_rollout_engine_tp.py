@@ -72,7 +72,7 @@ def _tp2_rank(rank, world_size, model_dir):
     x = torch.ones(1)
     dist.all_reduce(x)  # the learner's world outlived the engine
     return dict(rows=rows, responses=batch.responses(), logprobs=batch.rollout_logprobs, before=before,
-                routes=batch.routed_experts.indices, support=batch.sampling_mask,
+                routes=batch.features.routed_experts.indices, support=batch.features.sampling_mask,
                 after=after, diff=diff, world=x.item())
 
 
@@ -91,8 +91,8 @@ def test_two_ranks_form_one_engine(tmp_path):
     assert r0["responses"] == r1["responses"] == want.responses()
     assert torch.equal(r0["logprobs"], r1["logprobs"])
     # the records that ride along: the experts every layer used (R3) and the sampler's top-k support
-    assert torch.equal(r0["routes"], want.routed_experts.indices) and torch.equal(r1["routes"], r0["routes"])
-    ref = want.sampling_mask
+    assert torch.equal(r0["routes"], want.features.routed_experts.indices) and torch.equal(r1["routes"], r0["routes"])
+    ref = want.features.sampling_mask
     for got in (r0["support"], r1["support"]):
         assert torch.equal(got.prompt_lens, ref.prompt_lens)
         assert all(torch.equal(a, b) for a, b in zip(got.counts + got.ids, ref.counts + ref.ids, strict=True))
@@ -126,7 +126,7 @@ def _sparse(model_dir, tp: int):
                                                                                    **extra)
     with engine:
         batch = engine.generate(SPARSE_PROMPTS, SamplingConfig(n=2, temperature=1.0, max_tokens=150, seed=11))
-    return batch.responses(), batch.rollout_logprobs, batch.kv_keep
+    return batch.responses(), batch.rollout_logprobs, batch.features.kv_keep
 
 
 def _sparse_rank(rank, world_size, model_dir):

@@ -148,7 +148,7 @@ def test_routes_are_the_logical_experts_transformers_picks(setup):
         batch = engine.generate(PROMPTS, SamplingConfig(n=2, temperature=1.0, max_tokens=10, seed=5))
     finally:
         engine.remove_extension(capture)
-    routes = batch.routed_experts
+    routes = batch.features.routed_experts
     assert routes.layers == (1, 2) and routes.indices.shape[1:] == (2, 2)  # dense layer 0 not recorded; top-2
 
     model = AutoModelForCausalLM.from_pretrained(dirs["yarn"], dtype=torch.float32).eval()

@@ -55,7 +55,7 @@ def r3_worker(rank, world_size, model_dir):
     batch = engine.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, temperature=1.0, seed=3))
     engine.remove_extension(capture)
     engine.shutdown()
-    routes = batch.routed_experts
+    routes = batch.features.routed_experts
     tokens, mask, _ = batch.sequences(pad_id=0)
     lengths = mask.sum(dim=1)
     routing = learner.routing

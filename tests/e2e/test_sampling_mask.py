@@ -58,7 +58,7 @@ def learner_worker(rank, world_size, model_dir, batch, tp):
     learner.temperature = TEMPERATURE
     view = LearnerBatch.from_rollout(batch, pad_id=0)
     tokens, mask, rollout_lp = view.tokens, view.loss_mask, view.rollout_logprobs
-    keep = ForwardExtras(sampling_support=batch.sampling_mask)
+    keep = ForwardExtras(sampling_support=batch.features.sampling_mask)
     with_keep = learner.forward_logprobs(tokens, extras=keep)["logprobs"]
     without = learner.forward_logprobs(tokens)["logprobs"]
     out = {"with": (with_keep - rollout_lp)[mask].abs().max().item(),
@@ -88,7 +88,7 @@ def test_recorded_support_is_the_top_k_top_p_set_of_the_model(sampled):
     from transformers import AutoModelForCausalLM
 
     model_dir, batch = sampled
-    support = batch.sampling_mask
+    support = batch.features.sampling_mask
     assert len(support) == len(batch) == len(PROMPTS) * 3
     hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     checked = ties = 0
@@ -122,8 +122,8 @@ def test_learner_over_the_support_reproduces_the_engine(sampled, tp):
     assert out["with"] < 1e-4
     assert out["without"] > 1e-2  # the truncated mass is visible without the record
     rows = set(torch.cat([o["grad_rows"] for o in outs]).tolist())
-    kept = set(torch.cat(batch.sampling_mask.ids).tolist())
-    untruncated = any(bool((c == 0).any()) for c in batch.sampling_mask.counts)
+    kept = set(torch.cat(batch.features.sampling_mask.ids).tolist())
+    untruncated = any(bool((c == 0).any()) for c in batch.features.sampling_mask.counts)
     print(f"output-layer rows with gradient {len(rows)}, ids ever kept {len(kept)}")
     assert rows and not untruncated  # top-k truncates every position here
     assert rows <= kept, f"gradient reached ids never kept: {sorted(rows - kept)[:5]}"

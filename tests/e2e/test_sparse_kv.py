@@ -128,7 +128,7 @@ def test_budget_never_reached_equals_dense(model_dir):
         assert sparse_kv_stats(sparse)["compactions"] == 0
     assert torch.equal(got.response_ids, ref.response_ids)
     assert torch.equal(got.rollout_logprobs, ref.rollout_logprobs)
-    assert all(r.num_compactions == 0 for r in got.kv_keep)
+    assert all(r.num_compactions == 0 for r in got.features.kv_keep)
 
 
 def test_block_usage_bounded_while_dense_grows(model_dir):
@@ -158,7 +158,7 @@ def streaming_run(model_dir):
 
 def test_streamingllm_keeps_sinks_and_recent_window(streaming_run):
     kv, batch = streaming_run
-    for i, rec in enumerate(batch.kv_keep):
+    for i, rec in enumerate(batch.features.kv_keep):
         p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
         assert list(rec.lengths) == rule_compactions(p, r, kv.budget, kv.interval)
         assert rec.num_compactions >= 3 and not rec.preempted
@@ -190,9 +190,9 @@ def test_score_policy_matches_transformers_with_its_record(model_dir, policy):
     kv = KVConfig(policy=policy, budget=40, interval=24, window=8, block_size=32, record_keep=True)
     with engine(model_dir, kv) as e:  # two samples per prompt: each pair compacts at the same steps, as one batch
         batch = e.generate(PROMPTS[1:3], sampling(120, n=2, seed=3))
-        assert sparse_kv_timing(e)["compactions"] == sum(r.num_compactions for r in batch.kv_keep)
+        assert sparse_kv_timing(e)["compactions"] == sum(r.num_compactions for r in batch.features.kv_keep)
     worst = 0.0
-    for i, rec in enumerate(batch.kv_keep):
+    for i, rec in enumerate(batch.features.kv_keep):
         tokens, p = row_tokens(batch, i), int(batch.prompt_lens[i])
         assert list(rec.lengths) == rule_compactions(p, len(tokens) - p, kv.budget, kv.interval)
         events = [(tc, kept.tolist()) for tc, kept in zip(rec.lengths, rec.kept)]
@@ -258,14 +258,14 @@ def test_small_pool_admission_control_and_preemption(model_dir):
         batch = e.generate(prompts, s)
         stats = sparse_kv_stats(e)
     assert (batch.response_lens == 100).all() and stats["preemptions"] == 0 and stats["compactions"] >= 12
-    assert not any(r.preempted for r in batch.kv_keep)
+    assert not any(r.preempted for r in batch.features.kv_keep)
     assert probe.peak_blocks <= 11 and 2 <= probe.peak_running <= 5  # worst case 2 blocks per request
     with engine(model_dir, KVConfig(**base, admission_control=False), max_num_seqs=16, max_model_len=256) as e:
         loose = e.generate(prompts, s)
         loose_stats = sparse_kv_stats(e)
     print(f"admission control: {stats}; without: {loose_stats}")
     assert (loose.response_lens == 100).all() and loose_stats["preemptions"] > 0
-    flagged = [r.preempted for r in loose.kv_keep]
+    flagged = [r.preempted for r in loose.features.kv_keep]
     assert sum(flagged) <= loose_stats["preempted_compressed"]
     # a request preempted before any compaction is recomputed exactly: every unflagged row equals the
     # admission-controlled run token for token
@@ -296,11 +296,11 @@ def test_forced_preemption_of_compressed_requests_is_flagged(model_dir):
             del sched.schedule
     assert fired and fired[0], "no compressed request was running when the preemption fired"
     assert (got.response_lens == 120).all()
-    flagged = [r.preempted for r in got.kv_keep]
+    flagged = [r.preempted for r in got.features.kv_keep]
     assert sum(flagged) == len(fired[0])
     for i, f in enumerate(flagged):
         if not f:
             assert torch.equal(got.response_ids[i], ref.response_ids[i])
         else:  # identical up to the first compaction after the preemption, then a dense-recomputed cache
-            first = got.kv_keep[i].lengths[0] - int(got.prompt_lens[i])
+            first = got.features.kv_keep[i].lengths[0] - int(got.prompt_lens[i])
             assert torch.equal(got.response_ids[i, :first], ref.response_ids[i, :first])

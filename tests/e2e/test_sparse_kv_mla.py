@@ -76,7 +76,7 @@ def test_streamingllm_keeps_sinks_and_window_and_matches_transformers(model_dir)
     with engine(model_dir, kv) as e:
         batch = e.generate(PROMPTS, sampling(48))
     worst = 0.0
-    for i, rec in enumerate(batch.kv_keep):
+    for i, rec in enumerate(batch.features.kv_keep):
         p = int(batch.prompt_lens[i])
         assert list(rec.lengths) == rule_compactions(p, 48, kv.budget, kv.interval)
         for tc, kept in zip(rec.lengths, rec.kept):
@@ -98,11 +98,11 @@ def test_score_policy_matches_transformers_with_its_record(model_dir, policy):
         batch = e.generate(PROMPTS, sampling(40))
         t, stats = sparse_kv_timing(e), sparse_kv_stats(e)
         # the worker ran every compaction the scheduler ordered, and timed its parts
-        assert t["compactions"] == stats["compactions"] == sum(r.num_compactions for r in batch.kv_keep) > 0
+        assert t["compactions"] == stats["compactions"] == sum(r.num_compactions for r in batch.features.kv_keep) > 0
         assert t["compact_s"] >= t["score_s"] + t["copy_s"] and t["score_s"] > 0 and t["capture_s"] > 0
         assert sparse_kv_timing(e)["compactions"] == 0  # taken: reset
     worst = 0.0
-    for i, rec in enumerate(batch.kv_keep):
+    for i, rec in enumerate(batch.features.kv_keep):
         p, tokens = int(batch.prompt_lens[i]), row_tokens(batch, i)
         assert list(rec.lengths) == rule_compactions(p, 40, kv.budget, kv.interval) and rec.lengths
         events = [(tc, kept.tolist()) for tc, kept in zip(rec.lengths, rec.kept)]

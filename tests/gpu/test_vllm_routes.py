@@ -23,7 +23,7 @@ def _routes(model_dir, native: bool):
     vllm_cpu.apply()
     with RolloutEngine(model_dir, cfg, extensions=[VLLMRouteOutput() if native else EngineRouteCapture()]) as engine:
         batch = engine.generate(PROMPTS, SamplingConfig(n=1, temperature=0.0, max_tokens=12))
-    return batch.responses(), batch.routed_experts
+    return batch.responses(), batch.features.routed_experts
 
 
 def test_vllm_routes_equal_the_router_callback(tmp_path):

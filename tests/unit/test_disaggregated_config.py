@@ -121,35 +121,31 @@ def test_concat_batches_rebuilds_the_rows_and_padding():
     for name in ("prompt_ids", "prompt_lens", "response_ids", "response_mask", "rollout_logprobs", "group_ids"):
         assert torch.equal(getattr(joined, name), getattr(whole, name)), name
     assert joined.finish_reasons == whole.finish_reasons
-    assert joined.routed_experts is None and joined.kv_keep is None
+    assert joined.features.routed_experts is None and joined.features.kv_keep is None
 
 
 def test_concat_batches_joins_routes_and_kv_records():
-    from dataclasses import replace
-
     from megatron_sparse_rl.moe.storage import RouteStore
 
     whole = _hand_batch()
     routes = [torch.tensor([[[0, 1]]] * n) for n in (3, 6, 3)]  # [tokens, 1 layer, top-2], tokens = prompt + response
     store = RouteStore.from_sequences(routes, [list(range(n)) for n in (3, 6, 3)], num_experts=4, layers=[0])
-    whole = replace(whole, routed_experts=store, kv_keep=("a", "b", "c"))
+    whole = whole.with_features(routed_experts=store, kv_keep=("a", "b", "c"))
     joined = RolloutBatch.concat([whole.select([0, 1]), whole.select([2])], pad_id=0)
-    assert torch.equal(joined.routed_experts.offsets, store.offsets)
-    assert torch.equal(joined.routed_experts.indices, store.indices)
-    assert torch.equal(joined.routed_experts.token_hash, store.token_hash)
-    assert joined.kv_keep == ("a", "b", "c")
+    assert torch.equal(joined.features.routed_experts.offsets, store.offsets)
+    assert torch.equal(joined.features.routed_experts.indices, store.indices)
+    assert torch.equal(joined.features.routed_experts.token_hash, store.token_hash)
+    assert joined.features.kv_keep == ("a", "b", "c")
 
 
 def test_concat_batches_joins_sampling_supports():
-    from dataclasses import replace
-
     from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
 
     whole = _hand_batch()
     support = SamplingSupport(prompt_lens=whole.prompt_lens,
                               counts=tuple(torch.tensor(c, dtype=torch.int32) for c in ([2], [0, 1, 0], [1, 1])),
                               ids=tuple(torch.tensor(i, dtype=torch.int32) for i in ([3, 11], [13], [15, 16])))
-    whole = replace(whole, sampling_mask=support)
+    whole = whole.with_features(sampling_mask=support)
     joined = RolloutBatch.concat([whole.select([0]), whole.select([1, 2])], pad_id=0)
     for r in range(3):
-        assert torch.equal(joined.sampling_mask.local_mask([r], 5, 0, 20), support.local_mask([r], 5, 0, 20))
+        assert torch.equal(joined.features.sampling_mask.local_mask([r], 5, 0, 20), support.local_mask([r], 5, 0, 20))

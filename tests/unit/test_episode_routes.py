@@ -10,7 +10,7 @@ import torch
 from megatron_sparse_rl.config import ConfigError
 from megatron_sparse_rl.validation import validate
 from megatron_sparse_rl.moe.storage import RouteStore, RoutingError
-from megatron_sparse_rl.rollout.multi_turn import _Episode, _record_fields
+from megatron_sparse_rl.rollout.multi_turn import _Episode, _features
 from megatron_sparse_rl.rollout.sampling_mask import SamplingSupport
 from tests.unit.test_envs import TOOLS_ENV, run_of
 
@@ -35,11 +35,11 @@ def _episode(prompt, response, routed):
 
 def test_episode_batch_routes_must_cover_every_input_position():
     full = _episode([1, 2], [3, 4], [1, 2, 3])
-    assert _record_fields([full, full])["routed_experts"].lengths.tolist() == [3, 3]
+    assert _features([full, full]).routed_experts.lengths.tolist() == [3, 3]
     with pytest.raises(RoutingError, match=r"episode 1: its routes do not cover its 3 input positions"):
-        _record_fields([full, _episode([1, 2], [3, 4], [1, 2])])  # the last turn's routes missing
+        _features([full, _episode([1, 2], [3, 4], [1, 2])])  # the last turn's routes missing
     with pytest.raises(RoutingError, match=r"episode 0: its routes do not cover"):
-        _record_fields([_episode([1, 2], [3, 4], [1, 9, 3])])  # routes of other tokens
+        _features([_episode([1, 2], [3, 4], [1, 9, 3])])  # routes of other tokens
 
 
 def test_episode_batch_support_must_cover_every_response_token():
@@ -48,10 +48,10 @@ def test_episode_batch_support_must_cover_every_response_token():
                                   ids=(torch.arange(sum(counts), dtype=torch.int32),))
         return _Episode(env=None, group=0, prompt=[1, 2], response=[3, 4, 5], records={"sampling_mask": support})
 
-    joined = _record_fields([episode([2, 0, 1]), episode([0, 0, 3])])["sampling_mask"]
+    joined = _features([episode([2, 0, 1]), episode([0, 0, 3])]).sampling_mask
     assert [c.tolist() for c in joined.counts] == [[2, 0, 1], [0, 0, 3]] and joined.prompt_lens.tolist() == [2, 2]
     with pytest.raises(ValueError, match=r"episode 1: its sampling support does not cover its 3 response tokens"):
-        _record_fields([episode([2, 0, 1]), episode([2, 0])])
+        _features([episode([2, 0, 1]), episode([2, 0])])
 
 
 def _capture(keeps_prefixes):

@@ -16,7 +16,7 @@ import torch
 
 from megatron_sparse_rl.learner.indexer_replay import IndexerResult, LearnerIndexer
 from megatron_sparse_rl.moe.indexer_storage import IndexerRecord, IndexerReplayError, row_hashes
-from megatron_sparse_rl.rollout.batch import RolloutBatch
+from megatron_sparse_rl.rollout.batch import FeatureRecords, RolloutBatch
 from megatron_sparse_rl.rollout.indexer_capture import (
     EngineIndexerCapture, EngineIndexerRows, engine_indexer_rows, row_positions,
 )
@@ -102,15 +102,15 @@ def _batch(prompts, responses, record):
         response_ids=torch.tensor([r + [0] * (width - len(r)) for r in responses]),
         response_mask=torch.tensor([[i < len(r) for i in range(width)] for r in responses]),
         rollout_logprobs=torch.zeros(len(responses), width), finish_reasons=("stop",) * len(responses),
-        group_ids=torch.arange(len(responses)), indexer_record=record)
+        group_ids=torch.arange(len(responses)), features=FeatureRecords(indexer_record=record))
 
 
 def test_rollout_batch_carries_the_rows():
     one = _batch([[11, 12]], [[13, 14, 15]], engine_indexer_rows([SEQ], [SEEN], layers=(0, 1), topk=3))
     two = _batch([[11]], [[12, 13]], engine_indexer_rows([SEQ[:3]], [SEEN], layers=(0, 1), topk=3))
     joined = RolloutBatch.concat([one, two], pad_id=0)
-    assert joined.indexer_record.token_hash.tolist() == [crc(SEQ), crc(SEQ[:3])]
-    assert joined.select([1]).indexer_record.rows[0].tolist() == WANT[:2]
+    assert joined.features.indexer_record.token_hash.tolist() == [crc(SEQ), crc(SEQ[:3])]
+    assert joined.select([1]).features.indexer_record.rows[0].tolist() == WANT[:2]
 
 
 class _Out(SimpleNamespace):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_sparse_rl.kv.record import KVKeepRecord, batch_replays
-from megatron_sparse_rl.rollout.multi_turn import _Episode, _record_fields
+from megatron_sparse_rl.rollout.multi_turn import _Episode, _features
 
 # A toy episode of 18 tokens: prompt 0..3, turn 1 samples 4..9, the environment answers 10..11, turn 2 (its prompt
 # the 12 tokens so far) samples 12..17. Turn 1 compacts at 7, turn 2 (after its dense prefill) at 14.
@@ -106,23 +106,23 @@ def test_episode_batch_refuses_a_record_that_does_not_cover_its_row():
         return _Episode(env=None, group=0, prompt=[1, 2, 3, 4], response=list(range(14)), records={"kv_keep": record})
 
     whole = episode(merged())
-    [got] = _record_fields([whole])["kv_keep"]
+    [got] = _features([whole]).kv_keep
     assert got is whole.records["kv_keep"]
     short = KVKeepRecord(lengths=()).next_turn(TURN1, 4, 10)  # the second turn's record missing
     with pytest.raises(ValueError, match=r"episode 1: its KV keep record \(turn ends \(10,\)\) does not cover its 18 "
                                          "tokens"):
-        _record_fields([episode(merged()), episode(short)])
+        _features([episode(merged()), episode(short)])
 
 
 def episode_batch(record: KVKeepRecord):
     """The toy episode as a RolloutBatch: prompt 0..3, response 4..17 (the environment's tokens 10, 11)."""
-    from megatron_sparse_rl.rollout.batch import RolloutBatch
+    from megatron_sparse_rl.rollout.batch import FeatureRecords, RolloutBatch
 
     loss = torch.tensor([[True] * 6 + [False] * 2 + [True] * 6])
     return RolloutBatch(prompt_ids=torch.ones(1, 4, dtype=torch.long), prompt_lens=torch.tensor([4]),
                         response_ids=torch.ones(1, 14, dtype=torch.long), response_mask=torch.ones(1, 14, dtype=bool),
                         rollout_logprobs=torch.zeros(1, 14), finish_reasons=("stop",), group_ids=torch.tensor([0]),
-                        loss_mask=loss, kv_keep=(record,))
+                        loss_mask=loss, features=FeatureRecords(kv_keep=(record,)))
 
 
 def test_kv_metrics_count_only_the_compressed_queries_of_every_turn():

@@ -91,18 +91,16 @@ def test_batch_sequences_and_select():
 
 
 def test_batch_select_subsets_the_engine_routes():
-    from dataclasses import replace
-
     from megatron_sparse_rl.moe.storage import RouteStore
 
     b = _batch()
     per_seq = [torch.full((n, 2, 2), i, dtype=torch.long) for i, n in enumerate([4, 2, 4])]  # prompt + response - 1
     routes = RouteStore.from_sequences(per_seq, [list(range(n)) for n in (4, 2, 4)], num_experts=8, layers=(0, 1),
                                        source="engine")
-    sub = replace(b, routed_experts=routes).select([2, 0])
-    assert len(sub.routed_experts) == 2
-    assert torch.equal(sub.routed_experts.sequence(0).long(), per_seq[2])
-    assert torch.equal(sub.routed_experts.sequence(1).long(), per_seq[0])
+    sub = b.with_features(routed_experts=routes).select([2, 0])
+    assert len(sub.features.routed_experts) == 2
+    assert torch.equal(sub.features.routed_experts.sequence(0).long(), per_seq[2])
+    assert torch.equal(sub.features.routed_experts.sequence(1).long(), per_seq[0])
 
 
 def test_batch_rejects_inconsistent_shapes():

@@ -22,7 +22,7 @@ from megatron_sparse_rl.config.routing import RoutingConfig
 from megatron_sparse_rl.learner.routing import LearnerRouting, RoutingResult
 from megatron_sparse_rl.moe.stats import routing_metrics
 from megatron_sparse_rl.moe.storage import RouteStore
-from megatron_sparse_rl.rollout.batch import RolloutBatch
+from megatron_sparse_rl.rollout.batch import FeatureRecords, RolloutBatch
 from megatron_sparse_rl.training import update as U
 
 LAYERS = (1, 2, 4)  # MoE layer numbers as a model with dense layers 0 and 3 would have them
@@ -180,7 +180,7 @@ def _routed_batch() -> tuple[RolloutBatch, RouteStore, RouteStore]:
         prompt_ids=torch.tensor(prompts), prompt_lens=torch.tensor([3, 3]), response_ids=torch.tensor(responses),
         response_mask=torch.ones(2, 2, dtype=torch.bool), rollout_logprobs=torch.tensor([[-0.1, -0.2], [-0.3, -0.4]]),
         finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]), reward=torch.tensor([1.0, 0.0]),
-        routed_experts=engine)
+        features=FeatureRecords(routed_experts=engine))
     return batch, engine, own
 
 
@@ -203,7 +203,7 @@ def test_prepare_logs_the_share_with_each_pi_old_on_its_side(cfg, calls):
     old_is_engine = cfg.mode == "R3"
     assert torch.equal(prep.old_logprobs, engine_lp if old_is_engine else own_lp)  # the extra pi_old is metrics only
     if cfg.record_stats:  # the learner's recorded routes against the engine's, every step
-        rates, any_frac = _hand_flips_of(batch.routed_experts, own_routes)
+        rates, any_frac = _hand_flips_of(batch.features.routed_experts, own_routes)
         assert prep.metrics["routing/flipped_token_fraction"] == pytest.approx(any_frac)
         assert [prep.metrics[f"routing/flip_rate/layer{layer}"] for layer in LAYERS] == pytest.approx(rates)
     else:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_sparse_rl.kv.record import KVKeepRecord
-from megatron_sparse_rl.rollout.batch import RolloutBatch
+from megatron_sparse_rl.rollout.batch import FeatureRecords, RolloutBatch
 from megatron_sparse_rl.training.sparse_kv import kv_metrics
 
 
@@ -14,7 +14,7 @@ def test_metrics_split_the_mismatch_at_the_first_compaction():
         prompt_ids=torch.tensor([[1, 5], [1, 6]]), prompt_lens=torch.tensor([2, 2]),
         response_ids=torch.ones(2, 6, dtype=torch.long), response_mask=torch.ones(2, 6, dtype=torch.bool),
         rollout_logprobs=torch.zeros(2, 6), finish_reasons=("length", "length"), group_ids=torch.tensor([0, 1]),
-        kv_keep=(KVKeepRecord(lengths=(5,)), KVKeepRecord(lengths=())),
+        features=FeatureRecords(kv_keep=(KVKeepRecord(lengths=(5,)), KVKeepRecord(lengths=()))),
     )
     mask = torch.zeros(2, 7, dtype=torch.bool)
     mask[:, 1:] = True                                   # columns 1..6 score the response tokens
@@ -46,7 +46,8 @@ def test_exact_recompute_splits_the_mismatch_after_compression():
     batch = RolloutBatch(
         prompt_ids=torch.tensor([[1, 5]]), prompt_lens=torch.tensor([2]), response_ids=torch.ones(1, 4, dtype=torch.long),
         response_mask=torch.ones(1, 4, dtype=torch.bool), rollout_logprobs=torch.zeros(1, 4),
-        finish_reasons=("length",), group_ids=torch.tensor([0]), kv_keep=(KVKeepRecord(lengths=(3,)),))
+        finish_reasons=("length",), group_ids=torch.tensor([0]),
+        features=FeatureRecords(kv_keep=(KVKeepRecord(lengths=(3,)),)))
     mask = torch.tensor([[False, True, True, True, True]])
     old = torch.tensor([[0.0, -1.0, -1.0, -1.0, -1.0]])
     sparse = torch.tensor([[0.0, -1.0, -1.0, -1.5, -2.5]])      # dropping KV changed columns 3 and 4

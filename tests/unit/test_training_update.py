@@ -9,7 +9,7 @@ import torch
 
 from megatron_sparse_rl.algorithms import loss_normalizer
 from megatron_sparse_rl.config.algorithm import AlgorithmConfig, CorrectionsConfig, OPSMConfig
-from megatron_sparse_rl.rollout.batch import RolloutBatch
+from megatron_sparse_rl.rollout.batch import FeatureRecords, RolloutBatch
 from megatron_sparse_rl.training.learner_batch import LearnerBatch
 from megatron_sparse_rl.training.update import OBJECTIVE, PreparedBatch, make_loss, prepare, reduce_metrics
 
@@ -134,7 +134,7 @@ def test_prepare_is_final_it_drops_preempted_compressed_samples_and_aligns_token
         response_ids=torch.tensor([[7, 8, 2], [4, 4, 2]]), response_mask=torch.ones(2, 3, dtype=torch.bool),
         rollout_logprobs=torch.tensor([[-0.5, -0.6, -0.7], [-0.2, -0.3, -0.4]]),
         finish_reasons=("stop", "stop"), group_ids=torch.tensor([0, 0]), reward=torch.tensor([0.0, 1.0]),
-        kv_keep=(KVKeepRecord(lengths=(3,), preempted=True), KVKeepRecord(lengths=())),
+        features=FeatureRecords(kv_keep=(KVKeepRecord(lengths=(3,), preempted=True), KVKeepRecord(lengths=()))),
         token_version=torch.tensor([[0, 0, 1], [0, 1, 1]]),
     )
     view = LearnerBatch.from_rollout(batch, pad_id=0)
