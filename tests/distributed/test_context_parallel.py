@@ -343,14 +343,15 @@ def resume_worker(rank, world, model_dir, tokens, lengths, pp, cp, ckpt, mode):
 
 
 @pytest.mark.slow
-def test_checkpoint_from_pp1_resumes_at_pp2_cp2(tmp_path, batch):
-    """A learner checkpoint saved at pp 1 cp 1 resumes at pp 2 x cp 2 (stages 2,1): the next step's loss equals the
-    straight run's."""
+@pytest.mark.parametrize("layers,pp", [(3, 2), (4, 3)], ids=["pp2_cp2", "pp3_cp2"])
+def test_checkpoint_from_pp1_resumes_at_uneven_pp_cp2(tmp_path, batch, layers, pp):
+    """A learner checkpoint saved at pp 1 cp 1 resumes at pp 2 x cp 2 (3 layers, stages 2,1; 4 ranks) and at pp 3 x
+    cp 2 (4 layers, stages 2,1,1; 6 ranks): the next step's loss equals the straight run's."""
     tokens, lengths = batch
-    model_dir = str(build_tiny_hf_model(tmp_path / "three", layers=3, seed=3))
+    model_dir = str(build_tiny_hf_model(tmp_path / "model", layers=layers, seed=3))
     ckpt = str(tmp_path / "ckpt")
     straight = run_distributed(resume_worker, 1, args=(model_dir, tokens, lengths, 1, 1, ckpt, "straight"))[0]
-    resumed = run_distributed(resume_worker, 4, args=(model_dir, tokens, lengths, 2, 2, ckpt, "resume"))[-1]
+    resumed = run_distributed(resume_worker, 2 * pp, args=(model_dir, tokens, lengths, pp, 2, ckpt, "resume"))[-1]
     assert straight[0] - straight[1] > 1e-3, "the first step must change the model"
     assert resumed[0] == pytest.approx(straight[1], rel=1e-6, abs=1e-6)
 
