@@ -12,8 +12,13 @@ import torch.distributed as dist
 
 from megatron_sparse_rl import weight_sync
 from megatron_sparse_rl.config.rollout import RolloutConfig
+from megatron_sparse_rl.weight_sync.buckets import SyncStats
 from megatron_sparse_rl.weight_sync.engine_weights import EngineWeights
 from megatron_sparse_rl.placement.placements import Colocated, ColocatedSharedEngine, Disaggregated, Placement
+
+STATS = SyncStats(bytes=1000, seconds=0.5, buckets=1, tensors=3)
+STATS_FULL = SyncStats(bytes=1000, seconds=0.5, buckets=1, tensors=3, full_bytes=1000)
+"""What the stand-ins' syncs move, and what a placement returns for a full one (`full_bytes` set to its bytes)."""
 
 
 class StandInEngine:
@@ -48,9 +53,9 @@ class StandInRemote:
         self.calls.append(("collect_ahead",))
         return self.batches, {"engine_s": 1.5}
 
-    def sync_weights(self, learner, *, bucket_mb, version, convert):
-        self.calls.append(("sync_weights", learner, bucket_mb, version, convert))
-        return "stats"
+    def sync_weights(self, learner, *, bucket_mb, version, convert, only=None):
+        self.calls.append(("sync_weights", learner, bucket_mb, version, convert, only))
+        return STATS
 
     def probe_logprobs(self, tokens):
         raise AssertionError("not called in these tests")
@@ -80,15 +85,17 @@ def test_colocated_runs_work_once_on_its_engine_for_its_share():
 
 def test_colocated_sync_and_verify_hand_its_engine_to_weight_sync(monkeypatch):
     engine, learner, calls = StandInEngine(), object(), []
-    monkeypatch.setattr(weight_sync, "sync_to_engine", lambda lrn, eng, *, bucket_mb, convert, version:
-                        calls.append(("sync", lrn, eng, bucket_mb, convert, version)) or "stats")
+    monkeypatch.setattr(weight_sync, "sync_to_engine", lambda lrn, eng, *, bucket_mb, convert, version, only:
+                        calls.append(("sync", lrn, eng, bucket_mb, convert, version, only)) or STATS)
     monkeypatch.setattr(weight_sync, "probe_metrics", lambda lrn, tokens, tol, engine_logprobs, weights:
                         calls.append(("verify", lrn, tokens, tol, weights)) or {"sync/probe_max_abs_diff": 0.25})
     weights = EngineWeights.of(RolloutConfig(quantization="fp8"))
     placement = Colocated(engine, _groups(), model_parallel=1, weights=weights)
-    assert placement.sync(learner, bucket_mb=64, version=4) == "stats"
+    # a learner without adapters: the whole model (only=None) at every sync, and a full sync's bytes are its own
+    assert placement.sync(learner, bucket_mb=64, version=4) == STATS_FULL
     assert placement.verify(learner, "probe", 1e-3) == {"sync/probe_max_abs_diff": 0.25}
-    assert calls == [("sync", learner, engine, 64, weights.convert, 4), ("verify", learner, "probe", 1e-3, weights)]
+    assert calls == [("sync", learner, engine, 64, weights.convert, 4, None),
+                     ("verify", learner, "probe", 1e-3, weights)]
     placement.shutdown()
     assert engine.calls == [("shutdown",)]
 
@@ -124,9 +131,9 @@ def test_disaggregated_runs_every_share_through_the_remote_engines():
     assert placement.generate(_recording_work(seen)) == "share 1"
     assert seen == [(remote, 0), (remote, 1), (remote, 2)]
     learner = object()
-    assert placement.sync(learner, bucket_mb=32, version=2) == "stats"
+    assert placement.sync(learner, bucket_mb=32, version=2) == STATS_FULL
     placement.shutdown()
-    assert remote.calls == [("sync_weights", learner, 32, 2, None), ("shutdown",)]
+    assert remote.calls == [("sync_weights", learner, 32, 2, None, None), ("shutdown",)]
 
 
 def test_disaggregated_samples_every_share_through_the_remote_engines_and_finishes_it():
