@@ -15,6 +15,7 @@ import logging
 
 from megatron_sparse_rl.config.schema import RunConfig
 from megatron_sparse_rl.kv.budget_schedule import BudgetSchedule
+from megatron_sparse_rl.lora.layers import adapter_count
 from megatron_sparse_rl.training import state
 from megatron_sparse_rl.training import steps as S
 from megatron_sparse_rl.training.context import build_context, open_metrics
@@ -168,7 +169,8 @@ def _lora_note(ctx) -> str:
     adapters = ctx.learner.lora_params
     if not adapters:
         return ""
-    return (f"; LoRA rank {ctx.learner.lora.rank}, {sum(p.numel() for p in adapters.values()):,} adapter parameters "
+    count = adapter_count(adapters, ctx.learner.groups.tp)  # whole, at any tp
+    return (f"; LoRA rank {ctx.learner.lora.rank}, {count:,} adapter parameters "
             "train (the base frozen), syncs after the first send the adapted tensors alone")
 
 

@@ -27,7 +27,7 @@ class LoraConfig:
     alpha: float = 8.0
     """Scale numerator (PEFT's `lora_alpha`): the adapter's output is multiplied by alpha / rank. > 0."""
     dropout: float = 0.0
-    """Dropout on the adapter's input during training (PEFT's `lora_dropout`), in [0, 1)."""
+    """Dropout on the adapter's input during training (PEFT's `lora_dropout`), in [0, 1); 0 at parallel.tp > 1."""
     target_modules: tuple[str, ...] = ("all-linear",)
     """The linears adapted, by PEFT's module names: q_proj, k_proj, v_proj, o_proj (MLA: q_a_proj, q_b_proj or
     q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj); gate_proj, up_proj, down_proj (the dense MLP and shared experts);

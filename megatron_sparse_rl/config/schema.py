@@ -171,9 +171,10 @@ class ModelConfig:
     rest of the model untouched; step metric indexer/kl_loss. 0 = off; > 0 needs a DSA model."""
     lora: LoraConfig | None = None
     """LoRA adapters (rank, alpha, dropout, target modules); null: none, every parameter trains. Set, the base is
-    frozen and only the adapters train; engines receive the merged weights. Runs at parallel.tp = pp = cp = 1 (any
-    data and expert parallel size; colocated or disaggregated) with attention, dense-MLP and shared-expert targets;
-    the rest is refused at validate (docs/lora.md)."""
+    frozen and only the adapters train; engines receive the merged weights. Runs at parallel.pp = cp = 1 (any
+    tensor, data and expert parallel size, with or without sequence parallel; colocated or disaggregated) with
+    attention, dense-MLP and shared-expert targets, and dropout 0 at tp > 1; the rest is refused at validate
+    (docs/lora.md)."""
 
     def __post_init__(self):
         _check(self.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff must be >= 0 (got {self.moe_aux_loss_coeff})")

@@ -34,7 +34,7 @@ from megatron_sparse_rl.formats.manifest import HF_FILES_DIR
 from megatron_sparse_rl.formats.safe_load import check_checkpoint_files, load_torch_file
 from megatron_sparse_rl.learner.chunks import load_sharded, sharded_state_dict
 from megatron_sparse_rl.learner.integrity import DONE, digest_files, write_manifest
-from megatron_sparse_rl.lora.checkpoint import save_adapter
+from megatron_sparse_rl.lora.checkpoint import adapter_files, write_adapter
 from megatron_sparse_rl.patches import megatron_ckpt_queue, torch_dist_safe_load
 
 log = logging.getLogger(__name__)
@@ -271,6 +271,8 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    # the adapters alone too, in PEFT's format, tied to this base: gathered whole on every rank (over tp)
+    adapter = adapter_files(learner) if hf_files is not None and learner.lora_params else None
     dist_checkpointing.save(_sharded_state(learner, is_loading=False, with_optimizer=learner.step > 0), str(tmp))
     _save_rng(rng_file(tmp, rank))
     if rank == 0:
@@ -280,8 +282,8 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
             (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         if hf_files is not None:
             write_side_files(Path(hf_files), tmp / HF_FILES_DIR, dtype=param_dtype_name(learner))
-            if learner.lora_params:  # the adapters alone too, in PEFT's format, tied to this base
-                save_adapter(tmp / ADAPTER_DIR, learner, learner.lora, hf_files)
+            if adapter is not None:
+                write_adapter(tmp / ADAPTER_DIR, adapter, learner.lora, hf_files)
     dist.barrier()
     files = digest_files(tmp)  # collective: each rank hashes a share of the files
     if rank == 0:

@@ -12,7 +12,9 @@ The directory holds:
 - `base_model.json`: the base model's manifest digest (base_digest) and path;
 - `optimizer.safetensors` + `trainer_state.json` (after the first step): every adapter's Adam state by the same keys,
   the learner's step and its LR scheduler, so a resume continues exactly.
-Only safetensors and JSON: nothing in it runs code on load. It is written into a temporary directory beside `path`
+The tensors are whole at any tensor parallel size (a split adapter is gathered to save, and each rank loads its
+shard), so a checkpoint saved at tp 2 loads at tp 1 and the other way. Only safetensors and JSON: nothing in it
+runs code on load. It is written into a temporary directory beside `path`
 and renamed into place.
 """
 from __future__ import annotations
@@ -25,9 +27,10 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_sparse_rl.formats.manifest import INDEX_SUFFIX, WEIGHT_SUFFIXES
-from megatron_sparse_rl.lora.layers import LORA
+from megatron_sparse_rl.lora.layers import LORA, gather_adapter, shard_adapter, whole_shape
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -97,25 +100,40 @@ def _inner(learner):
 
 
 def _optimizer_state(learner, names: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Each adapter's Adam state: tensors by `<PEFT key>.<state name>`, scalars (per key) and param-group settings."""
+    """Each adapter's Adam state, whole: tensors by `<PEFT key>.<state name>`, scalars (per key) and param-group
+    settings. Collective over the tp group (a split adapter's state is gathered as the adapter is)."""
     tensors, scalars, groups = {}, {}, []
+    by_id = {id(p): n for n, p in learner.lora_params.items()}
     for opt in _inner(learner):
-        by_id = {id(p): n for n, p in learner.lora_params.items()}
         for group in opt.param_groups:
             groups.append({k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool))})
-        for p, state in opt.state.items():
-            key = names[by_id[id(p)]]
-            for k, v in state.items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    tensors[f"{key}.{k}"] = v.detach().cpu().contiguous()
-                else:
-                    scalars.setdefault(key, {})[k] = float(v)
+            for p in group["params"]:  # the groups' order: the same on every tp rank, so the gathers line up
+                key = names[by_id[id(p)]]
+                for k, v in opt.state.get(p, {}).items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        tensors[f"{key}.{k}"] = gather_adapter(p, learner.groups.tp, v).cpu().contiguous()
+                    else:
+                        scalars.setdefault(key, {})[k] = float(v)
     return tensors, {"scalars": scalars, "param_groups": groups}
 
 
-def save_adapter(path: str | Path, learner, lora, base_path: str | Path) -> Path:
-    """Write the learner's adapters (and, after a step, their optimizer state) to `path` in PEFT's format, with the
-    digest of the base at `base_path`. Refuses to overwrite an existing directory."""
+def adapter_files(learner) -> dict:
+    """What save_adapter writes, the adapters and their Adam state whole: {"weights": {PEFT key: tensor},
+    "optimizer": tensors or None, "state": trainer_state.json or None}. Collective over the tp group (every tp rank
+    calls it, in the same order)."""
+    names = peft_names(learner)
+    weights = {names[n]: gather_adapter(p, learner.groups.tp).cpu().contiguous()
+               for n, p in learner.lora_params.items()}
+    if learner.step == 0:
+        return {"weights": weights, "optimizer": None, "state": None}
+    tensors, state = _optimizer_state(learner, names)
+    return {"weights": weights, "optimizer": tensors,
+            "state": {"step": learner.step, "scheduler": learner.scheduler.state_dict(), **state}}
+
+
+def write_adapter(path: str | Path, files: dict, lora, base_path: str | Path) -> Path:
+    """Write `files` (adapter_files) to `path` in PEFT's format, with the digest of the base at `base_path`. Refuses
+    to overwrite an existing directory."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -124,19 +142,25 @@ def save_adapter(path: str | Path, learner, lora, base_path: str | Path) -> Path
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    names = peft_names(learner)
-    save_file({names[n]: p.detach().cpu().contiguous() for n, p in learner.lora_params.items()},
-              str(tmp / WEIGHTS), metadata={"format": "pt"})
+    save_file(files["weights"], str(tmp / WEIGHTS), metadata={"format": "pt"})
     (tmp / CONFIG).write_text(json.dumps(peft_config(lora, str(base_path)), indent=1) + "\n")
     (tmp / BASE).write_text(json.dumps({"base_sha256": base_digest(base_path), "base_path": str(base_path)},
                                        indent=1) + "\n")
-    if learner.step > 0:
-        tensors, state = _optimizer_state(learner, names)
-        save_file(tensors, str(tmp / OPTIMIZER), metadata={"format": "pt"})
-        (tmp / STATE).write_text(json.dumps({"step": learner.step, "scheduler": learner.scheduler.state_dict(),
-                                             **state}, indent=1) + "\n")
+    if files["state"] is not None:
+        save_file(files["optimizer"], str(tmp / OPTIMIZER), metadata={"format": "pt"})
+        (tmp / STATE).write_text(json.dumps(files["state"], indent=1) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def save_adapter(path: str | Path, learner, lora, base_path: str | Path) -> Path:
+    """Write the learner's adapters (and, after a step, their optimizer state) to `path` in PEFT's format, with the
+    digest of the base at `base_path`. Every rank of the learner calls it (the split adapters are gathered over
+    tp); global rank 0 writes. Refuses to overwrite an existing directory."""
+    files = adapter_files(learner)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_adapter(path, files, lora, base_path)
+    return Path(path)
 
 
 def _read_json(file: Path) -> dict:
@@ -176,13 +200,14 @@ def load_adapter(path: str | Path, learner, base_path: str | Path, *, load_optim
     if set(tensors) != want:
         raise ValueError(f"{path / WEIGHTS}: tensors differ from the learner's adapters (model.lora.target_modules): "
                          f"missing {sorted(want - set(tensors))[:3]}, extra {sorted(set(tensors) - want)[:3]}")
+    group = learner.groups.tp
     with torch.no_grad():
         for n, p in learner.lora_params.items():
             t = tensors[names[n]]
-            if t.shape != p.shape:
+            if t.shape != whole_shape(p, group):
                 raise ValueError(f"{path / WEIGHTS}: {names[n]} has shape {list(t.shape)}, the learner's adapter "
-                                 f"{list(p.shape)} (model.lora.rank)")
-            p.copy_(t)
+                                 f"{list(whole_shape(p, group))} (model.lora.rank)")
+            p.copy_(shard_adapter(p, t, group))
     if load_optimizer and (path / STATE).exists():
         _load_optimizer(path, learner, names)
 
@@ -201,6 +226,7 @@ def _load_optimizer(path: Path, learner, names: dict[str, str]) -> None:
                 entry = {k.removeprefix(f"{key}."): v for k, v in tensors.items() if k.startswith(f"{key}.")}
                 for k, v in state["scalars"].get(key, {}).items():
                     entry[k] = torch.tensor(v)
-                opt.state[p] = {k: v.clone() for k, v in entry.items()}
+                opt.state[p] = {k: (shard_adapter(p, v, learner.groups.tp) if v.dim() > 0 else v).clone()
+                                for k, v in entry.items()}
     learner.step = state["step"]
     learner.scheduler.load_state_dict(state["scheduler"])

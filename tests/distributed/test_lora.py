@@ -1,8 +1,10 @@
-"""LoRA in the learner at TP1 (lora/layers.py) against Hugging Face PEFT on transformers' tiny models: the same
+"""LoRA in the learner at TP1 and TP2 (lora/layers.py) against Hugging Face PEFT on transformers' tiny models: the same
 adapters (random A and B, so every part of the update is non-zero) give the same logprobs and the same gradient of
 every adapter within 1e-4. Attention (Qwen3-MoE: q/k/v fused in linear_qkv with grouped KV heads, o_proj), the dense
 MLP (Qwen3: gate/up fused in linear_fc1, down_proj) and MLA with a dense layer and shared experts (DeepSeek-V3). The
-optimizer holds the adapters only; a step leaves every base parameter as it was and moves every adapter.
+optimizer holds the adapters only; a step leaves every base parameter as it was and moves every adapter. At TP2
+(with and without sequence parallel, and TP2 x EP2 on the MoE) the same logprobs and gathered gradients, the merged
+tensors a weight sync sends, and an adapter checkpoint saved there (whole values) that resumes exactly.
 
     .venv/bin/python -m pytest -q tests/distributed/test_lora.py
 """
@@ -84,3 +86,74 @@ def test_tp1_logprobs_and_adapter_gradients_match_peft(tmp_path, kind, targets, 
     assert out["held_are_adapters"] and out["held"] == len(adapters)
     assert out["base_requires_grad"] == [] and out["base_changed"] == []
     assert out["adapters_unchanged"] == []
+
+
+def _reference(model_dir, targets, lora, tokens):
+    """PEFT's logprobs of `tokens` and every adapter's gradient of the summed-logprob SFT loss, random adapters."""
+    from transformers import AutoModelForCausalLM
+
+    model = _peft_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), targets, lora)
+    adapters = _randomize(model, seed=0)
+    logp = torch.log_softmax(model(tokens).logits[:, :-1].double(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    (-logp.sum() / logp.numel()).backward()
+    return adapters, logp.detach(), {lora_key(n): p.grad for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _merged_reference(model_dir, adapters, scale) -> dict[str, torch.Tensor]:
+    """W + scale x B A in float64 for every adapted Hugging Face weight, from the base's safetensors."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    base = {k: v for f in Path(model_dir).glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    out = {}
+    for (layer, shared, module, ab), a in adapters.items():
+        if ab != "A":
+            continue
+        b = adapters[(layer, shared, module, "B")]
+        name = next(k for k in base if f"layers.{layer}." in k and k.endswith(f".{module}.weight")
+                    and ("shared_expert" in k) == shared)
+        out[name] = base[name].double() + scale * b.double() @ a.double()
+    return out
+
+
+@pytest.mark.parametrize("kind, targets, tp, ep, sp, world", [
+    ("qwen3", ATTENTION + MLP, 2, 1, False, 2),  # q/k/v, o, gate/up, down split over 2 tp ranks
+    ("qwen3_moe", ATTENTION, 2, 2, True, 4),  # tp 2 x ep 2 (data parallel 2), sequence parallel as MoE needs
+    ("deepseek_v3", ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj") + MLP, 2, 1, True, 2),  # + shared experts
+])
+def test_tp2_logprobs_gradients_sync_and_checkpoint_match_peft(tmp_path, kind, targets, tp, ep, sp, world):
+    """At tp 2 (sequence parallel on and off): logprobs and every adapter gradient (gathered whole) against PEFT
+    within 1e-4; the merged tensors a sync sends against W + scale B A (float64, 1e-5);
+    an adapter checkpoint saved at tp 2 holds the whole tp-1 values; a resume there continues exactly."""
+    from safetensors.torch import load_file
+
+    from megatron_sparse_rl.lora.checkpoint import WEIGHTS
+    from tests.lora_workers import lora_tp_worker
+
+    model_dir = _build(kind, tmp_path / "hf")
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=targets)
+    tokens = torch.randint(3, 40, (4, 14), generator=torch.Generator().manual_seed(0))
+    adapters, logp, ref_grads = _reference(model_dir, targets, lora, tokens)
+
+    outs = run_distributed(lora_tp_worker, world, args=(model_dir, tokens, lora, adapters, tp, ep, sp,
+                                                            tmp_path / "ad"))
+
+    for out in outs:  # every rank: tp ranks and data-parallel ranks alike
+        assert (out["logprobs"].double() - logp).abs().max() < 1e-4
+        assert out["count"] == sum(t.numel() for t in adapters.values())
+        assert set(out["grads"]) == set(ref_grads)
+        for key, ref in ref_grads.items():
+            assert ref.abs().max() > 1e-6, key
+            assert (out["grads"][key] - ref).abs().max() < 1e-4, key
+        assert (out["saved_logprobs"] - out["loaded_logprobs"]).abs().max() == 0
+        for key, value in out["after_step"].items():
+            assert torch.equal(out["after_resume"][key], value), key
+    merged = _merged_reference(model_dir, adapters, lora.scale)
+    assert merged.keys() <= outs[0]["sent"].keys()
+    for name, ref in merged.items():
+        assert (outs[0]["sent"][name].double() - ref).abs().max() < 1e-5, name
+    saved = load_file(str(tmp_path / "ad" / "start" / WEIGHTS))
+    assert len(saved) == len(adapters)
+    for key, value in saved.items():
+        assert torch.equal(value, adapters[lora_key(key.replace(".weight", ".default.weight"))]), key

@@ -1,7 +1,8 @@
 """Adapter checkpoints (lora/checkpoint.py) in Hugging Face PEFT's format: the directory a TP1 LoRA learner saves
 loads with transformers + `PeftModel.from_pretrained` and gives the learner's logprobs within 1e-4; a resume gives
 the saved logprobs and, after more steps, the adapters of the run that did not stop (Adam state, step and LR schedule
-restored); an adapter is refused on a base whose manifest digest differs, naming both digests.
+restored); an adapter is refused on a base whose manifest digest differs, naming both digests. The run loop's torch_dist
+checkpoint resumes a LoRA learner exactly, at tp 1 and tp 2.
 
 The PEFT test adapts attention and the dense MLP of a dense Qwen3, a target set that PEFT 0.21 maps onto the same
 modules (on transformers 5 MoE models it remaps gate/up/down_proj onto the fused routed experts).
@@ -136,3 +137,32 @@ def test_run_loop_learner_checkpoint_resumes_a_lora_learner_exactly(tmp_path):
     assert torch.equal(alone["logprobs"], straight["logprobs"]) and alone["step"] == 4
     for name, value in straight["adapters"].items():
         assert torch.equal(alone["adapters"][name], value), name
+
+
+def test_run_loop_learner_checkpoint_resumes_a_tp2_lora_learner_exactly(tmp_path):
+    """At tensor parallel 2 (sequence parallel): the torch_dist checkpoint holds each split adapter as its tp shards
+    (lora/layers.py `_shard_split_adapters`), so a tp-2 resume gives the logprobs at save and, two steps on, the
+    adapters of the run that did not stop, bit for bit; its adapter/ copy holds them whole (its A and B have the
+    whole shapes of the Hugging Face modules)."""
+    from safetensors.torch import load_file
+
+    from megatron_sparse_rl.lora.checkpoint import WEIGHTS
+
+    model_dir = _model(tmp_path / "hf")
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))
+    path = str(tmp_path / "ckpt")
+    straight = run_distributed(lora_save_worker, 2, args=(model_dir, TOKENS, lora, path, 2, 2, "learner", 2))
+    resumed = run_distributed(lora_resume_worker, 2, args=(model_dir, TOKENS, lora, path, 2, "learner", 2))
+    for s, r in zip(straight, resumed):
+        assert torch.equal(r["logprobs"], s["logprobs"]) and r["step"] == s["step"] == 4
+        for name, value in s["adapters"].items():
+            assert torch.equal(r["adapters"][name], value), name
+    shapes = {k: tuple(v.shape) for k, v in load_file(f"{path}/adapter/{WEIGHTS}").items()}
+    assert len(shapes) == len(straight[0]["adapters"])
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    q, ffn = cfg["num_attention_heads"] * cfg["head_dim"], cfg["intermediate_size"]
+    layer0 = "base_model.model.model.layers.0."
+    assert shapes[f"{layer0}self_attn.q_proj.lora_B.weight"] == (q, 4)  # split over tp: whole here
+    assert shapes[f"{layer0}self_attn.o_proj.lora_A.weight"] == (4, q)
+    assert shapes[f"{layer0}mlp.gate_proj.lora_B.weight"] == (ffn, 4)
+    assert shapes[f"{layer0}mlp.down_proj.lora_A.weight"] == (4, ffn)

@@ -1,5 +1,5 @@
 """lora/layers.py without a model: the fused linear_qkv delta laid out by hand (q heads of each KV group, then its k
-and v head), untargeted parts zero, and the refusals (tp or pp > 1, routed experts).
+and v head), untargeted parts zero, and the refusals (pp > 1, dropout at tp > 1, routed experts).
 
     .venv/bin/python -m pytest -q tests/unit/test_lora_layers.py
 """
@@ -53,15 +53,17 @@ def test_b_starts_at_zero_and_a_as_peft_initialises_it():
     assert a.abs().max() <= 6 ** -0.5 and a.std() > 0.1  # kaiming_uniform(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))
 
 
-@pytest.mark.parametrize("tp, pp, targets, message", [
-    (2, 1, ("q_proj",), "model.lora needs parallel.tp = 1 and parallel.pp = 1 (got tp 2, pp 1)"),
-    (1, 2, ("q_proj",), "model.lora needs parallel.tp = 1 and parallel.pp = 1 (got tp 1, pp 2)"),
-    (1, 1, ("experts",), "model.lora.target_modules: adapters on routed experts ('experts', which 'all-linear' includes"),
-    (1, 1, ("all-linear",), "model.lora.target_modules: adapters on routed experts"),
-    (1, 1, ("gate_proj",), "model.lora.target_modules: Qwen3MoeForCausalLM has no module 'gate_proj'"),
+@pytest.mark.parametrize("tp, pp, targets, dropout, message", [
+    (2, 1, ("q_proj",), 0.1, "model.lora.dropout must be 0 at parallel.tp > 1 (got dropout 0.1, tp 2)"),
+    (1, 2, ("q_proj",), 0.0, "model.lora needs parallel.pp = 1 (got 2)"),
+    (1, 1, ("experts",), 0.0,
+     "model.lora.target_modules: adapters on routed experts ('experts', which 'all-linear' includes"),
+    (1, 1, ("all-linear",), 0.0, "model.lora.target_modules: adapters on routed experts"),
+    (1, 1, ("gate_proj",), 0.0, "model.lora.target_modules: Qwen3MoeForCausalLM has no module 'gate_proj'"),
 ])
-def test_refusals_name_the_field(tp, pp, targets, message):
+def test_refusals_name_the_field(tp, pp, targets, dropout, message):
     adapter, spec, _ = _qkv()
     with pytest.raises(ValueError) as e:
-        attach_lora(torch.nn.Linear(1, 1), adapter, spec, LoraConfig(target_modules=targets), tp=tp, pp=pp, seed=0)
+        attach_lora(torch.nn.Linear(1, 1), adapter, spec, LoraConfig(target_modules=targets, dropout=dropout), tp=tp,
+                    pp=pp, seed=0)
     assert message in str(e.value)
