@@ -169,8 +169,9 @@ def _lora_note(ctx) -> str:
     adapters = ctx.learner.lora_params
     if not adapters:
         return ""
-    count = adapter_count(adapters, ctx.learner.groups.tp)  # whole, at any tp
-    return (f"; LoRA rank {ctx.learner.lora.rank}, {count:,} adapter parameters "
+    count = adapter_count(adapters, ctx.learner.groups.tp)  # whole at any tp; this (first) stage's at pp > 1
+    stage = " on pipeline stage 0" if ctx.layout.pp > 1 else ""
+    return (f"; LoRA rank {ctx.learner.lora.rank}, {count:,} adapter parameters{stage} "
             "train (the base frozen), syncs after the first send the adapted tensors alone")
 
 

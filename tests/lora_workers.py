@@ -69,15 +69,15 @@ def _whole(learner) -> dict[str, torch.Tensor]:
 
 
 def lora_save_worker(rank, world_size, model_dir, tokens, lora, path, steps_before, steps_after, fmt="adapter",
-                     tp=1):
-    """A LoRA learner (tensor parallel `tp`, sequence parallel with it) with random adapters: `steps_before` scheduled SFT steps, saved to `path` (fmt 'adapter':
+                     tp=1, pp=1):
+    """A LoRA learner (tensor parallel `tp`, sequence parallel with it; pipeline parallel `pp`) with random adapters: `steps_before` scheduled SFT steps, saved to `path` (fmt 'adapter':
     its adapters alone, lora/checkpoint.py; 'learner': the run loop's torch_dist checkpoint, learner/checkpoint.py,
     which then also holds the adapters alone under adapter/), then `steps_after` more. Returns the logprobs at save
     and the adapters at the end (whole)."""
     from megatron_sparse_rl.learner.checkpoint import save_learner
     from megatron_sparse_rl.lora.checkpoint import save_adapter
 
-    learner = W.make_learner(world_size, model_dir, tp=tp, lora=lora, lr=1e-2)
+    learner = W.make_learner(world_size, model_dir, tp=tp, pp=pp, lora=lora, lr=1e-2)
     _random_adapters(learner, seed=0)
     for _ in range(steps_before):
         learner.train_step(tokens, _sft_loss(tokens))
@@ -91,13 +91,13 @@ def lora_save_worker(rank, world_size, model_dir, tokens, lora, path, steps_befo
     return dict(logprobs=logprobs, adapters=_whole(learner), step=learner.step)
 
 
-def lora_resume_worker(rank, world_size, model_dir, tokens, lora, path, steps_after, fmt="adapter", tp=1):
-    """A fresh LoRA learner (tensor parallel `tp`; other random adapters) loading checkpoint `path` (fmt as
+def lora_resume_worker(rank, world_size, model_dir, tokens, lora, path, steps_after, fmt="adapter", tp=1, pp=1):
+    """A fresh LoRA learner (tensor parallel `tp`, pipeline parallel `pp`; other random adapters) loading checkpoint `path` (fmt as
     lora_save_worker's): its logprobs, then the adapters (whole) after `steps_after` more scheduled SFT steps."""
     from megatron_sparse_rl.learner.checkpoint import load_learner
     from megatron_sparse_rl.lora.checkpoint import load_adapter
 
-    learner = W.make_learner(world_size, model_dir, tp=tp, lora=lora, lr=1e-2)
+    learner = W.make_learner(world_size, model_dir, tp=tp, pp=pp, lora=lora, lr=1e-2)
     _random_adapters(learner, seed=1)
     if fmt == "adapter":
         load_adapter(path, learner, model_dir)
@@ -168,8 +168,9 @@ def lora_dp_worker(rank, world_size, model_dir, tokens, lora, ep=1):
     return before, {lora_key(n): p.detach().clone() for n, p in learner.lora_params.items()}
 
 
-def lora_tp_worker(rank, world_size, model_dir, tokens, lora, adapters, tp, ep, sp, path):
-    """A LoRA learner at tensor parallel `tp` (sequence parallel `sp`; experts over `ep`; data parallel the rest) with
+def lora_tp_worker(rank, world_size, model_dir, tokens, lora, adapters, tp, ep, sp, path, pp=1):
+    """A LoRA learner at tensor parallel `tp` (sequence parallel `sp`; experts over `ep`; pipeline parallel `pp`; data
+    parallel the rest) with
     the whole `adapters` (by lora_key) sharded onto it: its logprobs of `tokens`; the adapters' gradients, gathered
     whole, of the summed-logprob SFT loss over `tokens` split across data-parallel ranks (a step at lr 0); the
     merged tensors a weight sync sends for the adapted modules; what an adapter checkpoint saved at `path` holds;
@@ -181,21 +182,23 @@ def lora_tp_worker(rank, world_size, model_dir, tokens, lora, adapters, tp, ep, 
     from megatron_sparse_rl.weight_sync import iter_hf_tensors
     from megatron_sparse_rl.weight_sync.scope import adapted_hf_names
 
-    learner = W.make_learner(world_size, model_dir, tp=tp, ep=ep, sp=sp, lora=lora, clip=1e9, lr=1e-2)
+    learner = W.make_learner(world_size, model_dir, tp=tp, ep=ep, pp=pp, sp=sp, lora=lora, clip=1e9, lr=1e-2)
     params, group = learner.lora_params, learner.groups.tp
-    keys = {lora_key(n): n for n in params}
-    assert set(keys) == set(adapters), sorted(set(keys) ^ set(adapters))[:4]
+    keys = {lora_key(n): n for n in params}  # this stage's
+    assert set(keys) <= set(adapters), sorted(set(keys) - set(adapters))[:4]
+    adapters = {k: v for k, v in adapters.items() if k in keys}
     with torch.no_grad():
         for key, value in adapters.items():
             params[keys[key]].copy_(shard_adapter(params[keys[key]], value, group))
     whole = lambda: {k: gather_adapter(params[n], group).clone() for k, n in keys.items()}  # noqa: E731
-    out = dict(logprobs=learner.forward_logprobs(tokens)["logprobs"], count=adapter_count(params, group))
+    out = dict(logprobs=learner.forward_logprobs(tokens)["logprobs"], count=adapter_count(params, group),
+               stage=learner.groups.pp_rank)
     rows = torch.arange(tokens.shape[0]).chunk(learner.layout.dp)[learner.groups.dp_rank]
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
     loss = make_sft_loss(mask[rows], mask.sum().item())
     learner.train_step(tokens[rows], loss, lr=0.0)
     out["grads"] = {k: gather_adapter(params[n], group, params[n].main_grad).clone() for k, n in keys.items()}
-    adapted = adapted_hf_names(learner.adapter.tensor_maps(learner.spec), learner.lora_linears)
+    adapted = adapted_hf_names(learner.adapter.tensor_maps(learner.spec), learner.lora_weights)
     out["sent"] = dict(iter_hf_tensors(learner, only=adapted))
     save_adapter(path / "start", learner, lora, model_dir)
     learner.train_step(tokens[rows], loss)  # scheduled: the step counts, so the save holds the Adam state

@@ -171,8 +171,8 @@ class ModelConfig:
     rest of the model untouched; step metric indexer/kl_loss. 0 = off; > 0 needs a DSA model."""
     lora: LoraConfig | None = None
     """LoRA adapters (rank, alpha, dropout, target modules); null: none, every parameter trains. Set, the base is
-    frozen and only the adapters train; engines receive the merged weights. Runs at parallel.pp = cp = 1 (any
-    tensor, data and expert parallel size, with or without sequence parallel; colocated or disaggregated) with
+    frozen and only the adapters train; engines receive the merged weights. Runs at parallel.cp = 1 (any
+    tensor, pipeline, data and expert parallel size, with or without sequence parallel; colocated or disaggregated) with
     attention, dense-MLP and shared-expert targets, and dropout 0 at tp > 1; the rest is refused at validate
     (docs/lora.md)."""
 

@@ -43,7 +43,7 @@ from megatron_sparse_rl.learner.logprobs import vocab_parallel_entropy, vocab_pa
 from megatron_sparse_rl.learner.model import build_gpt_model
 from megatron_sparse_rl.learner.params import load_full_tensors, local_params
 from megatron_sparse_rl.learner.routing import LearnerRouting
-from megatron_sparse_rl.lora.layers import adapted_linears, attach_lora
+from megatron_sparse_rl.lora.layers import adapted_linears, adapted_weights, attach_lora
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
 from megatron_sparse_rl.learner.chunks import pipeline_split
@@ -77,7 +77,9 @@ class Learner:
         self.lora_params = attach_lora(model, adapter, spec, model_cfg.lora, tp=layout.tp, pp=layout.pp,
                                        seed=cfg.seed) if model_cfg.lora is not None else {}
         self.lora = model_cfg.lora  # config.LoraConfig or None: what an adapter checkpoint records
-        self.lora_linears = adapted_linears(model)  # {weight name: its adapters}: a weight sync sends them merged
+        self.lora_linears = adapted_linears(model)  # {weight name: its adapters} of this stage: merged to sync
+        # every stage's adapted weights: a sync after the first sends them alone (the same names on every rank)
+        self.lora_weights = adapted_weights(adapter, spec, model_cfg.lora) if model_cfg.lora else frozenset()
         self._layer_masks = None  # LayerAttentionMasks: hooks made on the first call with an attention mask
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=False)

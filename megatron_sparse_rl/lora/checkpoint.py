@@ -12,8 +12,9 @@ The directory holds:
 - `base_model.json`: the base model's manifest digest (base_digest) and path;
 - `optimizer.safetensors` + `trainer_state.json` (after the first step): every adapter's Adam state by the same keys,
   the learner's step and its LR scheduler, so a resume continues exactly.
-The tensors are whole at any tensor parallel size (a split adapter is gathered to save, and each rank loads its
-shard), so a checkpoint saved at tp 2 loads at tp 1 and the other way. Only safetensors and JSON: nothing in it
+The tensors are whole at any tensor and pipeline parallel size (a split adapter is gathered to save, the stages'
+adapters collected, and each rank loads its shard of its stage's), so a checkpoint saved at tp 2 or pp 2 loads at
+tp 1 and pp 1 and the other way. Only safetensors and JSON: nothing in it
 runs code on load. It is written into a temporary directory beside `path`
 and renamed into place.
 """
@@ -119,16 +120,28 @@ def _optimizer_state(learner, names: dict[str, str]) -> tuple[dict[str, torch.Te
 
 def adapter_files(learner) -> dict:
     """What save_adapter writes, the adapters and their Adam state whole: {"weights": {PEFT key: tensor},
-    "optimizer": tensors or None, "state": trainer_state.json or None}. Collective over the tp group (every tp rank
-    calls it, in the same order)."""
+    "optimizer": tensors or None, "state": trainer_state.json or None}. Collective over the tp group (a split
+    adapter is gathered) and the pipeline group (each stage holds its layers' adapters): every rank calls it, in the
+    same order."""
     names = peft_names(learner)
     weights = {names[n]: gather_adapter(p, learner.groups.tp).cpu().contiguous()
                for n, p in learner.lora_params.items()}
     if learner.step == 0:
-        return {"weights": weights, "optimizer": None, "state": None}
+        return {"weights": _over_stages(learner, weights), "optimizer": None, "state": None}
     tensors, state = _optimizer_state(learner, names)
-    return {"weights": weights, "optimizer": tensors,
-            "state": {"step": learner.step, "scheduler": learner.scheduler.state_dict(), **state}}
+    scalars = _over_stages(learner, state["scalars"])
+    return {"weights": _over_stages(learner, weights), "optimizer": _over_stages(learner, tensors),
+            "state": {"step": learner.step, "scheduler": learner.scheduler.state_dict(), **state,
+                      "scalars": scalars}}
+
+
+def _over_stages(learner, mine: dict) -> dict:
+    """The union of every pipeline stage's `mine` (disjoint keys: each stage its own layers); `mine` at pp 1."""
+    if learner.layout.pp == 1:
+        return mine
+    every: list = [None] * learner.layout.pp
+    dist.all_gather_object(every, mine, group=learner.groups.pp)
+    return {k: v for stage in every for k, v in stage.items()}
 
 
 def write_adapter(path: str | Path, files: dict, lora, base_path: str | Path) -> Path:
@@ -196,7 +209,7 @@ def load_adapter(path: str | Path, learner, base_path: str | Path, *, load_optim
     check_base(path, base_path)
     names = peft_names(learner)
     tensors = load_file(str(path / WEIGHTS))
-    want = set(names.values())
+    want = set(_over_stages(learner, dict.fromkeys(names.values())))  # every stage's adapters
     if set(tensors) != want:
         raise ValueError(f"{path / WEIGHTS}: tensors differ from the learner's adapters (model.lora.target_modules): "
                          f"missing {sorted(want - set(tensors))[:3]}, extra {sorted(set(tensors) - want)[:3]}")

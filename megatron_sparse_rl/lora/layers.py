@@ -1,4 +1,4 @@
-"""LoRA adapters on Megatron-Core's linears (any tensor parallel size, pipeline parallel 1): attention, the dense MLP and the shared experts.
+"""LoRA adapters on Megatron-Core's linears (any tensor and pipeline parallel size): attention, the dense MLP and the shared experts.
 
     adapters = attach_lora(model, adapter, spec, lora_cfg, seed=1234)   # {name: Parameter}; the base frozen
 
@@ -16,11 +16,15 @@ chunks, which is how Megatron splits each fused part (a rank holds whole KV grou
 fc1), and A is whole; on a row-parallel one (linear_proj, linear_fc2) A is split along its inputs and B is whole.
 The split ones carry Megatron's `tensor_model_parallel` / `partition_dim` marks, so the grad norm counts them once
 per shard and the replicated ones once. `delta` says where the tp communication goes, sequence parallel included.
+
+Pipeline parallel: each stage adapts the linears of its own layers. The adapters are named by their full (global
+layer) names, as the tensor maps name the base, so checkpoints, the merge and the sync find them on any stage.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ import torch.distributed as dist
 from megatron_sparse_rl.lora.targets import layout_problems, resolve_targets, target_problems
 from megatron_sparse_rl.models.tensor_map import TensorMap, to_mcore
 
+_LAYER = re.compile(r"^(decoder\.layers\.\d+)(\.|$)")
 LORA = "lora"
 """The submodule name of a linear's adapters: their parameters are named `<linear>.lora.A.<hf module>` / `.B.`."""
 
@@ -173,10 +178,25 @@ def adapter_count(params: dict[str, torch.nn.Parameter], group) -> int:
     return sum(math.prod(whole_shape(p, group)) for p in params.values())
 
 
+def _full_named_modules(model) -> dict[str, torch.nn.Module]:
+    """{full name: module} of `model` (a GPTModel, or a ModuleList of interleaved-pipeline chunks): a pipeline stage
+    numbers its layers from 0, and a layer's `layer_number` (1-based) is global, so `decoder.layers.<local>.` becomes
+    `decoder.layers.<global>.`, the names the tensor maps use."""
+    out = {}
+    for chunk in (model if isinstance(model, torch.nn.ModuleList) else [model]):
+        named = dict(chunk.named_modules())
+        for name, module in named.items():
+            m = _LAYER.match(name)
+            if m:
+                number = named[m.group(1)].layer_number - 1
+                name = f"decoder.layers.{number}{name[m.end(1):]}"
+            out[name] = module
+    return out
+
+
 def adapted_linears(model) -> dict[str, LoraParams]:
-    """{Megatron weight name (`<linear>.weight`): its adapters} of every adapted linear of `model` (PP1: local names
-    are the full names at any tp)."""
-    return {f"{name.removesuffix(f'.{LORA}')}.weight": module for name, module in model.named_modules()
+    """{full Megatron weight name (`<linear>.weight`): its adapters} of every adapted linear of this rank's stage."""
+    return {f"{name.removesuffix(f'.{LORA}')}.weight": module for name, module in _full_named_modules(model).items()
             if isinstance(module, LoraParams)}
 
 
@@ -235,6 +255,13 @@ def _shard_split_adapters(module) -> None:
     module.sharded_state_dict = sharded_state_dict
 
 
+def adapted_weights(adapter, spec, lora) -> frozenset[str]:
+    """The full Megatron weight names `lora` (config.LoraConfig) adapts, over every pipeline stage (what a sync of
+    the adapted tensors alone sends: the same on every rank)."""
+    return frozenset(f"{name}.weight" for name, _, _ in _adaptable(adapter, spec,
+                                                                    resolve_targets(lora.target_modules, spec)))
+
+
 def _adaptable(adapter, spec, targets: frozenset[str]):
     """(Megatron linear name, its tensor map, the targeted HF leaves) of every linear weight outside routed
     experts whose Hugging Face modules include a target."""
@@ -257,10 +284,14 @@ def attach_lora(model, adapter, spec, lora, *, tp: int, pp: int, seed: int) -> d
         raise ValueError("; ".join(problems))
     for p in model.parameters():
         p.requires_grad_(False)
-    modules = dict(model.named_modules())
+    modules = _full_named_modules(model)
     generator = torch.Generator().manual_seed(seed)
+    out = {}
     for name, tm, leaves in _adaptable(adapter, spec, targets):
-        module = modules[name]
+        module = modules.get(name)
+        if module is None:  # the layer of another pipeline stage (its draws still made: the same values at any pp)
+            LoraParams(tm, leaves, lora.rank, lora.scale, lora.dropout, generator)
+            continue
         placement = _placement(module, tp)
         module.add_module(LORA, LoraParams(tm, leaves, lora.rank, lora.scale, lora.dropout, generator, placement))
         # first: MLA's down projection has a hook that gathers its output (patches/megatron_mla_tp.py); the
@@ -268,6 +299,7 @@ def attach_lora(model, adapter, spec, lora, *, tp: int, pp: int, seed: int) -> d
         module.register_forward_hook(_hook(spec), prepend=True)
         if placement.parallel != "whole":
             _shard_split_adapters(module)
+        out.update({f"{name}.{LORA}.{n}": p for n, p in module.lora.named_parameters()})
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    return {n: p for n, p in model.named_parameters() if f".{LORA}." in n}
+    return out

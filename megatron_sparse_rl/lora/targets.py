@@ -165,15 +165,12 @@ def layer_params_per_tp_rank(spec, rank: int, targets: frozenset[str], tp: int) 
 
 
 def layout_problems(lora, *, tp: int, pp: int, cp: int = 1) -> list[str]:
-    """What the learner's adapters (lora/layers.py) do not run on, naming the fields: pipeline and context parallel
-    above 1, and dropout at tensor parallel above 1 (data, expert and tensor parallel run). The one home of these
+    """What the learner's adapters (lora/layers.py) do not run on, naming the fields: context parallel above 1, and
+    dropout at tensor parallel above 1 (data, expert, tensor and pipeline parallel run). The one home of these
     refusals: validate reports them, attach_lora raises them."""
     if lora is None:
         return []
     problems = []
-    if pp != 1:
-        problems.append(f"model.lora needs parallel.pp = 1 (got {pp}): the adapters' per-stage layer names are not "
-                        "in the learner's adapter checkpoint, merge and weight sync yet")
     if tp != 1 and lora.dropout > 0:
         problems.append(f"model.lora.dropout must be 0 at parallel.tp > 1 (got dropout {lora.dropout:g}, tp {tp}): "
                         "the tp ranks of a column-parallel linear would drop different inputs of one shared A x")

@@ -124,13 +124,13 @@ def iter_full_mcore(learner, only: frozenset[str] | None = None) -> Iterator[tup
         stage, shape, dtype = owners[key]
         if stage == groups.pp_rank:
             full = _stage_tensor(tm, params, groups, ep, n_local)
+            if tm.mcore in adapted:  # merged on the stage that holds the adapters, then sent to the others
+                full = adapted[tm.mcore].merged(full, learner.spec)
         else:
             full = torch.empty(shape, dtype=dtype, device=next(iter(params.values())).param.device)
         if pp > 1:
             full = full.contiguous()
             dist.broadcast(full, src=pp_ranks[stage], group=groups.pp)
-        if tm.mcore in adapted:
-            full = adapted[tm.mcore].merged(full, learner.spec)
         yield tm, full
 
 

@@ -38,7 +38,7 @@ def _module(hf_name: str) -> str:
 
 def adapted_hf_names(tensor_maps, adapted: set[str] | dict) -> frozenset[str]:
     """The HF names a sync must send to an engine holding a full set, for adapters on the Megatron weights
-    `adapted` (names, e.g. the learner's `lora_linears`): every tensor of the HF modules those weights map to, and of
+    `adapted` (names, e.g. the learner's `lora_weights`): every tensor of the HF modules those weights map to, and of
     the modules the engine fuses with them (`ENGINE_FUSED`). Empty without adapters."""
     modules = {_module(hf) for tm in tensor_maps if tm.mcore in adapted for hf in tm.hf}
     for group in ENGINE_FUSED:
@@ -63,7 +63,7 @@ class EngineWeightState:
     def only(self, learner) -> frozenset[str] | None:
         """The HF names the next sync sends: None (everything) until the engines hold a full set or for a learner
         without adapters; else the adapted tensors (`adapted_hf_names`)."""
-        adapted = getattr(learner, "lora_linears", None)
+        adapted = getattr(learner, "lora_weights", None)
         if not self.full or not adapted:
             return None
         return adapted_hf_names(learner.adapter.tensor_maps(learner.spec), adapted)

@@ -139,11 +139,12 @@ def test_run_loop_learner_checkpoint_resumes_a_lora_learner_exactly(tmp_path):
         assert torch.equal(alone["adapters"][name], value), name
 
 
-def test_run_loop_learner_checkpoint_resumes_a_tp2_lora_learner_exactly(tmp_path):
-    """At tensor parallel 2 (sequence parallel): the torch_dist checkpoint holds each split adapter as its tp shards
-    (lora/layers.py `_shard_split_adapters`), so a tp-2 resume gives the logprobs at save and, two steps on, the
-    adapters of the run that did not stop, bit for bit; its adapter/ copy holds them whole (its A and B have the
-    whole shapes of the Hugging Face modules)."""
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_run_loop_learner_checkpoint_resumes_a_tp2_or_pp2_lora_learner_exactly(tmp_path, tp, pp):
+    """At tensor parallel 2 (sequence parallel) the torch_dist checkpoint holds each split adapter as its tp shards
+    (lora/layers.py `_shard_split_adapters`); at pipeline parallel 2 each stage its layers' adapters. A resume in the
+    same layout gives the logprobs at save and, two steps on, the adapters of the run that did not stop, bit for
+    bit; its adapter/ copy holds every adapter whole (the whole shapes of the Hugging Face modules)."""
     from safetensors.torch import load_file
 
     from megatron_sparse_rl.lora.checkpoint import WEIGHTS
@@ -151,14 +152,14 @@ def test_run_loop_learner_checkpoint_resumes_a_tp2_lora_learner_exactly(tmp_path
     model_dir = _model(tmp_path / "hf")
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))
     path = str(tmp_path / "ckpt")
-    straight = run_distributed(lora_save_worker, 2, args=(model_dir, TOKENS, lora, path, 2, 2, "learner", 2))
-    resumed = run_distributed(lora_resume_worker, 2, args=(model_dir, TOKENS, lora, path, 2, "learner", 2))
+    straight = run_distributed(lora_save_worker, 2, args=(model_dir, TOKENS, lora, path, 2, 2, "learner", tp, pp))
+    resumed = run_distributed(lora_resume_worker, 2, args=(model_dir, TOKENS, lora, path, 2, "learner", tp, pp))
     for s, r in zip(straight, resumed):
         assert torch.equal(r["logprobs"], s["logprobs"]) and r["step"] == s["step"] == 4
         for name, value in s["adapters"].items():
             assert torch.equal(r["adapters"][name], value), name
     shapes = {k: tuple(v.shape) for k, v in load_file(f"{path}/adapter/{WEIGHTS}").items()}
-    assert len(shapes) == len(straight[0]["adapters"])
+    assert len(shapes) == len(set().union(*(s["adapters"] for s in straight)))  # every stage's
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     q, ffn = cfg["num_attention_heads"] * cfg["head_dim"], cfg["intermediate_size"]
     layer0 = "base_model.model.model.layers.0."

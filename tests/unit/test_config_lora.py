@@ -88,8 +88,9 @@ def test_mla_targets_are_the_deepseek_modules():
     ((ATTENTION, "rollout.quantization=fp8"), 1),  # the probe compares against the merged weights, FP8 round trip
     ((ATTENTION, "parallel.tp=2", "parallel.sequence_parallel=true"), 2),  # the A/B split follows the base's
     ((ATTENTION, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"), 4),
+    ((ATTENTION, "parallel.pp=2"), 2),  # each stage adapts its own layers
 ])
-def test_a_run_at_pp1_validates(overrides, world):
+def test_a_lora_run_validates(overrides, world):
     run = load_config(CONFIGS / "tiny_moe.yaml", list(overrides))
     assert validate(run, world, cuda=False).architecture == "Qwen3MoeForCausalLM"
     assert run.model.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -106,10 +107,9 @@ def test_routed_expert_targets_are_refused_naming_the_field(targets):
 @pytest.mark.parametrize("overrides, world, message", [
     (("parallel.tp=2", "parallel.sequence_parallel=true", "model.lora.dropout=0.1"), 2,
      "model.lora.dropout must be 0 at parallel.tp > 1 (got dropout 0.1, tp 2)"),
-    (("parallel.pp=2",), 2, "model.lora needs parallel.pp = 1 (got 2): the adapters' per-stage layer names"),
     (("parallel.cp=2",), 2, "model.lora needs parallel.cp = 1 (got 2): adapters under context parallel are untested"),
 ])
-def test_pp_cp_above_one_and_dropout_at_tp2_are_refused_naming_the_fields(overrides, world, message):
+def test_cp_above_one_and_dropout_at_tp2_are_refused_naming_the_fields(overrides, world, message):
     text = _problems(CONFIGS / "tiny_moe.yaml", ATTENTION, *overrides, world=world)
     assert text.startswith(message)  # the one problem
     assert "model.lora.target_modules" not in text  # the targets are fine: only the layout is refused

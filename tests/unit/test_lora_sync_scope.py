@@ -50,7 +50,7 @@ def test_mla_down_projections_travel_together():
 
 def _learner(adapted):
     adapter, spec, _ = _maps(QWEN)
-    return SimpleNamespace(adapter=adapter, spec=spec, lora_linears=adapted)
+    return SimpleNamespace(adapter=adapter, spec=spec, lora_weights=adapted)
 
 
 def _stats(nbytes):
