@@ -18,6 +18,7 @@ learner ranks, real vLLM engines on the rollout ranks, tiny MoE on CPU, gloo).
   KV recomputed, every sync verified, killed with SIGKILL and resumed from its checkpoint; the same at
   trainer.max_staleness 2, where tokens are up to two versions behind; trainer.max_staleness 0
   (said explicitly in the 1 + 1 run) is the synchronous loop, equal to the colocated run.
+- learner context parallel 2 + 1 rollout rank (slow): every metric equals the 1 + 1 run's (cp 1).
 
     .venv/bin/python -m pytest -q -m e2e tests/e2e/test_trainer_disaggregated.py
 """
@@ -386,3 +387,18 @@ def test_deepseek_v3_one_learner_and_one_rollout_rank_with_r3(tmp_path):
             assert rec["old_logprobs/learner_forwards"] == 0.0 and rec["old_logprobs/rescore_std"] == 0.0
     assert "W_UK_T" not in proc.stderr, "the derived MLA projections' reload notice is benign and hidden"
     _print("DeepSeek-V3 1 learner + 1 rollout, R3", records)
+
+
+@pytest.mark.slow
+def test_learner_context_parallel_with_one_rollout_rank_equals_cp1(one_plus_one, model_dir, tmp_path):
+    """Learner cp 2 (ranks 0-1, each sequence split over both) + 1 rollout rank, the 1 + 1 run's config otherwise:
+    every sync verified, and every non-timing metric of every step equals the cp 1 run's (the preempted and resumed
+    1 + 1 run: same weights, prompts and seeds; cp changes how the learner splits a sequence, not what it computes)."""
+    run_dir = tmp_path / "cp2"
+    proc = _launch(run_dir, model_dir, nproc=3, rollout_ranks=1, steps=3,
+                   extra=["parallel.cp=2", "trainer.max_staleness=0"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = _check_run(run_dir, [1, 2, 3])
+    _print("learner cp 2 + 1 rollout", records)
+    compared = _assert_same_metrics(one_plus_one[0], run_dir)
+    print(f"disaggregated learner cp 2 vs cp 1: {compared} metric values equal")
