@@ -231,14 +231,18 @@ def test_the_run_resumes_from_its_lora_checkpoint(lora_run, tmp_path, model_dir)
     _check_run(run_dir, [1, 2, 3])
 
 
-@pytest.mark.slow  # a run of its own (40-125 s); test_lora_data_parallel.py checks data-parallel adapters
-def test_two_data_parallel_ranks_run(tmp_path, model_dir):  # noqa: F811
-    """Colocated on two ranks (`msrl launch local`, data parallel 2, experts split over ep 2): the checks of
-    `_check_run` hold and the checkpoint holds adapter/ (tests/distributed/test_lora_data_parallel.py: the adapters
-    equal one rank's)."""
-    run_dir = tmp_path / "dp2"
+@pytest.mark.slow  # a run of its own (40-125 s each); the distributed LoRA tests check the adapters at each layout
+@pytest.mark.parametrize("layout", [("parallel.ep=2",), ("parallel.tp=2", "parallel.sequence_parallel=true"),
+                                    ("parallel.pp=2",)], ids=["dp2_ep2", "tp2_sp", "pp2"])
+def test_two_ranks_run(tmp_path, model_dir, layout):  # noqa: F811
+    """Colocated on two ranks (`msrl launch local`): data parallel 2 with the experts split over ep 2, tensor
+    parallel 2 with sequence parallel, and pipeline parallel 2. The checks of `_check_run` hold (every sync's probe
+    within the tolerance: the engine serves the merged adapters gathered over the ranks) and the checkpoint's
+    adapter/ holds every adapter whole (tests/distributed/test_lora_data_parallel.py: the adapters equal one rank's;
+    tests/distributed/test_lora.py: PEFT's gradients at tp 2 and pp 2)."""
+    run_dir = tmp_path / "run"
     proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=0, steps=2,
-                   extra=(*LORA, "parallel.ep=2", "checkpoint.save_every=2"))
+                   extra=(*LORA, *layout, "checkpoint.save_every=2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_run(run_dir, [1, 2])
     assert sum(t.numel() for t in _adapters(run_dir).values()) == 5_120
