@@ -283,3 +283,26 @@ def test_the_demo_config_trains(tmp_path):
     records = _records(tmp_path / "run")
     assert [r["step"] for r in records if r["phase"] == "rl"] == [1] and not any(r.get("nonfinite") for r in records)
     assert max(r["sync/probe_max_abs_diff"] for r in records if "sync/probe_max_abs_diff" in r) < TOL
+
+
+@pytest.mark.slow  # two runs of their own (about 40 s each)
+def test_lora_rl_from_the_demo_warm_start(tmp_path):
+    """docs/lora.md "LoRA RL from a trained base": the full demo's warm start (`msrl train configs/demo_tiny_moe.yaml`,
+    shortened here to 2 SFT steps and 1 RL step), then LoRA RL on its hf_final with configs/demo_lora.yaml and no
+    SFT of its own: the run adapts that base (not the tiny model demo_lora.yaml would build), the probe agrees."""
+    base = tmp_path / "base"
+    small = ["trainer.steps=1", "trainer.prompts_per_step=4", "rollout.sampling.n=4", "trainer.eval_prompts=8",
+             "checkpoint.save_every=0", "logging.tensorboard=false"]
+    warm = subprocess.run([*MSRL, "train", str(REPO / "configs/demo_tiny_moe.yaml"), "--set", f"logging.dir={base}",
+                           f"model.path={tmp_path / 'model'}", "trainer.sft.max_steps=2", *small],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    proc = subprocess.run([*MSRL, "train", str(REPO / "configs/demo_lora.yaml"), "--set",
+                           f"logging.dir={tmp_path / 'lora'}", f"model.path={base / 'hf_final'}",
+                           "trainer.sft.max_steps=0", *small], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"model.path: {base / 'hf_final'}" in proc.stderr
+    records = _records(tmp_path / "lora")
+    assert not any(r["phase"] == "sft" for r in records) and [r["step"] for r in records if r["phase"] == "rl"] == [1]
+    assert max(r["sync/probe_max_abs_diff"] for r in records if "sync/probe_max_abs_diff" in r) < TOL
+    assert (tmp_path / "lora" / "checkpoints").is_dir() or (tmp_path / "lora" / "hf_final").is_dir()
