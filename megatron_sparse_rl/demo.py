@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_tiny_moe.yaml"
-# Besides what every run writes (run/run_dir.py ARTIFACTS): its checkpoints, and the demo's own tiny model
-# and vLLM cache, rebuilt each time so that a changed demo config never meets a stale model.
+# Besides what every run writes (run/run_dir.py ARTIFACTS): its checkpoints, and the demo's own tiny model, rebuilt
+# each time so that a changed demo config never meets a stale model (and the vLLM cache runs kept in their directory
+# before they shared one).
 DEMO_EXTRAS = ("checkpoints", "model", "vllm_cache")
 
 

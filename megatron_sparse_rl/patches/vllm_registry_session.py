@@ -5,9 +5,9 @@ The gap it covers
 -----------------
 `LLM(...)` inspects the model's class in a child Python (vllm/model_executor/models/registry.py
 `_run_in_subprocess`: `subprocess.run([python, -m, vllm.model_executor.models.registry])`, "to avoid initializing
-CUDA") whenever <VLLM_CACHE_ROOT>/modelinfos lacks the answer: at the first engine start of every run, whose cache is
-<logging.dir>/vllm_cache. The child runs for seconds in the trainer's process group, and a stop signal sent to the
-group kills it: torchrun stops its ranks with killpg (`msrl launch local`, SLURM's torchrun mode), a terminal's
+CUDA") whenever <VLLM_CACHE_ROOT>/modelinfos lacks the answer: at the first engine start of a model class with a
+cold cache (the runs share one: $VLLM_CACHE_ROOT, else <tmp>/msrl_vllm_cache_<uid>). The child runs for seconds in
+the trainer's process group, and a stop signal sent to the group kills it: torchrun stops its ranks with killpg (`msrl launch local`, SLURM's torchrun mode), a terminal's
 Ctrl-C signals the foreground group. vLLM then fails the start ("Error raised in subprocess ... died with
 <Signals.SIGTERM: 15>", then pydantic's "Model architectures ['Qwen3MoeForCausalLM'] failed to be inspected"), so a
 stop that ends a run cleanly before its first step (run/stops.py: exit 75) ended it with tracebacks instead.

@@ -154,7 +154,7 @@ def build_context(run: RunConfig, total_steps: int):
     shard_groups = layout.engine_shard_groups(D.SRC, engine_tp) if sliced else None
     if groups is None:  # a rollout rank: an engine and the command loop, no model
         index = rank - layout.world_size
-        return D.RolloutRank(_engine(run, run_dir, model_dir, spec), sync, rank, index, engine_tp=engine_tp,
+        return D.RolloutRank(_engine(run, model_dir, spec), sync, rank, index, engine_tp=engine_tp,
                              weights_group=shard_groups[index % engine_tp] if sliced else None)
     if n_rollout:
         remote = D.RemoteEngine(sync, list(range(layout.world_size, world)), pad_id=_pad_id(tokenizer),
@@ -164,7 +164,7 @@ def build_context(run: RunConfig, total_steps: int):
     placement = (P.Disaggregated(remote, groups, layout.dp, layout.world_size, weights=EngineWeights.of(run.rollout),
                                  recompute_kv=run.trainer.in_flight_kv == "recompute",
                                  depth=run.trainer.max_staleness) if n_rollout
-                 else _colocated(run, run_dir, model_dir, spec, layout, groups))
+                 else _colocated(run, model_dir, spec, layout, groups))
     return RunContext(run, run_dir, model_dir, rank, world, layout, groups, learner, placement, tokenizer, task,
                       writer=None, spec=spec, owner=owner, reference=reference, features=feature_hooks(run))
 
@@ -209,12 +209,12 @@ def _claim_run_dir(run: RunConfig):
     return on_rank0(lambda: claim(run))
 
 
-def _colocated(run: RunConfig, run_dir: Path, model_dir: Path, spec, layout, groups):
+def _colocated(run: RunConfig, model_dir: Path, spec, layout, groups):
     """This rank's engine as a colocated placement: a whole engine per rank, or (rollout.tensor_parallel_size
     t > 1) one engine over t consecutive ranks sampling for all of their data-parallel shares."""
     from megatron_sparse_rl.placement import placements as P
 
-    engine = _engine(run, run_dir, model_dir, spec)
+    engine = _engine(run, model_dir, spec)
     engine_tp, model_parallel = run.rollout.tensor_parallel_size, layout.tp * layout.pp * layout.cp
     weights = EngineWeights.of(run.rollout)
     if engine_tp == 1:
@@ -251,7 +251,7 @@ def _learners(run: RunConfig, adapter, spec, layout, groups, model_dir: Path, to
     return learner, reference
 
 
-def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
+def _engine(run: RunConfig, model_dir: Path, spec):
     """This rank's vLLM engine, with the extensions the run asks for; vLLM's CPU patches are applied first, and the
     one that keeps vLLM's start-up child out of reach of a stop signal to this process group."""
     from megatron_sparse_rl.patches import vllm_cpu, vllm_registry_session
@@ -263,8 +263,10 @@ def _engine(run: RunConfig, run_dir: Path, model_dir: Path, spec):
                                   "launch.rollout_ranks=0 and launch.rollout_nodes=0 for a colocated run")
     vllm_cpu.apply()
     vllm_registry_session.apply()  # a stop during start-up is the trainer's to handle (run/stops.py)
-    return RolloutEngine(model_dir, run.rollout, cache_dir=run_dir / "vllm_cache",
-                         extensions=_engine_extensions(run, spec))
+    # vLLM's cache is shared by the runs ($VLLM_CACHE_ROOT, else <tmp>/msrl_vllm_cache_<uid>): its model-registry
+    # answers are keyed by the model file's hash and written atomically, and a run with a cache of its own paid the
+    # registry's inspection child (a second Python importing vLLM, ~10 s on 2 CPU cores) at every start
+    return RolloutEngine(model_dir, run.rollout, extensions=_engine_extensions(run, spec))
 
 
 def _engine_extensions(run: RunConfig, spec) -> list:

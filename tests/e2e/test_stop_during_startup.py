@@ -43,7 +43,8 @@ def test_sigterm_to_the_process_group_during_engine_start_up_stops_cleanly(tmp_p
     proc = subprocess.Popen([*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"), "--set", f"logging.dir={run_dir}",
                              f"model.path={tmp_path / 'model'}", "trainer.steps=1", "logging.tensorboard=false"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,  # a cold vLLM cache of its own: the registry child runs
+                            env={**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache")})
     try:
         deadline, child = time.monotonic() + 400, None
         while child is None and proc.poll() is None and time.monotonic() < deadline:
