@@ -1,7 +1,8 @@
 """A run's listening sockets, read from the kernel (psutil, tests/sockets.py) every 0.2 s while it runs: a
-one-process `msrl train` and a disaggregated `msrl launch local --nproc 2` (torchrun's agent, a learner rank and a
-rollout rank: Megatron's and vLLM's gloo groups, the split's store and the weight-sync bridge) listen on loopback
-only (before: the store of both, and torchrun's agent, on every interface). Tiny MoE on CPU, one RL step.
+one-process `msrl train` listens on loopback only (before: its store on every interface). Tiny MoE on CPU, one RL
+step. The disaggregated `msrl launch local --nproc 2` (torchrun's agent, a learner rank and a rollout rank) is
+checked the same way in tests/e2e/test_trainer_disaggregated.py (`test_launch_listens_on_loopback_only`, on the
+launch it runs anyway).
 
     .venv/bin/python -m pytest -q -m e2e tests/e2e/test_ports.py
 """
@@ -45,7 +46,8 @@ def _rl_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records if r["phase"] == "rl"]
 
 
-@pytest.mark.slow  # `make test-all` only (37 s): the disaggregated launch below checks the same on three processes
+@pytest.mark.slow  # `make test-all` only (37 s): the disaggregated launch (module docstring) checks the same on three
+# processes
 def test_train_in_one_process_listens_on_loopback_only(tmp_path, model_dir):
     run_dir = tmp_path / "run"
     seen = _run_and_sample([*MSRL, "train", str(REPO / "configs/tiny_moe.yaml"),
@@ -54,11 +56,3 @@ def test_train_in_one_process_listens_on_loopback_only(tmp_path, model_dir):
     assert seen, "the run's store should have been seen listening"
     assert not off_loopback(seen), off_loopback(seen)
 
-
-def test_launch_local_disaggregated_listens_on_loopback_only(tmp_path, model_dir):
-    run_dir = tmp_path / "run"
-    seen = _run_and_sample([*MSRL, "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
-                            "--nproc", "2", "--set", *_sets(run_dir, model_dir), "launch.rollout_ranks=1"])
-    assert _rl_steps(run_dir) == [1]
-    assert len({pid for pid, _, _ in seen}) >= 3, seen  # torchrun's agent and both ranks
-    assert not off_loopback(seen), off_loopback(seen)

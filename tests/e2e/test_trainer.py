@@ -299,25 +299,6 @@ def test_bf16_learner_writes_hf_final_in_bf16(tmp_path, model_dir):
         assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"BF16"}
 
 
-def test_two_rank_run_through_msrl_launch_local(tmp_path, model_dir):
-    """Two ranks, on a user's JSONL prompts without a held-out file (evaluation and the sync probe use the first
-    train prompts)."""
-    run_dir = tmp_path / "two"
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
-                            for a in range(12) for b in range(3)))
-    args = _args(run_dir, model_dir, 2, extra=("data.source=jsonl", f"data.path={data}"))
-    sets = args[args.index("--set") + 1:]
-    cmd = [*MSRL, "launch", "local", str(REPO / "configs/tiny_moe.yaml"),
-           "--nproc", "2", "--set", *sets]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rl = _rl(_records(run_dir))
-    assert sorted(rl) == [1, 2]
-    assert all(not r.get("nonfinite") for r in rl.values())
-    assert (run_dir / "hf_final" / "config.json").is_file()
-
-
 @pytest.mark.slow
 def test_rl_raises_held_out_accuracy_above_the_warm_start(tmp_path):
     """The demo's recipe, shortened: after the SFT warm-start, 100 GRPO steps raise held-out accuracy (mean

@@ -6,7 +6,8 @@ learner ranks, real vLLM engines on the rollout ranks, tiny MoE on CPU, gloo).
   default), and the sampler's logprobs of every rollout agree with the learner's recompute (mismatch k1);
   the HF export differs from the initial model, so the engine matched weights that really changed.
 - the preemption path (the same run): it checkpoints after its first step and exits 0 on every rank (the
-  rollout rank is stopped, not left waiting); the resumed launch finishes the remaining steps.
+  rollout rank is stopped, not left waiting); the resumed launch finishes the remaining steps, listening on
+  loopback only (its sockets read from the kernel while it runs).
 - the same config colocated in one process, uninterrupted, gives the same metrics (same weights, prompts and
   seeds), so the preempted + resumed disaggregated run lost nothing.
 - more ranks: learner TP2 (ranks 0-1) + 2 rollout ranks (prompts split across two engines and joined back);
@@ -16,7 +17,8 @@ learner ranks, real vLLM engines on the rollout ranks, tiny MoE on CPU, gloo).
   TP-1 engine per rank.
 - asynchronous RL (trainer.max_staleness 1): staleness at most one version per token, fresh tokens exact with the
   KV recomputed, every sync verified, killed with SIGKILL and resumed from its checkpoint; the same at
-  trainer.max_staleness 2, where tokens are up to two versions behind; trainer.max_staleness 0
+  trainer.max_staleness 2, where tokens are up to two versions behind, stopped by SIGTERM to the launcher (every
+  rank exits, the launch exits 75 with a checkpoint) and resumed from it; trainer.max_staleness 0
   (said explicitly in the 1 + 1 run) is the synchronous loop, equal to the colocated run.
 - learner context parallel 2 + 1 rollout rank (slow): every metric equals the 1 + 1 run's (cp 1).
 
@@ -28,10 +30,12 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from tests.msrl import MSRL
+from tests.sockets import off_loopback, sample_listeners
 
 pytestmark = pytest.mark.e2e
 
@@ -105,9 +109,18 @@ def one_plus_one(tmp_path_factory, model_dir):
                     extra=sync)
     assert first.returncode == 75, first.stderr[-4000:]  # stopped, resumable
     rl_after_first = sorted(r["step"] for r in _records(run_dir) if r["phase"] == "rl")
-    resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=3, extra=sync)
+    # the resumed launch's listening sockets, read from the kernel every 0.5 s while it runs (tests/sockets.py), under
+    # the default interfaces (no *_SOCKET_IFNAME)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    proc = subprocess.Popen(_launch_cmd(run_dir, model_dir, sync, steps=3), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    with ThreadPoolExecutor(1) as pool:  # the pipes drained while sampling
+        output = pool.submit(proc.communicate)
+        listening = sample_listeners(proc, every=0.5, timeout=600)
+        out, err = output.result()
+    resumed = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    return run_dir, first, rl_after_first, resumed
+    return run_dir, first, rl_after_first, resumed, listening
 
 
 def test_one_learner_and_one_rollout_rank(one_plus_one, model_dir):
@@ -160,10 +173,19 @@ def test_preempted_run_stops_every_rank_and_resumes(one_plus_one):
     """The preemption path: the first launch checkpoints after its first step, every rank exits (the rollout rank
     is stopped, not left waiting) and the launch exits 75 (stopped, resumable); the second resumes and finishes (checked by the tests above,
     whose run this is, and the colocated comparison covers the resumed steps)."""
-    run_dir, first, rl_after_first, resumed = one_plus_one
+    run_dir, first, rl_after_first, resumed, _ = one_plus_one
     assert '"preempted": true' in first.stdout
     assert rl_after_first == [1]
     assert "resumed from" in resumed.stderr
+
+
+def test_launch_listens_on_loopback_only(one_plus_one):
+    """The resumed launch's listeners (torchrun's agent, the learner rank and the rollout rank: Megatron's and vLLM's
+    gloo groups, the split's store and the weight-sync bridge) are on loopback only (docs/launch.md "What listens
+    where")."""
+    listening = one_plus_one[4]
+    assert len({pid for pid, _, _ in listening}) >= 3, listening  # torchrun's agent and both ranks
+    assert not off_loopback(listening), off_loopback(listening)
 
 
 @pytest.fixture(scope="module")
@@ -177,29 +199,54 @@ def async_run(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def async_run_k2(tmp_path_factory, model_dir):
-    """As `async_run` with trainer.max_staleness 2 (the rollout rank runs up to two batches ahead) and answers of at
-    most 6 tokens: sampling a batch is quicker than training one, so the rank samples each batch as soon as it is
-    handed over, two weight versions before the one that trains it."""
-    return _killed_and_resumed(tmp_path_factory.mktemp("async_k2"), model_dir,
-                               ["trainer.max_staleness=2", "rollout.sampling.max_tokens=6"])
+    """trainer.max_staleness 2 on 1 learner + 1 rollout rank (the rollout rank runs up to two batches ahead), answers
+    of at most 6 tokens, no warm-start, no periodic checkpoints, 6 steps: stopped with SIGTERM to `msrl launch local`
+    alone (as `kill` sends it) once step 1 is logged, then resumed from the checkpoint that stop wrote. Returns the
+    run directory, the stopped launch's return code, stderr and process tree, and the resumed launch's stderr."""
+    import psutil
+
+    run_dir = tmp_path_factory.mktemp("async_k2")
+    extra = ["trainer.max_staleness=2", "rollout.sampling.max_tokens=6", *_ASYNC, "checkpoint.save_every=0"]
+    proc = subprocess.Popen(_launch_cmd(run_dir, model_dir, extra), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_for_step(proc, run_dir, 1)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    stopped_at, exported = _rl_steps(run_dir), (run_dir / "hf_final").exists()
+    resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=6, extra=extra)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    return run_dir, proc.returncode, err, alive, (stopped_at, exported), resumed.stderr
+
+
+# the asynchronous runs: KV recomputed on in-flight updates, no warm-start (the random model writes long answers;
+# shaped rewards differ within a group, so steps move it)
+_ASYNC = ["trainer.in_flight_kv=recompute", "trainer.sft.max_steps=0", "reward.partial_credit=0.5",
+          "reward.format_penalty=0.5"]
+
+
+def _launch_cmd(run_dir: Path, model_dir: Path, extra: list[str], steps: int = 6) -> list[str]:
+    """`msrl launch local` of a 1 + 1 run."""
+    sets = _sets(run_dir, model_dir, rollout_ranks=1, steps=steps, extra=extra)
+    return [*MSRL, "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"), "--nproc", "2", "--set", *sets]
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
+    deadline = time.time() + 600
+    while time.time() < deadline and step not in _rl_steps(run_dir):
+        if proc.poll() is not None:
+            pytest.fail(f"the async run ended (rc {proc.returncode}) before step {step} was logged")
+        time.sleep(0.05)
 
 
 def _killed_and_resumed(run_dir: Path, model_dir: Path, extra: list[str]) -> Path:
-    """An asynchronous 1 + 1 run of 6 steps (KV recomputed on in-flight updates, no warm-start, checkpoints every 2
-    steps) killed with SIGKILL once step 3 is logged, then resumed (from step 2's checkpoint)."""
-    extra = [*extra, "trainer.in_flight_kv=recompute", "trainer.sft.max_steps=0", "reward.partial_credit=0.5",
-             "reward.format_penalty=0.5", "checkpoint.save_every=2"]
-    # no warm-start: the random model writes long answers; shaped rewards differ within a group, so steps move it
-    sets = _sets(run_dir, model_dir, rollout_ranks=1, steps=6, extra=extra)
-    cmd = [*MSRL, "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"),
-           "--nproc", "2", "--set", *sets]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and 3 not in _rl_steps(run_dir):  # step 2's checkpoint is complete by then
-        if proc.poll() is not None:
-            pytest.fail(f"the async run ended (rc {proc.returncode}) before it could be killed")
-        time.sleep(0.05)
+    """An asynchronous 1 + 1 run of 6 steps (checkpoints every 2 steps) killed with SIGKILL once step 3 is logged,
+    then resumed (from step 2's checkpoint)."""
+    extra = [*extra, *_ASYNC, "checkpoint.save_every=2"]
+    proc = subprocess.Popen(_launch_cmd(run_dir, model_dir, extra), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_for_step(proc, run_dir, 3)  # step 2's checkpoint is complete by then
     _kill_tree(proc)
     resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=6, extra=extra)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -260,71 +307,70 @@ def test_async_run_trains_each_token_at_most_one_version_stale_and_resumes_after
           "stale token share", [round(rl[s]["async/stale_frac"], 3) for s in ahead])
 
 
-def test_async_run_two_versions_ahead_resumes_after_kill(async_run_k2):
-    """trainer.max_staleness 2: steps 1 and 3 start a launch (sampled synchronously), step 2 and 4 were handed to the
-    engines one step before (at most one version behind), the others two steps before: their tokens were sampled
-    up to two versions before the training version, never more (nothing dropped or sampled again). The batches in
-    flight at the kill were sampled again: each step logged once, every sync verified."""
-    records = _records(async_run_k2)
+def test_async_run_two_versions_ahead_stopped_by_sigterm_and_resumed(async_run_k2):
+    """trainer.max_staleness 2, stopped by SIGTERM to the launcher: every rank hears it once, the learner finishes
+    the step in flight and checkpoints it (the batches sampled ahead are dropped), every process of the launch exits,
+    and the launch exits 75 (stopped, resumable); the same command resumes from that checkpoint.
+    Staleness: the first step of each launch is sampled synchronously, the next was handed to the engine one step
+    before (at most one version behind), the others two steps before: their tokens were sampled up to two versions
+    before the training version, never more (nothing dropped or sampled again). Each step logged once, every sync
+    verified."""
+    run_dir, returncode, err, alive, (stopped_at, exported), resumed_err = async_run_k2
+    assert returncode == 75, err[-4000:]
+    assert not exported, "a stopped run exports nothing final"
+    assert not alive, f"processes of the launch still running: {alive}"
+    assert stopped_at in ([1], [1, 2]), stopped_at
+    stopped = stopped_at[-1]
+    assert f"checkpoint {run_dir / 'checkpoints' / f'step_{stopped:06d}_sft_000000'}" in err, err[-4000:]
+    assert "resumed from" in resumed_err and f"step_{stopped:06d}" in resumed_err
+    assert (run_dir / "hf_final").is_dir()
+    records = _records(run_dir)
     rl = {r["step"]: r for r in records if r["phase"] == "rl"}
     assert sorted(r["step"] for r in records if r["phase"] == "rl") == [1, 2, 3, 4, 5, 6]
     for step, rec in rl.items():
-        bound = {1: 0, 3: 0, 2: 1, 4: 1}.get(step, 2)
+        first = 1 if step <= stopped else stopped + 1  # the step its launch started with
+        bound = min(step - first, 2)
         assert 0.0 <= rec["async/staleness_mean"] <= rec["async/staleness_max"] <= bound, (step, rec)
-        if step not in (1, 3):
+        if step != first:
             assert rec["async/dropped_samples"] == 0 and rec["async/resampled"] == 0, (step, rec)
         if rec["async/stale_frac"] < 1.0:  # tokens sampled by the training version: the learner's pi_old
             assert abs(rec["mismatch/k1_fresh"]) < 1e-4, (step, rec["mismatch/k1_fresh"])
         assert not rec.get("nonfinite") and all(math.isfinite(v) for v in rec.values() if isinstance(v, float))
-    assert max(rl[s]["async/staleness_max"] for s in (5, 6)) == 2.0, [rl[s]["async/staleness_max"] for s in rl]
+    two_ahead = [s for s in rl if s >= stopped + 3]
+    assert max(rl[s]["async/staleness_max"] for s in two_ahead) == 2.0, [rl[s]["async/staleness_max"] for s in rl]
     diffs = [r["sync/probe_max_abs_diff"] for r in records if "sync/probe_max_abs_diff" in r]
     assert len(diffs) >= 7 and max(diffs) < TOL, diffs
-    print("async k=2: staleness max per step", [rl[s]["async/staleness_max"] for s in sorted(rl)],
+    print(f"async k=2: stopped after step {stopped}; staleness max per step",
+          [rl[s]["async/staleness_max"] for s in sorted(rl)],
           "mean", [round(rl[s]["async/staleness_mean"], 3) for s in sorted(rl)])
 
 
-def test_sigterm_to_an_async_launch_stops_every_rank_with_a_checkpoint_and_resumes(tmp_path, model_dir):
-    """SIGTERM to `msrl launch local` (the launcher alone, as `kill` sends it) of an asynchronous 1 + 1 run: every
-    rank hears it once, the learner finishes the step in flight and checkpoints it (the batch sampled ahead is
-    dropped), every process of the launch exits, and the launch exits 75; the same command resumes from that
-    checkpoint and logs every step once."""
-    import psutil
-
-    run_dir = tmp_path / "stopped"
-    extra = ["trainer.max_staleness=1", "checkpoint.save_every=0"]
-    cmd = [*MSRL, "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"),
-           "--nproc", "2", "--set", *_sets(run_dir, model_dir, rollout_ranks=1, steps=4, extra=extra)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and 1 not in _rl_steps(run_dir):
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended (rc {proc.returncode}) before it could be stopped")
-        time.sleep(0.1)
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 75, err[-4000:]
-    gone, alive = psutil.wait_procs(tree, timeout=30)
-    assert not alive, f"processes of the launch still running: {alive}"
-    done = _rl_steps(run_dir)
-    assert done in ([1], [1, 2]), done
-    stopped = done[-1]
-    assert f"checkpoint {run_dir / 'checkpoints' / f'step_{stopped:06d}_sft_000002'}" in err
-    assert not (run_dir / "hf_final").exists()
-    resumed = _launch(run_dir, model_dir, nproc=2, rollout_ranks=1, steps=4, extra=extra)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stderr and f"step_{stopped:06d}" in resumed.stderr
-    assert _rl_steps(run_dir) == [1, 2, 3, 4]
+@pytest.fixture(scope="module")
+def user_prompts(tmp_path_factory) -> list[str]:
+    """The settings of a user's JSONL prompts without a held-out file (evaluation and the sync probe use the first
+    train prompts): what the 2-rank runs below train on."""
+    data = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(12) for b in range(3)))
+    return ["data.source=jsonl", f"data.path={data}"]
 
 
 @pytest.fixture(scope="module")
-def colocated_dp2(tmp_path_factory, model_dir):
-    """The reference for the 2-rank runs below: learner DP2 colocated, one TP-1 engine per rank, 2 steps."""
+def colocated_dp2(tmp_path_factory, model_dir, user_prompts):
+    """The reference for the 2-rank runs below: learner DP2 colocated, one TP-1 engine per rank, 2 steps on a
+    user's JSONL prompts."""
     run_dir = tmp_path_factory.mktemp("colocated_dp2")
-    proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=0, steps=2)
+    proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=0, steps=2, extra=user_prompts)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run_dir
+
+
+def test_two_ranks_on_a_users_jsonl_prompts(colocated_dp2):
+    """`msrl launch local --nproc 2`, colocated, on a user's JSONL prompts without a held-out file: both steps
+    logged, finite, every sync verified, the final HF model written."""
+    records = _check_run(colocated_dp2, [1, 2])
+    assert "eval/accuracy" in records[-1]
+    assert (colocated_dp2 / "hf_final" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("nproc,rollout_ranks,extra", [
@@ -335,6 +381,9 @@ def colocated_dp2(tmp_path_factory, model_dir):
     ids=["learner_tp2_two_engines", "learner_dp2_one_tp2_engine"])
 def test_more_ranks(tmp_path, model_dir, nproc, rollout_ranks, extra, request):
     run_dir = tmp_path / "run"
+    compare = "parallel.tp=2" not in extra  # learner DP2: the same run colocated on 2 ranks is the reference
+    if compare:
+        extra = [*extra, *request.getfixturevalue("user_prompts")]
     proc = _launch(run_dir, model_dir, nproc=nproc, rollout_ranks=rollout_ranks, steps=2, extra=extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = _check_run(run_dir, [1, 2])
@@ -342,17 +391,18 @@ def test_more_ranks(tmp_path, model_dir, nproc, rollout_ranks, extra, request):
     _print(f"{nproc} ranks, {rollout_ranks} rollout" + (f", {' '.join(extra)}" if extra else ""), records)
     if "rollout.tensor_parallel_size=2" in extra:  # the engine's two ranks each received their own slices
         assert "buckets to 2 group(s)" in proc.stderr, proc.stderr[-4000:]
-    if "parallel.tp=2" not in extra:  # learner DP2: the same run colocated on 2 ranks is the reference
+    if compare:
         compared = _assert_same_metrics(run_dir, request.getfixturevalue("colocated_dp2"))
         print(f"disaggregated DP2 + one TP2 engine vs colocated DP2: {compared} metric values equal")
 
 
-def test_colocated_engine_tp2(tmp_path, model_dir, colocated_dp2):
+def test_colocated_engine_tp2(tmp_path, model_dir, colocated_dp2, user_prompts):
     """Learner DP2 with ONE engine over both ranks (rollout.tensor_parallel_size=2, vLLM's external_launcher):
     both ranks sample both data-parallel shares together and each trains on its own; every metric equals
     the run with a TP-1 engine per rank (same seeds per share; engine numerics differ by ~1e-6)."""
     run_dir = tmp_path / "run"
-    proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=0, steps=2, extra=["rollout.tensor_parallel_size=2"])
+    proc = _launch(run_dir, model_dir, nproc=2, rollout_ranks=0, steps=2,
+                   extra=["rollout.tensor_parallel_size=2", *user_prompts])
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = _check_run(run_dir, [1, 2])
     _print("colocated DP2, engine TP2", records)

@@ -36,7 +36,7 @@ SMOKES: dict[str, tuple[str, ...]] = {
                    "tests/e2e/test_lora_train.py::test_the_demo_config_trains"),
     "msrl plan": ("tests/unit/test_plan.py::test_cli", "tests/unit/test_doc_commands.py::test_documented_cheap_command_runs",
                   "tests/unit/test_plan_lora.py::test_kimi_k2_lora_fits_on_far_fewer_gpus_than_full_rl"),
-    "msrl launch local": ("tests/e2e/test_trainer.py::test_two_rank_run_through_msrl_launch_local",),
+    "msrl launch local": ("tests/e2e/test_trainer_disaggregated.py::test_two_ranks_on_a_users_jsonl_prompts",),
     "msrl launch slurm": ("tests/e2e/test_slurm.py::test_job_runs_to_completion",
                           "tests/unit/test_doc_commands.py::test_documented_cheap_command_runs"),
     "msrl convert hf-to-mcore": (f"{SMOKE}::test_msrl_convert_both_ways_with_verify",),
@@ -58,7 +58,8 @@ SMOKES: dict[str, tuple[str, ...]] = {
         "tests/unit/test_envs.py::test_calc_task_cli_writes_the_digit_range_asked_and_refuses_a_bad_one",),
     "python -m megatron_sparse_rl.launch.local_slurm": (f"{SMOKE}::test_local_slurm_usage",
                                                         "tests/e2e/test_slurm.py::test_job_runs_to_completion"),
-    "python -m megatron_sparse_rl.launch.torchrun": ("tests/e2e/test_trainer.py::test_two_rank_run_through_msrl_launch_local",),
+    "python -m megatron_sparse_rl.launch.torchrun": (
+        "tests/e2e/test_trainer_disaggregated.py::test_two_ranks_on_a_users_jsonl_prompts",),
     "python -m megatron_sparse_rl.observability.plot": (f"{SMOKE}::test_plot_module_writes_a_png",),
     "python -m megatron_sparse_rl.tools.gen_config_docs": (
         "tests/unit/test_config_docs.py::test_generated_reference_has_a_row_for_every_field_it_lists",),
