@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.learner.chunks import chunks_of, unwrap
+from megatron_sparse_rl.models.tensor_map import global_layer_names
 from megatron_sparse_rl.parallel.layout import ParallelGroups
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
@@ -58,17 +58,11 @@ def local_params(model, groups: ParallelGroups) -> dict[str, LocalParam]:
 
 
 def _chunk_params(model, groups: ParallelGroups) -> dict[str, LocalParam]:
-    layers = {}
-    if hasattr(model, "decoder"):
-        for idx, layer in enumerate(model.decoder.layers):
-            layers[idx] = layer.layer_number - 1
+    global_name = global_layer_names(model)
     local_experts = None
     out = {}
     for name, param in _named_state(model):
-        full = name
-        m = _LAYER.match(name)
-        if m:
-            full = f"decoder.layers.{layers[int(m.group(1))]}." + name[m.end():]
+        full = global_name(name)
         e = _EXPERT.search(full)
         if e:
             if local_experts is None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,9 +33,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.lora.targets import layout_problems, resolve_targets, target_problems
-from megatron_sparse_rl.models.tensor_map import TensorMap, to_mcore
+from megatron_sparse_rl.models.tensor_map import TensorMap, global_layer_names, to_mcore
 
-_LAYER = re.compile(r"^(decoder\.layers\.\d+)(\.|$)")
 LORA = "lora"
 """The submodule name of a linear's adapters: their parameters are named `<linear>.lora.A.<hf module>` / `.B.`."""
 
@@ -184,13 +182,8 @@ def _full_named_modules(model) -> dict[str, torch.nn.Module]:
     `decoder.layers.<global>.`, the names the tensor maps use."""
     out = {}
     for chunk in (model if isinstance(model, torch.nn.ModuleList) else [model]):
-        named = dict(chunk.named_modules())
-        for name, module in named.items():
-            m = _LAYER.match(name)
-            if m:
-                number = named[m.group(1)].layer_number - 1
-                name = f"decoder.layers.{number}{name[m.end(1):]}"
-            out[name] = module
+        global_name = global_layer_names(chunk)
+        out.update((global_name(name), module) for name, module in chunk.named_modules())
     return out
 
 

@@ -14,6 +14,7 @@ disaggregated weight sync cuts by it (weight_sync/engine_shards.py).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,6 +23,8 @@ import torch
 from megatron_sparse_rl.models.spec import ModelSpec
 
 Kind = Literal["copy", "qkv", "glu", "rows"]
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 
 EngineSplit = Literal["replicated", "column", "kv_heads", "row", "vocab"]
 """How one rank of a tensor-parallel vLLM engine (t ranks) slices an HF tensor, named after the vLLM 0.32 layer
@@ -95,3 +98,16 @@ def to_hf(tm: TensorMap, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Te
     k = fused[:, qpg].reshape(groups * hd, *tail)
     v = fused[:, qpg + 1].reshape(groups * hd, *tail)
     return [q.contiguous(), k.contiguous(), v.contiguous()]
+
+
+def global_layer_names(chunk):
+    """`name -> full name` for the parameters and modules of one model chunk (a GPTModel): a pipeline stage numbers its
+    layers from 0 and a layer's `layer_number` (1-based) is global, so `decoder.layers.<local>...` becomes
+    `decoder.layers.<global>...`, the names the tensor maps use; other names are kept."""
+    decoder = getattr(chunk, "decoder", None)
+    numbers = {i: layer.layer_number - 1 for i, layer in enumerate(decoder.layers)} if decoder is not None else {}
+
+    def full(name: str) -> str:
+        m = _LOCAL_LAYER.match(name)
+        return name if m is None else f"decoder.layers.{numbers[int(m.group(1))]}{name[m.end():]}"
+    return full
