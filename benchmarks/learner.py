@@ -173,14 +173,28 @@ def bench_worker(rank, world_size, model_dir, args):
 
     for lrn in learners.values():
         step("plain", lrn)  # warm-up
+    kernel_s = _kernel_times(step, learners, args.pairs)
+    ratios, plain = _ratios(step, args.pairs, correction_s)
+    ratios["speedup"] = [loc / fast for loc, fast in zip(kernel_s["local"], kernel_s["fast"])]
+    return {"ratios": ratios, "plain": plain, "response_tokens": response_tokens, "all_tokens": all_tokens,
+            "kernel_s": kernel_s, "logprob_diff": diff, "chosen": chosen}
+
+
+def _kernel_times(step, learners, pairs: int) -> dict[str, list[float]]:
+    """Seconds of a plain step with each kernel set, `pairs` times, alternating which goes first."""
     kernel_s = {"fast": [], "local": []}
-    for i in range(args.pairs):
+    for i in range(pairs):
         for k in (("fast", "local") if i % 2 == 0 else ("local", "fast")):
             kernel_s[k].append(step("plain", learners[k]))
-    ratios = {"corrections": [], "keep_mask": [], "full_width": [], "corrections_math": [],
-              "speedup": [loc / fast for loc, fast in zip(kernel_s["local"], kernel_s["fast"])]}
+    return kernel_s
+
+
+def _ratios(step, pairs: int, correction_s: list[float]) -> tuple[dict[str, list[float]], list[float]]:
+    """Each variant's step time over the plain step's, in pairs (alternating which goes first); the share of the
+    corrections step spent in `apply_corrections`; and the plain steps' seconds."""
+    ratios = {"corrections": [], "keep_mask": [], "full_width": [], "corrections_math": []}
     plain = []
-    for i in range(args.pairs):
+    for i in range(pairs):
         for other in ("corrections", "keep_mask", "full_width"):
             correction_s[0] = 0.0
             t = {}
@@ -190,8 +204,7 @@ def bench_worker(rank, world_size, model_dir, args):
             plain.append(t["plain"])
             if other == "corrections":
                 ratios["corrections_math"].append(correction_s[0] / t["corrections"])
-    return {"ratios": ratios, "plain": plain, "response_tokens": response_tokens, "all_tokens": all_tokens,
-            "kernel_s": kernel_s, "logprob_diff": diff, "chosen": chosen}
+    return ratios, plain
 
 
 def _summary(values) -> tuple[float, float, float]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparse_rl.algorithms import (
-    apply_corrections, compute_advantages, global_sum, loss_normalizer, mismatch_metrics, routing_attribution,
+    apply_corrections, compute_advantages, loss_normalizer, mismatch_metrics, routing_attribution,
     tail_metrics,
 )
 from megatron_sparse_rl.algorithms.corrections import opsm_keep
@@ -359,8 +359,10 @@ def reduce_metrics(sums: ObjectiveSums, totals: dict[str, float], updates: int, 
     """The step's loss metrics over `updates` updates and the data-parallel ranks: the objective's token means
     (`ObjectiveSums.means`), loss/value (the updates' mean of the loss, each rank's a share of the global one, so
     summed over the ranks), and the mean grad norm and learning rate."""
-    values = global_sum(torch.tensor([totals[k] for k in _LEARNER_SUMS], dtype=torch.float64), dp_group)
+    learner = {f"learner/{k}": totals[k] for k in _LEARNER_SUMS}  # summed with the objective's: one all-reduce
+    reduced = ObjectiveSums(sums.weighted, {**sums.counts, **learner}).all_reduce(dp_group)
+    counts = dict(reduced.counts)
+    loss, grad_norm, lr = (counts.pop(key) for key in learner)
     dp = dist.get_world_size(dp_group) if dp_group is not None else 1
-    loss, grad_norm, lr = values.tolist()
-    return {**sums.all_reduce(dp_group).means(), "loss/value": loss / updates,
+    return {**ObjectiveSums(reduced.weighted, counts).means(), "loss/value": loss / updates,
             "train/grad_norm": grad_norm / (updates * dp), "train/lr": lr / (updates * dp)}

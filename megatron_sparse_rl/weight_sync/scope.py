@@ -59,6 +59,7 @@ class EngineWeightState:
         self.full_bytes = 0
         """The bytes the last full sync moved."""
         self._told = False  # the first partial sync logs what it moved against a full one
+        self._adapted: tuple[frozenset[str], frozenset[str]] | None = None  # (adapted weights, their HF names)
 
     def only(self, learner) -> frozenset[str] | None:
         """The HF names the next sync sends: None (everything) until the engines hold a full set or for a learner
@@ -66,7 +67,10 @@ class EngineWeightState:
         adapted = getattr(learner, "lora_weights", None)
         if not self.full or not adapted:
             return None
-        return adapted_hf_names(learner.adapter.tensor_maps(learner.spec), adapted)
+        key = frozenset(adapted)
+        if self._adapted is None or self._adapted[0] != key:  # worked out once: the adapters stay for the run
+            self._adapted = key, adapted_hf_names(learner.adapter.tensor_maps(learner.spec), key)
+        return self._adapted[1]
 
     def sync(self, learner, send: Callable[[frozenset[str] | None], SyncStats]) -> SyncStats:
         """`send(only)` with `only` as decided (`only`); the stats with `full_bytes` set. Every learner rank calls it
