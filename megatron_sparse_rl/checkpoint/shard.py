@@ -27,7 +27,7 @@ from megatron_sparse_rl.learner.model import build_gpt_model
 from megatron_sparse_rl.models import load_spec
 from megatron_sparse_rl.models.base import GPTAdapter
 from megatron_sparse_rl.models.spec import ModelSpec
-from megatron_sparse_rl.patches import torch_dist_safe_load
+from megatron_sparse_rl.patches import megatron_ckpt_queue, torch_dist_safe_load
 
 
 @dataclass
@@ -96,6 +96,7 @@ def save_model_only(model, path: Path) -> None:
     `path` must not exist). Same files as `learner/checkpoint.py:save_learner` at step 0, less the RNG states."""
     from megatron.core import dist_checkpointing  # megatron: imported when used
 
+    megatron_ckpt_queue.apply()  # the writer's results queue in this process (no server process to start)
     path = Path(path)
     if dist.get_rank() == 0:
         path.mkdir(parents=True)

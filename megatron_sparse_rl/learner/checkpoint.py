@@ -261,7 +261,7 @@ def save_learner(learner, path: str | Path, extra: dict | None = None, *, owner:
     adapters are then also saved alone under `adapter/` (lora/checkpoint.py: PEFT's format, the base's digest)."""
     from megatron.core import dist_checkpointing
 
-    megatron_ckpt_queue.apply()  # the writer's results queue must survive a stop signal to the process group
+    megatron_ckpt_queue.apply()  # the writer's results queue in this process: no server for a stop signal to kill
     path = Path(path)
     tmp = temporary_path(path)
     rank = dist.get_rank()
