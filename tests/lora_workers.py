@@ -168,9 +168,9 @@ def lora_dp_worker(rank, world_size, model_dir, tokens, lora, ep=1):
     return before, {lora_key(n): p.detach().clone() for n, p in learner.lora_params.items()}
 
 
-def lora_tp_worker(rank, world_size, model_dir, tokens, lora, adapters, tp, ep, sp, path, pp=1):
-    """A LoRA learner at tensor parallel `tp` (sequence parallel `sp`; experts over `ep`; pipeline parallel `pp`; data
-    parallel the rest) with
+def lora_tp_worker(rank, world_size, model_dir, tokens, lora, adapters, tp, ep, sp, path, pp=1, vpp=1):
+    """A LoRA learner at tensor parallel `tp` (sequence parallel `sp`; experts over `ep`; pipeline parallel `pp`, `vpp`
+    model chunks per rank; data parallel the rest) with
     the whole `adapters` (by lora_key) sharded onto it: its logprobs of `tokens`; the adapters' gradients, gathered
     whole, of the summed-logprob SFT loss over `tokens` split across data-parallel ranks (a step at lr 0); the
     merged tensors a weight sync sends for the adapted modules; what an adapter checkpoint saved at `path` holds;
@@ -182,7 +182,7 @@ def lora_tp_worker(rank, world_size, model_dir, tokens, lora, adapters, tp, ep, 
     from megatron_sparse_rl.weight_sync import iter_hf_tensors
     from megatron_sparse_rl.weight_sync.scope import adapted_hf_names
 
-    learner = W.make_learner(world_size, model_dir, tp=tp, ep=ep, pp=pp, sp=sp, lora=lora, clip=1e9, lr=1e-2)
+    learner = W.make_learner(world_size, model_dir, tp=tp, ep=ep, pp=pp, sp=sp, lora=lora, clip=1e9, lr=1e-2, vpp=vpp)
     params, group = learner.lora_params, learner.groups.tp
     keys = {lora_key(n): n for n in params}  # this stage's
     assert set(keys) <= set(adapters), sorted(set(keys) - set(adapters))[:4]

@@ -22,13 +22,13 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def _build(kind: str, path):
+def _build(kind: str, path, layers: int = 2):
     from megatron_sparse_rl.models.tiny import build_tiny_hf_model
     from megatron_sparse_rl.models.tiny_families import build_tiny_deepseek
 
     if kind == "deepseek_v3":
         return str(build_tiny_deepseek(path, seed=3, layers=2))  # layer 0 dense, layer 1 MoE with a shared expert
-    return str(build_tiny_hf_model(path, arch=kind, seed=3))
+    return str(build_tiny_hf_model(path, arch=kind, seed=3, layers=layers))
 
 
 def _peft_lora(model, targets: tuple[str, ...], lora: LoraConfig):
@@ -117,28 +117,31 @@ def _merged_reference(model_dir, adapters, scale) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind, targets, tp, ep, pp, sp, world", [
-    ("qwen3", ATTENTION + MLP, 2, 1, 1, False, 2),  # q/k/v, o, gate/up, down split over 2 tp ranks
-    ("qwen3_moe", ATTENTION, 2, 2, 1, True, 4),  # tp 2 x ep 2 (data parallel 2), sequence parallel as MoE needs
-    ("deepseek_v3", ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj") + MLP, 2, 1, 1, True, 2),  # + shared
-    ("qwen3", ATTENTION + MLP, 1, 1, 2, False, 2),  # pp 2: each stage adapts its own layer
+@pytest.mark.parametrize("kind, targets, tp, ep, pp, sp, world, vpp", [
+    ("qwen3", ATTENTION + MLP, 2, 1, 1, False, 2, 1),  # q/k/v, o, gate/up, down split over 2 tp ranks
+    ("qwen3_moe", ATTENTION, 2, 2, 1, True, 4, 1),  # tp 2 x ep 2 (data parallel 2), sequence parallel as MoE needs
+    ("deepseek_v3", ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj") + MLP, 2, 1, 1, True, 2, 1),  # + shared
+    ("qwen3", ATTENTION + MLP, 1, 1, 2, False, 2, 1),  # pp 2: each stage adapts its own layer
+    ("qwen3", ATTENTION + MLP, 1, 1, 2, False, 2, 2),  # pp 2 x vpp 2: 4 layers, two model chunks per rank
 ])
-def test_tp2_pp2_logprobs_gradients_sync_and_checkpoint_match_peft(tmp_path, kind, targets, tp, ep, pp, sp, world):
-    """At tp 2 (sequence parallel on and off) and at pp 2: logprobs and every adapter gradient (gathered whole; each
-    stage its own layers') against PEFT within 1e-4; the merged tensors a sync sends against W + scale B A (float64, 1e-5);
-    an adapter checkpoint saved at tp 2 holds the whole tp-1 values; a resume there continues exactly."""
+def test_tp2_pp2_logprobs_gradients_sync_and_checkpoint_match_peft(tmp_path, kind, targets, tp, ep, pp, sp, world,
+                                                                    vpp):
+    """At tp 2 (sequence parallel on and off), at pp 2 and at pp 2 x vpp 2 (an interleaved pipeline: each rank holds
+    two model chunks): logprobs and every adapter gradient (gathered whole; each stage its own layers') against PEFT
+    within 1e-4; the merged tensors a sync sends against W + scale B A (float64, 1e-5); an adapter checkpoint saved at
+    tp 2 holds the whole tp-1 values; a resume there continues exactly."""
     from safetensors.torch import load_file
 
     from megatron_sparse_rl.lora.checkpoint import WEIGHTS
     from tests.lora_workers import lora_tp_worker
 
-    model_dir = _build(kind, tmp_path / "hf")
+    model_dir = _build(kind, tmp_path / "hf", layers=2 * pp * vpp if vpp > 1 else 2)
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=targets)
     tokens = torch.randint(3, 40, (4, 14), generator=torch.Generator().manual_seed(0))
     adapters, logp, ref_grads = _reference(model_dir, targets, lora, tokens)
 
     outs = run_distributed(lora_tp_worker, world, args=(model_dir, tokens, lora, adapters, tp, ep, sp,
-                                                            tmp_path / "ad", pp))
+                                                            tmp_path / "ad", pp, vpp))
 
     assert set().union(*(out["grads"] for out in outs)) == set(ref_grads)  # the stages' adapters: all of them
     for out in outs:  # every rank: tp ranks, stages and data-parallel ranks alike
