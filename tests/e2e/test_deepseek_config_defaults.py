@@ -34,8 +34,7 @@ def test_engine_serves_a_config_written_by_transformers(tmp_path):
     assert not {"topk_method", "scoring_func"} & set(json.loads((model_dir / "config.json").read_text()))
     before = snapshot(model_dir)
     vllm_cpu.apply()
-    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1),
-                           cache_dir=tmp_path / "vllm_cache")
+    engine = RolloutEngine(model_dir, RolloutConfig(max_model_len=256, max_num_seqs=4, kv_cache_gb=1))
     try:
         worst = max_diff(engine.prompt_logprobs(SEQS), hf_logprobs(model_dir, SEQS))
     finally:
