@@ -76,11 +76,17 @@ def executor_backend(cfg: RolloutConfig, on_gpu: bool) -> str:
     return "external_launcher" if on_gpu and world > 1 else "uni"
 
 
+def shared_cache_dir() -> Path:
+    """The vLLM cache the runs of this machine share: $VLLM_CACHE_ROOT if set, else <tmp>/msrl_vllm_cache_<uid>
+    (vLLM keeps its model-registry answers there, keyed by its model file's hash: docs/runs.md)."""
+    return Path(os.environ.get("VLLM_CACHE_ROOT") or Path(tempfile.gettempdir()) / f"msrl_vllm_cache_{os.getuid()}")
+
+
 def set_vllm_env(cfg: RolloutConfig, cache_dir: str | Path | None, on_gpu: bool) -> None:
     """Environment vLLM reads at engine construction; set here, never at import."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cache_dir is None:
-        cache_dir = os.environ.get("VLLM_CACHE_ROOT") or Path(tempfile.gettempdir()) / f"msrl_vllm_cache_{os.getuid()}"
+        cache_dir = shared_cache_dir()
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     os.environ["VLLM_CACHE_ROOT"] = str(cache_dir)
     if not on_gpu:

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,6 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-# the runs' shared vLLM cache (rollout/engine_setup.py): vLLM's model-registry answers are kept there, so a warm one
-# spares each engine start the inspection child
-VLLM_CACHE = Path(os.environ.get("VLLM_CACHE_ROOT") or Path(tempfile.gettempdir()) / f"msrl_vllm_cache_{os.getuid()}")
 
 SCRIPT = r"""
 import json, sys
@@ -46,9 +42,12 @@ print("RESULT " + json.dumps(results))
 
 
 def run(model_dir, policies: list[str], tmp_path, multiprocess: bool, **env_extra) -> subprocess.CompletedProcess:
+    from megatron_sparse_rl.rollout.engine_setup import shared_cache_dir
+
+    # the runs' shared vLLM cache: a warm one spares each engine start vLLM's registry inspection child
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
                VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CACHE_ROOT=str(VLLM_CACHE), OMP_NUM_THREADS="1", **env_extra)
+               VLLM_CACHE_ROOT=str(shared_cache_dir()), OMP_NUM_THREADS="1", **env_extra)
     return subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), *policies], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 
