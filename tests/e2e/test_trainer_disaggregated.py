@@ -58,11 +58,17 @@ def _sets(run_dir: Path, model_dir: Path, *, rollout_ranks: int, steps: int, ext
             "trainer.verify_sync_every=1", f"trainer.verify_sync_tol={TOL}", *extra]
 
 
+def _launch_cmd(run_dir: Path, model_dir: Path, *, nproc: int = 2, rollout_ranks: int = 1, steps: int = 6, extra=(),
+                config="tiny_moe.yaml") -> list[str]:
+    """`msrl launch local` of a run (by default 1 learner + 1 rollout rank, 6 steps)."""
+    sets = _sets(run_dir, model_dir, rollout_ranks=rollout_ranks, steps=steps, extra=extra)
+    return [*MSRL, "launch", "local", str(REPO / "configs" / config), "--nproc", str(nproc), "--set", *sets]
+
+
 def _launch(run_dir: Path, model_dir: Path, *, nproc: int, rollout_ranks: int, steps: int, extra=(), env=None,
             config="tiny_moe.yaml"):
-    sets = _sets(run_dir, model_dir, rollout_ranks=rollout_ranks, steps=steps, extra=extra)
-    cmd = [*MSRL, "launch", "local", str(REPO / "configs" / config),
-           "--nproc", str(nproc), "--set", *sets]
+    cmd = _launch_cmd(run_dir, model_dir, nproc=nproc, rollout_ranks=rollout_ranks, steps=steps, extra=extra,
+                      config=config)
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
 
@@ -112,8 +118,8 @@ def one_plus_one(tmp_path_factory, model_dir):
     # the resumed launch's listening sockets, read from the kernel every 0.5 s while it runs (tests/sockets.py), under
     # the default interfaces (no *_SOCKET_IFNAME)
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
-    proc = subprocess.Popen(_launch_cmd(run_dir, model_dir, sync, steps=3), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_launch_cmd(run_dir, model_dir, steps=3, extra=sync), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with ThreadPoolExecutor(1) as pool:  # the pipes drained while sampling
         output = pool.submit(proc.communicate)
         listening = sample_listeners(proc, every=0.5, timeout=600)
@@ -207,7 +213,7 @@ def async_run_k2(tmp_path_factory, model_dir):
 
     run_dir = tmp_path_factory.mktemp("async_k2")
     extra = ["trainer.max_staleness=2", "rollout.sampling.max_tokens=6", *_ASYNC, "checkpoint.save_every=0"]
-    proc = subprocess.Popen(_launch_cmd(run_dir, model_dir, extra), cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_launch_cmd(run_dir, model_dir, extra=extra), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_for_step(proc, run_dir, 1)
     tree = psutil.Process(proc.pid).children(recursive=True)
@@ -226,12 +232,6 @@ _ASYNC = ["trainer.in_flight_kv=recompute", "trainer.sft.max_steps=0", "reward.p
           "reward.format_penalty=0.5"]
 
 
-def _launch_cmd(run_dir: Path, model_dir: Path, extra: list[str], steps: int = 6) -> list[str]:
-    """`msrl launch local` of a 1 + 1 run."""
-    sets = _sets(run_dir, model_dir, rollout_ranks=1, steps=steps, extra=extra)
-    return [*MSRL, "launch", "local", str(REPO / "configs" / "tiny_moe.yaml"), "--nproc", "2", "--set", *sets]
-
-
 def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
     deadline = time.time() + 600
     while time.time() < deadline and step not in _rl_steps(run_dir):
@@ -244,7 +244,7 @@ def _killed_and_resumed(run_dir: Path, model_dir: Path, extra: list[str]) -> Pat
     """An asynchronous 1 + 1 run of 6 steps (checkpoints every 2 steps) killed with SIGKILL once step 3 is logged,
     then resumed (from step 2's checkpoint)."""
     extra = [*extra, *_ASYNC, "checkpoint.save_every=2"]
-    proc = subprocess.Popen(_launch_cmd(run_dir, model_dir, extra), cwd=REPO, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_launch_cmd(run_dir, model_dir, extra=extra), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     _wait_for_step(proc, run_dir, 3)  # step 2's checkpoint is complete by then
     _kill_tree(proc)
